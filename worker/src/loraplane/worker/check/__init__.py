@@ -1,0 +1,1 @@
+"""Numerical checks of the runtime against independent references."""

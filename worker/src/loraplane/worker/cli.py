@@ -1,0 +1,150 @@
+"""Worker-side commands: `worker`, `fixtures`, `check`, `bench`.
+
+Heavy imports (torch, transformers) happen inside the commands so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+worker_app = typer.Typer(no_args_is_help=True, help="Serve a model with many LoRA adapters.")
+fixtures_app = typer.Typer(no_args_is_help=True, help="Write tiny HF-format checkpoints and PEFT adapters.")
+check_app = typer.Typer(no_args_is_help=True, help="Check the runtime against independent references.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON document.")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@fixtures_app.command("make-model")
+def make_model_cmd(
+    arch: Annotated[str, typer.Option(help="llama | qwen2 | qwen3 | qwen3-moe")],
+    out: Annotated[Path, typer.Option(help="Directory to write config.json, model.safetensors, tokenizer")],
+    seed: Annotated[int, typer.Option(help="Seed of the random weights")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
+    hidden: Annotated[int, typer.Option(help="hidden_size")] = 64,
+    layers: Annotated[int, typer.Option(help="num_hidden_layers")] = 2,
+    heads: Annotated[int, typer.Option(help="num_attention_heads")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="num_key_value_heads")] = 2,
+    intermediate: Annotated[int, typer.Option(help="intermediate_size (dense MLP)")] = 128,
+    vocab: Annotated[int, typer.Option(help="vocab_size")] = 512,
+    experts: Annotated[int, typer.Option(help="num_experts (qwen3-moe)")] = 8,
+    experts_per_tok: Annotated[int, typer.Option(help="num_experts_per_tok (qwen3-moe)")] = 2,
+    moe_intermediate: Annotated[int, typer.Option(help="moe_intermediate_size (qwen3-moe)")] = 32,
+) -> None:
+    """Write a small random model as a real HF checkpoint (loads with transformers)."""
+    from loraplane.worker.fixtures.models import make_model
+
+    archs = ("llama", "qwen2", "qwen3", "qwen3-moe")
+    if arch not in archs:
+        _fail(f"--arch {arch!r} is not supported; expected one of {', '.join(archs)}")
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype {dtype!r} is not supported; expected float32 or bfloat16")
+    path = make_model(
+        out,
+        arch,  # type: ignore[arg-type]
+        seed=seed,
+        dtype=dtype,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        num_experts=experts,
+        num_experts_per_tok=experts_per_tok,
+        moe_intermediate_size=moe_intermediate,
+    )
+    typer.echo(str(path))
+
+
+@fixtures_app.command("make-adapter")
+def make_adapter_cmd(
+    model: Annotated[Path, typer.Option(help="The base model directory")],
+    rank: Annotated[int, typer.Option(help="LoRA rank r")],
+    alpha: Annotated[float, typer.Option(help="lora_alpha (scaling = alpha / r)")],
+    targets: Annotated[str, typer.Option(help="Comma-separated target modules, e.g. q_proj,v_proj,down_proj")],
+    out: Annotated[Path, typer.Option(help="Directory to write adapter_config.json and adapter_model.safetensors")],
+    seed: Annotated[int, typer.Option(help="Seed of the random A and B")] = 0,
+    experts: Annotated[bool, typer.Option("--experts/--no-experts", help="Also target the routed experts (qwen3-moe)")] = False,
+) -> None:
+    """Write a PEFT-format LoRA adapter with non-zero A and B for a base model."""
+    from loraplane.worker.fixtures.adapters import make_adapter
+
+    if not (model / "config.json").is_file():
+        _fail(f"--model {model} has no config.json; make one with `loraplane fixtures make-model`")
+    path = make_adapter(
+        model, out, rank=rank, alpha=alpha, targets=[t for t in targets.split(",") if t], seed=seed, experts=experts
+    )
+    typer.echo(str(path))
+
+
+def _parse_adapters(specs: list[str]) -> list[tuple[str, str]]:
+    adapters = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            _fail(f"--adapter {spec!r} must be NAME=DIR")
+        adapters.append((name, path))
+    return adapters
+
+
+@check_app.command("parity")
+def parity_cmd(
+    model: Annotated[Path, typer.Option(help="HF-format model directory")],
+    adapter: Annotated[list[str], typer.Option(help="NAME=DIR of a PEFT adapter; repeat for several")] = [],  # noqa: B006
+    prompts: Annotated[int, typer.Option(help="Prompts in the mixed batch (spread over adapters and none)")] = 10,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens to decode per prompt")] = 6,
+    backend: Annotated[str, typer.Option(help="LoRA kernels: triton | torch")] = "triton",
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 (default: the checkpoint's)")] = None,
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (started by this command)")] = 1,
+    dp: Annotated[int, typer.Option(help="DP-attention groups (tp must be divisible by dp)")] = 1,
+    dp_attention: Annotated[bool, typer.Option("--dp-attention/--no-dp-attention", help="Attention per DP group")] = False,
+    idle_rank: Annotated[int | None, typer.Option(help="Give this DP group no requests (idle rank test)")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Run one mixed batch through our runtime and HF transformers + PEFT (and merged weights)."""
+    if backend not in ("triton", "torch"):
+        _fail(f"--backend {backend!r} is not supported; expected triton or torch")
+    adapters = _parse_adapters(adapter)
+    if tp > 1 or dp > 1:
+        from loraplane.worker.check.parity_dist import check_parity_dist
+
+        report = check_parity_dist(
+            model, adapters, prompts=prompts, max_new_tokens=max_new_tokens, backend=backend, device=device,
+            dtype=dtype, seed=seed, tp=tp, dp=dp, dp_attention=dp_attention, idle_rank=idle_rank,
+        )
+    else:
+        from loraplane.worker.check.parity import check_parity
+
+        report = check_parity(
+            model, adapters, prompts=prompts, max_new_tokens=max_new_tokens, backend=backend, device=device,
+            dtype=dtype, seed=seed,
+        )
+    data = report.as_dict()
+    if as_json:
+        json.dump(data, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"parity: {data['arch']} {data['dtype']} backend={data['backend']}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in data.items():
+        if key in ("arch", "dtype", "backend", "extra"):
+            continue
+        table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
+    for key, value in data.get("extra", {}).items():
+        table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
+    Console().print(table)

@@ -1,0 +1,1 @@
+"""The engine: model runner, sequences, continuous-batching scheduler, adapter residency."""

@@ -1,0 +1,109 @@
+"""Run forward passes of one rank's model, with its KV cache and LoRA slots."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplane.worker.config import LoRARuntimeConfig
+from loraplane.worker.lora.adapter import AdapterWeights, load_adapter
+from loraplane.worker.lora.manager import LoRAManager
+from loraplane.worker.models.batch import ForwardBatch, SeqChunk
+from loraplane.worker.models.kv_cache import KVCache
+from loraplane.worker.models.loader import load_model, resolve_dtype
+from loraplane.worker.parallel.state import ParallelState
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None  # None: the checkpoint's own dtype
+    max_seqs: int = 64
+    max_len: int = 1024
+    lora_backend: str = "triton"
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: RunnerConfig,
+        lora: LoRARuntimeConfig | None = None,
+        ps: ParallelState | None = None,
+    ) -> None:
+        self.config = config
+        self.ps = ps or ParallelState.single()
+        self.device = torch.device(config.device)
+        dtype = resolve_dtype(config.dtype) if config.dtype else None
+        self.model = load_model(config.model, dtype=dtype, device=self.device, ps=self.ps)
+        self.model_config = self.model.config
+        self.dtype = self.model.embed_tokens.weight.dtype
+        attn = self.model.layers[0].self_attn
+        self.kv = KVCache(
+            self.model_config.num_layers,
+            config.max_seqs,
+            config.max_len,
+            attn.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.lora_config = lora
+        self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
+
+    def read_adapter(self, name: str, path: str | Path) -> AdapterWeights:
+        """Validate an adapter against this model (host memory only; no slot is touched)."""
+        assert self.lora_config is not None, "this runner was built without LoRA"
+        return load_adapter(
+            name,
+            path,
+            self.model_config,
+            max_rank=self.lora_config.max_lora_rank,
+            allowed_modules=self.lora.enabled_modules if self.lora else (),
+            experts_enabled=self.lora_config.experts,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: ForwardBatch,
+        local_slots: Sequence[int] | None = None,
+        global_slots: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the slot per token."""
+        if self.lora is not None:
+            if local_slots is None or batch.num_tokens == 0 and not global_slots:
+                # Idle or base-only: no stale metadata may survive from the last batch.
+                self.lora.reset_batch_state()
+                if global_slots and self.lora.ctx.dp_attention:
+                    self.lora.prepare_batch([], global_slots)
+            else:
+                self.lora.prepare_batch(local_slots, global_slots)
+        try:
+            return self.model(batch, self.kv)
+        finally:
+            if self.lora is not None:
+                self.lora.reset_batch_state()
+
+
+def prefill_batch(
+    prompts: Sequence[Sequence[int]], cache_rows: Sequence[int], *, all_logits: bool, device: torch.device | str
+) -> ForwardBatch:
+    chunks, offset = [], 0
+    for ids, row in zip(prompts, cache_rows, strict=True):
+        chunks.append(SeqChunk(cache_row=row, start=0, length=len(ids), token_offset=offset))
+        offset += len(ids)
+    return ForwardBatch.from_chunks([list(p) for p in prompts], chunks, all_logits=all_logits, device=device)
+
+
+def decode_batch(
+    last_tokens: Sequence[int], cache_rows: Sequence[int], starts: Sequence[int], device: torch.device | str
+) -> ForwardBatch:
+    chunks = [
+        SeqChunk(cache_row=row, start=start, length=1, token_offset=i)
+        for i, (row, start) in enumerate(zip(cache_rows, starts, strict=True))
+    ]
+    return ForwardBatch.from_chunks([[t] for t in last_tokens], chunks, all_logits=False, device=device)

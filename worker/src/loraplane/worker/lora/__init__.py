@@ -1,0 +1,1 @@
+"""Multi-LoRA: PEFT adapters, slot memory pool, batch info and layer wrappers."""

@@ -1,0 +1,217 @@
+"""LoRA wrappers around the model's linears, with their slot buffers.
+
+Each wrapper owns `max_loras_per_batch` slots of A and B sized for `max_lora_rank`, and
+slices an adapter's full A/B by its own base layer's shard (seed 002): column-parallel
+layers split B's output rows per slice; row-parallel layers split A's input columns and
+add their partial LoRA output before the base layer's own reduction, over the same group.
+
+A wrapper applies LoRA only when `lora_active`: the LoRA context has batch info for the
+section the wrapper runs in (seed 004). Attention runs in the DP-local section; the MLP,
+experts and LM head in the TP-global section (they are the same without DP attention).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from loraplane.worker.lora.backend import LoRABackend
+from loraplane.worker.lora.batch_info import LoRABatchInfo
+from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear
+from loraplane.worker.models.model import Experts
+
+Section = Literal["local", "global"]
+
+
+class LoRAContext:
+    """Per-forward LoRA state shared by every wrapper of one model."""
+
+    def __init__(self, backend: LoRABackend, dp_attention: bool) -> None:
+        self.backend = backend
+        self.dp_attention = dp_attention
+        self.local: LoRABatchInfo | None = None
+        self.global_: LoRABatchInfo | None = None
+
+    def info(self, section: Section) -> LoRABatchInfo | None:
+        if section == "global" and self.dp_attention:
+            return self.global_
+        return self.local
+
+    def reset_batch_state(self) -> None:
+        """Forget the last batch: with no batch info every wrapper takes the base path."""
+        self.local = None
+        self.global_ = None
+
+
+class LoRALayer(nn.Module):
+    module_names: tuple[str, ...]
+
+    def __init__(self, ctx: LoRAContext, section: Section) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.section: Section = section
+
+    @property
+    def lora_active(self) -> bool:
+        return self.ctx.info(self.section) is not None
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+        raise NotImplementedError
+
+    def clear_slot(self, slot: int) -> None:
+        raise NotImplementedError
+
+
+class ColumnLoRA(LoRALayer):
+    """qkv_proj (q, k, v with GQA widths) or gate_up_proj (gate, up): one launch per stack."""
+
+    def __init__(
+        self,
+        base: ColumnParallelLinear,
+        module_names: tuple[str, ...],
+        ctx: LoRAContext,
+        section: Section,
+        num_slots: int,
+        max_rank: int,
+    ) -> None:
+        super().__init__(ctx, section)
+        assert len(module_names) == len(base.output_sizes)
+        self.base_layer = base
+        self.module_names = module_names
+        self.max_rank = max_rank
+        w = base.weight
+        n = len(module_names)
+        self.lora_a = torch.zeros(num_slots, n * max_rank, base.in_features, dtype=w.dtype, device=w.device)
+        self.lora_b = torch.zeros(num_slots, base.local_offsets[-1], max_rank, dtype=w.dtype, device=w.device)
+        self.slice_offsets = torch.tensor(base.local_offsets, dtype=torch.int32, device=w.device)
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+        self.clear_slot(slot)
+        r = self.max_rank
+        for i, name in enumerate(self.module_names):
+            if name not in weights:
+                continue  # modules the adapter lacks stay zero
+            a, b = weights[name]  # [r, in], [out_full, r]
+            lo, hi = self.base_layer.local_offsets[i], self.base_layer.local_offsets[i + 1]
+            self.lora_a[slot, i * r : i * r + rank].copy_(a)
+            self.lora_b[slot, lo:hi, :rank].copy_(self.base_layer.shard_rows(b, i))
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)  # [T, out_local]
+        info = self.ctx.info(self.section)
+        if info is not None:
+            backend = self.ctx.backend
+            y = backend.shrink(x, self.lora_a, info, len(self.module_names))  # [rows, n*R]
+            backend.expand(y, self.lora_b, info, self.slice_offsets, out)
+        return out
+
+
+class RowLoRA(LoRALayer):
+    """o_proj or down_proj: A split by input columns; partial output reduced with the base."""
+
+    def __init__(
+        self,
+        base: RowParallelLinear,
+        module_name: str,
+        ctx: LoRAContext,
+        section: Section,
+        num_slots: int,
+        max_rank: int,
+    ) -> None:
+        super().__init__(ctx, section)
+        self.base_layer = base
+        self.module_names = (module_name,)
+        w = base.weight
+        self.lora_a = torch.zeros(num_slots, max_rank, base.in_local, dtype=w.dtype, device=w.device)
+        self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, dtype=w.dtype, device=w.device)
+        self.slice_offsets = torch.tensor([0, base.out_features], dtype=torch.int32, device=w.device)
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+        self.clear_slot(slot)
+        if self.module_names[0] in weights:
+            a, b = weights[self.module_names[0]]  # [r, in_full], [out, r]
+            self.lora_a[slot, :rank].copy_(self.base_layer.shard_cols(a))
+            self.lora_b[slot, :, :rank].copy_(b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer.forward_partial(x)  # [T, out] partial over the base layer's group
+        info = self.ctx.info(self.section)
+        if info is not None:
+            backend = self.ctx.backend
+            y = backend.shrink(x, self.lora_a, info, 1)  # partial x_shard A_shard
+            backend.expand(y, self.lora_b, info, self.slice_offsets, out)
+        return self.base_layer.reduce(out)
+
+
+class ExpertsLoRA(LoRALayer):
+    """One (A, B) pair per (slot, expert) for gate_up (stacked) and down (seed 001)."""
+
+    module_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, base: Experts, ctx: LoRAContext, num_slots: int, max_rank: int) -> None:
+        super().__init__(ctx, "global")
+        self.base_layer = base
+        self.max_rank = max_rank
+        w = base.w_gate_up
+        e, h, i, r = base.num_experts, base.hidden, base.intermediate, max_rank
+        kw = {"dtype": w.dtype, "device": w.device}
+        self.a_gate_up = torch.zeros(num_slots, e, 2 * r, h, **kw)  # type: ignore[arg-type]
+        self.b_gate_up = torch.zeros(num_slots, e, 2 * i, r, **kw)  # type: ignore[arg-type]
+        self.a_down = torch.zeros(num_slots, e, r, i, **kw)  # type: ignore[arg-type]
+        self.b_down = torch.zeros(num_slots, e, h, r, **kw)  # type: ignore[arg-type]
+        self.gate_up_offsets = torch.tensor([0, i, 2 * i], dtype=torch.int32, device=w.device)
+        self.down_offsets = torch.tensor([0, h], dtype=torch.int32, device=w.device)
+        base.lora = self
+
+    def set_expert_slot(
+        self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> None:
+        self.clear_slot(slot)
+        i, r, tp_rank = self.base_layer.intermediate, self.max_rank, self.base_layer.tp_rank
+        for (expert, module), (a, b) in weights.items():
+            if module == "down_proj":  # A [r, I_full] split by columns; B [H, r] whole
+                self.a_down[slot, expert, :rank].copy_(a[:, tp_rank * i : (tp_rank + 1) * i])
+                self.b_down[slot, expert, :, :rank].copy_(b)
+            else:  # A [r, H] whole; B [I_full, r] split by rows
+                k = 0 if module == "gate_proj" else 1
+                self.a_gate_up[slot, expert, k * r : k * r + rank].copy_(a)
+                self.b_gate_up[slot, expert, k * i : (k + 1) * i, :rank].copy_(b[tp_rank * i : (tp_rank + 1) * i])
+
+    def clear_slot(self, slot: int) -> None:
+        for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
+            buf[slot].zero_()
+
+    def add_gate_up(
+        self, x: torch.Tensor, gu: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor, topk: int
+    ) -> None:
+        """gu [P, 2I] += per-pair LoRA of gate/up; pair p reads token row p // topk of x [T, H]."""
+        info = self.ctx.info(self.section)
+        assert info is not None
+        backend = self.ctx.backend
+        self._pair_slots = info.token_slots[pair_token]  # [P] int32, -1 = none
+        self._pair_expert = pair_expert.to(torch.int32)
+        self._routing = backend.moe_routing(
+            self._pair_expert, self._pair_slots, self.a_gate_up.shape[0], self.a_gate_up.shape[1]
+        )
+        y = backend.moe_shrink(x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing)
+        backend.moe_expand(
+            y, self.b_gate_up, self._pair_expert, self._pair_slots, info, self.gate_up_offsets, gu, self._routing
+        )
+
+    def add_down(self, act: torch.Tensor, d: torch.Tensor) -> None:
+        """d [P, H] += per-pair LoRA of down; same pairs and routing as the gate_up call."""
+        info = self.ctx.info(self.section)
+        assert info is not None
+        backend = self.ctx.backend
+        y = backend.moe_shrink(act, self.a_down, self._pair_expert, self._pair_slots, info, 1, 1, self._routing)
+        backend.moe_expand(y, self.b_down, self._pair_expert, self._pair_slots, info, self.down_offsets, d, self._routing)

@@ -1,0 +1,69 @@
+"""What one forward pass runs on: tokens, positions, KV-cache rows and the DP layout."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """New tokens of one sequence in this forward: `length` tokens after `start` cached ones."""
+
+    cache_row: int
+    start: int
+    length: int
+    token_offset: int  # first row of this chunk in the flat local batch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [T_local]
+    positions: torch.Tensor  # int64 [T_local]
+    cache_rows: torch.Tensor  # int64 [T_local]: KV-cache row of every token
+    chunks: list[SeqChunk]
+    logit_rows: torch.Tensor  # int64 [L_local]: local rows whose next-token logits are wanted
+    # DP-attention layout: local token and logit-row counts of every DP group, in group order.
+    dp_token_counts: list[int] = field(default_factory=list)
+    dp_logit_counts: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        return all(c.length == 1 for c in self.chunks)
+
+    @classmethod
+    def from_chunks(
+        cls,
+        token_ids: list[list[int]],
+        chunks: list[SeqChunk],
+        *,
+        all_logits: bool,
+        device: torch.device | str,
+    ) -> ForwardBatch:
+        """Flatten per-sequence new tokens; logits for every row or each chunk's last row."""
+        flat_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        logit_rows: list[int] = []
+        for ids, chunk in zip(token_ids, chunks, strict=True):
+            assert len(ids) == chunk.length and chunk.token_offset == len(flat_ids)
+            flat_ids.extend(ids)
+            positions.extend(range(chunk.start, chunk.start + chunk.length))
+            rows.extend([chunk.cache_row] * chunk.length)
+            if all_logits:
+                logit_rows.extend(range(chunk.token_offset, chunk.token_offset + chunk.length))
+            elif chunk.length:
+                logit_rows.append(chunk.token_offset + chunk.length - 1)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        return cls(
+            input_ids=as_long(flat_ids),
+            positions=as_long(positions),
+            cache_rows=as_long(rows),
+            chunks=chunks,
+            logit_rows=as_long(logit_rows),
+        )

@@ -1,0 +1,146 @@
+"""Building blocks: RMSNorm, rotary embedding and tensor-parallel linears.
+
+A linear's weight is stored as the shard this rank owns. `ColumnParallelLinear` splits
+outputs (and keeps stacked projections such as qkv or gate_up as named slices, each split
+on its own); `RowParallelLinear` splits inputs and reduces over the group it was built for.
+With one rank they are plain linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplane.worker.config import ConfigError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-default rotary embedding (rotate_half form)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, heads, d]; k [T, kv_heads, d]
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(q.dtype)[:, None, :]
+        sin = emb.sin().to(q.dtype)[:, None, :]
+        return _rope(q, cos, sin), _rope(k, cos, sin)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def split_evenly(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ConfigError(f"{what} of size {size} cannot be sharded over {parts} ranks (not divisible)")
+    return size // parts
+
+
+WeightLoader = Callable[[torch.Tensor, int], None]
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), output features split over `tp_size` ranks.
+
+    `output_sizes` lists the full sizes of stacked slices (e.g. q, k, v); each slice is
+    split on its own so that rank i holds slice parts [i*s/tp, (i+1)*s/tp) of every slice.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        *,
+        tp_size: int,
+        tp_rank: int,
+        bias: bool = False,
+        name: str = "linear",
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.local_sizes = [split_evenly(s, tp_size, f"{name} output") for s in output_sizes]
+        self.local_offsets = [0]
+        for s in self.local_sizes:
+            self.local_offsets.append(self.local_offsets[-1] + s)
+        out_local = self.local_offsets[-1]
+        self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_local), requires_grad=False) if bias else None
+
+    def shard_rows(self, full: torch.Tensor, slice_index: int) -> torch.Tensor:
+        """This rank's part of a full [out_i, ...] tensor of slice `slice_index`."""
+        size = self.local_sizes[slice_index]
+        return full.narrow(0, self.tp_rank * size, size)
+
+    def load(self, full_weight: torch.Tensor, slice_index: int = 0, bias: torch.Tensor | None = None) -> None:
+        lo, hi = self.local_offsets[slice_index], self.local_offsets[slice_index + 1]
+        self.weight.data[lo:hi].copy_(self.shard_rows(full_weight, slice_index))
+        if bias is not None:
+            assert self.bias is not None
+            self.bias.data[lo:hi].copy_(self.shard_rows(bias, slice_index))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = reduce(x_shard W_shard^T): input features split over the ranks of `reduce`'s group."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        tp_size: int,
+        tp_rank: int,
+        reduce: Callable[[torch.Tensor], torch.Tensor],
+        name: str = "linear",
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.in_local = split_evenly(in_features, tp_size, f"{name} input")
+        self.reduce = reduce
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
+
+    def shard_cols(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full [..., in_features] tensor."""
+        return full.narrow(-1, self.tp_rank * self.in_local, self.in_local)
+
+    def load(self, full_weight: torch.Tensor) -> None:
+        self.weight.data.copy_(self.shard_cols(full_weight))
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.forward_partial(x))

@@ -1,0 +1,297 @@
+"""One decoder model for Llama, Qwen2, Qwen3 and Qwen3-MoE.
+
+The architectures differ in three switches read from config.json: q/k/v bias (Qwen2),
+per-head RMSNorm on q and k (Qwen3), and sparse MoE MLP layers (Qwen3-MoE).
+
+Token layout under DP attention (seed 000): every DP group runs embedding, attention and
+the residual stream on its own tokens. Before the MLP the hidden states are all-gathered
+into the TP-global token set (DP groups in order, padding removed); the MLP/MoE runs on it
+sharded over all TP ranks and each group takes its own rows back. The LM head is
+DP-gathered the same way and vocab-parallel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraplane.worker.config import ModelConfig
+from loraplane.worker.models.batch import ForwardBatch
+from loraplane.worker.models.kv_cache import KVCache
+from loraplane.worker.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    split_evenly,
+)
+from loraplane.worker.parallel.state import ParallelState
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
+        super().__init__()
+        self.layer = layer
+        tp, rank = ps.attn_tp_size, ps.attn_tp_rank
+        self.num_heads = split_evenly(config.num_heads, tp, f"layers.{layer}.self_attn q_proj heads")
+        self.num_kv_heads = split_evenly(config.num_kv_heads, tp, f"layers.{layer}.self_attn k_proj/v_proj heads")
+        self.head_dim = config.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [config.q_size, config.kv_size, config.kv_size],
+            tp_size=tp,
+            tp_rank=rank,
+            bias=config.attention_bias,
+            name=f"layers.{layer}.self_attn.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.q_size,
+            config.hidden_size,
+            tp_size=tp,
+            tp_rank=rank,
+            reduce=ps.all_reduce_attn_tp,
+            name=f"layers.{layer}.self_attn.o_proj",
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.scale = config.head_dim**-0.5
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        t = h.shape[0]
+        qkv = self.qkv_proj(h)  # [T, (heads + 2 kv_heads) * d]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
+        if t:
+            k_cache[batch.cache_rows, batch.positions] = k
+            v_cache[batch.cache_rows, batch.positions] = v
+        out = self._attend(q, batch, k_cache, v_cache)  # [T, heads, d]
+        return self.o_proj(out.reshape(t, q_size))
+
+    def _attend(
+        self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        if not batch.chunks:
+            return q
+        if batch.is_decode:
+            # One new token per sequence: one batched call over each row's cached prefix.
+            ctx = batch.positions + 1  # [B]
+            length = int(max(c.start for c in batch.chunks)) + 1
+            keys = k_cache[batch.cache_rows, :length].transpose(1, 2)  # [B, kv, L, d]
+            values = v_cache[batch.cache_rows, :length].transpose(1, 2)
+            mask = torch.arange(length, device=q.device)[None, :] < ctx[:, None]  # [B, L]
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :],  # [B, heads, 1, d]
+                keys,
+                values,
+                attn_mask=mask[:, None, None, :],
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            return out[:, :, 0, :]
+        out = torch.empty_like(q)
+        for c in batch.chunks:
+            if not c.length:
+                continue
+            total = c.start + c.length
+            qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[None]  # [1, heads, Lq, d]
+            ks = k_cache[c.cache_row, :total].transpose(0, 1)[None]  # [1, kv, Lk, d]
+            vs = v_cache[c.cache_row, :total].transpose(0, 1)[None]
+            if c.start == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                qpos = torch.arange(c.start, total, device=q.device)
+                kpos = torch.arange(total, device=q.device)
+                mask = kpos[None, :] <= qpos[:, None]  # [Lq, Lk]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[c.token_offset : c.token_offset + c.length] = o[0].transpose(0, 1)
+        return out
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP sharded over all TP ranks (runs on the TP-global token set)."""
+
+    def __init__(self, config: ModelConfig, layer: int, ps: ParallelState, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [intermediate, intermediate],
+            tp_size=ps.tp_size,
+            tp_rank=ps.tp_rank,
+            name=f"layers.{layer}.mlp.gate_up_proj",
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate,
+            config.hidden_size,
+            tp_size=ps.tp_size,
+            tp_rank=ps.tp_rank,
+            reduce=ps.all_reduce_tp,
+            name=f"layers.{layer}.mlp.down_proj",
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Experts(nn.Module):
+    """Routed experts with their intermediate size sharded over MoE-TP (= all TP ranks).
+
+    Rows are (token, k) pairs after top-k routing. A LoRA attached as `self.lora` adds to
+    the per-pair gate_up and down outputs, each pair with its own token's adapter.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden = config.hidden_size
+        self.tp_size, self.tp_rank = ps.moe_tp_size, ps.moe_tp_rank
+        self.intermediate = split_evenly(
+            config.moe_intermediate_size, self.tp_size, f"layers.{layer}.mlp.experts intermediate"
+        )
+        i, h, e = self.intermediate, config.hidden_size, config.num_experts
+        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # [E, 2I_local, H]
+        self.w_down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)  # [E, H, I_local]
+        self.reduce = ps.all_reduce_tp
+        # Set by the LoRA manager: adds per-(slot, expert) LoRA to the pair outputs.
+        self.lora: nn.Module | None = None
+
+    def load(self, expert: int, proj: str, full: torch.Tensor) -> None:
+        i, r = self.intermediate, self.tp_rank
+        if proj == "gate_proj":
+            self.w_gate_up.data[expert, :i].copy_(full[r * i : (r + 1) * i])
+        elif proj == "up_proj":
+            self.w_gate_up.data[expert, i:].copy_(full[r * i : (r + 1) * i])
+        else:
+            self.w_down.data[expert].copy_(full[:, r * i : (r + 1) * i])
+
+    def grouped(self, x: torch.Tensor, w: torch.Tensor, pair_expert: torch.Tensor) -> torch.Tensor:
+        """y[p] = x[p] @ w[pair_expert[p]]^T, one matmul per expert present."""
+        out = x.new_empty(x.shape[0], w.shape[1])
+        if not x.shape[0]:
+            return out
+        order = torch.argsort(pair_expert, stable=True)
+        counts = torch.bincount(pair_expert, minlength=self.num_experts).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = order[start : start + n]
+                out[rows] = x[rows] @ w[e].t()
+                start += n
+        return out
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        pair_token = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
+        pair_expert = topk_ids.reshape(-1)  # [P]
+        xp = x[pair_token]  # [P, H]
+        gu = self.grouped(xp, self.w_gate_up, pair_expert)  # [P, 2I]
+        lora = self.lora if self.lora is not None and self.lora.lora_active else None
+        if lora is not None:
+            lora.add_gate_up(x, gu, pair_expert, pair_token, k)
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate) * up  # [P, I]
+        d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
+        if lora is not None:
+            lora.add_down(act, d)
+        out = torch.zeros_like(x)
+        out.index_add_(0, pair_token, d * topk_weights.reshape(-1, 1).to(d.dtype))
+        return self.reduce(out)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # router, replicated
+        self.gate.weight.requires_grad_(False)
+        self.experts = Experts(config, layer, ps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)  # [T, E]
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, ids, weights.to(x.dtype))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer, ps)
+        self.mlp: nn.Module = (
+            SparseMoE(config, layer, ps)
+            if config.is_moe_layer(layer)
+            else MLP(config, layer, ps, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, ps: ParallelState | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ps = ps or ParallelState.single()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.ps) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = ColumnParallelLinear(
+            config.hidden_size,
+            [config.vocab_size],
+            tp_size=self.ps.tp_size,
+            tp_rank=self.ps.tp_rank,
+            name="lm_head",
+        )
+
+    # --- DP-attention layout -------------------------------------------------------------
+
+    def _dp_gather(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Local rows of every DP group → the TP-global rows (groups in order, no padding)."""
+        ps = self.ps
+        if not ps.dp_attention or ps.dp_size == 1:
+            return x
+        pad = max(counts)
+        padded = x.new_zeros(pad, *x.shape[1:])
+        padded[: x.shape[0]] = x
+        gathered = ps.all_gather_tp(padded)
+        return torch.cat([gathered[r][:n] for r, n in zip(ps.dp_group_leaders(), counts, strict=True)])
+
+    def _dp_local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The rows of the TP-global set that belong to this rank's DP group."""
+        ps = self.ps
+        if not ps.dp_attention or ps.dp_size == 1:
+            return x
+        start = sum(counts[: ps.dp_rank])
+        return x[start : start + counts[ps.dp_rank]]
+
+    # --- forward -------------------------------------------------------------------------
+
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Next-token logits [len(batch.logit_rows), vocab] for this DP group's rows."""
+        counts = batch.dp_token_counts or [batch.num_tokens]
+        h = self.embed_tokens(batch.input_ids)  # [T_local, H]
+        for layer in self.layers:
+            a = layer.self_attn(layer.input_layernorm(h), batch, kv)
+            h = h + a
+            g = self._dp_gather(h, counts)  # [T_global, H]
+            m = layer.mlp(layer.post_attention_layernorm(g))
+            h = h + self._dp_local(m, counts)
+        h = self.norm(h[batch.logit_rows])  # [L_local, H]
+        logit_counts = batch.dp_logit_counts or [int(batch.logit_rows.numel())]
+        g = self._dp_gather(h, logit_counts)  # [L_global, H]
+        logits = self.lm_head(g)  # [L_global, V / tp]
+        if self.ps.tp_size > 1:
+            logits = torch.cat(self.ps.all_gather_tp(logits), dim=-1)
+        return self._dp_local(logits, logit_counts)

@@ -1,0 +1,1 @@
+"""Parallel groups of one worker: TP, DP attention, attn-TP and MoE-TP."""
