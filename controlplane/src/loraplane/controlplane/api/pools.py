@@ -1,0 +1,108 @@
+"""Pools: a set of identical workers and their slot limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from loraplane.controlplane.deps import ClusterAdmin, Reader, SessionDep, check_namespace
+from loraplane.controlplane.errors import bad_value, conflict
+from loraplane.controlplane.models import Pool
+from loraplane.controlplane.registry import check_label, get_pool, pool_json
+from loraplane.controlplane.sources import DEFAULT_TARGET_MODULES
+
+router = APIRouter(prefix="/v1/pools", tags=["pools"])
+
+
+class PoolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=1024, description="path or URI of the base checkpoint")
+    tp: int = Field(1, ge=1, le=64)
+    dp: int = Field(1, ge=1, le=64)
+    max_loras_per_batch: int = Field(ge=1, le=1024, description="K: GPU slots per worker")
+    max_loaded_loras: int = Field(ge=1, le=100_000, description="M: resident adapters per worker")
+    max_lora_rank: int = Field(ge=1, le=1024)
+    target_modules: list[str] | None = Field(None, description=f"allowed modules; default {DEFAULT_TARGET_MODULES}")
+
+
+class PoolCreate(PoolSpec):
+    namespace: str = "default"
+    name: str
+
+
+def validate_spec(spec: PoolSpec) -> None:
+    if spec.dp > 1 and spec.tp % spec.dp != 0:
+        raise bad_value("body.dp", f"tp={spec.tp} must be a multiple of dp={spec.dp}")
+    if spec.max_loaded_loras < spec.max_loras_per_batch:
+        raise bad_value(
+            "body.max_loaded_loras",
+            f"{spec.max_loaded_loras} is below max_loras_per_batch={spec.max_loras_per_batch}; "
+            "resident adapters must be at least the GPU slots",
+        )
+    if spec.target_modules is not None and (not spec.target_modules or not all(spec.target_modules)):
+        raise bad_value("body.target_modules", "must be a non-empty list of module names or null")
+
+
+def apply(pool: Pool, spec: PoolSpec) -> None:
+    for field_name in PoolSpec.model_fields:
+        setattr(pool, field_name, getattr(spec, field_name))
+
+
+@router.get("")
+def list_pools(session: SessionDep, principal: Reader, namespace: str | None = Query(None)) -> dict[str, Any]:
+    query = select(Pool).order_by(Pool.namespace, Pool.name)
+    if namespace is not None:
+        check_namespace(principal, namespace, "query.namespace")
+        query = query.where(Pool.namespace == namespace)
+    pools = [p for p in session.scalars(query).all() if principal.sees(p.namespace)]
+    return {"items": [pool_json(p) for p in pools]}
+
+
+@router.get("/{namespace}/{name}")
+def read_pool(namespace: str, name: str, session: SessionDep, principal: Reader) -> dict[str, Any]:
+    check_namespace(principal, namespace)
+    return pool_json(get_pool(session, namespace, name), detail=True)
+
+
+@router.post("", status_code=201)
+def create_pool(body: PoolCreate, session: SessionDep, _: ClusterAdmin) -> dict[str, Any]:
+    check_label(body.namespace, "body.namespace")
+    check_label(body.name, "body.name")
+    validate_spec(body)
+    if session.scalar(select(Pool).where(Pool.namespace == body.namespace, Pool.name == body.name)):
+        raise conflict(f"pool {body.namespace}/{body.name} already exists; use PUT to update it", field="body.name")
+    pool = Pool(namespace=body.namespace, name=body.name)
+    apply(pool, body)
+    session.add(pool)
+    session.flush()
+    return pool_json(pool)
+
+
+@router.put("/{namespace}/{name}")
+def put_pool(namespace: str, name: str, body: PoolSpec, session: SessionDep, _: ClusterAdmin) -> dict[str, Any]:
+    check_label(namespace, "path.namespace")
+    check_label(name, "path.name")
+    validate_spec(body)
+    pool = session.scalar(select(Pool).where(Pool.namespace == namespace, Pool.name == name))
+    if pool is None:
+        pool = Pool(namespace=namespace, name=name)
+        session.add(pool)
+    apply(pool, body)
+    session.flush()
+    return pool_json(pool)
+
+
+@router.delete("/{namespace}/{name}", status_code=204)
+def delete_pool(namespace: str, name: str, session: SessionDep, _: ClusterAdmin) -> Response:
+    pool = get_pool(session, namespace, name)
+    if pool.workers or pool.adapters:
+        raise conflict(
+            f"pool {namespace}/{name} still has {len(pool.workers)} workers and {len(pool.adapters)} adapters; "
+            "delete them first"
+        )
+    session.delete(pool)
+    return Response(status_code=204)

@@ -1,0 +1,52 @@
+"""Health, readiness, metrics and the event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from loraplane.controlplane.deps import Reader, ServicesDep
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/healthz")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(services: ServicesDep) -> JSONResponse:
+    database = await asyncio.to_thread(services.db.ping)
+    body: dict[str, Any] = {"database": "ok" if database else "down", "redis": services.bus.state}
+    return JSONResponse(body, status_code=200 if database else 503)
+
+
+@router.get("/metrics")
+def metrics(services: ServicesDep) -> Response:
+    return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/events")
+async def events(request: Request, services: ServicesDep, principal: Reader) -> StreamingResponse:
+    async def stream() -> AsyncIterator[bytes]:
+        async with services.bus.subscribe() as queue:
+            yield b": subscribed\n\n"
+            while not await request.is_disconnected():
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                except TimeoutError:
+                    yield b": keepalive\n\n"
+                    continue
+                namespace = event.get("namespace")
+                if namespace is not None and not principal.sees(namespace):
+                    continue
+                yield f"data: {json.dumps(event)}\n\n".encode()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

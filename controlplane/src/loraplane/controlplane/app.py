@@ -1,0 +1,99 @@
+"""The FastAPI application: routers, error handlers, and a lifespan that opens and closes the
+database engine, the event bus (Redis), the worker HTTP client and the reconciler."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplane.controlplane.api import adapters, openai, operations, placements, pools, system, tokens, workers
+from loraplane.controlplane.db import Database
+from loraplane.controlplane.deps import Services
+from loraplane.controlplane.errors import ApiError
+from loraplane.controlplane.events import make_bus
+from loraplane.controlplane.metrics import Metrics
+from loraplane.controlplane.operations import Inflight, Operations
+from loraplane.controlplane.reconciler import Reconciler
+from loraplane.controlplane.settings import Settings
+from loraplane.controlplane.sources import SourceResolver
+from loraplane.controlplane.workers import WorkerClient
+
+log = logging.getLogger(__name__)
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        parts = [f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors]
+        first = _field(errors[0].get("loc", ())) if errors else None
+        body = {"error": {"code": "validation_error", "field": first, "message": "; ".join(parts)}}
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": {"code": code, "field": None, "message": str(exc.detail)}},
+                            status_code=exc.status_code)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = Database(settings.db_url)
+        db.migrate()
+        metrics = Metrics()
+        bus = make_bus(settings.redis_url, metrics, settings.replica_id)
+        await bus.start()
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        client = WorkerClient(
+            http, load_timeout_s=settings.workers.load_timeout_s, probe_timeout_s=settings.workers.probe_timeout_s
+        )
+        inflight = Inflight()
+        ops = Operations(db, client, bus, metrics, inflight)
+        reconciler = Reconciler(db, client, bus, metrics, settings.reconciler.interval_s)
+        app.state.services = Services(
+            settings=settings, db=db, client=client, bus=bus, metrics=metrics, inflight=inflight,
+            operations=ops, reconciler=reconciler, sources=SourceResolver(settings.sources),
+        )
+        settled = await ops.settle_interrupted()
+        if settled:
+            log.warning("settled %d interrupted operations: %s", len(settled), ", ".join(settled))
+        if settings.reconciler.enabled:
+            await reconciler.start()
+        try:
+            yield
+        finally:
+            await reconciler.close()
+            await bus.close()
+            await http.aclose()
+            db.close()
+
+    app = FastAPI(
+        title="loraplane control plane",
+        version="0.1.0",
+        description="Registry of LoRA adapters across workers and DP groups, and an OpenAI-compatible router.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (pools, workers, adapters, placements, operations, tokens, openai, system):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,128 @@
+"""Shared services and ``Annotated`` dependencies for the routers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+import asyncio
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from loraplane.controlplane.auth import BOOTSTRAP, Principal, hash_token, same_hash
+from loraplane.controlplane.db import Database
+from loraplane.controlplane.errors import ApiError
+from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.metrics import Metrics
+from loraplane.controlplane.models import Token
+from loraplane.controlplane.operations import Inflight, Operations
+from loraplane.controlplane.reconciler import Reconciler
+from loraplane.controlplane.settings import Settings
+from loraplane.controlplane.sources import SourceResolver
+from loraplane.controlplane.workers import WorkerClient
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    client: WorkerClient
+    bus: EventBus
+    metrics: Metrics
+    inflight: Inflight
+    operations: Operations
+    reconciler: Reconciler
+    sources: SourceResolver
+    on_demand: dict[int, asyncio.Task[str]] = field(default_factory=dict)
+
+
+def get_services(request: Request) -> Services:
+    services: Services = request.app.state.services
+    return services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_session(services: ServicesDep) -> Iterator[Session]:
+    with services.db.session() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def get_principal(
+    services: ServicesDep, authorization: Annotated[str | None, Header()] = None
+) -> Principal:
+    if not services.settings.auth:
+        return BOOTSTRAP
+    if not authorization:
+        raise ApiError(401, "unauthenticated", "header.Authorization: missing bearer token", field="header.Authorization")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(
+            401, "unauthenticated", "header.Authorization: expected 'Bearer <token>'", field="header.Authorization"
+        )
+    digest = hash_token(token.strip())
+    admin = services.settings.admin_token
+    if admin is not None and same_hash(digest, hash_token(admin.get_secret_value())):
+        return BOOTSTRAP
+    with services.db.session() as session:
+        row = session.scalar(select(Token).where(Token.token_hash == digest))
+        if row is None:
+            raise ApiError(401, "unauthenticated", "header.Authorization: unknown token", field="header.Authorization")
+        return Principal(row.name, frozenset(row.scopes), row.namespace)
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def require(scope: str):  # type: ignore[no-untyped-def]
+    def check(principal: PrincipalDep) -> Principal:
+        if not principal.has(scope):
+            raise ApiError(
+                403,
+                "forbidden_scope",
+                f"token {principal.name!r} has scopes {sorted(principal.scopes)}; this call needs {scope!r}",
+                field="header.Authorization",
+            )
+        return principal
+
+    return check
+
+
+Reader = Annotated[Principal, Depends(require("read"))]
+RouteCaller = Annotated[Principal, Depends(require("route"))]
+Admin = Annotated[Principal, Depends(require("admin"))]
+
+
+def require_cluster_admin(principal: Admin) -> Principal:
+    if not principal.cluster_admin:
+        raise ApiError(
+            403,
+            "forbidden_namespace",
+            f"token {principal.name!r} is limited to namespace {principal.namespace!r}; "
+            "pools, workers and tokens need an admin token for namespace '*'",
+            field="header.Authorization",
+        )
+    return principal
+
+
+ClusterAdmin = Annotated[Principal, Depends(require_cluster_admin)]
+
+
+def check_namespace(principal: Principal, namespace: str, field: str = "path.namespace") -> None:
+    if not principal.sees(namespace):
+        raise ApiError(
+            403,
+            "forbidden_namespace",
+            f"{field}: token {principal.name!r} may not access namespace {namespace!r} "
+            f"(it is limited to {principal.namespace!r})",
+            field=field,
+        )
+
+
+IdempotencyKey = Annotated[str | None, Header(alias="Idempotency-Key", max_length=200)]

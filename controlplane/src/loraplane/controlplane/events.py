@@ -1,0 +1,178 @@
+"""Registry-change events: Redis pub/sub between replicas, delivered in-process first.
+
+``publish`` always delivers to this replica's subscribers at once, then to Redis for the
+others. When Redis is away, events are kept in a bounded buffer and sent, in order, once it
+answers again; reads and routing never wait for Redis. Without a Redis URL the bus is
+in-process only (one replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+from collections import deque
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from typing import Any
+
+from loraplane.controlplane.metrics import Metrics
+
+CHANNEL = "loraplane:events"
+log = logging.getLogger(__name__)
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class EventBus:
+    """In-process bus; ``RedisEventBus`` extends it across replicas."""
+
+    def __init__(self, metrics: Metrics | None = None, replica_id: str | None = None) -> None:
+        self.metrics = metrics
+        self.replica_id = replica_id or default_replica_id()
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+
+    @property
+    def state(self) -> str:
+        return "disabled"
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def _deliver(self, event: dict[str, Any]) -> None:
+        for queue in list(self._subscribers):
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(event)
+
+    async def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": type_, "at": datetime.now(UTC).isoformat(), "origin": self.replica_id, **fields}
+        self._deliver(event)
+        return event
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, maxsize: int = 1000) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize)
+        self._subscribers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._subscribers.discard(queue)
+
+
+class RedisEventBus(EventBus):
+    def __init__(
+        self,
+        url: str,
+        metrics: Metrics | None = None,
+        replica_id: str | None = None,
+        buffer_size: int = 10_000,
+        retry_s: float = 0.5,
+    ) -> None:
+        super().__init__(metrics, replica_id)
+        import redis.asyncio as aioredis
+
+        self.url = url
+        self._redis = aioredis.from_url(url, socket_connect_timeout=1, socket_timeout=2, health_check_interval=5)
+        self._pending: deque[dict[str, Any]] = deque(maxlen=buffer_size)
+        self._up = False
+        self._retry_s = retry_s
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wake = asyncio.Event()
+
+    @property
+    def state(self) -> str:
+        return "ok" if self._up else "down"
+
+    def _set_up(self, up: bool) -> None:
+        if up != self._up:
+            log.warning("event bus redis %s: %s", "up" if up else "down", self.url)
+        self._up = up
+        if self.metrics is not None:
+            self.metrics.event_bus_up.set(1 if up else 0)
+
+    async def start(self) -> None:
+        try:
+            await self._redis.ping()
+            self._set_up(True)
+        except Exception:
+            self._set_up(False)
+        self._tasks = [
+            asyncio.create_task(self._sender(), name="events-sender"),
+            asyncio.create_task(self._listener(), name="events-listener"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self._redis.aclose()
+
+    async def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = await super().publish(type_, **fields)
+        if len(self._pending) == self._pending.maxlen and self.metrics is not None:
+            self.metrics.events_dropped.inc()
+        self._pending.append(event)
+        self._wake.set()
+        return event
+
+    async def _sender(self) -> None:
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self._retry_s * 4)
+                if not self._pending:
+                    continue
+            event = self._pending[0]
+            try:
+                await self._redis.publish(CHANNEL, json.dumps(event))
+            except Exception as exc:  # Redis away: keep the event, retry later
+                log.debug("publish failed: %s", exc)
+                self._set_up(False)
+                await asyncio.sleep(self._retry_s)
+                continue
+            self._pending.popleft()
+            self._set_up(True)
+
+    async def _listener(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(CHANNEL)
+                self._set_up(True)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is None:
+                        continue
+                    try:
+                        event = json.loads(message["data"])
+                    except (TypeError, ValueError):
+                        continue
+                    if isinstance(event, dict) and event.get("origin") != self.replica_id:
+                        self._deliver(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("listener lost redis: %s", exc)
+                self._set_up(False)
+                await asyncio.sleep(self._retry_s)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+
+def make_bus(redis_url: str | None, metrics: Metrics | None, replica_id: str | None) -> EventBus:
+    if redis_url:
+        return RedisEventBus(redis_url, metrics, replica_id)
+    return EventBus(metrics, replica_id)

@@ -1,0 +1,569 @@
+"""Journalled operations: register, load, unload, pin/unpin, update version, delete.
+
+Each operation is written to the ``operations`` table (with its idempotency key and its full
+plan: targets, evictions, names and paths) and the adapter is claimed for it *before* any
+worker is touched. Running it fans out concurrently to every target worker (which fans out to
+its DP groups), merges the answers fail-first (``merge.merge_results``), rolls back a failed
+load where it succeeded, and writes the outcome. ``settle_interrupted`` runs at start and
+finishes or rolls back whatever a previous process left pending or running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from loraplane.controlplane.db import Database
+from loraplane.controlplane.errors import ApiError, conflict
+from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.merge import UpdateResult, merge_results
+from loraplane.controlplane.metrics import Metrics
+from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
+from loraplane.controlplane.registry import lora_name, worker_slots
+from loraplane.controlplane.slots import NoCapacity, PinLimitExceeded, check_pin, plan_placement
+from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+
+log = logging.getLogger(__name__)
+INTERRUPTED = "control plane restarted while the operation ran"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def request_hash(kind: str, body: Any) -> str:
+    return hashlib.sha256(json.dumps([kind, body], sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRef:
+    id: int
+    name: str
+    endpoint: str
+    dp_size: int
+
+    @classmethod
+    def of(cls, worker: Worker) -> WorkerRef:
+        return cls(worker.id, worker.name, worker.endpoint, worker.dp_size)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"worker_id": self.id, "worker": self.name, "endpoint": self.endpoint, "dp_size": self.dp_size}
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> WorkerRef:
+        return cls(int(body["worker_id"]), str(body["worker"]), str(body["endpoint"]), int(body["dp_size"]))
+
+
+class Inflight:
+    """Requests this replica is proxying, per worker and per (worker, lora_name) (the running batch)."""
+
+    def __init__(self) -> None:
+        self.by_worker: dict[int, int] = {}
+        self.by_adapter: dict[tuple[int, str], int] = {}
+
+    def add(self, worker_id: int, name: str | None, delta: int) -> None:
+        self.by_worker[worker_id] = self.by_worker.get(worker_id, 0) + delta
+        if name is not None:
+            self.by_adapter[(worker_id, name)] = self.by_adapter.get((worker_id, name), 0) + delta
+
+
+class Operations:
+    def __init__(self, db: Database, client: WorkerClient, bus: EventBus, metrics: Metrics, inflight: Inflight) -> None:
+        self.db = db
+        self.client = client
+        self.bus = bus
+        self.metrics = metrics
+        self.inflight = inflight
+
+    # -- journal -------------------------------------------------------------------------------
+    @staticmethod
+    def existing(session: Session, key: str | None, hash_: str) -> Operation | None:
+        if key is None:
+            return None
+        op = session.scalar(select(Operation).where(Operation.idempotency_key == key))
+        if op is not None and op.request_hash != hash_:
+            raise conflict(
+                f"Idempotency-Key {key!r} was used for a different request (operation {op.id}, kind {op.kind})",
+                code="idempotency_mismatch",
+                field="header.Idempotency-Key",
+            )
+        return op
+
+    @staticmethod
+    def journal(
+        session: Session,
+        *,
+        key: str | None,
+        hash_: str,
+        kind: str,
+        adapter: Adapter,
+        plan: dict[str, Any],
+        targets: Sequence[str],
+    ) -> Operation:
+        """Write the operation and claim the adapter for it (409 if another operation holds it)."""
+        op = Operation(
+            id="op_" + uuid.uuid4().hex,
+            idempotency_key=key or "auto-" + uuid.uuid4().hex,
+            request_hash=hash_,
+            kind=kind,
+            namespace=adapter.namespace,
+            adapter_name=adapter.name,
+            state="pending",
+            plan=plan,
+            targets=list(targets),
+            per_target=[],
+        )
+        session.add(op)
+        session.flush()
+        claimed = session.execute(
+            update(Adapter)
+            .where(Adapter.id == adapter.id, Adapter.busy_operation_id.is_(None))
+            .values(busy_operation_id=op.id)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if claimed != 1:
+            raise conflict(
+                f"adapter {adapter.namespace}/{adapter.name} has operation {adapter.busy_operation_id} in progress; "
+                "retry when it finishes",
+                code="operation_in_progress",
+            )
+        return op
+
+    # -- planning (in the caller's session, before journalling) -------------------------------------
+    def plan_load(self, session: Session, adapter: Adapter, count: int | None) -> dict[str, Any]:
+        name = lora_name(adapter.namespace, adapter.name, adapter.version)
+        workers = list(adapter.pool.workers)
+        slots = [worker_slots(w, self.inflight.by_adapter, self.inflight.by_worker.get(w.id, 0)) for w in workers]
+        try:
+            plan = plan_placement(slots, name, count=count, pinned=adapter.pinned)
+        except PinLimitExceeded as exc:
+            raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
+        except NoCapacity as exc:
+            raise ApiError(409, "no_capacity", str(exc)) from exc
+        by_name = {w.name: w for w in workers}
+        return {
+            "adapter_id": adapter.id,
+            "lora_name": name,
+            "path": adapter.path,
+            "pinned": adapter.pinned,
+            "targets": [
+                {**WorkerRef.of(by_name[t.worker]).to_json(), "evict": list(t.evict), "already_loaded": t.already_loaded}
+                for t in plan.targets
+            ],
+        }
+
+    @staticmethod
+    def add_loading_rows(session: Session, adapter: Adapter, plan: dict[str, Any], version: int | None = None) -> None:
+        for target in plan["targets"]:
+            if target.get("already_loaded"):
+                continue
+            for group in range(int(target["dp_size"])):
+                exists = session.scalar(
+                    select(Placement).where(
+                        Placement.adapter_id == adapter.id,
+                        Placement.worker_id == target["worker_id"],
+                        Placement.dp_group == group,
+                        Placement.lora_name == plan["lora_name"],
+                    )
+                )
+                if exists is None:
+                    session.add(
+                        Placement(
+                            adapter_id=adapter.id,
+                            worker_id=target["worker_id"],
+                            dp_group=group,
+                            lora_name=plan["lora_name"],
+                            version=version or adapter.version,
+                            state="loading",
+                        )
+                    )
+                else:
+                    exists.state = "loading"
+
+    def check_pin_targets(self, session: Session, adapter: Adapter, workers: Sequence[Worker]) -> None:
+        name = lora_name(adapter.namespace, adapter.name, adapter.version)
+        for worker in workers:
+            try:
+                check_pin(worker_slots(worker, {}, 0), name)
+            except PinLimitExceeded as exc:
+                raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
+
+    # -- running ---------------------------------------------------------------------------------
+    async def run(self, op_id: str) -> Operation:
+        with self.db.session() as session:
+            op = session.get(Operation, op_id)
+            assert op is not None
+            op.state = "running"
+            kind, plan = op.kind, dict(op.plan)
+        started = time.perf_counter()
+        try:
+            runner: Callable[[str, dict[str, Any]], Awaitable[tuple[str, UpdateResult, list[dict[str, Any]]]]]
+            runner = {
+                "register": self._run_load,
+                "load": self._run_load,
+                "unload": self._run_unload,
+                "delete": self._run_unload,
+                "pin": self._run_pin,
+                "unpin": self._run_pin,
+                "update_version": self._run_update_version,
+            }[kind]
+            if kind == "register" and not plan.get("targets"):
+                state, merged, per_target = "succeeded", UpdateResult(True), []
+            else:
+                state, merged, per_target = await runner(op_id, plan)
+        except Exception as exc:  # a bug or the database went away: leave it for settle_interrupted
+            log.exception("operation %s failed unexpectedly", op_id)
+            self.metrics.operations.labels(kind, "error").inc()
+            with self.db.session() as session:
+                op = session.get(Operation, op_id)
+                assert op is not None
+                op.error = f"{type(exc).__name__}: {exc}"
+                return op
+        return await self._finish(op_id, kind, state, merged, per_target, time.perf_counter() - started)
+
+    async def _finish(
+        self, op_id: str, kind: str, state: str, merged: UpdateResult, per_target: list[dict[str, Any]], took: float
+    ) -> Operation:
+        with self.db.session() as session:
+            op = session.get(Operation, op_id)
+            assert op is not None
+            op.state = state
+            op.result = merged.to_json()
+            op.per_target = per_target
+            op.error = None if merged.success else merged.error_message or "failed without a message"
+            op.error_code = None if merged.success else "fanout_failed"
+            op.finished_at = now()
+            adapter = session.get(Adapter, op.plan.get("adapter_id")) if op.plan.get("adapter_id") else None
+            if adapter is not None and adapter.busy_operation_id == op_id:
+                adapter.busy_operation_id = None
+                adapter.phase = "Settled"
+                if kind in ("register", "load", "pin", "unpin", "update_version"):
+                    adapter.last_error = op.error
+            namespace, adapter_name = op.namespace, op.adapter_name
+        self.metrics.operations.labels(kind, state).inc()
+        log.info("operation %s %s %s/%s: %s (%.3fs)", op_id, kind, namespace, adapter_name, state, took)
+        await self.bus.publish(
+            "operation.finished", operation=op_id, kind=kind, state=state, namespace=namespace, adapter=adapter_name
+        )
+        return op
+
+    async def _fanout(
+        self, op_label: str, targets: Sequence[WorkerRef], call: Callable[[WorkerRef], Awaitable[UpdateResult]]
+    ) -> tuple[list[UpdateResult], list[dict[str, Any]]]:
+        async def timed(target: WorkerRef) -> tuple[UpdateResult, float]:
+            start = time.perf_counter()
+            result = await call(target)
+            return result, time.perf_counter() - start
+
+        start = time.perf_counter()
+        answers = await asyncio.gather(*(timed(t) for t in targets))
+        self.metrics.fanout_latency.labels(op_label).observe(time.perf_counter() - start)
+        results = [a[0] for a in answers]
+        per_target = [
+            {"worker": t.name, "success": r.success, "error_message": r.error_message, "latency_s": round(s, 6)}
+            for t, (r, s) in zip(targets, answers, strict=True)
+        ]
+        return results, per_target
+
+    async def observe(self, target: WorkerRef) -> Observation | None:
+        try:
+            return await self.client.observe(target.name, target.endpoint, target.dp_size)
+        except WorkerUnreachable:
+            return None
+
+    async def _record_observed(self, adapter_id: int, name: str, targets: Sequence[WorkerRef], error: str | None) -> bool:
+        """After a failure: rows of ``name`` on ``targets`` follow what the workers report.
+        Present groups -> 'inconsistent' (to be unloaded by the reconciler), absent -> row dropped.
+        Returns True if the adapter is still present anywhere (or a worker could not be asked)."""
+        observations = await asyncio.gather(*(self.observe(t) for t in targets))
+        leftover = False
+        with self.db.session() as session:
+            for target, seen in zip(targets, observations, strict=True):
+                present = set(range(target.dp_size)) if seen is None else set(seen.present_on(name))
+                leftover = leftover or bool(present)
+                rows = session.scalars(
+                    select(Placement).where(
+                        Placement.adapter_id == adapter_id,
+                        Placement.worker_id == target.id,
+                        Placement.lora_name == name,
+                    )
+                ).all()
+                have = {r.dp_group: r for r in rows}
+                for group in range(target.dp_size):
+                    row = have.get(group)
+                    if group in present:
+                        if row is None:
+                            row = Placement(adapter_id=adapter_id, worker_id=target.id, dp_group=group,
+                                            lora_name=name, version=0, state="inconsistent")
+                            session.add(row)
+                        row.state = "inconsistent" if seen is not None else "unreachable"
+                        row.error = error
+                        row.observed_at = now() if seen is not None else row.observed_at
+                    elif row is not None:
+                        session.delete(row)
+        return leftover
+
+    def _set_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: str) -> None:
+        with self.db.session() as session:
+            rows = session.scalars(
+                select(Placement).where(
+                    Placement.adapter_id == adapter_id,
+                    Placement.worker_id.in_([t.id for t in targets]),
+                    Placement.lora_name == name,
+                )
+            ).all()
+            have = {(r.worker_id, r.dp_group): r for r in rows}
+            for target in targets:
+                for group in range(target.dp_size):
+                    row = have.get((target.id, group))
+                    if row is None:
+                        version = session.get(Adapter, adapter_id).version  # type: ignore[union-attr]
+                        row = Placement(adapter_id=adapter_id, worker_id=target.id, dp_group=group,
+                                        lora_name=name, version=version, state=state)
+                        session.add(row)
+                    row.state = state
+                    row.error = None
+                    row.observed_at = now()
+
+    def _drop_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef]) -> None:
+        with self.db.session() as session:
+            session.execute(
+                delete(Placement).where(
+                    Placement.adapter_id == adapter_id,
+                    Placement.worker_id.in_([t.id for t in targets]),
+                    Placement.lora_name == name,
+                )
+            )
+
+    async def _evict(self, target: WorkerRef, names: Sequence[str]) -> UpdateResult:
+        for victim in names:
+            result = await self.client.unload(target.name, target.endpoint, victim)
+            with self.db.session() as session:
+                rows = session.scalars(
+                    select(Placement).where(Placement.worker_id == target.id, Placement.lora_name == victim)
+                ).all()
+                for row in rows:
+                    if result.success:
+                        session.delete(row)
+                    else:
+                        row.state = "inconsistent"
+                        row.error = result.error_message
+            if not result.success:
+                return UpdateResult(
+                    False, f"worker {target.name}: evicting {victim} failed: {result.error_message}", result.loaded_adapters
+                )
+            self.metrics.evictions.inc()
+            await self.bus.publish("adapter.evicted", worker=target.name, lora_name=victim)
+        return UpdateResult(True)
+
+    async def _load_everywhere(
+        self, op_label: str, adapter_id: int, plan: dict[str, Any], pinned: bool
+    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        """Load ``plan['lora_name']`` onto every target, all or nothing."""
+        name, path = plan["lora_name"], plan["path"]
+        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        if not targets:
+            return "succeeded", UpdateResult(True), []
+        evictions = {t["worker"]: list(t.get("evict") or []) for t in plan["targets"]}
+        already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
+
+        async def load_one(target: WorkerRef) -> UpdateResult:
+            if target.name in already:
+                return UpdateResult(True, "", {name: path})
+            if evictions.get(target.name):
+                evicted = await self._evict(target, evictions[target.name])
+                if not evicted.success:
+                    return evicted
+            return await self.client.load(target.name, target.endpoint, name, path, pinned)
+
+        results, per_target = await self._fanout(op_label, targets, load_one)
+        merged = merge_results(results)
+        if merged.success:
+            self._set_rows(adapter_id, name, targets, "loaded")
+            await self.bus.publish("adapter.loaded", adapter_id=adapter_id, lora_name=name,
+                                   workers=[t.name for t in targets])
+            return "succeeded", merged, per_target
+        # all or nothing: unload wherever this operation may have loaded it
+        touched = [t for t in targets if t.name not in already]
+        await self._fanout("rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name))
+        leftover = await self._record_observed(adapter_id, name, touched, merged.error_message)
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is not None and leftover:
+                adapter.inconsistent = True
+        await self.bus.publish("adapter.failed", adapter_id=adapter_id, lora_name=name, error=merged.error_message)
+        return ("failed" if leftover else "rolled_back"), merged, per_target
+
+    async def _run_load(self, op_id: str, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        return await self._load_everywhere("load", plan["adapter_id"], plan, bool(plan["pinned"]))
+
+    async def _run_unload(self, op_id: str, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        adapter_id = plan["adapter_id"]
+        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        names = {t["worker"]: list(t["lora_names"]) for t in plan["targets"]}
+        if targets:
+
+            async def unload_one(target: WorkerRef) -> UpdateResult:
+                results = [await self.client.unload(target.name, target.endpoint, n) for n in names[target.name]]
+                return merge_results(results) if results else UpdateResult(True)
+
+            results, per_target = await self._fanout("unload", targets, unload_one)
+            merged = merge_results(results)
+        else:
+            merged, per_target = UpdateResult(True), []
+        leftover = False
+        if merged.success:
+            for n in {n for ns in names.values() for n in ns}:
+                self._drop_rows(adapter_id, n, targets)
+        else:
+            for n in {n for ns in names.values() for n in ns}:
+                holders = [t for t in targets if n in names[t.name]]
+                leftover = await self._record_observed(adapter_id, n, holders, merged.error_message) or leftover
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is not None:
+                adapter.inconsistent = leftover
+                adapter.last_error = merged.error_message if leftover else None
+                if plan.get("then") == "delete" and not leftover:
+                    session.delete(adapter)
+        await self.bus.publish("adapter.unloaded", adapter_id=adapter_id, success=merged.success,
+                               inconsistent=leftover)
+        return ("succeeded" if merged.success else "failed"), merged, per_target
+
+    async def _run_pin(self, op_id: str, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        """Reload the adapter with the new ``pinned`` flag on every worker that holds it."""
+        adapter_id, name, path, pinned = plan["adapter_id"], plan["lora_name"], plan["path"], bool(plan["pinned"])
+        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+
+        async def reload(target: WorkerRef) -> UpdateResult:
+            unloaded = await self.client.unload(target.name, target.endpoint, name)
+            if not unloaded.success:
+                return unloaded
+            loaded = await self.client.load(target.name, target.endpoint, name, path, pinned)
+            if not loaded.success:  # put back what was there
+                await self.client.load(target.name, target.endpoint, name, path, not pinned)
+            return loaded
+
+        if targets:
+            results, per_target = await self._fanout("pin", targets, reload)
+            merged = merge_results(results)
+        else:
+            merged, per_target = UpdateResult(True), []
+        if merged.success:
+            with self.db.session() as session:
+                adapter = session.get(Adapter, adapter_id)
+                assert adapter is not None
+                adapter.pinned = pinned
+            self._set_rows(adapter_id, name, targets, "loaded")
+            return "succeeded", merged, per_target
+        await self._observe_rows(adapter_id, name, targets)
+        return "failed", merged, per_target
+
+    async def _observe_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef]) -> None:
+        """Rows of ``name`` follow the workers: present -> loaded, absent -> failed (the reconciler restores)."""
+        observations = await asyncio.gather(*(self.observe(t) for t in targets))
+        with self.db.session() as session:
+            for target, seen in zip(targets, observations, strict=True):
+                rows = session.scalars(
+                    select(Placement).where(Placement.adapter_id == adapter_id, Placement.worker_id == target.id,
+                                            Placement.lora_name == name)
+                ).all()
+                present = set() if seen is None else set(seen.present_on(name))
+                for row in rows:
+                    row.state = "loaded" if row.dp_group in present else ("failed" if seen else "unreachable")
+                    row.observed_at = now()
+
+    async def _run_update_version(
+        self, op_id: str, plan: dict[str, Any]
+    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        """Make before break: load the new version everywhere, switch, then unload the old one."""
+        adapter_id = plan["adapter_id"]
+        if not plan["targets"]:  # loaded nowhere: switching the record is the whole operation
+            await self._switch_version(adapter_id, plan)
+            return "succeeded", UpdateResult(True), []
+        state, merged, per_target = await self._load_everywhere("load", adapter_id, plan, bool(plan["pinned"]))
+        if not merged.success:
+            return state, merged, per_target
+        await self._switch_version(adapter_id, plan)
+        return "succeeded", merged, per_target
+
+    async def _switch_version(self, adapter_id: int, plan: dict[str, Any]) -> None:
+        new = plan["new"]
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            assert adapter is not None
+            for field_name, value in new.items():
+                setattr(adapter, field_name, value)
+        old = plan["old_lora_name"]
+        holders = [WorkerRef.from_json(t) for t in plan["old_targets"]]
+        if holders:
+            results, _ = await self._fanout("unload", holders, lambda t: self.client.unload(t.name, t.endpoint, old))
+            if merge_results(results).success:
+                self._drop_rows(adapter_id, old, holders)
+            else:
+                await self._record_observed(adapter_id, old, holders, "old version not unloaded")
+
+    # -- restart recovery ----------------------------------------------------------------------
+    async def settle_interrupted(self) -> list[str]:
+        """Finish or roll back operations a previous process left pending or running."""
+        with self.db.session() as session:
+            ops = session.scalars(
+                select(Operation).where(Operation.state.in_(("pending", "running"))).order_by(Operation.created_at)
+            ).all()
+            pending = [(op.id, op.kind, dict(op.plan)) for op in ops]
+        settled = []
+        for op_id, kind, plan in pending:
+            log.warning("settling interrupted operation %s (%s)", op_id, kind)
+            started = time.perf_counter()
+            if kind in ("unload", "delete"):
+                state, merged, per_target = await self._run_unload(op_id, plan)
+            elif kind == "register" and not plan.get("targets"):
+                state, merged, per_target = "succeeded", UpdateResult(True), []
+            elif kind in ("register", "load", "update_version"):
+                state, merged, per_target = await self._settle_load(plan)
+                if kind == "update_version" and state == "succeeded":
+                    await self._switch_version(plan["adapter_id"], plan)
+            else:  # pin / unpin: keep the old flag, let rows follow the workers, the reconciler restores
+                targets = [WorkerRef.from_json(t) for t in plan.get("targets", [])]
+                await self._observe_rows(plan["adapter_id"], plan["lora_name"], targets)
+                state, merged, per_target = "failed", UpdateResult(False, INTERRUPTED), []
+            await self._finish(op_id, kind, state, merged, per_target, time.perf_counter() - started)
+            settled.append(op_id)
+        return settled
+
+    async def _settle_load(self, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        name, adapter_id = plan["lora_name"], plan["adapter_id"]
+        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        observations = await asyncio.gather(*(self.observe(t) for t in targets))
+        complete = all(
+            seen is not None and len(seen.present_on(name)) == t.dp_size
+            for t, seen in zip(targets, observations, strict=True)
+        )
+        per_target = [
+            {"worker": t.name, "success": seen is not None and len(seen.present_on(name)) == t.dp_size,
+             "error_message": "" if seen is not None else "unreachable during recovery", "latency_s": 0.0}
+            for t, seen in zip(targets, observations, strict=True)
+        ]
+        if complete:
+            self._set_rows(adapter_id, name, targets, "loaded")
+            return "succeeded", UpdateResult(True, "", {name: plan["path"]}), per_target
+        already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
+        touched = [t for t in targets if t.name not in already]
+        await self._fanout("rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name))
+        leftover = await self._record_observed(adapter_id, name, touched, INTERRUPTED)
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is not None and leftover:
+                adapter.inconsistent = True
+        return ("failed" if leftover else "rolled_back"), UpdateResult(False, INTERRUPTED), per_target

@@ -1,0 +1,279 @@
+"""Compare the registry with what every worker reports and repair drift.
+
+Runs every ``interval_s`` and whenever an event asks for it (a worker registered, an
+operation left strays). Per worker:
+
+- unreachable -> worker ``unreachable``; its placements ``unreachable`` (never reported loaded);
+- a registered adapter the worker lacks (it restarted empty) -> loaded again;
+- an adapter the worker holds that the registry does not place there (a stray, a failed
+  rollback, an old version) -> unloaded;
+- adapters with ``placement: all`` get placed on a ready worker of their pool that has room.
+
+Adapters with an operation in progress are left alone; the operation owns them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+
+from loraplane.controlplane.db import Database
+from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.metrics import Metrics
+from loraplane.controlplane.models import Adapter, Placement, Worker
+from loraplane.controlplane.operations import WorkerRef
+from loraplane.controlplane.registry import lora_name
+from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+
+log = logging.getLogger(__name__)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Reconciler:
+    def __init__(self, db: Database, client: WorkerClient, bus: EventBus, metrics: Metrics, interval_s: float) -> None:
+        self.db = db
+        self.client = client
+        self.bus = bus
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._events_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self.passes = 0
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="reconciler")
+        self._events_task = asyncio.create_task(self._listen(), name="reconciler-events")
+
+    async def close(self) -> None:
+        for task in (self._task, self._events_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _listen(self) -> None:
+        async with self.bus.subscribe() as queue:
+            while True:
+                event = await queue.get()
+                if event.get("type") in ("worker.registered", "adapter.failed", "adapter.unloaded", "reconcile"):
+                    self.poke()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.reconcile_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile pass failed")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
+
+    async def reconcile_all(self) -> None:
+        async with self._lock:
+            with self.db.session() as session:
+                workers = [WorkerRef.of(w) for w in session.scalars(select(Worker)).all()]
+            await asyncio.gather(*(self.reconcile_worker(w) for w in workers))
+            self._finish_deletes()
+            self._update_gauges()
+            self.passes += 1
+
+    async def reconcile_worker(self, worker: WorkerRef) -> None:
+        try:
+            await self.client.health(worker.name, worker.endpoint)
+            seen = await self.client.observe(worker.name, worker.endpoint, worker.dp_size)
+        except WorkerUnreachable as exc:
+            await self._mark_unreachable(worker, str(exc))
+            return
+        restore, strays, fill = self._compare(worker, seen)
+        for name, path, pinned, adapter_id in restore:
+            if set(seen.present_on(name)):  # partially present: start clean
+                await self.client.unload(worker.name, worker.endpoint, name)
+            result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
+            self._after_restore(worker, adapter_id, name, result.success, result.error_message)
+            if result.success:
+                self.metrics.drift_repaired.labels("restored").inc()
+                await self.bus.publish("placement.drift_repaired", kind="restored", worker=worker.name, lora_name=name)
+        for name in strays:
+            result = await self.client.unload(worker.name, worker.endpoint, name)
+            if result.success:
+                self._after_stray(worker, name)
+                self.metrics.drift_repaired.labels("stray_unloaded").inc()
+                await self.bus.publish("placement.drift_repaired", kind="stray_unloaded", worker=worker.name,
+                                       lora_name=name)
+            else:
+                log.warning("could not unload stray %s from %s: %s", name, worker.name, result.error_message)
+        for name, path, pinned, adapter_id in fill:
+            result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
+            self._after_restore(worker, adapter_id, name, result.success, result.error_message, create=True)
+            if result.success:
+                self.metrics.drift_repaired.labels("placed").inc()
+
+    async def _mark_unreachable(self, worker: WorkerRef, error: str) -> None:
+        changed = False
+        with self.db.session() as session:
+            row = session.get(Worker, worker.id)
+            if row is None:
+                return
+            changed = row.state != "unreachable"
+            row.state = "unreachable"
+            row.last_error = error
+            for placement in row.placements:
+                if placement.state == "loaded":
+                    placement.state = "unreachable"
+        if changed:
+            log.warning("worker %s unreachable: %s", worker.name, error)
+            await self.bus.publish("worker.unreachable", worker=worker.name, error=error)
+
+    def _compare(
+        self, worker: WorkerRef, seen: Observation
+    ) -> tuple[list[tuple[str, str, bool, int]], list[str], list[tuple[str, str, bool, int]]]:
+        restore: list[tuple[str, str, bool, int]] = []
+        fill: list[tuple[str, str, bool, int]] = []
+        wanted: set[str] = set()
+        busy: set[str] = set()
+        became_ready = False
+        with self.db.session() as session:
+            row = session.get(Worker, worker.id)
+            if row is None:
+                return [], [], []
+            became_ready = row.state != "ready"
+            row.state = "ready"
+            row.last_error = None
+            row.last_seen_at = now()
+            row.served_model = seen.served_model
+            row.observed = dict(seen.lora_state) if seen.lora_state is not None else None
+            by_name: dict[str, list[Placement]] = {}
+            for placement in row.placements:
+                by_name.setdefault(placement.lora_name, []).append(placement)
+            for name, rows in by_name.items():
+                adapter = rows[0].adapter
+                if adapter.busy_operation_id:
+                    busy.add(name)
+                    continue
+                current = lora_name(adapter.namespace, adapter.name, adapter.version)
+                keep = adapter.desired == "loaded" and name == current and all(r.state != "inconsistent" for r in rows)
+                present = set(seen.present_on(name))
+                if not keep:
+                    continue  # not wanted here: a stray if present, rows dropped once it is gone
+                wanted.add(name)
+                if present >= set(range(worker.dp_size)):
+                    for r in rows:
+                        r.state, r.observed_at, r.error = "loaded", now(), None
+                else:
+                    for r in rows:
+                        r.state = "loaded" if r.dp_group in present else "loading"
+                        r.observed_at = now()
+                    restore.append((name, adapter.path, adapter.pinned, adapter.id))
+            # rows of unwanted names that the worker no longer holds are forgotten
+            for name, rows in by_name.items():
+                if name in wanted or name in busy:
+                    continue
+                if not seen.present_on(name):
+                    adapter = rows[0].adapter
+                    for r in rows:
+                        session.delete(r)
+                    session.flush()
+                    if adapter.inconsistent and not any(p.state == "inconsistent" for p in adapter.placements
+                                                        if p not in rows):
+                        adapter.inconsistent = False
+                        adapter.last_error = None
+            # placement: all -> fill this worker if it has room
+            pool = row.pool
+            held = len(by_name)
+            candidates = session.scalars(
+                select(Adapter).where(
+                    Adapter.pool_id == pool.id,
+                    Adapter.placement_count.is_(None),
+                    Adapter.desired == "loaded",
+                    Adapter.busy_operation_id.is_(None),
+                    Adapter.inconsistent.is_(False),
+                    Adapter.last_error.is_(None),
+                ).order_by(Adapter.pinned.desc(), Adapter.priority.desc(), Adapter.last_used_at.desc())
+            ).all()
+            pinned_here = sum(1 for rows in by_name.values() if rows[0].adapter.pinned)
+            for adapter in candidates:
+                name = lora_name(adapter.namespace, adapter.name, adapter.version)
+                if name in by_name or held >= pool.max_loaded_loras:
+                    continue
+                if adapter.pinned and pinned_here + 1 > pool.max_loras_per_batch - 1:
+                    continue
+                if not any(p.lora_name == name for p in adapter.placements):
+                    continue  # never loaded anywhere (or unloaded): an operation decides, not the reconciler
+                held += 1
+                pinned_here += int(adapter.pinned)
+                wanted.add(name)
+                fill.append((name, adapter.path, adapter.pinned, adapter.id))
+        strays = sorted(seen.adapters - wanted - busy)
+        if became_ready:
+            asyncio.get_running_loop().create_task(self.bus.publish("worker.ready", worker=worker.name))
+        return restore, strays, fill
+
+    def _after_restore(
+        self, worker: WorkerRef, adapter_id: int, name: str, ok: bool, error: str, create: bool = False
+    ) -> None:
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is None:
+                return
+            rows = {r.dp_group: r for r in adapter.placements if r.worker_id == worker.id and r.lora_name == name}
+            for group in range(worker.dp_size):
+                row = rows.get(group)
+                if row is None:
+                    if not (create and ok):
+                        continue
+                    row = Placement(adapter_id=adapter_id, worker_id=worker.id, dp_group=group, lora_name=name,
+                                    version=adapter.version, state="loaded")
+                    session.add(row)
+                row.state = "loaded" if ok else "failed"
+                row.error = None if ok else error
+                row.observed_at = now()
+
+    def _after_stray(self, worker: WorkerRef, name: str) -> None:
+        with self.db.session() as session:
+            rows = session.scalars(
+                select(Placement).where(Placement.worker_id == worker.id, Placement.lora_name == name)
+            ).all()
+            adapters = {r.adapter for r in rows}
+            for r in rows:
+                session.delete(r)
+            session.flush()
+            for adapter in adapters:
+                if adapter.inconsistent and not any(p.state == "inconsistent" for p in adapter.placements):
+                    adapter.inconsistent = False
+                    adapter.last_error = None
+
+    def _finish_deletes(self) -> None:
+        with self.db.session() as session:
+            for adapter in session.scalars(select(Adapter).where(Adapter.desired == "deleted")).all():
+                if not adapter.placements and not adapter.busy_operation_id:
+                    session.delete(adapter)
+
+    def _update_gauges(self) -> None:
+        from loraplane.controlplane.registry import adapter_phase
+
+        with self.db.session() as session:
+            states: dict[str, int] = {"pending": 0, "ready": 0, "unreachable": 0}
+            for worker in session.scalars(select(Worker)).all():
+                states[worker.state] = states.get(worker.state, 0) + 1
+            for state, count in states.items():
+                self.metrics.workers.labels(state).set(count)
+            phases = dict.fromkeys(("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unloaded"), 0)
+            for adapter in session.scalars(select(Adapter)).all():
+                phase = adapter_phase(adapter)
+                phases[phase] = phases.get(phase, 0) + 1
+            for phase, count in phases.items():
+                self.metrics.adapters.labels(phase).set(count)

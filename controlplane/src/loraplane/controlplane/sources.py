@@ -1,0 +1,318 @@
+"""Adapter sources and the preflight that runs before any worker is touched.
+
+An adapter is a directory holding ``adapter_config.json`` and ``adapter_model.safetensors``
+(PEFT format). ``file://`` and ``pvc://`` are read in place (the path must lie under an
+allowed root); ``s3://``, ``http(s)://`` and ``hf://`` are copied into the content-addressed
+cache ``<cache_dir>/<sha256 of the weights>/``, which workers must be able to read (a shared
+volume in Kubernetes). ``sha256`` is the digest of ``adapter_model.safetensors``.
+
+Blocking I/O: call from a thread (``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+import httpx
+import numpy as np
+
+from loraplane.controlplane.errors import ApiError
+from loraplane.controlplane.settings import SourcesSettings
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+MAX_CONFIG_BYTES = 1024 * 1024
+DEFAULT_TARGET_MODULES = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj",
+)
+FIELD = "body.source.uri"
+
+
+def source_error(message: str, code: str = "invalid_source", field: str = FIELD) -> ApiError:
+    return ApiError(400, code, f"{field}: {message}", field=field)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLimits:
+    model: str
+    max_lora_rank: int
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterFacts:
+    path: str  # what workers load
+    digest: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    base_model: str | None
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class SourceResolver:
+    def __init__(self, settings: SourcesSettings) -> None:
+        self.settings = settings
+
+    # -- resolution -------------------------------------------------------------------------
+    def fetch(self, uri: str) -> Path:
+        """Return a local directory holding the adapter's two files."""
+        parsed = urlparse(uri)
+        scheme = parsed.scheme.lower()
+        if scheme == "file":
+            if parsed.netloc not in ("", "localhost"):
+                raise source_error(f"file:// URI must be absolute (file:///path), got host {parsed.netloc!r}")
+            return self._local(Path(parsed.path), self.settings.allowed_roots, "allowed roots")
+        if scheme == "pvc":
+            if not parsed.netloc:
+                raise source_error("pvc:// URI needs a claim name: pvc://<claim>/<path>")
+            root = self.settings.pvc_root / parsed.netloc
+            return self._local(root / parsed.path.lstrip("/"), [root], f"claim {parsed.netloc!r}")
+        if scheme == "s3":
+            if not parsed.netloc:
+                raise source_error("s3:// URI needs a bucket: s3://<bucket>/<prefix>")
+            return self._download(uri, lambda name, dest: self._s3_get(parsed.netloc, parsed.path, name, dest))
+        if scheme in ("http", "https"):
+            base = uri.rstrip("/")
+            return self._download(uri, lambda name, dest: self._http_get(f"{base}/{name}", dest))
+        if scheme == "hf":
+            return self._download(uri, lambda name, dest: self._http_get(self.hf_url(uri, name), dest, hf=True))
+        raise source_error(
+            f"unsupported scheme {parsed.scheme!r} in {uri!r}; use file://, pvc://, s3://, http(s):// or hf://"
+        )
+
+    def _local(self, path: Path, roots: Iterable[Path], what: str) -> Path:
+        if not path.is_absolute():
+            raise source_error(f"path {str(path)!r} must be absolute")
+        real = Path(os.path.realpath(path))
+        allowed = [Path(os.path.realpath(root)) for root in roots]
+        if not any(real == root or root in real.parents for root in allowed):
+            shown = ", ".join(str(r) for r in allowed) or "none configured (LORAPLANE_SOURCES__ALLOWED_ROOTS)"
+            raise source_error(f"path {str(path)!r} is outside the {what} [{shown}]", code="source_not_allowed")
+        if not real.is_dir():
+            raise source_error(f"{str(path)!r} is not a directory", code="source_not_found")
+        return real
+
+    def hf_url(self, uri: str, name: str) -> str:
+        parsed = urlparse(uri)
+        repo_rev = (parsed.netloc + parsed.path).strip("/")
+        repo, _, revision = repo_rev.partition("@")
+        if repo.count("/") != 1 or not all(repo.split("/")):
+            raise source_error(f"hf:// URI must be hf://<org>/<repo>[@revision], got {uri!r}")
+        revision = revision or "main"
+        return f"{self.settings.hf_endpoint.rstrip('/')}/{repo}/resolve/{quote(revision, safe='')}/{name}"
+
+    def _download(self, uri: str, get: Any) -> Path:
+        cache = self.settings.cache_dir
+        cache.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache))
+        try:
+            get(CONFIG_FILE, staging / CONFIG_FILE)
+            get(WEIGHTS_FILE, staging / WEIGHTS_FILE)
+            digest = sha256_file(staging / WEIGHTS_FILE)
+            final = cache / digest
+            if final.is_dir():
+                return final
+            staging.rename(final)
+            staging = final
+            return final
+        finally:
+            if staging.name.startswith(".staging-"):
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def _limit(self, size: int | None, name: str) -> None:
+        limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else self.settings.max_adapter_bytes
+        if size is not None and size > limit:
+            raise source_error(f"{name} is {size} bytes, more than the limit of {limit}", code="adapter_too_large")
+
+    def _http_get(self, url: str, dest: Path, hf: bool = False) -> None:
+        name = dest.name
+        headers = {}
+        if hf and self.settings.hf_token is not None:
+            headers["Authorization"] = f"Bearer {self.settings.hf_token.get_secret_value()}"
+        try:
+            with httpx.stream(
+                "GET", url, headers=headers, timeout=self.settings.http_timeout_s, follow_redirects=True
+            ) as response:
+                if response.status_code != 200:
+                    raise source_error(f"GET {url} answered HTTP {response.status_code}", code="source_not_found")
+                length = response.headers.get("content-length")
+                self._limit(int(length) if length and length.isdigit() else None, name)
+                written = 0
+                with dest.open("wb") as handle:
+                    for chunk in response.iter_bytes():
+                        written += len(chunk)
+                        self._limit(written, name)
+                        handle.write(chunk)
+        except httpx.HTTPError as exc:
+            raise source_error(f"GET {url} failed: {type(exc).__name__}: {exc}", code="source_unreachable") from exc
+
+    def _s3_get(self, bucket: str, prefix: str, name: str, dest: Path) -> None:
+        import boto3
+        import botocore.exceptions
+
+        key = f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
+        client = boto3.client("s3", endpoint_url=self.settings.s3_endpoint_url)
+        try:
+            head = client.head_object(Bucket=bucket, Key=key)
+            self._limit(int(head.get("ContentLength", 0)), name)
+            client.download_file(bucket, key, str(dest))
+        except botocore.exceptions.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            raise source_error(f"s3://{bucket}/{key}: {code or exc}", code="source_not_found") from exc
+        except botocore.exceptions.BotoCoreError as exc:
+            raise source_error(f"s3://{bucket}/{key}: {exc}", code="source_unreachable") from exc
+
+    # -- preflight ---------------------------------------------------------------------------
+    def resolve(self, uri: str, sha256: str | None, pool: PoolLimits) -> AdapterFacts:
+        directory = self.fetch(uri)
+        return preflight(directory, sha256, pool, self.settings.max_adapter_bytes)
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise source_error(f"{CONFIG_FILE} is missing in {directory}", code="preflight_failed")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise source_error(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes", code="preflight_failed")
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise source_error(f"{CONFIG_FILE} is not valid JSON: {exc}", code="preflight_failed") from exc
+    if not isinstance(config, dict):
+        raise source_error(f"{CONFIG_FILE} must hold a JSON object", code="preflight_failed")
+    return config
+
+
+def same_model(adapter_base: str, pool_model: str) -> bool:
+    a, b = adapter_base.rstrip("/"), pool_model.rstrip("/")
+    return a == b or a.rsplit("/", 1)[-1] == b.rsplit("/", 1)[-1]
+
+
+_DTYPES: dict[str, tuple[Any, int]] = {
+    "F32": (np.float32, 4), "F16": (np.uint16, 2), "BF16": (np.uint16, 2), "F64": (np.float64, 8),
+}
+
+
+def check_safetensors(path: Path, rank: int, max_bytes: int) -> None:
+    """Header parses, LoRA A/B tensors have rank ``rank``, every value is finite (no torch)."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise source_error(f"{WEIGHTS_FILE} is {size} bytes, more than the limit of {max_bytes}", code="adapter_too_large")
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise source_error(f"{WEIGHTS_FILE} is truncated (no header)", code="preflight_failed")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, 100 * 1024 * 1024):
+            raise source_error(f"{WEIGHTS_FILE} header length {header_len} is impossible", code="preflight_failed")
+        try:
+            header = json.loads(handle.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise source_error(f"{WEIGHTS_FILE} header is not JSON: {exc}", code="preflight_failed") from exc
+        data_start = 8 + header_len
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        if not tensors:
+            raise source_error(f"{WEIGHTS_FILE} holds no tensors", code="preflight_failed")
+        for name, info in tensors.items():
+            dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+                raise source_error(f"tensor {name!r} has a malformed header entry", code="preflight_failed")
+            begin, end = offsets
+            if not (0 <= begin <= end <= size - data_start):
+                raise source_error(f"tensor {name!r} lies outside the file", code="preflight_failed")
+            if "lora_A" in name and (len(shape) < 2 or shape[0] != rank):
+                raise source_error(
+                    f"tensor {name!r} has shape {shape}; lora_A must be [r={rank}, in]", code="preflight_failed"
+                )
+            if "lora_B" in name and (len(shape) < 2 or shape[-1] != rank):
+                raise source_error(
+                    f"tensor {name!r} has shape {shape}; lora_B must be [out, r={rank}]", code="preflight_failed"
+                )
+            if dtype not in _DTYPES:
+                continue
+            np_type, width = _DTYPES[dtype]
+            count = int(np.prod(shape)) if shape else 1
+            if count * width != end - begin:
+                raise source_error(f"tensor {name!r}: {dtype}{shape} does not match its byte range", code="preflight_failed")
+            handle.seek(data_start + begin)
+            values = np.frombuffer(handle.read(end - begin), dtype=np_type)
+            if dtype == "F16":
+                bad = bool(np.any((values & 0x7C00) == 0x7C00))
+            elif dtype == "BF16":
+                bad = bool(np.any((values & 0x7F80) == 0x7F80))
+            else:
+                bad = not bool(np.all(np.isfinite(values)))
+            if bad:
+                raise source_error(f"tensor {name!r} holds NaN or infinite values", code="preflight_failed")
+
+
+def preflight(directory: Path, sha256: str | None, pool: PoolLimits, max_bytes: int) -> AdapterFacts:
+    config = _read_config(directory)
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise source_error(f"adapter_config.json peft_type is {peft_type!r}; only LORA is supported", code="preflight_failed")
+    rank = config.get("r")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise source_error(f"adapter_config.json r must be a positive integer, got {rank!r}", code="preflight_failed")
+    if rank > pool.max_lora_rank:
+        raise source_error(
+            f"adapter rank r={rank} is above the pool's max_lora_rank={pool.max_lora_rank}", code="preflight_failed"
+        )
+    alpha = config.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        raise source_error(f"adapter_config.json lora_alpha must be a number, got {alpha!r}", code="preflight_failed")
+    modules = config.get("target_modules")
+    if isinstance(modules, str):
+        modules = [modules]
+    if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
+        raise source_error(
+            f"adapter_config.json target_modules must be a non-empty list of names, got {modules!r}", code="preflight_failed"
+        )
+    unsupported = sorted(set(modules) - set(pool.target_modules))
+    if unsupported:
+        raise source_error(
+            f"target_modules {unsupported} are not supported by the pool (supported: {list(pool.target_modules)})",
+            code="preflight_failed",
+        )
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise source_error(f"base_model_name_or_path must be a string, got {base!r}", code="preflight_failed")
+    if base and not same_model(base, pool.model):
+        raise source_error(
+            f"adapter was trained on base model {base!r}, but the pool serves {pool.model!r}", code="preflight_failed"
+        )
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise source_error(f"{WEIGHTS_FILE} is missing in {directory}", code="preflight_failed")
+    check_safetensors(weights, rank, max_bytes)
+    digest = sha256_file(weights)
+    if sha256 is not None and sha256.lower() != digest:
+        raise ApiError(
+            400,
+            "digest_mismatch",
+            f"body.source.sha256: expected {sha256.lower()} but {WEIGHTS_FILE} has sha256 {digest}",
+            field="body.source.sha256",
+        )
+    return AdapterFacts(str(directory), digest, rank, float(alpha), tuple(modules), base or None)
+
+
+def pool_limits(model: str, max_lora_rank: int, target_modules: Sequence[str] | None) -> PoolLimits:
+    return PoolLimits(model, max_lora_rank, tuple(target_modules) if target_modules else DEFAULT_TARGET_MODULES)
