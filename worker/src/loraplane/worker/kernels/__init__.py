@@ -1,0 +1,38 @@
+"""Segmented multi-LoRA kernels: Triton implementations and their torch references.
+
+``from loraplane.worker.kernels import reference`` never imports Triton. The Triton functions
+are loaded lazily on first attribute access (``kernels.lora_shrink``), so a caller (tests, the
+worker's backend selection) can set ``TRITON_INTERPRET=1`` before Triton is imported: Triton
+decides between compiled and interpreted kernels when ``@triton.jit`` runs, at module import.
+See ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "MoeLoraRouting",
+    "lora_expand",
+    "lora_shrink",
+    "moe_lora_expand",
+    "moe_lora_routing",
+    "moe_lora_shrink",
+]
+
+_TRITON_EXPORTS = {
+    "lora_shrink": "loraplane.worker.kernels.shrink",
+    "lora_expand": "loraplane.worker.kernels.expand",
+    "MoeLoraRouting": "loraplane.worker.kernels.moe",
+    "moe_lora_routing": "loraplane.worker.kernels.moe",
+    "moe_lora_shrink": "loraplane.worker.kernels.moe",
+    "moe_lora_expand": "loraplane.worker.kernels.moe",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _TRITON_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

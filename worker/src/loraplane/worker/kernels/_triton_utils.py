@@ -1,0 +1,132 @@
+"""Argument checks and block-size heuristics shared by the Triton LoRA kernels.
+
+Nothing here launches a kernel or reads a device tensor back: the wrappers stay free of host
+syncs, so they can run inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# tl.dot needs every block dimension >= 16.
+MIN_DOT_BLOCK = 16
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact IEEE fp32 for fp32 (no TF32), the default otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tensor(
+    fn: str,
+    name: str,
+    tensor: object,
+    *,
+    ndim: int,
+    dtypes: Sequence[torch.dtype],
+    device: torch.device | None = None,
+    contiguous: bool = False,
+    unit_last_stride: bool = False,
+) -> torch.Tensor:
+    """Raise ``ValueError`` naming ``fn``/``name``, the value and what is accepted."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{fn}: {name} must be a {ndim}-D tensor, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in dtypes:
+        accepted = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{fn}: {name} must have dtype in ({accepted}), got {tensor.dtype}")
+    if device is not None and tensor.device != device:
+        raise ValueError(
+            f"{fn}: {name} must be on device {device} (the device of x), got {tensor.device}"
+        )
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(
+            f"{fn}: {name} must be contiguous, got strides {tuple(tensor.stride())} "
+            f"for shape {tuple(tensor.shape)}"
+        )
+    if unit_last_stride and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(
+            f"{fn}: {name} must have unit stride in its last dimension, got strides "
+            f"{tuple(tensor.stride())}"
+        )
+    return tensor
+
+
+def check_dim(fn: str, name: str, tensor: torch.Tensor, dim: int, expected: int, why: str) -> None:
+    if tensor.shape[dim] != expected:
+        raise ValueError(
+            f"{fn}: {name}.shape[{dim}] must be {expected} ({why}), got shape {tuple(tensor.shape)}"
+        )
+
+
+def check_same_dtype(
+    fn: str, name: str, tensor: torch.Tensor, other: str, dtype: torch.dtype
+) -> None:
+    if tensor.dtype != dtype:
+        raise ValueError(
+            f"{fn}: {name} must have dtype {dtype} (same as {other}), got {tensor.dtype}"
+        )
+
+
+def check_max_seg_len(fn: str, max_seg_len: object) -> int:
+    if isinstance(max_seg_len, bool) or not isinstance(max_seg_len, int) or max_seg_len < 0:
+        raise ValueError(f"{fn}: max_seg_len must be a host int >= 0, got {max_seg_len!r}")
+    return max_seg_len
+
+
+@dataclass(frozen=True, slots=True)
+class ShrinkConfig:
+    block_s: int
+    block_r: int
+    block_k: int
+    num_warps: int
+
+
+@dataclass(frozen=True, slots=True)
+class ExpandConfig:
+    block_s: int
+    block_r: int
+    block_n: int
+    num_warps: int
+
+
+def segment_block(max_seg_len: int) -> int:
+    """Rows per program: 16 covers decode (segments of a few tokens), larger for prefill."""
+    if max_seg_len <= 16:
+        return 16
+    if max_seg_len <= 32:
+        return 32
+    return 64
+
+
+def rank_block(rank_max: int) -> int:
+    return max(MIN_DOT_BLOCK, next_power_of_2(rank_max))
+
+
+def shrink_config(max_seg_len: int, rank_max: int, hidden: int) -> ShrinkConfig:
+    """Fixed configs (no autotune): a K-loop over ``block_k`` columns of x and A."""
+    block_s = segment_block(max_seg_len)
+    block_r = rank_block(rank_max)
+    # Keep the x tile + A tile around 16K elements; wider K steps for thin (decode) tiles.
+    block_k = max(MIN_DOT_BLOCK, min(256, 16384 // max(block_s, block_r)))
+    block_k = min(block_k, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
+    return ShrinkConfig(block_s=block_s, block_r=block_r, block_k=block_k, num_warps=4)
+
+
+def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:
+    """Fixed configs: one rank tile (whole rank), ``block_n`` output columns per program."""
+    block_s = segment_block(max_seg_len)
+    block_r = rank_block(rank_max)
+    block_n = 128 if block_r <= 64 else 64
+    block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
+    return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=4)

@@ -1,0 +1,273 @@
+"""Segmented LoRA expand ``out += s * y B`` in Triton; reference: ``reference.lora_expand``.
+
+Grid ``(segment blocks, segments, column blocks of N_total)``: one launch covers every slice
+of a stacked projection (qkv with GQA widths, gate_up). A column block visits each slice whose
+column range ``slice_offsets[i]:slice_offsets[i+1]`` it overlaps and multiplies that slice's
+part of ``y`` with that slice's rows of B, so slice widths never have to be known on the host.
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels are untyped JIT functions; their wrappers are typed.)
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplane.worker.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    ExpandConfig,
+    check_dim,
+    check_max_seg_len,
+    check_same_dtype,
+    check_tensor,
+    dot_precision,
+    expand_config,
+)
+from loraplane.worker.kernels.shrink import check_segments
+
+__all__ = ["lora_expand"]
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr,  # [positions, num_slices * R]
+    b_ptr,  # [weight_slots, N_total, R]
+    out_ptr,  # [T, N_total]
+    seg_indptr_ptr,  # int32 [S + 1]
+    seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
+    slot_ranks_ptr,  # int32 [num_slots]
+    slot_scalings_ptr,  # float32 [num_slots]
+    row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
+    slice_offsets_ptr,  # int32 [NUM_SLICES + 1]
+    tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    n_total,
+    rank_max,
+    y_stride_row,
+    out_stride_row,
+    b_stride_slot,
+    b_stride_row,
+    weights_per_slot,  # rank/scaling index = seg_slot // weights_per_slot (MoE: experts)
+    NUM_SLICES: tl.constexpr,
+    HAS_ROW_ORDER: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,
+    Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    if USE_TILE_MAP:
+        seg = tl.load(tile_seg_ptr + tl.program_id(0))
+        blk = tl.load(tile_blk_ptr + tl.program_id(0))
+    else:
+        blk = tl.program_id(0)
+        seg = tl.program_id(1)
+    if seg < 0:  # tile map padding
+        return
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    pos0 = seg_start + blk * BLOCK_S
+    if pos0 >= seg_end:
+        return
+    weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    slot = weight_slot // weights_per_slot
+    rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
+    if rank <= 0:
+        return
+    scaling = tl.load(slot_scalings_ptr + slot)
+
+    offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+    s_mask = offs_s < seg_end
+    if HAS_ROW_ORDER:
+        rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
+    else:
+        rows = offs_s.to(tl.int64)
+    if Y_BY_ROW:
+        y_rows = rows
+    else:
+        y_rows = offs_s.to(tl.int64)
+
+    n0 = tl.program_id(2) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
+    offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    r_mask = offs_r < rank  # columns of B at or beyond the rank are never read
+    b_base = b_ptr + weight_slot * b_stride_slot
+
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
+    for i in tl.static_range(NUM_SLICES):
+        col_lo = tl.load(slice_offsets_ptr + i)
+        col_hi = tl.load(slice_offsets_ptr + i + 1)
+        if (col_lo < n0 + BLOCK_N) & (col_hi > n0):
+            n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
+            y_ptrs = y_ptr + y_rows[:, None] * y_stride_row + i * rank_max + offs_r[None, :]
+            y_tile = tl.load(
+                y_ptrs, mask=s_mask[:, None] & r_mask[None, :], other=0.0
+            )  # [BLOCK_S, BLOCK_R]
+            b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
+            b_tile = tl.load(
+                b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0
+            )  # [BLOCK_R, BLOCK_N]
+            acc += tl.dot(y_tile, b_tile, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
+    out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
+    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(
+        out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
+    )
+
+
+def launch_expand(
+    y: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    config: ExpandConfig,
+    grid_blocks: int,
+    grid_segments: int,
+    *,
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights_per_slot: int = 1,
+    y_by_row: bool = False,
+) -> None:
+    """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``."""
+    n_total = weights.shape[1]
+    if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
+        return
+    tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
+    grid = (grid_blocks, grid_segments, triton.cdiv(n_total, config.block_n))
+    _lora_expand_kernel[grid](
+        y,
+        weights,
+        out,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        slot_scalings,
+        row_order if row_order is not None else seg_indptr,
+        slice_offsets,
+        tile_seg,
+        tile_blk,
+        n_total,
+        weights.shape[2],
+        y.stride(0),
+        out.stride(0),
+        weights.stride(0),
+        weights.stride(1),
+        weights_per_slot,
+        NUM_SLICES=slice_offsets.shape[0] - 1,
+        HAS_ROW_ORDER=row_order is not None,
+        USE_TILE_MAP=tile_map is not None,
+        Y_BY_ROW=y_by_row,
+        DOT_PRECISION=dot_precision(y.dtype),
+        BLOCK_S=config.block_s,
+        BLOCK_R=config.block_r,
+        BLOCK_N=config.block_n,
+        num_warps=config.num_warps,
+    )
+
+
+def check_expand_operands(
+    fn: str,
+    y_arg: object,
+    lora_b: object,
+    slot_scalings: object,
+    slice_offsets: object,
+    out: object,
+    *,
+    weight_ndim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks shared by ``lora_expand`` and ``moe_lora_expand``; returns the typed tensors."""
+    y = check_tensor(fn, "y", y_arg, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    b = check_tensor(
+        fn,
+        "lora_b",
+        lora_b,
+        ndim=weight_ndim,
+        dtypes=FLOAT_DTYPES,
+        device=y.device,
+        contiguous=True,
+    )
+    check_same_dtype(fn, "lora_b", b, "y", y.dtype)
+    offsets = check_tensor(
+        fn,
+        "slice_offsets",
+        slice_offsets,
+        ndim=1,
+        dtypes=(torch.int32,),
+        device=y.device,
+        contiguous=True,
+    )
+    if offsets.shape[0] < 2:
+        raise ValueError(
+            f"{fn}: slice_offsets must have num_slices + 1 >= 2 entries, got shape {tuple(offsets.shape)}"
+        )
+    num_slices = offsets.shape[0] - 1
+    rank_max = b.shape[-1]
+    check_dim(
+        fn, "y", y, 1, num_slices * rank_max, f"num_slices * max_rank = {num_slices} * {rank_max}"
+    )
+    o = check_tensor(
+        fn, "out", out, ndim=2, dtypes=FLOAT_DTYPES, device=y.device, unit_last_stride=True
+    )
+    check_dim(fn, "out", o, 1, b.shape[-2], "N_total, lora_b.shape[-2]")
+    scalings = check_tensor(
+        fn,
+        "slot_scalings",
+        slot_scalings,
+        ndim=1,
+        dtypes=(torch.float32,),
+        device=y.device,
+        contiguous=True,
+    )
+    check_dim(
+        fn, "slot_scalings", scalings, 0, b.shape[0], "one scaling per slot of the weight buffer"
+    )
+    return y, b, o, offsets
+
+
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    out: torch.Tensor,
+    max_seg_len: int,
+) -> None:
+    """Triton ``reference.lora_expand``: in place into ``out [T, N_total]``, one launch for all slices."""
+    fn = "lora_expand"
+    y, b, out, offsets = check_expand_operands(
+        fn, y, lora_b, slot_scalings, slice_offsets, out, weight_ndim=3
+    )
+    check_segments(fn, y.device, seg_indptr, seg_slots, slot_ranks, row_order, b.shape[0])
+    positions = row_order.shape[0] if row_order is not None else out.shape[0]
+    check_dim(
+        fn, "y", y, 0, positions, "one row per segment position: len(row_order), or out.shape[0]"
+    )
+    max_seg_len = check_max_seg_len(fn, max_seg_len)
+    config = expand_config(max_seg_len, b.shape[2], b.shape[1])
+    launch_expand(
+        y,
+        b,
+        out,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        slot_scalings,
+        row_order,
+        offsets,
+        config,
+        grid_blocks=triton.cdiv(max_seg_len, config.block_s),
+        grid_segments=seg_slots.shape[0],
+    )

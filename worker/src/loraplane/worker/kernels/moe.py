@@ -1,0 +1,306 @@
+"""LoRA for routed experts: the weight is chosen per ``(token, k)`` pair by ``(slot, expert)``.
+
+Reference: ``reference.moe_lora_shrink`` / ``reference.moe_lora_expand``.
+
+``moe_lora_routing`` sorts the pairs on the device (stable) by the key ``slot * E + expert``;
+pairs without an adapter (slot ``-1``) sort last and belong to no segment. Each key is a
+segment whose "weight slot" is the key itself, indexing the weight buffer viewed as
+``[num_slots * E, ...]``; rank and scaling are read at ``key // E``. Because the number of
+non-empty groups is only known on the device, the kernels run over a tile map: tile ``t`` is
+block ``tile_blk[t]`` of segment ``tile_seg[t]`` (``-1`` for padding tiles), with a host-known
+bound ``ceil(P / BLOCK_S) + min(G, P)`` on the number of tiles. No host syncs.
+
+``y`` is indexed by pair ``p`` (original order), so shrink and expand need no shared state
+beyond an optional precomputed ``routing`` (build it once per MoE layer and pass it to both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from loraplane.worker.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    MIN_DOT_BLOCK,
+    ExpandConfig,
+    ShrinkConfig,
+    check_dim,
+    check_same_dtype,
+    check_tensor,
+    expand_config,
+    rank_block,
+    shrink_config,
+)
+from loraplane.worker.kernels.expand import check_expand_operands, launch_expand
+from loraplane.worker.kernels.shrink import launch_shrink
+
+__all__ = ["MoeLoraRouting", "moe_lora_expand", "moe_lora_routing", "moe_lora_shrink"]
+
+# Routed groups are small (a few pairs per (slot, expert) at decode): the smallest dot block.
+MOE_BLOCK_S = MIN_DOT_BLOCK
+
+
+@dataclass(frozen=True, slots=True)
+class MoeLoraRouting:
+    """Pairs grouped by ``(slot, expert)`` on the device; see the module docstring."""
+
+    num_slots: int
+    num_experts: int
+    block_s: int
+    seg_indptr: torch.Tensor  # int32 [G + 1], G = num_slots * num_experts
+    seg_slots: torch.Tensor  # int32 [G]: key = slot * E + expert
+    row_order: torch.Tensor  # int64 [P]: pair index at each sorted position
+    tile_seg: torch.Tensor  # int32 [tiles]: segment of each tile, -1 = padding
+    tile_blk: torch.Tensor  # int32 [tiles]: block of the segment
+
+    def __post_init__(self) -> None:
+        groups = self.num_slots * self.num_experts
+        if self.seg_indptr.shape != (groups + 1,):
+            raise ValueError(
+                f"MoeLoraRouting: seg_indptr must have shape ({groups + 1},) for "
+                f"{self.num_slots} slots x {self.num_experts} experts, got {tuple(self.seg_indptr.shape)}"
+            )
+        if self.tile_seg.shape != self.tile_blk.shape:
+            raise ValueError(
+                f"MoeLoraRouting: tile_seg and tile_blk must have one shape, got "
+                f"{tuple(self.tile_seg.shape)} and {tuple(self.tile_blk.shape)}"
+            )
+
+
+def moe_lora_routing(
+    pair_expert: torch.Tensor,
+    pair_slot: torch.Tensor,
+    num_slots: int,
+    num_experts: int,
+    block_s: int = MOE_BLOCK_S,
+) -> MoeLoraRouting:
+    """Group the ``P`` pairs by ``(slot, expert)`` on the device, without host syncs."""
+    fn = "moe_lora_routing"
+    check_tensor(fn, "pair_expert", pair_expert, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    check_tensor(
+        fn,
+        "pair_slot",
+        pair_slot,
+        ndim=1,
+        dtypes=(torch.int32,),
+        device=pair_expert.device,
+        contiguous=True,
+    )
+    check_dim(
+        fn, "pair_slot", pair_slot, 0, pair_expert.shape[0], "one slot per pair, like pair_expert"
+    )
+    if block_s < MIN_DOT_BLOCK or block_s & (block_s - 1):
+        raise ValueError(f"{fn}: block_s must be a power of 2 >= {MIN_DOT_BLOCK}, got {block_s}")
+    device = pair_expert.device
+    num_pairs = pair_expert.shape[0]
+    groups = num_slots * num_experts
+
+    # Key per pair: slot * E + expert, or G (sorts last) for pairs with no adapter.
+    key = torch.where(
+        pair_slot >= 0,
+        pair_slot.to(torch.int64) * num_experts + pair_expert.to(torch.int64),
+        torch.full_like(pair_slot, groups, dtype=torch.int64),
+    )  # [P]
+    sorted_key, row_order = torch.sort(key, stable=True)  # [P], [P]
+    boundaries = torch.arange(groups + 1, device=device, dtype=torch.int64)
+    seg_indptr = torch.searchsorted(sorted_key, boundaries)  # [G + 1] int64
+
+    # Tile map: tiles of group g are [tile_indptr[g], tile_indptr[g+1]).
+    tiles_per_group = (seg_indptr[1:] - seg_indptr[:-1] + block_s - 1) // block_s  # [G]
+    tile_end = torch.cumsum(tiles_per_group, dim=0)  # [G] inclusive prefix sum
+    max_tiles = triton.cdiv(num_pairs, block_s) + min(groups, num_pairs)
+    tile_ids = torch.arange(max_tiles, device=device, dtype=torch.int64)  # [tiles]
+    tile_seg = torch.searchsorted(tile_end, tile_ids, right=True)  # [tiles] in [0, G]
+    valid = tile_seg < groups
+    tile_start = torch.cat([tile_end.new_zeros(1), tile_end])[tile_seg]  # [tiles]
+    tile_blk = tile_ids - tile_start
+    tile_seg = torch.where(valid, tile_seg, torch.full_like(tile_seg, -1))
+
+    return MoeLoraRouting(
+        num_slots=num_slots,
+        num_experts=num_experts,
+        block_s=block_s,
+        seg_indptr=seg_indptr.to(torch.int32),
+        seg_slots=torch.arange(groups, device=device, dtype=torch.int32),
+        row_order=row_order,
+        tile_seg=tile_seg.to(torch.int32),
+        tile_blk=tile_blk.to(torch.int32),
+    )
+
+
+def _routing_for(
+    fn: str,
+    routing: MoeLoraRouting | None,
+    pair_expert: torch.Tensor,
+    pair_slot: torch.Tensor,
+    num_slots: int,
+    num_experts: int,
+) -> MoeLoraRouting:
+    if routing is None:
+        return moe_lora_routing(pair_expert, pair_slot, num_slots, num_experts)
+    if not isinstance(routing, MoeLoraRouting):
+        raise ValueError(
+            f"{fn}: routing must be a MoeLoraRouting or None, got {type(routing).__name__}"
+        )
+    if (routing.num_slots, routing.num_experts) != (num_slots, num_experts):
+        raise ValueError(
+            f"{fn}: routing was built for {routing.num_slots} slots x {routing.num_experts} experts, "
+            f"the weights have {num_slots} x {num_experts}"
+        )
+    if routing.row_order.shape[0] != pair_expert.shape[0]:
+        raise ValueError(
+            f"{fn}: routing was built for {routing.row_order.shape[0]} pairs, pair_expert has {pair_expert.shape[0]}"
+        )
+    return routing
+
+
+def _check_pairs(
+    fn: str,
+    device: torch.device,
+    pair_expert: object,
+    pair_slot: object,
+    slot_ranks: object,
+    num_slots: int,
+) -> None:
+    pe = check_tensor(
+        fn,
+        "pair_expert",
+        pair_expert,
+        ndim=1,
+        dtypes=(torch.int32,),
+        device=device,
+        contiguous=True,
+    )
+    ps = check_tensor(
+        fn, "pair_slot", pair_slot, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    check_dim(fn, "pair_slot", ps, 0, pe.shape[0], "one slot per pair, like pair_expert")
+    ranks = check_tensor(
+        fn, "slot_ranks", slot_ranks, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    check_dim(fn, "slot_ranks", ranks, 0, num_slots, "one rank per slot of the weight buffer")
+
+
+def moe_lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_slot: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    num_slices: int,
+    topk: int = 1,
+    routing: MoeLoraRouting | None = None,
+) -> torch.Tensor:
+    """Triton ``reference.moe_lora_shrink``: ``y [P, num_slices * R]`` in pair order.
+
+    ``lora_a [num_slots, E, num_slices * R, K]``; ``x`` has ``P // topk`` rows and pair ``p``
+    reads row ``p // topk``. Pairs with slot ``-1`` get zero rows.
+    """
+    fn = "moe_lora_shrink"
+    check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_tensor(
+        fn, "lora_a", lora_a, ndim=4, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True
+    )
+    check_same_dtype(fn, "lora_a", lora_a, "x", x.dtype)
+    check_dim(fn, "lora_a", lora_a, 3, x.shape[1], "the hidden size of x")
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"{fn}: num_slices must be an int >= 1, got {num_slices!r}")
+    if lora_a.shape[2] % num_slices != 0:
+        raise ValueError(
+            f"{fn}: lora_a.shape[2] must be num_slices * max_rank, got {lora_a.shape[2]} "
+            f"which is not a multiple of num_slices={num_slices}"
+        )
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"{fn}: topk must be an int >= 1, got {topk!r}")
+    num_slots, num_experts = lora_a.shape[0], lora_a.shape[1]
+    _check_pairs(fn, x.device, pair_expert, pair_slot, slot_ranks, num_slots)
+    num_pairs = pair_expert.shape[0]
+    if x.shape[0] * topk != num_pairs:
+        raise ValueError(
+            f"{fn}: x.shape[0] * topk must equal the number of pairs, got {x.shape[0]} * {topk} != {num_pairs}"
+        )
+    routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
+
+    y = torch.zeros((num_pairs, lora_a.shape[2]), dtype=x.dtype, device=x.device)
+    rank_max = lora_a.shape[2] // num_slices
+    heuristic = shrink_config(routing.block_s, rank_max, x.shape[1])
+    config = ShrinkConfig(
+        block_s=routing.block_s,
+        block_r=rank_block(rank_max),
+        block_k=heuristic.block_k,
+        num_warps=heuristic.num_warps,
+    )
+    weights = lora_a.view(num_slots * num_experts, lora_a.shape[2], lora_a.shape[3])
+    launch_shrink(
+        x,
+        weights,
+        y,
+        routing.seg_indptr,
+        routing.seg_slots,
+        slot_ranks,
+        routing.row_order,
+        num_slices,
+        config,
+        grid_blocks=routing.tile_seg.shape[0],
+        grid_segments=1,
+        tile_map=(routing.tile_seg, routing.tile_blk),
+        weights_per_slot=num_experts,
+        x_row_div=topk,
+        y_by_row=True,
+    )
+    return y
+
+
+def moe_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_slot: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    out: torch.Tensor,
+    routing: MoeLoraRouting | None = None,
+) -> None:
+    """Triton ``reference.moe_lora_expand``: in place into ``out [P, N_total]``.
+
+    ``lora_b [num_slots, E, N_total, R]``; pairs with slot ``-1`` are untouched.
+    """
+    fn = "moe_lora_expand"
+    y, b, out, offsets = check_expand_operands(
+        fn, y, lora_b, slot_scalings, slice_offsets, out, weight_ndim=4
+    )
+    num_slots, num_experts = b.shape[0], b.shape[1]
+    _check_pairs(fn, y.device, pair_expert, pair_slot, slot_ranks, num_slots)
+    num_pairs = pair_expert.shape[0]
+    check_dim(fn, "y", y, 0, num_pairs, "one row per pair")
+    check_dim(fn, "out", out, 0, num_pairs, "one row per pair")
+    routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
+
+    heuristic = expand_config(routing.block_s, b.shape[3], b.shape[2])
+    config = ExpandConfig(
+        block_s=routing.block_s,
+        block_r=heuristic.block_r,
+        block_n=heuristic.block_n,
+        num_warps=heuristic.num_warps,
+    )
+    weights = b.view(num_slots * num_experts, b.shape[2], b.shape[3])
+    launch_expand(
+        y,
+        weights,
+        out,
+        routing.seg_indptr,
+        routing.seg_slots,
+        slot_ranks,
+        slot_scalings,
+        routing.row_order,
+        offsets,
+        config,
+        grid_blocks=routing.tile_seg.shape[0],
+        grid_segments=1,
+        tile_map=(routing.tile_seg, routing.tile_blk),
+        weights_per_slot=num_experts,
+        y_by_row=True,
+    )

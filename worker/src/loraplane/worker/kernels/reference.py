@@ -1,0 +1,200 @@
+"""Torch references of the segmented LoRA kernels.
+
+Every function here has the same signature and the same semantics as its Triton twin in
+``shrink.py`` / ``expand.py`` / ``moe.py``; tests compare the two, and the worker's ``torch``
+backend calls these directly. They favour clarity over speed: a Python loop over segments
+(or over ``(slot, expert)`` groups), one matmul each, accumulation in fp32. They do read
+device tensors back to the host (``tolist``), which the Triton versions never do.
+
+Layouts (see ``docs/kernels.md``):
+
+* ``x [T, K]`` token rows; segment ``s`` covers positions ``j`` in
+  ``seg_indptr[s]:seg_indptr[s+1]``, each reading row ``t = row_order[j]`` (or ``t = j``).
+* ``lora_a [num_slots, num_slices * R, K]``: slice ``i`` of slot ``w`` is rows
+  ``i*R : i*R + rank(w)``; rows beyond the rank are never read.
+* ``lora_b [num_slots, N_total, R]``: slice ``i`` owns output columns
+  ``slice_offsets[i]:slice_offsets[i+1]``; columns ``>= rank(w)`` are never read.
+* ``y [positions, num_slices * R]`` is indexed by segment position ``j`` and is unscaled; the
+  scaling is applied by expand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "lora_expand",
+    "lora_shrink",
+    "moe_lora_expand",
+    "moe_lora_shrink",
+]
+
+
+def _positions(seg_indptr: torch.Tensor, row_order: torch.Tensor | None, num_rows: int) -> int:
+    """Rows of ``y``: one per segment position (``row_order`` given) or one per token row."""
+    return int(row_order.shape[0]) if row_order is not None else num_rows
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    row_order: torch.Tensor | None,
+    num_slices: int,
+    max_seg_len: int,
+) -> torch.Tensor:
+    """``y[j, i*R + k] = sum_c x[t, c] * lora_a[w, i*R + k, c]`` for ``k < rank(w)``, else 0.
+
+    Returns ``y [positions, num_slices * R]`` in ``x.dtype``; positions not covered by any
+    segment (and columns at or beyond a slot's rank) are zero. ``max_seg_len`` is unused here
+    (the Triton version sizes its grid with it).
+    """
+    del max_seg_len
+    rank_max = lora_a.shape[1] // num_slices
+    y = torch.zeros(
+        (_positions(seg_indptr, row_order, x.shape[0]), num_slices * rank_max),
+        dtype=x.dtype,
+        device=x.device,
+    )
+    bounds = seg_indptr.tolist()
+    slots = seg_slots.tolist()
+    ranks = slot_ranks.tolist()
+    for s, slot in enumerate(slots):
+        start, end = bounds[s], bounds[s + 1]
+        rank = ranks[slot]
+        if end <= start or rank == 0:
+            continue
+        rows = row_order[start:end] if row_order is not None else slice(start, end)
+        xs = x[rows].float()  # [seg_len, K]
+        for i in range(num_slices):
+            a = lora_a[slot, i * rank_max : i * rank_max + rank].float()  # [rank, K]
+            y[start:end, i * rank_max : i * rank_max + rank] = (xs @ a.T).to(x.dtype)
+    return y
+
+
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    out: torch.Tensor,
+    max_seg_len: int,
+) -> None:
+    """In place: ``out[t, cols_i] += scaling(w) * y[j, i*R : i*R+rank] @ lora_b[w, cols_i, :rank].T``.
+
+    ``cols_i = slice_offsets[i]:slice_offsets[i+1]``. The product is accumulated in fp32, added to
+    ``out`` in fp32 and rounded once to ``out.dtype``. Rows in no segment are untouched.
+    """
+    del max_seg_len
+    num_slices = slice_offsets.shape[0] - 1
+    rank_max = lora_b.shape[2]
+    bounds = seg_indptr.tolist()
+    slots = seg_slots.tolist()
+    ranks = slot_ranks.tolist()
+    scalings = slot_scalings.tolist()
+    offsets = slice_offsets.tolist()
+    for s, slot in enumerate(slots):
+        start, end = bounds[s], bounds[s + 1]
+        rank = ranks[slot]
+        if end <= start or rank == 0:
+            continue
+        rows = row_order[start:end] if row_order is not None else torch.arange(start, end)
+        rows = rows.to(out.device)
+        for i in range(num_slices):
+            lo, hi = offsets[i], offsets[i + 1]
+            ys = y[start:end, i * rank_max : i * rank_max + rank].float()  # [seg_len, rank]
+            b = lora_b[slot, lo:hi, :rank].float()  # [hi - lo, rank]
+            delta = scalings[slot] * (ys @ b.T)  # [seg_len, hi - lo]
+            out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+
+
+def moe_lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_slot: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    num_slices: int,
+    topk: int = 1,
+    routing: object | None = None,
+) -> torch.Tensor:
+    """Shrink for routed experts: pair ``p`` uses ``lora_a[pair_slot[p], pair_expert[p]]``.
+
+    ``x`` holds ``P // topk`` rows and pair ``p`` reads row ``p // topk`` (``topk=1``: one row per
+    pair). Returns ``y [P, num_slices * R]`` in pair order; pairs with ``pair_slot == -1`` (no
+    adapter) get zero rows. ``routing`` is accepted for signature parity and ignored.
+    """
+    del routing
+    num_pairs = pair_expert.shape[0]
+    rank_max = lora_a.shape[2] // num_slices
+    y = torch.zeros((num_pairs, num_slices * rank_max), dtype=x.dtype, device=x.device)
+    ranks = slot_ranks.tolist()
+    slot_of_pair = pair_slot.to(torch.int64)
+    expert_of_pair = pair_expert.to(torch.int64)
+    groups = sorted(
+        {
+            (w, e)
+            for w, e in zip(slot_of_pair.tolist(), expert_of_pair.tolist(), strict=True)
+            if w >= 0
+        }
+    )
+    for slot, expert in groups:
+        rank = ranks[slot]
+        if rank == 0:
+            continue
+        pairs = torch.nonzero((slot_of_pair == slot) & (expert_of_pair == expert)).flatten()
+        xs = x[pairs // topk].float()  # [group_len, K]
+        for i in range(num_slices):
+            a = lora_a[slot, expert, i * rank_max : i * rank_max + rank].float()  # [rank, K]
+            y[pairs, i * rank_max : i * rank_max + rank] = (xs @ a.T).to(x.dtype)
+    return y
+
+
+def moe_lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    pair_expert: torch.Tensor,
+    pair_slot: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    out: torch.Tensor,
+    routing: object | None = None,
+) -> None:
+    """In place: ``out[p, cols_i] += scaling(w) * y[p, i*R : i*R+rank] @ lora_b[w, e, cols_i, :rank].T``.
+
+    ``w = pair_slot[p]``, ``e = pair_expert[p]``; pairs with ``w == -1`` are untouched.
+    ``routing`` is accepted for signature parity and ignored.
+    """
+    del routing
+    num_slices = slice_offsets.shape[0] - 1
+    rank_max = lora_b.shape[3]
+    ranks = slot_ranks.tolist()
+    scalings = slot_scalings.tolist()
+    offsets = slice_offsets.tolist()
+    slot_of_pair = pair_slot.to(torch.int64)
+    expert_of_pair = pair_expert.to(torch.int64)
+    groups = sorted(
+        {
+            (w, e)
+            for w, e in zip(slot_of_pair.tolist(), expert_of_pair.tolist(), strict=True)
+            if w >= 0
+        }
+    )
+    for slot, expert in groups:
+        rank = ranks[slot]
+        if rank == 0:
+            continue
+        pairs = torch.nonzero((slot_of_pair == slot) & (expert_of_pair == expert)).flatten()
+        for i in range(num_slices):
+            lo, hi = offsets[i], offsets[i + 1]
+            ys = y[pairs, i * rank_max : i * rank_max + rank].float()  # [group_len, rank]
+            b = lora_b[slot, expert, lo:hi, :rank].float()  # [hi - lo, rank]
+            delta = scalings[slot] * (ys @ b.T)  # [group_len, hi - lo]
+            out[pairs, lo:hi] = (out[pairs, lo:hi].float() + delta).to(out.dtype)

@@ -1,0 +1,251 @@
+"""Segmented LoRA shrink ``y = x A`` in Triton; reference: ``reference.lora_shrink``.
+
+Grid ``(segment blocks, segments, slices)``: program ``(b, s, i)`` computes rows
+``b*BLOCK_S ...`` of segment ``s`` for slice ``i`` of that segment's own slot, looping over the
+hidden dimension in ``BLOCK_K`` steps. The MoE form (``moe.py``) reuses the same kernel with a
+tile map instead of the ``(b, s)`` grid axes.
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels are untyped JIT functions; their wrappers are typed.)
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplane.worker.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    ShrinkConfig,
+    check_dim,
+    check_max_seg_len,
+    check_same_dtype,
+    check_tensor,
+    dot_precision,
+    shrink_config,
+)
+
+__all__ = ["lora_shrink"]
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,  # [T, K]
+    a_ptr,  # [weight_slots, num_slices * R, K]
+    y_ptr,  # [positions, num_slices * R]
+    seg_indptr_ptr,  # int32 [S + 1]
+    seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
+    slot_ranks_ptr,  # int32 [num_slots]
+    row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
+    tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    rank_max,
+    x_stride_row,
+    y_stride_row,
+    a_stride_slot,
+    a_stride_row,
+    weights_per_slot,  # rank/scaling index = seg_slot // weights_per_slot (MoE: experts)
+    x_row_div,  # x row = row // x_row_div (MoE: topk)
+    HAS_ROW_ORDER: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,
+    Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
+    DOT_PRECISION: tl.constexpr,
+    HIDDEN: tl.constexpr,  # K; constexpr: fixed per model layer, and a runtime loop bound
+    # breaks the Triton 3.6 interpreter under numpy >= 2.4
+    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    if USE_TILE_MAP:
+        seg = tl.load(tile_seg_ptr + tl.program_id(0))
+        blk = tl.load(tile_blk_ptr + tl.program_id(0))
+    else:
+        blk = tl.program_id(0)
+        seg = tl.program_id(1)
+    if seg < 0:  # tile map padding
+        return
+    slice_id = tl.program_id(2)
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    pos0 = seg_start + blk * BLOCK_S
+    if pos0 >= seg_end:
+        return
+    weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
+    if rank <= 0:
+        return
+
+    offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+    s_mask = offs_s < seg_end
+    if HAS_ROW_ORDER:
+        rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
+    else:
+        rows = offs_s.to(tl.int64)
+    x_rows = rows // x_row_div
+    if Y_BY_ROW:
+        y_rows = rows
+    else:
+        y_rows = offs_s.to(tl.int64)
+
+    offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    x_ptrs = x_ptr + x_rows[:, None] * x_stride_row + offs_k[None, :]  # [BLOCK_S, BLOCK_K]
+    a_base = a_ptr + weight_slot * a_stride_slot + (slice_id * rank_max).to(tl.int64) * a_stride_row
+    a_ptrs = a_base + offs_r[None, :] * a_stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_R]
+
+    acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)  # [BLOCK_S, BLOCK_R]
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k_mask = (k0 + offs_k) < HIDDEN
+        x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
+        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+
+    y_ptrs = y_ptr + y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
+    y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def launch_shrink(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    y: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    row_order: torch.Tensor | None,
+    num_slices: int,
+    config: ShrinkConfig,
+    grid_blocks: int,
+    grid_segments: int,
+    *,
+    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights_per_slot: int = 1,
+    x_row_div: int = 1,
+    y_by_row: bool = False,
+) -> None:
+    """Launch without checks (callers validated). ``weights [weight_slots, slices*R, K]``."""
+    if grid_blocks == 0 or grid_segments == 0:
+        return
+    rank_max = weights.shape[1] // num_slices
+    tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
+    _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices)](
+        x,
+        weights,
+        y,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        row_order if row_order is not None else seg_indptr,
+        tile_seg,
+        tile_blk,
+        rank_max,
+        x.stride(0),
+        y.stride(0),
+        weights.stride(0),
+        weights.stride(1),
+        weights_per_slot,
+        x_row_div,
+        HAS_ROW_ORDER=row_order is not None,
+        USE_TILE_MAP=tile_map is not None,
+        Y_BY_ROW=y_by_row,
+        DOT_PRECISION=dot_precision(x.dtype),
+        HIDDEN=x.shape[1],
+        BLOCK_S=config.block_s,
+        BLOCK_R=config.block_r,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+    )
+
+
+def check_segments(
+    fn: str,
+    device: torch.device,
+    seg_indptr: object,
+    seg_slots: object,
+    slot_ranks: object,
+    row_order: object,
+    num_slots: int,
+) -> None:
+    """Shapes/dtypes of the segment description (values are trusted: no host sync)."""
+    indptr = check_tensor(
+        fn, "seg_indptr", seg_indptr, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    if indptr.shape[0] < 1:
+        raise ValueError(
+            f"{fn}: seg_indptr must have S + 1 >= 1 entries, got shape {tuple(indptr.shape)}"
+        )
+    slots = check_tensor(
+        fn, "seg_slots", seg_slots, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    check_dim(
+        fn, "seg_slots", slots, 0, indptr.shape[0] - 1, "one slot per segment: len(seg_indptr) - 1"
+    )
+    ranks = check_tensor(
+        fn, "slot_ranks", slot_ranks, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    check_dim(fn, "slot_ranks", ranks, 0, num_slots, "one rank per slot of the weight buffer")
+    if row_order is not None:
+        check_tensor(
+            fn,
+            "row_order",
+            row_order,
+            ndim=1,
+            dtypes=(torch.int64,),
+            device=device,
+            contiguous=True,
+        )
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    row_order: torch.Tensor | None,
+    num_slices: int,
+    max_seg_len: int,
+) -> torch.Tensor:
+    """Triton ``reference.lora_shrink``: ``y [positions, num_slices * R]`` in ``x.dtype``.
+
+    ``positions`` is ``row_order.shape[0]`` if ``row_order`` is given, else ``x.shape[0]``.
+    Positions in no segment, and columns at or beyond a slot's rank, are zero.
+    """
+    fn = "lora_shrink"
+    check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_tensor(
+        fn, "lora_a", lora_a, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True
+    )
+    check_same_dtype(fn, "lora_a", lora_a, "x", x.dtype)
+    check_dim(fn, "lora_a", lora_a, 2, x.shape[1], "the hidden size of x")
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"{fn}: num_slices must be an int >= 1, got {num_slices!r}")
+    if lora_a.shape[1] % num_slices != 0:
+        raise ValueError(
+            f"{fn}: lora_a.shape[1] must be num_slices * max_rank, got {lora_a.shape[1]} "
+            f"which is not a multiple of num_slices={num_slices}"
+        )
+    check_segments(fn, x.device, seg_indptr, seg_slots, slot_ranks, row_order, lora_a.shape[0])
+    max_seg_len = check_max_seg_len(fn, max_seg_len)
+
+    positions = row_order.shape[0] if row_order is not None else x.shape[0]
+    y = torch.zeros((positions, lora_a.shape[1]), dtype=x.dtype, device=x.device)
+    rank_max = lora_a.shape[1] // num_slices
+    config = shrink_config(max_seg_len, rank_max, x.shape[1])
+    launch_shrink(
+        x,
+        lora_a,
+        y,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        row_order,
+        num_slices,
+        config,
+        grid_blocks=triton.cdiv(max_seg_len, config.block_s),
+        grid_segments=seg_slots.shape[0],
+    )
+    return y
