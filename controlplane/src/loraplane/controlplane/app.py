@@ -4,6 +4,7 @@ database engine, the event bus (Redis), the worker HTTP client and the reconcile
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,8 +30,12 @@ from loraplane.controlplane.workers import WorkerClient
 log = logging.getLogger(__name__)
 
 
+_UNION_TAGS = re.compile(r"^([A-Z]\w*|.*\[.*\]|int|str|bool|float|list|dict|none)$")
+
+
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
-    return ".".join(str(part) for part in loc)
+    """``body.placement`` from ``("body", "placement", "literal['all']")``: union member tags dropped."""
+    return ".".join(str(part) for part in loc if not (isinstance(part, str) and _UNION_TAGS.match(part)))
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -41,7 +46,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        parts = [f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors]
+        parts = list(dict.fromkeys(f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors))
         first = _field(errors[0].get("loc", ())) if errors else None
         body = {"error": {"code": "validation_error", "field": first, "message": "; ".join(parts)}}
         return JSONResponse(body, status_code=422)
