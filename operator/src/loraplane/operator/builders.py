@@ -1,0 +1,348 @@
+"""Pure builders: a LoRAPool's spec in, plain Kubernetes manifests (dicts) out.
+
+Nothing here talks to an API; the handlers apply what these return. Names are
+deterministic (`<pool>` for the StatefulSet, `<pool>-workers` for the headless Service,
+`<pool>` for the PodDisruptionBudget) so applying twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Manifest = dict[str, Any]
+
+GROUP = "loraplane.io"
+VERSION = "v1alpha1"
+POOL_LABEL = "loraplane.io/pool"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+WORKER_PORT = 8000
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """The fields of a LoRAPool's spec the builders use, defaults as in the CRD."""
+
+    model: str
+    replicas: int = 1
+    tp: int = 1
+    dp: int = 1
+    enable_dp_attention: bool = False
+    max_loras_per_batch: int = 4
+    max_loaded_loras: int = 8
+    max_lora_rank: int = 64
+    image: str | None = None
+    image_pull_policy: str | None = None
+    resources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: Sequence[Mapping[str, Any]] = ()
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    pod_annotations: Mapping[str, str] = field(default_factory=dict)
+    engine_args: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("spec.model: must not be empty")
+        for name, value in (("replicas", self.replicas), ("tp", self.tp), ("dp", self.dp)):
+            if value < (0 if name == "replicas" else 1):
+                raise ValueError(f"spec.{name}: {value} is out of range")
+        if self.tp % self.dp != 0:
+            raise ValueError(f"spec.tp: {self.tp} is not divisible by spec.dp={self.dp}")
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"spec.maxLorasPerBatch: {self.max_loras_per_batch} must be >= 1")
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                f"spec.maxLoadedLoras: {self.max_loaded_loras} must be >= "
+                f"spec.maxLorasPerBatch={self.max_loras_per_batch}"
+            )
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> PoolSpec:
+        """Read a LoRAPool `spec` (camelCase, as the API returns it)."""
+        return cls(
+            model=str(spec.get("model") or ""),
+            replicas=int(spec.get("replicas", 1)),
+            tp=int(spec.get("tp", 1)),
+            dp=int(spec.get("dp", 1)),
+            enable_dp_attention=bool(spec.get("enableDPAttention", False)),
+            max_loras_per_batch=int(spec.get("maxLorasPerBatch", 4)),
+            max_loaded_loras=int(spec.get("maxLoadedLoras", 8)),
+            max_lora_rank=int(spec.get("maxLoraRank", 64)),
+            image=spec.get("image"),
+            image_pull_policy=spec.get("imagePullPolicy"),
+            resources=dict(spec.get("resources") or {}),
+            node_selector=dict(spec.get("nodeSelector") or {}),
+            tolerations=list(spec.get("tolerations") or []),
+            pod_labels=dict(spec.get("podLabels") or {}),
+            pod_annotations=dict(spec.get("podAnnotations") or {}),
+            engine_args=[str(a) for a in spec.get("engineArgs") or []],
+        )
+
+
+@dataclass(frozen=True)
+class WorkerDefaults:
+    """Operator-wide defaults for worker pods (chart values `worker.*`)."""
+
+    image: str = "ghcr.io/loraplane/worker:0.1.0"
+    image_pull_policy: str = "IfNotPresent"
+    pod_labels: Mapping[str, str] = field(default_factory=dict)
+    service_account: str | None = None
+    termination_grace_period_s: int = 30
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The object that owns the children (the LoRAPool)."""
+
+    name: str
+    namespace: str
+    uid: str
+    kind: str = "LoRAPool"
+    api_version: str = f"{GROUP}/{VERSION}"
+
+
+def owner_reference(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": owner.api_version,
+        "kind": owner.kind,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def selector_labels(pool: str) -> dict[str, str]:
+    """Labels that select a pool's worker pods (immutable once the StatefulSet exists)."""
+    return {POOL_LABEL: pool, COMPONENT_LABEL: "worker"}
+
+
+def common_labels(pool: str) -> dict[str, str]:
+    return {
+        **selector_labels(pool),
+        "app.kubernetes.io/name": "loraplane-worker",
+        "app.kubernetes.io/part-of": "loraplane",
+        "app.kubernetes.io/managed-by": "loraplane-operator",
+    }
+
+
+def statefulset_name(pool: str) -> str:
+    return pool
+
+
+def service_name(pool: str) -> str:
+    return f"{pool}-workers"
+
+
+def pdb_name(pool: str) -> str:
+    return pool
+
+
+def worker_name(namespace: str, pod: str) -> str:
+    """The control plane's worker name for a pod: global there, so other namespaces get
+    a prefix; kept a DNS-1123 label (<= 63 chars, a short hash when shortened)."""
+    name = pod if namespace == "default" else f"{namespace}-{pod}"
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(f"{namespace}/{pod}".encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-')}-{digest}"
+
+
+def worker_command(spec: PoolSpec) -> list[str]:
+    """The worker container's command: the same `loraplane worker serve` the tests run."""
+    command = [
+        "loraplane",
+        "worker",
+        "serve",
+        "--model",
+        spec.model,
+        "--tp",
+        str(spec.tp),
+        "--dp",
+        str(spec.dp),
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        str(WORKER_PORT),
+        "--max-loras-per-batch",
+        str(spec.max_loras_per_batch),
+        "--max-loaded-loras",
+        str(spec.max_loaded_loras),
+        "--max-lora-rank",
+        str(spec.max_lora_rank),
+    ]
+    if spec.enable_dp_attention:
+        command.append("--dp-attention")
+    return [*command, *spec.engine_args]
+
+
+def _resources(spec: PoolSpec) -> Manifest:
+    requests = dict(spec.resources.get("requests") or {})
+    limits = dict(spec.resources.get("limits") or {})
+    # Extended resources must have request == limit; GPUs per replica = tp, always.
+    requests[GPU_RESOURCE] = spec.tp
+    limits[GPU_RESOURCE] = spec.tp
+    return {"requests": requests, "limits": limits}
+
+
+def build_pod_template(pool: str, spec: PoolSpec, defaults: WorkerDefaults) -> Manifest:
+    labels = {**defaults.pod_labels, **spec.pod_labels, **common_labels(pool)}
+    container: Manifest = {
+        "name": "worker",
+        "image": spec.image or defaults.image,
+        "imagePullPolicy": spec.image_pull_policy or defaults.image_pull_policy,
+        "command": worker_command(spec),
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "LORAPLANE_POOL", "value": pool},
+        ],
+        "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        "resources": _resources(spec),
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 120,
+        },
+    }
+    pod_spec: Manifest = {
+        "containers": [container],
+        "terminationGracePeriodSeconds": defaults.termination_grace_period_s,
+        "automountServiceAccountToken": False,
+    }
+    if defaults.service_account:
+        pod_spec["serviceAccountName"] = defaults.service_account
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    metadata: Manifest = {"labels": labels}
+    if spec.pod_annotations:
+        metadata["annotations"] = dict(spec.pod_annotations)
+    return {"metadata": metadata, "spec": pod_spec}
+
+
+def build_statefulset(owner: Owner, spec: PoolSpec, defaults: WorkerDefaults) -> Manifest:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": statefulset_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": common_labels(owner.name),
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "serviceName": service_name(owner.name),
+            # Workers are independent: start and stop them all at once.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            "template": build_pod_template(owner.name, spec, defaults),
+        },
+    }
+
+
+def build_headless_service(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": service_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": common_labels(owner.name),
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(owner.name),
+            "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http"}],
+        },
+    }
+
+
+def build_pdb(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": pdb_name(owner.name),
+            "namespace": owner.namespace,
+            "labels": common_labels(owner.name),
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "spec": {
+            # Drain one worker at a time; its adapters stay routable on the others.
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(owner.name)},
+        },
+    }
+
+
+def build_pool_children(owner: Owner, spec: PoolSpec, defaults: WorkerDefaults) -> list[Manifest]:
+    """Everything a LoRAPool owns, in the order to apply them."""
+    return [
+        build_headless_service(owner),
+        build_statefulset(owner, spec, defaults),
+        build_pdb(owner),
+    ]
+
+
+def build_controlplane_pool(spec: PoolSpec) -> Manifest:
+    """The body of `PUT /v1/pools/{namespace}/{name}`."""
+    return {
+        "model": spec.model,
+        "tp": spec.tp,
+        "dp": spec.dp,
+        "max_loras_per_batch": spec.max_loras_per_batch,
+        "max_loaded_loras": spec.max_loaded_loras,
+        "max_lora_rank": spec.max_lora_rank,
+    }
+
+
+def build_worker_registration(
+    namespace: str, pool: str, pod_name: str, pod_ip: str, dp: int
+) -> Manifest:
+    """The body of `POST /v1/workers` for one ready pod."""
+    return {
+        "name": worker_name(namespace, pod_name),
+        "namespace": namespace,
+        "pool": pool,
+        "endpoint": f"http://{pod_ip}:{WORKER_PORT}",
+        "dp_size": dp,
+    }
+
+
+def placement_of(spec: Mapping[str, Any]) -> str | dict[str, int]:
+    """A LoRAAdapter's placement in the control plane's shape: "all" or {"count": N}."""
+    placement = spec.get("placement") or {}
+    if placement.get("mode", "all") == "count":
+        return {"count": int(placement["count"])}
+    return "all"
+
+
+def build_adapter_registration(namespace: str, name: str, spec: Mapping[str, Any]) -> Manifest:
+    """The body of `POST /v1/adapters` for a LoRAAdapter."""
+    source = spec.get("source") or {}
+    body_source: Manifest = {"uri": source.get("uri")}
+    if source.get("sha256"):
+        body_source["sha256"] = source["sha256"]
+    return {
+        "namespace": namespace,
+        "name": name,
+        "pool": spec.get("pool"),
+        "source": body_source,
+        "pinned": bool(spec.get("pinned", False)),
+        "placement": placement_of(spec),
+        "priority": int(spec.get("priority", 0)),
+        "load": True,
+    }

@@ -1,0 +1,546 @@
+"""Thin kopf handlers: read observed state, call the pure builders and status logic,
+apply the result. Every handler is idempotent; timers re-run them so nothing depends on
+one create event having been seen.
+
+`register(registry, config)` attaches them (timer intervals come from the config);
+`configure` is the one startup function holding every kopf setting.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import kopf
+
+from loraplane.operator import builders
+from loraplane.operator import status as states
+from loraplane.operator.config import OperatorConfig
+from loraplane.operator.cpclient import (
+    ControlPlaneClient,
+    ControlPlaneError,
+    ControlPlaneUnavailable,
+)
+from loraplane.operator.kube import ControlPlaneLocator, Kube, pod_view, service_account_dir
+
+FINALIZER = "loraplane.io/unload"
+POOLS = ("loraplane.io", "v1alpha1", "lorapools")
+ADAPTERS = ("loraplane.io", "v1alpha1", "loraadapters")
+# Control plane error codes that mean the spec itself cannot work (no retry until it changes).
+PERMANENT_CODES = {
+    "invalid_value": "InvalidSpec",
+    "preflight_failed": "PreflightFailed",
+    "digest_mismatch": "DigestMismatch",
+    "source_not_allowed": "SourceNotAllowed",
+    "validation_error": "InvalidSpec",
+}
+PERMANENT_REASONS = set(PERMANENT_CODES.values())
+
+log = logging.getLogger("loraplane.operator")
+
+
+@dataclass
+class Runtime:
+    """What handlers share: settings, the Kubernetes API and the control plane client."""
+
+    config: OperatorConfig
+    kube: Kube
+    controlplane: ControlPlaneClient
+
+
+def _runtime(memo: kopf.Memo) -> Runtime:
+    runtime: Runtime = memo["runtime"]
+    return runtime
+
+
+# ------------------------------------------------------------------ startup and login
+
+
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """Every kopf setting, in one place."""
+    config: OperatorConfig = memo["config"]
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="loraplane.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="loraplane.io", key="last-handled-configuration"
+    )
+    settings.peering.name = config.peering_name
+    settings.peering.priority = config.priority
+    settings.peering.standalone = config.standalone
+    settings.peering.mandatory = not config.standalone
+    settings.peering.clusterwide = not config.namespaces
+    # Our own Events (phase transitions) are posted explicitly; log lines are not.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 16
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+    kube = Kube()
+    locator = ControlPlaneLocator(
+        kube,
+        config.controlplane_url,
+        config.controlplane_selector,
+        config.controlplane_namespace,
+        config.controlplane_port,
+    )
+    memo["runtime"] = Runtime(config, kube, ControlPlaneClient(locator, config.admin_token))
+
+
+def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    runtime = memo.get("runtime")
+    if runtime is not None:
+        runtime.controlplane.close()
+
+
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Service-account files from LORAPLANE_SERVICEACCOUNT_DIR (in a pod or a local-run
+    pod), else the kubeconfig."""
+    sa = service_account_dir()
+    if sa is None:
+        return kopf.login_with_kubeconfig(**kwargs)
+    host = os.environ["KUBERNETES_SERVICE_HOST"]
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if ":" in host:
+        host = f"[{host}]"
+    return kopf.ConnectionInfo(
+        server=f"https://{host}:{port}",
+        ca_path=str(sa / "ca.crt"),
+        scheme="Bearer",
+        token=(sa / "token").read_text().strip(),
+        default_namespace=(sa / "namespace").read_text().strip()
+        if (sa / "namespace").exists()
+        else None,
+    )
+
+
+# ------------------------------------------------------------------ pools
+
+
+def _owner(name: str, namespace: str, uid: str) -> builders.Owner:
+    return builders.Owner(name=name, namespace=namespace, uid=uid)
+
+
+def reconcile_pool(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """Children applied, pool and ready pods registered, stale workers removed, status."""
+    runtime = _runtime(memo)
+    generation = int(meta.get("generation") or 0)
+    now = states.now_iso()
+    try:
+        pool = builders.PoolSpec.from_spec(spec)
+    except ValueError as exc:
+        patch.status.update(_pool_problem(generation, dict(status), now, "InvalidSpec", str(exc)))
+        raise kopf.PermanentError(str(exc)) from exc
+    for manifest in builders.build_pool_children(
+        _owner(name, namespace, uid), pool, runtime.config.worker
+    ):
+        runtime.kube.apply(manifest)
+    pods = [
+        {**p, "worker": builders.worker_name(namespace, p["name"])}
+        for p in runtime.kube.pool_pods(namespace, name)
+    ]
+    try:
+        runtime.controlplane.put_pool(
+            namespace, name, builders.build_controlplane_pool(pool), key=""
+        )
+        cp_workers = _sync_workers(runtime, namespace, name, pool.dp, pods)
+    except ControlPlaneUnavailable as exc:
+        patch.status.update(
+            status_with_problem(
+                generation,
+                pool.replicas,
+                pods,
+                dict(status),
+                now,
+                "ControlPlaneUnavailable",
+                str(exc),
+            )
+        )
+        raise kopf.TemporaryError(
+            f"control plane unavailable: {exc}", delay=runtime.config.resync_interval_s
+        ) from exc
+    except ControlPlaneError as exc:
+        patch.status.update(
+            _pool_problem(generation, dict(status), now, "ControlPlaneRejected", str(exc))
+        )
+        raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
+    patch.status.update(
+        states.pool_status(generation, pool.replicas, pods, cp_workers, dict(status), now)
+    )
+
+
+def _pool_problem(
+    generation: int, old: dict[str, Any], now: str, reason: str, message: str
+) -> dict[str, Any]:
+    return {
+        "observedGeneration": generation,
+        "conditions": states.merge_conditions(
+            old.get("conditions"),
+            [
+                # Only a bad spec is known invalid; other problems leave it Unknown.
+                states.condition(
+                    "Validated",
+                    False if reason == "InvalidSpec" else None,
+                    reason,
+                    message,
+                    generation,
+                ),
+                states.condition("Ready", False, reason, message, generation),
+            ],
+            now,
+        ),
+    }
+
+
+def status_with_problem(
+    generation: int,
+    replicas: int,
+    pods: list[dict[str, Any]],
+    old: dict[str, Any],
+    now: str,
+    reason: str,
+    message: str,
+) -> dict[str, Any]:
+    base = states.pool_status(generation, replicas, pods, [], old, now)
+    base["conditions"] = states.merge_conditions(
+        base["conditions"], [states.condition("Ready", False, reason, message, generation)], now
+    )
+    return base
+
+
+def _sync_workers(
+    runtime: Runtime, namespace: str, pool: str, dp: int, pods: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Register ready pods the control plane lacks (or knows at another IP); remove
+    workers whose pod is gone. Returns the control plane's workers afterwards."""
+    cp = runtime.controlplane
+    known = {w["name"]: w for w in cp.list_workers(namespace, pool)}
+    changed = False
+    for pod in pods:
+        endpoint = f"http://{pod['ip']}:{builders.WORKER_PORT}"
+        current = known.get(pod["worker"])
+        if pod["ready"] and (current is None or current.get("endpoint") != endpoint):
+            cp.register_worker(
+                builders.build_worker_registration(namespace, pool, pod["name"], pod["ip"], dp),
+                key="",
+            )
+            changed = True
+    live = {p["worker"] for p in pods if not p["deleting"]}
+    for worker in known:
+        if worker not in live:
+            cp.delete_worker(worker)
+            changed = True
+    return cp.list_workers(namespace, pool) if changed else list(known.values())
+
+
+def forget_pool(
+    name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any
+) -> None:
+    """Best effort (no finalizer): drop the pool's workers and the pool from the registry."""
+    runtime = _runtime(memo)
+    try:
+        for worker in runtime.controlplane.list_workers(namespace, name):
+            runtime.controlplane.delete_worker(worker["name"])
+        runtime.controlplane.delete_pool(namespace, name)
+    except (ControlPlaneUnavailable, ControlPlaneError) as exc:
+        logger.warning(
+            "could not remove pool %s/%s from the control plane: %s", namespace, name, exc
+        )
+
+
+def on_worker_pod(
+    event: dict[str, Any],
+    namespace: str,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """A worker pod changed: (de)register it at once instead of waiting for the timer."""
+    runtime = _runtime(memo)
+    body = event.get("object") or {}
+    if not body.get("metadata"):
+        return
+    pod = pod_view(body)
+    pool_name = labels.get(builders.POOL_LABEL, "")
+    worker = builders.worker_name(namespace, pod["name"])
+    try:
+        if event.get("type") == "DELETED" or pod["deleting"]:
+            runtime.controlplane.delete_worker(worker)
+            return
+        if not pod["ready"]:
+            return
+        pool = runtime.kube.get_pool(namespace, pool_name)
+        if pool is None:
+            return
+        dp = int((pool.get("spec") or {}).get("dp", 1))
+        known = {w["name"]: w for w in runtime.controlplane.list_workers(namespace, pool_name)}
+        endpoint = f"http://{pod['ip']}:{builders.WORKER_PORT}"
+        if (known.get(worker) or {}).get("endpoint") != endpoint:
+            runtime.controlplane.register_worker(
+                builders.build_worker_registration(
+                    namespace, pool_name, pod["name"], pod["ip"], dp
+                ),
+                key="",
+            )
+    except (ControlPlaneUnavailable, ControlPlaneError) as exc:
+        # The pool's timer repairs it on its next pass.
+        logger.info("worker %s not (de)registered yet: %s", worker, exc)
+
+
+# ------------------------------------------------------------------ adapters
+
+
+def reconcile_adapter(
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    logger: logging.Logger,
+    **_: Any,
+) -> None:
+    """Register/update/load the adapter per its spec and report what the control plane sees."""
+    runtime = _runtime(memo)
+    if meta.get("deletionTimestamp"):
+        return
+    generation = int(meta.get("generation") or 0)
+    old = dict(status)
+    spec_dict = dict(spec)
+    placement = builders.placement_of(spec_dict)
+    same_generation = old.get("observedGeneration") == generation
+    view = states.AdapterView(
+        generation=generation,
+        cp_adapter=None,
+        ready_workers=[],
+        placement=placement,
+        attempts=int(old.get("attempts", 0)) if same_generation else 0,
+    )
+    try:
+        view = _observe_and_act(
+            runtime, namespace, name, uid, spec_dict, old, view, same_generation
+        )
+    except ControlPlaneUnavailable as exc:
+        view = replace(view, last_error=f"control plane unavailable: {exc}")
+        _write_adapter_status(view, old, body, patch)
+        raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
+    _write_adapter_status(view, old, body, patch)
+
+
+def _observe_and_act(
+    runtime: Runtime,
+    namespace: str,
+    name: str,
+    uid: str,
+    spec: dict[str, Any],
+    old: dict[str, Any],
+    view: states.AdapterView,
+    same_generation: bool,
+) -> states.AdapterView:
+    validated = states.find_condition(old.get("conditions"), "Validated")
+    if same_generation and validated and validated.get("reason") in PERMANENT_REASONS:
+        # Rejected for this generation; nothing to retry until the spec changes.
+        return replace(view, invalid=(str(validated["reason"]), str(validated.get("message", ""))))
+    pool_name = str(spec.get("pool", ""))
+    pool = runtime.kube.get_pool(namespace, pool_name)
+    if pool is None:
+        return replace(
+            view,
+            pending=("PoolNotFound", f"spec.pool: LoRAPool {namespace}/{pool_name} does not exist"),
+        )
+    max_per_batch = int((pool.get("spec") or {}).get("maxLorasPerBatch", 4))
+    siblings = [
+        a
+        for a in runtime.kube.list_adapters(namespace)
+        if (a.get("spec") or {}).get("pool") == pool_name
+    ]
+    excess = states.excess_pinned(siblings, max_per_batch)
+    if name in excess:
+        return replace(view, pending=("TooManyPinned", excess[name]))
+    cp = runtime.controlplane
+    ready_workers = sorted(
+        w["name"] for w in cp.list_workers(namespace, pool_name) if w.get("state") == "ready"
+    )
+    cp_adapter = cp.get_adapter(namespace, name)
+    view = replace(view, cp_adapter=cp_adapter, ready_workers=ready_workers)
+    now = dt.datetime.now(dt.UTC)
+    plan = states.plan_adapter(
+        spec,
+        view.placement,
+        old if same_generation else {},
+        view.generation,
+        cp_adapter,
+        ready_workers,
+        runtime.config.retry,
+        now,
+    )
+    if plan.action == "give_up":
+        return replace(view, gave_up=True, last_error=old.get("lastError") or plan.reason)
+    if plan.action in ("none", "wait"):
+        error = old.get("lastError") if view.attempts else None
+        return replace(view, last_error=error or None)
+    key = f"{uid}-g{view.generation}-{plan.action}-{view.attempts}"
+    try:
+        if plan.action == "register":
+            answer = cp.register_adapter(
+                builders.build_adapter_registration(namespace, name, spec), key
+            )
+        elif plan.action == "update_version":
+            source = builders.build_adapter_registration(namespace, name, spec)["source"]
+            answer = cp.new_version(namespace, name, source, key)
+        elif plan.action == "patch":
+            answer = cp.patch_adapter(
+                namespace,
+                name,
+                {
+                    "pinned": bool(spec.get("pinned", False)),
+                    "priority": int(spec.get("priority", 0)),
+                },
+                key,
+            )
+        else:
+            answer = cp.load_adapter(namespace, name, view.placement, key)
+    except ControlPlaneError as exc:
+        return _failed_attempt(runtime, namespace, name, view, exc)
+    adapter = (answer or {}).get("adapter") or cp.get_adapter(namespace, name)
+    return replace(view, cp_adapter=adapter, attempts=0, last_error=None)
+
+
+def _failed_attempt(
+    runtime: Runtime, namespace: str, name: str, view: states.AdapterView, exc: ControlPlaneError
+) -> states.AdapterView:
+    message = (
+        f"{exc.field + ': ' if exc.field and exc.field not in exc.message else ''}{exc.message}"
+    )
+    if exc.status in (400, 422) and exc.code in PERMANENT_CODES:
+        return replace(view, invalid=(PERMANENT_CODES[exc.code], message))
+    if exc.code == "too_many_pinned":
+        return replace(view, pending=("TooManyPinned", message))
+    if exc.status == 404:
+        return replace(view, pending=("PoolNotRegistered", message))
+    adapter = runtime.controlplane.get_adapter(namespace, name)
+    attempts = view.attempts + 1
+    return replace(
+        view,
+        cp_adapter=adapter,
+        attempts=attempts,
+        last_error=message,
+        gave_up=attempts >= runtime.config.retry.max_attempts,
+    )
+
+
+def _write_adapter_status(
+    view: states.AdapterView, old: dict[str, Any], body: kopf.Body, patch: kopf.Patch
+) -> None:
+    now = states.now_iso()
+    new = states.adapter_status(view, old, now)
+    if view.attempts and view.attempts != (
+        old.get("attempts") if old.get("observedGeneration") == view.generation else 0
+    ):
+        new["lastAttemptTime"] = now
+    else:
+        new["lastAttemptTime"] = old.get("lastAttemptTime") if view.attempts else None
+    patch.status.update(new)
+    before, after = old.get("phase"), new["phase"]
+    if before != after:
+        ready = states.find_condition(new["conditions"], "Ready") or {}
+        message = f"{before or 'None'} -> {after}: {ready.get('message', '')}"
+        kopf.event(
+            body,
+            type="Warning" if after in ("Failed", "Degraded") else "Normal",
+            reason=after,
+            message=message[:1000],
+        )
+
+
+def unload_adapter(
+    name: str,
+    namespace: str,
+    uid: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    retry: int,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """Finalizer `loraplane.io/unload`: unloaded everywhere and forgotten before delete."""
+    runtime = _runtime(memo)
+    if retry == 0:
+        patch.status["phase"] = "Unloading"
+        kopf.event(body, type="Normal", reason="Unloading", message="unloading from every worker")
+    delay = runtime.config.retry.delay(retry + 1)
+    try:
+        runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}")
+    except ControlPlaneUnavailable as exc:
+        raise kopf.TemporaryError(f"control plane unavailable: {exc}", delay=delay) from exc
+    except ControlPlaneError as exc:
+        kopf.event(body, type="Warning", reason="UnloadFailed", message=exc.message[:1000])
+        raise kopf.TemporaryError(f"unload failed: {exc.message}", delay=delay) from exc
+    kopf.event(
+        body, type="Normal", reason="Unloaded", message="unloaded everywhere; finalizer removed"
+    )
+
+
+# ------------------------------------------------------------------ registration
+
+_SELECTOR = re.compile(r"^[\w./-]+=[\w.-]*$")
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Attach every handler to `registry` (intervals from `config`)."""
+    interval = config.resync_interval_s
+    kopf.on.startup(registry=registry)(configure)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.on.login(registry=registry)(login)
+
+    kopf.on.resume(*POOLS, registry=registry, backoff=5)(reconcile_pool)
+    kopf.on.create(*POOLS, registry=registry, backoff=5)(reconcile_pool)
+    kopf.on.update(*POOLS, registry=registry, field="spec", backoff=5)(reconcile_pool)
+    kopf.timer(
+        *POOLS,
+        registry=registry,
+        id="resync_pool",
+        interval=interval,
+        initial_delay=interval,
+        backoff=interval,
+    )(reconcile_pool)
+    kopf.on.delete(*POOLS, registry=registry, optional=True)(forget_pool)
+    kopf.on.event(
+        "",
+        "v1",
+        "pods",
+        registry=registry,
+        labels={builders.POOL_LABEL: kopf.PRESENT, builders.COMPONENT_LABEL: "worker"},
+    )(on_worker_pod)
+
+    kopf.on.resume(*ADAPTERS, registry=registry, backoff=5)(reconcile_adapter)
+    kopf.on.create(*ADAPTERS, registry=registry, backoff=5)(reconcile_adapter)
+    kopf.on.update(*ADAPTERS, registry=registry, field="spec", backoff=5)(reconcile_adapter)
+    kopf.timer(
+        *ADAPTERS,
+        registry=registry,
+        id="resync_adapter",
+        interval=interval,
+        initial_delay=interval,
+        backoff=interval,
+    )(reconcile_adapter)
+    kopf.on.delete(*ADAPTERS, registry=registry, retries=30, backoff=config.retry.base_delay_s)(
+        unload_adapter
+    )

@@ -1,0 +1,416 @@
+"""Pure status logic: Kubernetes-shaped conditions, an adapter's phase from what the
+control plane reports, and what the operator should do next for an adapter.
+
+No I/O: the handlers pass in the observed state (the LoRAAdapter, the control plane's
+adapter record, the pool's ready workers) and write back what these return.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Condition = dict[str, Any]
+
+PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading")
+ADAPTER_CONDITIONS = ("Validated", "Loaded", "Ready", "Degraded")
+
+
+def now_iso(now: dt.datetime | None = None) -> str:
+    moment = now or dt.datetime.now(dt.UTC)
+    return moment.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(value: str | None) -> dt.datetime | None:
+    if not value:
+        return None
+    return dt.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.UTC)
+
+
+def condition(
+    type_: str, status: bool | None, reason: str, message: str, generation: int
+) -> Condition:
+    """A condition without its transition time (`merge_conditions` sets it)."""
+    return {
+        "type": type_,
+        "status": "Unknown" if status is None else ("True" if status else "False"),
+        "reason": reason,
+        "message": message[:32000],
+        "observedGeneration": generation,
+    }
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]] | None, new: Sequence[Condition], now: str
+) -> list[Condition]:
+    """`new` conditions, keeping `lastTransitionTime` of those whose status did not change;
+    conditions in `old` that `new` does not mention are kept as they were."""
+    previous = {c["type"]: c for c in old or []}
+    merged: list[Condition] = []
+    for cond in new:
+        before = previous.pop(cond["type"], None)
+        unchanged = before is not None and before.get("status") == cond["status"]
+        merged.append(
+            {
+                **cond,
+                "lastTransitionTime": before["lastTransitionTime"] if unchanged and before else now,
+            }
+        )
+    merged.extend(dict(c) for c in previous.values())
+    return merged
+
+
+def find_condition(
+    conditions: Sequence[Mapping[str, Any]] | None, type_: str
+) -> Mapping[str, Any] | None:
+    return next((c for c in conditions or [] if c.get("type") == type_), None)
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries: `max_attempts` failed loads per generation, then Failed."""
+
+    max_attempts: int = 5
+    base_delay_s: float = 2.0
+    max_delay_s: float = 60.0
+
+    def delay(self, attempts: int) -> float:
+        if attempts <= 0:
+            return 0.0
+        return float(min(self.max_delay_s, self.base_delay_s * 2 ** (attempts - 1)))
+
+
+Action = Literal["register", "update_version", "patch", "load", "wait", "give_up", "none"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    action: Action
+    reason: str
+
+
+def _source_of(spec: Mapping[str, Any]) -> tuple[str | None, str | None]:
+    source = spec.get("source") or {}
+    return source.get("uri"), source.get("sha256") or None
+
+
+def target_replicas(placement: str | Mapping[str, int], ready_workers: int) -> int:
+    if isinstance(placement, str):
+        return ready_workers
+    return min(int(placement["count"]), ready_workers)
+
+
+def plan_adapter(
+    spec: Mapping[str, Any],
+    placement: str | Mapping[str, int],
+    status: Mapping[str, Any],
+    generation: int,
+    cp_adapter: Mapping[str, Any] | None,
+    ready_workers: Sequence[str],
+    policy: RetryPolicy,
+    now: dt.datetime,
+) -> Plan:
+    """What to do now for one adapter, from observed state only (idempotent)."""
+    attempts = (
+        int(status.get("attempts", 0)) if status.get("observedGeneration") == generation else 0
+    )
+    if cp_adapter is None:
+        return _bounded(
+            "register", "not registered with the control plane", attempts, status, policy, now
+        )
+    uri, sha = _source_of(spec)
+    cp_uri, cp_sha = _source_of(cp_adapter)
+    if uri != cp_uri or (sha is not None and sha != cp_sha):
+        return _bounded("update_version", f"source changed to {uri}", attempts, status, policy, now)
+    if bool(spec.get("pinned", False)) != bool(cp_adapter.get("pinned", False)) or int(
+        spec.get("priority", 0)
+    ) != int(cp_adapter.get("priority", 0)):
+        return _bounded("patch", "pinned/priority changed", attempts, status, policy, now)
+    if cp_adapter.get("placement") != placement:
+        return _bounded("load", f"placement changed to {placement}", attempts, status, policy, now)
+    if cp_adapter.get("phase") in ("Loading", "Unloading"):
+        return Plan("wait", f"control plane reports {cp_adapter.get('phase')}")
+    loaded = set(cp_adapter.get("loaded_workers") or [])
+    missing = [w for w in ready_workers if w not in loaded]
+    want = target_replicas(placement, len(ready_workers))
+    if not ready_workers:
+        return Plan("wait", "the pool has no ready workers")
+    if len(loaded & set(ready_workers)) < want or cp_adapter.get("phase") in ("Failed", "Unloaded"):
+        detail = f"loaded on {len(loaded & set(ready_workers))}/{want} replicas"
+        if missing:
+            detail += f"; missing on {', '.join(missing[:5])}"
+        return _bounded("load", detail, attempts, status, policy, now)
+    return Plan("none", "in sync")
+
+
+def _bounded(
+    action: Action,
+    reason: str,
+    attempts: int,
+    status: Mapping[str, Any],
+    policy: RetryPolicy,
+    now: dt.datetime,
+) -> Plan:
+    if attempts >= policy.max_attempts:
+        return Plan("give_up", f"{reason}; gave up after {attempts} failed attempts")
+    last = parse_time(status.get("lastAttemptTime"))
+    if attempts and last is not None:
+        wait_s = policy.delay(attempts) - (now - last).total_seconds()
+        if wait_s > 0:
+            return Plan("wait", f"{reason}; backing off {wait_s:.0f} s after attempt {attempts}")
+    return Plan(action, reason)
+
+
+def replica_states(cp_adapter: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Per-replica, per-DP-group state from the control plane's placements."""
+    by_worker: dict[str, list[dict[str, Any]]] = {}
+    for placement in (cp_adapter or {}).get("placements") or []:
+        group: dict[str, Any] = {
+            "dpGroup": int(placement.get("dp_group", 0)),
+            "state": placement.get("state", ""),
+        }
+        if placement.get("error"):
+            group["error"] = str(placement["error"])
+        by_worker.setdefault(str(placement.get("worker")), []).append(group)
+    states = []
+    for worker, groups in sorted(by_worker.items()):
+        groups.sort(key=lambda g: g["dpGroup"])
+        kinds = {g["state"] for g in groups}
+        state = (
+            "loaded"
+            if kinds == {"loaded"}
+            else next(
+                (
+                    k
+                    for k in ("failed", "inconsistent", "unreachable", "unloading", "loading")
+                    if k in kinds
+                ),
+                sorted(kinds)[0] if kinds else "unknown",
+            )
+        )
+        states.append({"worker": worker, "state": state, "dpGroups": groups})
+    return states
+
+
+@dataclass(frozen=True)
+class AdapterView:
+    """What the operator knows about one adapter after a reconcile step."""
+
+    generation: int
+    cp_adapter: Mapping[str, Any] | None
+    ready_workers: Sequence[str]
+    placement: str | Mapping[str, int]
+    attempts: int = 0
+    last_error: str | None = None
+    invalid: tuple[str, str] | None = None  # (reason, message): the spec cannot work
+    pending: tuple[str, str] | None = None  # (reason, message): waits for something else
+    gave_up: bool = False
+
+
+def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """The whole `status` of a LoRAAdapter (phase, conditions, counts) for `view`."""
+    gen = view.generation
+    cp = view.cp_adapter or {}
+    loaded_workers = [w for w in cp.get("loaded_workers") or [] if w in set(view.ready_workers)]
+    want = target_replicas(view.placement, len(view.ready_workers))
+    loaded = len(loaded_workers)
+    error = view.last_error or cp.get("last_error")
+    conditions: list[Condition]
+    if view.invalid is not None:
+        reason, message = view.invalid
+        phase = "Failed"
+        conditions = [
+            condition("Validated", False, reason, message, gen),
+            condition("Loaded", False, reason, "not loaded: the spec is invalid", gen),
+            condition("Ready", False, reason, message, gen),
+            condition("Degraded", False, reason, "not loaded", gen),
+        ]
+    elif view.pending is not None:
+        reason, message = view.pending
+        phase = "Pending"
+        conditions = [
+            condition("Validated", False, reason, message, gen),
+            condition("Loaded", False, reason, "waiting: " + message, gen),
+            condition("Ready", False, reason, message, gen),
+            condition("Degraded", False, reason, "not loaded", gen),
+        ]
+    else:
+        validated = condition(
+            "Validated", True, "Valid", "spec accepted by the control plane's preflight", gen
+        )
+        if view.cp_adapter is None and error:
+            validated = condition("Validated", None, "NotRegistered", error, gen)
+        ready = bool(cp.get("routable")) and loaded >= max(want, 1) and not view.gave_up
+        if ready:
+            phase = "Ready"
+        elif view.gave_up:
+            phase = "Failed"
+        elif error and (view.attempts > 0 or cp.get("phase") in ("Failed", "Degraded")):
+            phase = "Degraded"
+        elif cp.get("phase") == "Degraded" or (loaded and loaded < want):
+            phase = "Degraded" if loaded and cp.get("phase") == "Degraded" else "Loading"
+        elif cp.get("phase") == "Unloading":
+            phase = "Unloading"
+        else:
+            phase = "Loading" if view.ready_workers else "Pending"
+        loaded_msg = f"loaded on {loaded}/{want} replicas" + (
+            f": {', '.join(loaded_workers)}" if loaded else ""
+        )
+        if view.gave_up:
+            reason = "RetriesExhausted"
+            fail_msg = f"gave up after {view.attempts} failed attempts: {error or 'unknown error'}"
+        else:
+            reason = "LoadFailed" if error else "Loading"
+            fail_msg = error or loaded_msg
+        conditions = [
+            validated,
+            condition(
+                "Loaded",
+                loaded >= max(want, 1),
+                "Loaded" if loaded >= max(want, 1) else reason,
+                loaded_msg if loaded >= max(want, 1) else fail_msg,
+                gen,
+            ),
+            condition(
+                "Ready",
+                ready,
+                "Routable" if ready else reason,
+                "routable on every target replica" if ready else fail_msg,
+                gen,
+            ),
+            condition(
+                "Degraded",
+                phase in ("Degraded", "Failed"),
+                reason if phase in ("Degraded", "Failed") else "AsExpected",
+                fail_msg if phase in ("Degraded", "Failed") else "no failures",
+                gen,
+            ),
+        ]
+    status: dict[str, Any] = {
+        "phase": phase,
+        "observedGeneration": gen,
+        "replicas": len(view.ready_workers),
+        "loadedReplicas": loaded,
+        "ready": f"{loaded}/{want}",
+        "replicaStates": replica_states(view.cp_adapter),
+        "attempts": view.attempts,
+        "conditions": merge_conditions(old.get("conditions"), conditions, now),
+    }
+    for key, cp_key in (
+        ("digest", "digest"),
+        ("rank", "rank"),
+        ("alpha", "alpha"),
+        ("targetModules", "target_modules"),
+        ("loraName", "lora_name"),
+        ("version", "version"),
+    ):
+        if cp.get(cp_key) is not None:
+            status[key] = cp[cp_key]
+    status["lastError"] = (error or "") if phase != "Ready" else ""
+    return status
+
+
+# --------------------------------------------------------------------------- pools
+
+
+def pool_status(
+    generation: int,
+    replicas: int,
+    pods: Sequence[Mapping[str, Any]],
+    cp_workers: Sequence[Mapping[str, Any]],
+    old: Mapping[str, Any],
+    now: str,
+    problem: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """A LoRAPool's status from its pods (`name`, `ip`, `ready`, `worker`) and the control
+    plane's workers of the pool (the API's worker objects)."""
+    by_name = {w.get("name"): w for w in cp_workers}
+    workers: list[dict[str, Any]] = []
+    slots_used = slots_total = 0
+    for pod in sorted(pods, key=lambda p: str(p["name"])):
+        cp = by_name.get(pod["worker"]) or {}
+        groups = []
+        for group in cp.get("dp_groups") or []:
+            used, total = int(group.get("slots_used", 0)), int(group.get("slots_total", 0))
+            slots_used, slots_total = slots_used + used, slots_total + total
+            groups.append(
+                {
+                    "dpGroup": int(group.get("dp_group", 0)),
+                    "healthy": cp.get("state") == "ready",
+                    "slotsUsed": used,
+                    "slotsTotal": total,
+                    "adapters": list(group.get("adapters") or []),
+                }
+            )
+        slots = cp.get("slots") or {}
+        workers.append(
+            {
+                "name": pod["worker"],
+                "pod": pod["name"],
+                "podIP": pod.get("ip") or "",
+                "ready": bool(pod.get("ready")),
+                "state": cp.get("state", "unregistered"),
+                "loaded": int(slots.get("loaded", 0)),
+                "pinned": int(slots.get("pinned", 0)),
+                "dpGroups": groups,
+            }
+        )
+    ready = sum(1 for p in pods if p.get("ready"))
+    registered = sum(1 for w in workers if w["state"] == "ready")
+    if problem is not None:
+        conditions = [
+            condition("Validated", False, problem[0], problem[1], generation),
+            condition("Ready", False, problem[0], problem[1], generation),
+        ]
+    else:
+        all_ready = ready == replicas and registered == replicas
+        conditions = [
+            condition("Validated", True, "Valid", "spec accepted", generation),
+            condition(
+                "Ready",
+                all_ready,
+                "AllReplicasReady" if all_ready else "ReplicasNotReady",
+                f"{ready}/{replicas} pods ready, {registered}/{replicas} workers ready in the control plane",
+                generation,
+            ),
+        ]
+    return {
+        "observedGeneration": generation,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "registeredWorkers": registered,
+        "slotsUsed": slots_used,
+        "slotsTotal": slots_total,
+        "workers": workers,
+        "conditions": merge_conditions(old.get("conditions"), conditions, now),
+    }
+
+
+def excess_pinned(
+    adapters: Sequence[Mapping[str, Any]], max_loras_per_batch: int
+) -> dict[str, str]:
+    """Pinned adapters of one pool beyond K-1, oldest first keep their pin: name → message.
+
+    `adapters` are LoRAAdapter objects of the pool (metadata + spec)."""
+    pinned = sorted(
+        (
+            a
+            for a in adapters
+            if (a.get("spec") or {}).get("pinned") and not a["metadata"].get("deletionTimestamp")
+        ),
+        key=lambda a: (a["metadata"].get("creationTimestamp") or "", a["metadata"]["name"]),
+    )
+    allowed = max(max_loras_per_batch - 1, 0)
+    keep = [a["metadata"]["name"] for a in pinned[:allowed]]
+    return {
+        a["metadata"]["name"]: (
+            f"spec.pinned: pool allows at most maxLorasPerBatch-1 = {allowed} pinned adapters "
+            f"per worker; already pinned: {', '.join(keep) or 'none'}"
+        )
+        for a in pinned[allowed:]
+    }
