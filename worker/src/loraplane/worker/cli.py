@@ -148,3 +148,52 @@ def parity_cmd(
     for key, value in data.get("extra", {}).items():
         table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
     Console().print(table)
+
+
+@worker_app.command("serve")
+def serve_cmd(
+    model: Annotated[Path, typer.Option(help="HF-format model directory (config.json, safetensors, tokenizer.json)")],
+    tp: Annotated[int, typer.Option(help="Tensor-parallel ranks")] = 1,
+    dp: Annotated[int, typer.Option(help="DP-attention groups (tp must be divisible by dp)")] = 1,
+    dp_attention: Annotated[bool, typer.Option("--dp-attention/--no-dp-attention", help="Attention per DP group")] = False,
+    device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
+    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 (default: the checkpoint's)")] = None,
+    max_loras_per_batch: Annotated[int, typer.Option(help="K: GPU LoRA slots; distinct adapters per batch")] = 4,
+    max_loaded_loras: Annotated[int, typer.Option(help="M: adapters kept in host memory")] = 8,
+    max_lora_rank: Annotated[int, typer.Option(help="R: largest adapter rank a slot holds")] = 64,
+    lora: Annotated[list[str], typer.Option(help="NAME=PATH of an adapter to load at start; repeat")] = [],  # noqa: B006
+    pinned: Annotated[list[str], typer.Option(help="NAME of a --lora adapter to pin (never evicted); repeat")] = [],  # noqa: B006
+    host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on")] = 30000,
+    lora_backend: Annotated[str, typer.Option(help="LoRA kernels: triton | torch")] = "triton",
+    allowed_lora_root: Annotated[list[str], typer.Option(help="Adapter paths must lie under one of these; repeat")] = [],  # noqa: B006
+    enable_fault_injection: Annotated[bool, typer.Option(help="Test only: enable POST /debug/fault")] = False,
+    max_running: Annotated[int, typer.Option(help="Running requests (KV rows) per DP group")] = 32,
+    max_model_len: Annotated[int | None, typer.Option(help="Prompt + generated tokens per request")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Base model id in /v1/models (default: dir name)")] = None,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+) -> None:
+    """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
+    from loraplane.worker.config import ConfigError
+    from loraplane.worker.lora.adapter import AdapterError
+    from loraplane.worker.server.factory import ServeConfig
+    from loraplane.worker.server.serve import serve
+
+    loras = []
+    for spec in lora:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            _fail(f"--lora {spec!r} must be NAME=PATH")
+        loras.append((name, path))
+    try:
+        config = ServeConfig(
+            model=str(model), tp=tp, dp=dp, dp_attention=dp_attention, device=device, dtype=dtype,
+            max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras, max_lora_rank=max_lora_rank,
+            lora_backend=lora_backend, max_running=max_running, max_model_len=max_model_len, loras=tuple(loras),
+            pinned=tuple(pinned), allowed_lora_roots=tuple(allowed_lora_root),
+            enable_fault_injection=enable_fault_injection, served_model_name=served_model_name, host=host, port=port,
+            log_level=log_level,
+        )
+        serve(config)
+    except (ConfigError, AdapterError) as exc:
+        _fail(str(exc))

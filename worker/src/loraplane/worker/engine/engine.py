@@ -1,0 +1,493 @@
+"""The serving engine: one background thread that owns the executor.
+
+Between two forward passes the thread runs adapter commands (load, unload), admits waiting
+requests (scheduler + residency), fills slots, and then runs one step over every running
+sequence of every DP group: a new sequence's whole prompt (prefill) or its last token
+(decode). Slot copies therefore never overlap a forward, and a request keeps the adapter
+version it was admitted with until it finishes.
+
+Other threads (the HTTP server) only call `submit`, `abort`, `load_adapter`,
+`unload_adapter` and the read-only views; shared bookkeeping is guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence as Seq
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from loraplane.worker.engine.executor import Executor, SeqWork
+from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
+from loraplane.worker.engine.residency import Residency, ResidencyError
+from loraplane.worker.engine.sampling import SamplingParams, sample
+from loraplane.worker.engine.scheduler import Scheduler
+from loraplane.worker.engine.sequence import SeqEvent, Sequence
+from loraplane.worker.engine.tokenizer import TextTokenizer
+from loraplane.worker.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
+
+log = logging.getLogger("loraplane.worker.engine")
+
+
+class UnknownAdapterError(LookupError):
+    pass
+
+
+class EngineObserver(Protocol):
+    """Hooks the server's metrics implement; the engine knows nothing of Prometheus."""
+
+    def request_started(self, adapter: str | None, prompt_tokens: int) -> None: ...
+    def tokens_generated(self, adapter: str | None, count: int) -> None: ...
+    def step(self, distinct_adapters: int, running_per_group: list[int], waiting: int, waiting_for_slot: int) -> None: ...
+    def idle(self) -> None: ...
+    def evicted(self, adapter: str) -> None: ...
+    def residency_changed(self, slots_used: int, loaded: int, pinned: int, inconsistent: int) -> None: ...
+    def adapter_op(self, op: str, seconds: float, success: bool) -> None: ...
+
+
+class _NullObserver:
+    def __getattr__(self, _name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+FaultHook = Callable[[str, int], "str | None"]  # (op, dp_group) -> failure message or None
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    kind: str  # "evict"
+    adapter: str
+    at: float
+
+
+def _fingerprint(path: str) -> tuple[Any, ...]:
+    parts: list[Any] = []
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        try:
+            st = (Path(path) / name).stat()
+            parts.append((name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            parts.append((name, None))
+    return tuple(parts)
+
+
+class Engine:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer: TextTokenizer,
+        *,
+        max_loras_per_batch: int,
+        max_loaded_loras: int,
+        max_running: int,
+        max_model_len: int,
+        observer: EngineObserver | None = None,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.dp_size = executor.dp_size
+        self.max_model_len = min(max_model_len, executor.max_len)
+        self.residency = Residency(max_loras_per_batch, max_loaded_loras)
+        self.scheduler = Scheduler(self.dp_size, executor.max_seqs, max_running, self.residency)
+        self.observer: Any = observer or _NullObserver()
+        self.fault_hook = fault_hook
+        # per DP group: adapter name -> path, as that group holds them
+        self.group_adapters: list[dict[str, str]] = [{} for _ in range(self.dp_size)]
+        self.inconsistent: set[str] = set()
+        self.versions: dict[str, int] = {}
+        self.fingerprints: dict[str, tuple[Any, ...]] = {}
+        self.evictions: list[EventRecord] = []
+        self.steps = 0
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._incoming: list[Sequence] = []
+        self._commands: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="loraplane-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        self._thread.join(timeout=10)
+        self.executor.shutdown()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # --- requests ------------------------------------------------------------------------
+
+    def resolve_adapter(self, name: str) -> str:
+        """The key of the version new requests for `name` get; UnknownAdapterError otherwise."""
+        with self._lock:
+            adapter = self.residency.current(name)
+            if name in self.inconsistent:
+                raise UnknownAdapterError(
+                    f"adapter {name!r} is inconsistent after a partially failed unload and is not routable; "
+                    "retry POST /unload_lora_adapter"
+                )
+            if adapter is None:
+                raise UnknownAdapterError(
+                    f"adapter {name!r} is not loaded on this worker; loaded: {sorted(self.residency.loaded_names)}"
+                )
+            return adapter.key
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None,
+        sink: Callable[[SeqEvent], None],
+    ) -> Sequence:
+        with self._wake:
+            key = self.resolve_adapter(adapter) if adapter is not None else None
+            seq = Sequence(request_id, prompt_ids, params, adapter, key, sink)
+            if key is not None:
+                self.residency.hold(key)
+            self._incoming.append(seq)
+            self._wake.notify_all()
+        self.observer.request_started(adapter, len(prompt_ids))
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        with self._wake:
+            seq.aborted = True
+            self._wake.notify_all()
+
+    # --- adapter commands ----------------------------------------------------------------
+
+    def _command(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._wake:
+            if self._stop or not self._thread.is_alive():
+                future.set_exception(RuntimeError("the engine is not running"))
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify_all()
+        return future
+
+    def load_adapter(self, name: str, path: str, pinned: bool = False) -> Future[LoRAUpdateResult]:
+        return self._command(lambda: self._load(name, path, pinned))
+
+    def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]:
+        return self._command(lambda: self._unload(name))
+
+    def _fault(self, op: str, group: int) -> str | None:
+        return self.fault_hook(op, group) if self.fault_hook else None
+
+    def _results(self, errors: Seq[str | None]) -> list[LoRAUpdateResult]:
+        return [
+            LoRAUpdateResult(success=err is None, error_message=err or "", loaded_adapters=dict(self.group_adapters[g]))
+            for g, err in enumerate(errors)
+        ]
+
+    def _load(self, name: str, path: str, pinned: bool) -> LoRAUpdateResult:
+        t0 = time.perf_counter()
+        path = str(Path(path).resolve())
+        with self._lock:
+            if name in self.inconsistent:
+                return self._failed(
+                    f"lora_name: adapter {name!r} is inconsistent after a partially failed unload; "
+                    "retry POST /unload_lora_adapter before loading it again"
+                )
+            fingerprint = _fingerprint(path)
+            current = self.residency.current(name)
+            if current is not None and current.path == path and self.fingerprints.get(current.key) == fingerprint:
+                try:
+                    self.residency.set_pinned(name, pinned)
+                except ResidencyError as exc:
+                    return self._failed(str(exc))
+                self._publish_residency()
+                return merge_lora_update_results(self._results([None] * self.dp_size))
+            try:
+                self.residency.check_add(name, pinned)
+            except ResidencyError as exc:
+                return self._failed(str(exc))
+            version = self.versions.get(name, 0) + 1
+            key = name if version == 1 else f"{name}@v{version}"
+        errors: list[str | None] = []
+        for group in range(self.dp_size):
+            fault = self._fault("load", group)
+            if fault is not None:
+                errors.append(fault)
+                continue
+            try:
+                self.executor.read_adapter(group, key, path)
+                errors.append(None)
+            except AdapterError as exc:
+                errors.append(str(exc))
+        with self._lock:
+            if any(e is not None for e in errors):
+                # roll back wherever it was read: the adapter is on every group or on none
+                self.executor.drop_adapter(key)
+                merged = merge_lora_update_results(self._results(errors))
+                self.observer.adapter_op("load", time.perf_counter() - t0, False)
+                log.warning("load %s from %s failed: %s", name, path, merged.error_message or "(no message)")
+                return merged
+            self.versions[name] = version
+            self.fingerprints[key] = fingerprint
+            removable = self.residency.add(key, name, path, version, pinned=pinned)
+            for old in removable:
+                self._remove(old)
+            for group in range(self.dp_size):
+                self.group_adapters[group][name] = path
+            self._publish_residency()
+            self.observer.adapter_op("load", time.perf_counter() - t0, True)
+            log.info("loaded adapter %s (version %d%s) from %s", name, version, ", pinned" if pinned else "", path)
+            return merge_lora_update_results(self._results([None] * self.dp_size))
+
+    def _unload(self, name: str) -> LoRAUpdateResult:
+        t0 = time.perf_counter()
+        with self._lock:
+            holders = [name in g for g in self.group_adapters]
+            if not any(holders) and name not in self.inconsistent:
+                return self._failed(
+                    f"lora_name: adapter {name!r} is not loaded; loaded: {sorted(self.residency.loaded_names)}"
+                )
+            errors: list[str | None] = []
+            for group in range(self.dp_size):
+                fault = self._fault("unload", group)
+                if fault is not None:
+                    errors.append(fault)
+                elif holders[group]:
+                    del self.group_adapters[group][name]
+                    errors.append(None)
+                elif name in self.inconsistent:
+                    errors.append(None)  # already unloaded there by an earlier, partially failed unload
+                else:
+                    errors.append(f"adapter {name!r} is not loaded on dp group {group}")
+            current = self.residency.current(name)
+            if current is not None:
+                # not routable from now on; running requests keep their version until they finish
+                for key in self.residency.retire(current.key):
+                    self._remove(key)
+            ok = all(e is None for e in errors)
+            if ok:
+                self.inconsistent.discard(name)
+            else:
+                self.inconsistent.add(name)
+            self._publish_residency()
+            self.observer.adapter_op("unload", time.perf_counter() - t0, ok)
+            merged = merge_lora_update_results(self._results(errors))
+            if ok:
+                log.info("unloaded adapter %s", name)
+            else:
+                log.warning("unload %s failed on some dp group, marked inconsistent: %s", name, merged.error_message)
+            return merged
+
+    def _failed(self, message: str) -> LoRAUpdateResult:
+        return LoRAUpdateResult(False, message, dict(self.group_adapters[0]))
+
+    def _remove(self, key: str) -> None:
+        """Forget a version nobody holds: free its slot and its host copies (engine thread)."""
+        slot = self.residency.remove(key)
+        if slot is not None:
+            self.executor.clear_slot(slot)
+        self.executor.drop_adapter(key)
+        self.fingerprints.pop(key, None)
+
+    def _publish_residency(self) -> None:
+        r = self.residency
+        self.observer.residency_changed(r.slots_used, len(r.loaded_names), len(r.pinned_names), len(self.inconsistent))
+
+    # --- views ---------------------------------------------------------------------------
+
+    def lora_state(self) -> dict[str, Any]:
+        with self._lock:
+            r = self.residency
+            adapters = []
+            for a in sorted(r.adapters.values(), key=lambda a: a.key):
+                adapters.append(
+                    {
+                        "name": a.name, "key": a.key, "version": a.version, "path": a.path, "pinned": a.pinned,
+                        "slot": a.slot, "retired": a.retired, "running": a.running, "last_used": a.last_used,
+                    }
+                )
+            return {
+                "max_loras_per_batch": r.num_slots,
+                "max_loaded_loras": r.max_loaded,
+                "loaded": len(r.loaded_names),
+                "pinned": r.pinned_names,
+                "inconsistent": sorted(self.inconsistent),
+                "slots": list(r.slots),
+                "lru_order": r.lru_order(),
+                "dp_groups": [
+                    {
+                        "dp_group": g,
+                        "adapters": sorted(self.group_adapters[g]),
+                        "slots_used": r.slots_used,
+                        "slots_total": r.num_slots,
+                        "running": sum(1 for s in self.scheduler.running if s.dp_group == g),
+                    }
+                    for g in range(self.dp_size)
+                ],
+                "adapters": adapters,
+                "evictions": [
+                    {"adapter": e.adapter, "at": e.at} for e in self.evictions[-256:]
+                ],
+                "waiting": len(self.scheduler.waiting) + len(self._incoming),
+                "running": len(self.scheduler.running),
+            }
+
+    def listed_adapters(self) -> list[dict[str, Any]]:
+        """Every name some DP group holds: name, path, pinned, inconsistent."""
+        with self._lock:
+            names: dict[str, str] = {}
+            for g in self.group_adapters:
+                for n, p in g.items():
+                    names.setdefault(n, p)
+            pinned = set(self.residency.pinned_names)
+            return [
+                {"name": n, "path": p, "pinned": n in pinned, "inconsistent": n in self.inconsistent}
+                for n, p in sorted(names.items())
+            ]
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._stop or self._commands or self._incoming or self.scheduler.running
+                               or self.scheduler.waiting):
+                        self._wake.wait(timeout=0.5)
+                    if self._stop:
+                        break
+                    commands, self._commands = self._commands, []
+                for fn, future in commands:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                            log.exception("adapter command failed")
+                            future.set_exception(exc)
+                self._step()
+        except BaseException as exc:
+            self.error = exc
+            log.exception("engine loop died")
+            with self._lock:
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + self._incoming:
+                    seq.sink(SeqEvent("", (), finished=True, finish_reason="abort", error=f"engine failed: {exc}"))
+                for _fn, future in self._commands:
+                    future.set_exception(RuntimeError(f"engine failed: {exc}"))
+                self._commands = []
+
+    def _finish(self, seq: Sequence, reason: str, matched: int | str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.matched_stop = matched
+        if seq.adapter_key is not None and self.residency.unhold(seq.adapter_key):
+            self._remove(seq.adapter_key)
+
+    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...]) -> None:
+        finished = seq.finish_reason is not None
+        end = len(seq.text)
+        if not finished:
+            if seq.params.stop:
+                end -= max(len(s) for s in seq.params.stop) - 1
+            while end > seq.emitted and seq.text[end - 1] == "\ufffd":
+                end -= 1
+        end = max(end, seq.emitted)
+        delta = seq.text[seq.emitted:end]
+        seq.emitted = end
+        if delta or new_tokens or finished:
+            seq.sink(
+                SeqEvent(
+                    delta, new_tokens, finished, seq.finish_reason, seq.matched_stop,
+                    prompt_tokens=len(seq.prompt_ids), completion_tokens=seq.generated,
+                )
+            )
+
+    def _step(self) -> None:
+        with self._lock:
+            for seq in self._incoming:
+                if seq.params.max_new_tokens == 0:
+                    self._finish(seq, "length")
+                    self._emit(seq, ())
+                else:
+                    self.scheduler.add(seq)
+            self._incoming = []
+            for seq in [s for s in self.scheduler.waiting if s.aborted]:
+                self.scheduler.drop_waiting(seq)
+                self._finish(seq, "abort")
+                self._emit(seq, ())
+            for seq in [s for s in self.scheduler.running if s.aborted]:
+                self.scheduler.finish(seq)
+                self._finish(seq, "abort")
+                self._emit(seq, ())
+            admission = self.scheduler.schedule()
+            for key in admission.evicted:
+                adapter = self.residency.adapters[key]
+                self.evictions.append(EventRecord("evict", adapter.name, time.time()))
+                self.observer.evicted(adapter.name)
+                log.info("evicted adapter %s from its slot (LRU)", adapter.name)
+            running = list(self.scheduler.running)
+            waiting = len(self.scheduler.waiting)
+        for slot, key in admission.slot_loads:
+            self.executor.load_slot(slot, key)
+        if admission.slot_loads:
+            self._publish_residency()
+        if not running:
+            self.observer.idle()
+            if waiting:
+                time.sleep(0.001)
+            return
+        work: list[list[SeqWork]] = [[] for _ in range(self.dp_size)]
+        order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
+        for seq in running:
+            tokens = seq.next_tokens()
+            work[seq.dp_group].append(SeqWork(seq.cache_row, seq.cached, tokens, seq.slot))
+            order[seq.dp_group].append(seq)
+        self.observer.step(
+            self.scheduler.distinct_adapters(), [len(o) for o in order], waiting, admission.waiting_for_slot
+        )
+        logits = self.executor.step(work)
+        self.steps += 1
+        with self._lock:
+            for group, seqs in enumerate(order):
+                for i, seq in enumerate(seqs):
+                    seq.cached += len(work[group][i].tokens)
+                    token = sample(logits[group][i], seq.params, seq.generator)
+                    before = len(seq.output_ids)
+                    self._append(seq, token)
+                    if seq.finish_reason is not None:
+                        self.scheduler.finish(seq)
+                    self._emit(seq, tuple(seq.output_ids[before:]))
+                    self.observer.tokens_generated(seq.adapter_name, 1)
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        seq.generated += 1
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            self._finish(seq, "stop", token)
+            return
+        if token in params.stop_token_ids:
+            self._finish(seq, "stop", token)
+            return
+        seq.output_ids.append(token)
+        previous = len(seq.text)
+        seq.text = self.tokenizer.decode(seq.output_ids)
+        if params.stop:
+            longest = max(len(s) for s in params.stop)
+            start = max(0, min(previous, len(seq.text)) - longest)
+            hits = [(seq.text.find(s, start), s) for s in params.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                index, stop = min(hits)
+                seq.text = seq.text[:index]
+                self._finish(seq, "stop", stop)
+                return
+        if seq.generated >= params.max_new_tokens or len(seq.prompt_ids) + seq.generated >= self.max_model_len:
+            self._finish(seq, "length")

@@ -1,0 +1,59 @@
+"""One request in the engine: its prompt, its adapter version, what it generated so far."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplane.worker.engine.sampling import SamplingParams, make_generator
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, slots=True)
+class SeqEvent:
+    """What a request's consumer receives after a step: new text and tokens, or the end."""
+
+    text_delta: str
+    token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter_name: str | None  # the name the client used
+    adapter_key: str | None  # the version it runs with (executor name)
+    sink: Callable[[SeqEvent], None]  # called on the engine thread
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    generated: int = 0  # tokens sampled, including a final stop token
+    dp_group: int = -1
+    cache_row: int = -1
+    slot: int = -1
+    cached: int = 0  # tokens of this sequence in its KV row
+    text: str = ""
+    emitted: int = 0  # characters of `text` already sent
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    aborted: bool = False
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.generator = make_generator(self.params.seed)
+
+    def next_tokens(self) -> tuple[int, ...]:
+        """Tokens to feed this step: the whole prompt first (prefill), then the last sampled token."""
+        if self.cached == 0:
+            return tuple(self.prompt_ids)
+        return (self.output_ids[-1],)

@@ -1,0 +1,1 @@
+"""The worker HTTP server: FastAPI app, protocol models, metrics, fault injection."""

@@ -1,0 +1,95 @@
+"""Build the executor a worker runs on: `make_executor` is the one place that knows which
+(tp, dp, dp_attention) combinations exist. The multi-rank executor plugs in here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loraplane.worker.config import ConfigError, LoRARuntimeConfig
+from loraplane.worker.engine.executor import Executor
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str
+    tp: int = 1
+    dp: int = 1
+    dp_attention: bool = False
+    device: str = "cpu"
+    dtype: str | None = None
+    max_loras_per_batch: int = 4
+    max_loaded_loras: int = 8
+    max_lora_rank: int = 64
+    lora_backend: str = "triton"
+    max_running: int = 32
+    max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
+    loras: tuple[tuple[str, str], ...] = ()
+    pinned: tuple[str, ...] = ()
+    allowed_lora_roots: tuple[str, ...] = ()
+    enable_fault_injection: bool = False
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.dp < 1:
+            raise ConfigError(f"--tp ({self.tp}) and --dp ({self.dp}) must be >= 1")
+        if self.tp % self.dp:
+            raise ConfigError(f"--tp ({self.tp}) must be divisible by --dp ({self.dp})")
+        if self.dp > 1 and not self.dp_attention:
+            raise ConfigError(f"--dp {self.dp} needs --dp-attention (data parallelism is DP attention inside one TP group)")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {self.device!r} is not supported; expected cpu or cuda")
+        if self.lora_backend not in ("triton", "torch"):
+            raise ConfigError(f"--lora-backend {self.lora_backend!r} is not supported; expected triton or torch")
+        if self.max_running < 1:
+            raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        names = [n for n, _ in self.loras]
+        unknown = [p for p in self.pinned if p not in names]
+        if unknown:
+            raise ConfigError(f"--pinned {unknown} name no --lora NAME=PATH; pinned adapters must be loaded at start")
+
+    @property
+    def lora_config(self) -> LoRARuntimeConfig:
+        return LoRARuntimeConfig(
+            max_loras_per_batch=self.max_loras_per_batch,
+            max_loaded_loras=self.max_loaded_loras,
+            max_lora_rank=self.max_lora_rank,
+            pinned=self.pinned,
+        )
+
+    @property
+    def rows_per_group(self) -> int:
+        return self.max_running
+
+
+def unsupported_reason(config: ServeConfig) -> str | None:
+    """Why `make_executor` cannot build this configuration, or None if it can."""
+    if config.tp == 1 and config.dp == 1:
+        return None
+    return (
+        f"--tp {config.tp} --dp {config.dp}{' --dp-attention' if config.dp_attention else ''}: the multi-rank executor "
+        "(loraplane.worker.parallel.launch) is not available yet; only --tp 1 --dp 1 runs"
+    )
+
+
+def make_executor(config: ServeConfig, max_len: int) -> Executor:
+    """The executor for `config`: KV rows per DP group = max_running, positions per row = max_len."""
+    reason = unsupported_reason(config)
+    if reason is not None:
+        raise ConfigError(reason)
+    from loraplane.worker.engine.executor import LocalExecutor
+    from loraplane.worker.engine.runner import RunnerConfig
+
+    runner = RunnerConfig(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        max_seqs=config.rows_per_group,
+        max_len=max_len,
+        lora_backend=config.lora_backend,
+    )
+    return LocalExecutor(runner, config.lora_config)

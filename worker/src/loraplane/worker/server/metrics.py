@@ -1,0 +1,81 @@
+"""Prometheus metrics of one worker (prefix `loraplane_worker_`), fed by the engine's hooks."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+NO_ADAPTER_LABEL = "none"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+def _label(adapter: str | None) -> str:
+    return adapter if adapter is not None else NO_ADAPTER_LABEL
+
+
+class WorkerMetrics:
+    """Implements `EngineObserver`; one registry per server so tests can run several."""
+
+    def __init__(self, dp_size: int, max_loras_per_batch: int, max_loaded_loras: int) -> None:
+        disable_created_metrics()  # no *_created series: they only add noise to dashboards
+        self.registry = CollectorRegistry()
+        self.dp_size = dp_size
+        r = self.registry
+        self.slots_used = Gauge("loraplane_worker_lora_slots_used", "GPU LoRA slots holding an adapter", ["dp_group"], registry=r)
+        self.slots_total = Gauge("loraplane_worker_lora_slots_total", "GPU LoRA slots (max_loras_per_batch)", ["dp_group"], registry=r)
+        self.max_loaded = Gauge("loraplane_worker_adapters_max_loaded", "Host-memory adapter capacity (max_loaded_loras)", registry=r)
+        self.loaded = Gauge("loraplane_worker_adapters_loaded", "Adapters loaded (routable or inconsistent)", registry=r)
+        self.pinned = Gauge("loraplane_worker_adapters_pinned", "Pinned adapters", registry=r)
+        self.inconsistent = Gauge("loraplane_worker_adapters_inconsistent", "Adapters left inconsistent by a partially failed unload", registry=r)
+        self.requests = Counter("loraplane_worker_requests", "Generation requests accepted", ["adapter"], registry=r)
+        self.prompt_tokens = Counter("loraplane_worker_prompt_tokens", "Prompt tokens of accepted requests", ["adapter"], registry=r)
+        self.generated_tokens = Counter("loraplane_worker_generated_tokens", "Tokens generated", ["adapter"], registry=r)
+        self.load_seconds = Histogram("loraplane_worker_adapter_load_seconds", "Latency of adapter loads (all DP groups)", ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.unload_seconds = Histogram("loraplane_worker_adapter_unload_seconds", "Latency of adapter unloads (all DP groups)", ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.evictions = Counter("loraplane_worker_adapter_evictions", "Adapters evicted from a GPU slot (LRU)", ["adapter"], registry=r)
+        self.waiting_for_slot = Gauge("loraplane_worker_requests_waiting_for_slot", "Requests waiting because their adapter has no GPU slot", registry=r)
+        self.waiting = Gauge("loraplane_worker_requests_waiting", "Requests waiting to start", registry=r)
+        self.running = Gauge("loraplane_worker_requests_running", "Requests running", ["dp_group"], registry=r)
+        self.distinct_adapters = Histogram("loraplane_worker_step_distinct_adapters", "Distinct adapters in one forward step", buckets=tuple(range(0, max_loras_per_batch + 1)), registry=r)
+        self.steps = Counter("loraplane_worker_steps", "Forward steps run", registry=r)
+        for g in range(dp_size):
+            self.slots_total.labels(str(g)).set(max_loras_per_batch)
+            self.slots_used.labels(str(g)).set(0)
+            self.running.labels(str(g)).set(0)
+        self.max_loaded.set(max_loaded_loras)
+
+    # --- EngineObserver ------------------------------------------------------------------
+
+    def request_started(self, adapter: str | None, prompt_tokens: int) -> None:
+        self.requests.labels(_label(adapter)).inc()
+        self.prompt_tokens.labels(_label(adapter)).inc(prompt_tokens)
+
+    def tokens_generated(self, adapter: str | None, count: int) -> None:
+        self.generated_tokens.labels(_label(adapter)).inc(count)
+
+    def step(self, distinct_adapters: int, running_per_group: list[int], waiting: int, waiting_for_slot: int) -> None:
+        self.steps.inc()
+        self.distinct_adapters.observe(distinct_adapters)
+        for g, n in enumerate(running_per_group):
+            self.running.labels(str(g)).set(n)
+        self.waiting.set(waiting)
+        self.waiting_for_slot.set(waiting_for_slot)
+
+    def idle(self) -> None:
+        for g in range(self.dp_size):
+            self.running.labels(str(g)).set(0)
+        self.waiting.set(0)
+        self.waiting_for_slot.set(0)
+
+    def evicted(self, adapter: str) -> None:
+        self.evictions.labels(adapter).inc()
+
+    def residency_changed(self, slots_used: int, loaded: int, pinned: int, inconsistent: int) -> None:
+        for g in range(self.dp_size):
+            self.slots_used.labels(str(g)).set(slots_used)
+        self.loaded.set(loaded + inconsistent)
+        self.pinned.set(pinned)
+        self.inconsistent.set(inconsistent)
+
+    def adapter_op(self, op: str, seconds: float, success: bool) -> None:
+        hist = self.load_seconds if op == "load" else self.unload_seconds
+        hist.labels("success" if success else "failure").observe(seconds)

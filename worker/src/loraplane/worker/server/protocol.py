@@ -1,0 +1,230 @@
+"""Request and response bodies of the worker HTTP API (SGLang / OpenAI names)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- sampling, shared ----------------------------------------------------------------------
+
+
+class _Sampling(BaseModel):
+    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy")
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0 = no limit")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+
+# --- SGLang /generate ----------------------------------------------------------------------
+
+
+class GenerateSamplingParams(_Sampling):
+    model_config = ConfigDict(extra="ignore")
+    max_new_tokens: int = Field(default=128, ge=0)
+
+
+class GenerateRequest(BaseModel):
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    lora_path: str | None = Field(default=None, description="adapter name (SGLang calls it lora_path)")
+    stream: bool = False
+    rid: str | None = None
+
+
+class FinishReason(BaseModel):
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+
+
+class GenerateMetaInfo(BaseModel):
+    id: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason | None = None
+
+
+class GenerateResponse(BaseModel):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+# --- OpenAI completions -------------------------------------------------------------------
+
+
+class CompletionRequest(_Sampling):
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=0)
+    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    stream: bool = False
+    lora_path: str | None = None
+    user: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatCompletionRequest(_Sampling):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    stream: bool = False
+    lora_path: str | None = None
+    user: str | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+# --- adapters ------------------------------------------------------------------------------
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+
+
+class LoRAUpdateResponse(BaseModel):
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "loraplane"
+    root: str
+    parent: str | None = None
+    max_model_len: int | None = None
+    pinned: bool | None = None
+    inconsistent: bool | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class DPGroupState(BaseModel):
+    dp_group: int
+    adapters: list[str]
+    slots_used: int
+    slots_total: int
+    running: int
+
+
+class AdapterState(BaseModel):
+    name: str
+    key: str
+    version: int
+    path: str
+    pinned: bool
+    slot: int | None
+    retired: bool
+    running: int
+    last_used: int
+
+
+class EvictionRecord(BaseModel):
+    adapter: str
+    at: float
+
+
+class LoRAStateResponse(BaseModel):
+    max_loras_per_batch: int
+    max_loaded_loras: int
+    loaded: int
+    pinned: list[str]
+    inconsistent: list[str]
+    slots: list[str | None] = Field(description="adapter key in each GPU slot")
+    lru_order: list[str] = Field(description="keys holding a slot, least recently used first")
+    dp_groups: list[DPGroupState]
+    adapters: list[AdapterState]
+    evictions: list[EvictionRecord]
+    waiting: int
+    running: int
+
+
+class FaultRequest(BaseModel):
+    op: Literal["load", "unload"]
+    dp_group: int = Field(ge=0)
+    count: int = Field(default=1, ge=0)
+    message: str = ""
+
+
+class FaultResponse(BaseModel):
+    armed: dict[str, Any]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
