@@ -1,0 +1,168 @@
+"""Registry events over a real Redis; stopping Redis for a while does not stop reads, writes or
+routing, and the events published meanwhile arrive once it is back.
+
+The test runs its own redis-server on a free port so the shared one (scripts/services.sh) is
+left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import ADMIN, POOL, free_port, wait_for
+from fastapi.testclient import TestClient
+
+from loraplane.controlplane.app import create_app
+from loraplane.controlplane.events import CHANNEL
+from loraplane.controlplane.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+class PrivateRedis:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed: run scripts/services.sh start", pytrace=False)
+        self.process = subprocess.Popen(
+            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for(self._ping, timeout=10, what="redis-server to answer")
+
+    def _ping(self) -> bool:
+        try:
+            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+class Subscriber:
+    """Collects the events published on the channel, from a thread."""
+
+    def __init__(self, url: str) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.pubsub = redis.Redis.from_url(url).pubsub()
+        self.pubsub.subscribe(CHANNEL)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.stopped = False
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            try:
+                message = self.pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            except redis.RedisError:
+                return
+            if message is not None:
+                self.events.append(json.loads(message["data"]))
+
+    def seen(self, type_: str, **fields: Any) -> bool:
+        return any(e["type"] == type_ and all(e.get(k) == v for k, v in fields.items()) for e in self.events)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join(timeout=5)
+        self.pubsub.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_redis_outage_keeps_the_registry_working_and_events_resume(
+    settings: Settings, private_redis: PrivateRedis, make_adapter: Callable[..., Path]
+) -> None:
+    settings.redis_url = private_redis.url
+    with TestClient(create_app(settings)) as client:
+        before = Subscriber(private_redis.url)
+        try:
+            client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN)
+            client.post("/v1/workers", json={"name": "w0", "pool": "tiny", "endpoint": "http://127.0.0.1:9",
+                                             "dp_size": 2}, headers=ADMIN)
+            wait_for(lambda: before.seen("worker.registered", worker="w0"), what="worker.registered over Redis")
+            assert client.get("/readyz").json()["redis"] == "ok"
+        finally:
+            before.close()
+
+        private_redis.stop()
+        wait_for(lambda: client.get("/readyz").json() == {"database": "ok", "redis": "down"},
+                 what="readyz to report redis down")
+        started = time.monotonic()
+        assert client.get("/v1/pools", headers=ADMIN).status_code == 200
+        registered = client.post("/v1/adapters", json={"name": "during-outage", "pool": "tiny",
+                                                       "source": {"uri": f"file://{make_adapter()}"}}, headers=ADMIN)
+        assert registered.status_code == 201, registered.text
+        routed = client.post("/v1/completions", json={"model": "tiny:during-outage", "prompt": "x"}, headers=ADMIN)
+        assert routed.status_code == 503 and routed.json()["error"]["code"] == "no_worker"
+        assert time.monotonic() - started < 5, "registry calls waited for Redis"
+        op_id = registered.json()["operation"]["id"]
+
+        private_redis.start()
+        after = Subscriber(private_redis.url)
+        try:
+            wait_for(lambda: after.seen("operation.finished", operation=op_id), timeout=15,
+                     what="the event published during the outage to arrive after Redis came back")
+            wait_for(lambda: client.get("/readyz").json()["redis"] == "ok", what="readyz to report redis ok")
+            client.post("/v1/adapters/default/during-outage/unload", headers=ADMIN)
+            wait_for(lambda: after.seen("operation.finished", kind="unload"), what="a fresh event after recovery")
+        finally:
+            after.close()
+
+
+def test_events_reach_the_in_process_stream_without_redis(settings: Settings, make_adapter: Callable[..., Path]) -> None:
+    with TestClient(create_app(settings)) as client:
+        client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN)
+        bus = client.app.state.services.bus  # type: ignore[attr-defined]
+        received: list[dict[str, Any]] = []
+
+        async def collect() -> None:
+            async with bus.subscribe() as queue:
+                task = asyncio.create_task(register_later())
+                while True:
+                    event = await queue.get()
+                    received.append(event)
+                    if event["type"] == "operation.finished":
+                        await task
+                        return
+
+        async def register_later() -> None:
+            import httpx
+
+            transport = httpx.ASGITransport(app=client.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://cp") as http:
+                await http.post("/v1/adapters", json={"name": "x", "pool": "tiny",
+                                                      "source": {"uri": f"file://{make_adapter()}"}}, headers=ADMIN)
+
+        client.portal.call(collect)  # type: ignore[union-attr]
+        assert received[-1]["kind"] == "register" and received[-1]["state"] == "succeeded"
