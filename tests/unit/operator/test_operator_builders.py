@@ -1,0 +1,209 @@
+"""The pure builders: what the operator asks Kubernetes and the control plane for."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplane.operator import builders
+from loraplane.operator.builders import Owner, PoolSpec, WorkerDefaults
+
+pytestmark = pytest.mark.unit
+
+OWNER = Owner(name="qwen-small", namespace="team-a", uid="0f0e-uid")
+SPEC = PoolSpec.from_spec(
+    {
+        "model": "/models/qwen3-0.6b",
+        "replicas": 2,
+        "tp": 2,
+        "dp": 2,
+        "enableDPAttention": True,
+        "maxLorasPerBatch": 4,
+        "maxLoadedLoras": 8,
+        "maxLoraRank": 32,
+        "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
+        "nodeSelector": {"gpu": "h200"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "podLabels": {"team": "a"},
+        "engineArgs": ["--kv-cache-tokens", "4096"],
+    }
+)
+
+
+def _by_kind(manifests: list[dict]) -> dict[str, dict]:
+    return {m["kind"]: m for m in manifests}
+
+
+def test_children_are_a_statefulset_headless_service_and_pdb_with_owner_references() -> None:
+    children = _by_kind(builders.build_pool_children(OWNER, SPEC, WorkerDefaults()))
+    assert set(children) == {"StatefulSet", "Service", "PodDisruptionBudget"}
+    for child in children.values():
+        assert child["metadata"]["namespace"] == "team-a"
+        assert child["metadata"]["labels"]["loraplane.io/pool"] == "qwen-small"
+        assert child["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "loraplane.io/v1alpha1",
+                "kind": "LoRAPool",
+                "name": "qwen-small",
+                "uid": "0f0e-uid",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    assert children["StatefulSet"]["metadata"]["name"] == "qwen-small"
+    assert children["Service"]["metadata"]["name"] == "qwen-small-workers"
+    assert children["Service"]["spec"]["clusterIP"] == "None"
+    assert children["StatefulSet"]["spec"]["serviceName"] == "qwen-small-workers"
+    assert children["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
+
+
+def test_selectors_match_the_pod_template_labels() -> None:
+    children = _by_kind(builders.build_pool_children(OWNER, SPEC, WorkerDefaults()))
+    pod_labels = children["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
+    for selector in (
+        children["StatefulSet"]["spec"]["selector"]["matchLabels"],
+        children["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+        children["Service"]["spec"]["selector"],
+    ):
+        assert selector.items() <= pod_labels.items()
+
+
+def test_building_twice_gives_identical_manifests() -> None:
+    assert builders.build_pool_children(OWNER, SPEC, WorkerDefaults()) == (
+        builders.build_pool_children(OWNER, SPEC, WorkerDefaults())
+    )
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 2), (4, 2), (8, 1)])
+def test_each_replica_requests_tp_gpus(tp: int, dp: int) -> None:
+    spec = PoolSpec(model="/m", tp=tp, dp=dp)
+    sts = builders.build_statefulset(OWNER, spec, WorkerDefaults())
+    resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == tp
+    assert resources["limits"]["nvidia.com/gpu"] == tp
+
+
+def test_user_resources_are_kept_and_gpu_count_cannot_be_overridden() -> None:
+    spec = PoolSpec.from_spec(
+        {
+            "model": "/m",
+            "tp": 2,
+            "dp": 1,
+            "resources": {"limits": {"nvidia.com/gpu": 8, "memory": "1Gi"}},
+        }
+    )
+    container = builders.build_statefulset(OWNER, spec, WorkerDefaults())["spec"]["template"][
+        "spec"
+    ]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 2, "memory": "1Gi"}
+
+
+def test_worker_command_is_loraplane_worker_serve_with_pool_settings() -> None:
+    sts = builders.build_statefulset(OWNER, SPEC, WorkerDefaults())
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == [
+        "loraplane", "worker", "serve",
+        "--model", "/models/qwen3-0.6b",
+        "--tp", "2", "--dp", "2",
+        "--host", "$(POD_IP)", "--port", "8000",
+        "--max-loras-per-batch", "4", "--max-loaded-loras", "8", "--max-lora-rank", "32",
+        "--dp-attention",
+        "--kv-cache-tokens", "4096",
+    ]  # fmt: skip
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["ports"][0]["containerPort"] == 8000
+
+
+def test_pod_labels_merge_operator_defaults_pool_labels_and_fixed_selector_labels() -> None:
+    defaults = WorkerDefaults(pod_labels={"loraplane.io/local-run": "true", "team": "default"})
+    spec = PoolSpec.from_spec(
+        {"model": "/m", "podLabels": {"team": "a", "loraplane.io/pool": "evil"}}
+    )
+    labels = builders.build_pod_template("qwen-small", spec, defaults)["metadata"]["labels"]
+    assert labels["loraplane.io/local-run"] == "true"
+    assert labels["team"] == "a"
+    # A pool cannot break its own selector.
+    assert labels["loraplane.io/pool"] == "qwen-small"
+
+
+def test_local_run_label_is_absent_unless_configured() -> None:
+    labels = builders.build_pod_template("p", PoolSpec(model="/m"), WorkerDefaults())["metadata"][
+        "labels"
+    ]
+    assert "loraplane.io/local-run" not in labels
+
+
+def test_scheduling_fields_and_image_defaults() -> None:
+    pod = builders.build_pod_template("p", SPEC, WorkerDefaults(image="reg/worker:1"))
+    assert pod["spec"]["nodeSelector"] == {"gpu": "h200"}
+    assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["spec"]["containers"][0]["image"] == "reg/worker:1"
+    own = PoolSpec(model="/m", image="mine:2")
+    assert (
+        builders.build_pod_template("p", own, WorkerDefaults())["spec"]["containers"][0]["image"]
+        == "mine:2"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"model": "/m", "tp": 3, "dp": 2}, "spec.tp"),
+        ({"model": "/m", "tp": 0}, "spec.tp"),
+        ({"model": ""}, "spec.model"),
+        ({"model": "/m", "maxLorasPerBatch": 0}, "spec.maxLorasPerBatch"),
+        ({"model": "/m", "maxLorasPerBatch": 8, "maxLoadedLoras": 4}, "spec.maxLoadedLoras"),
+    ],
+)
+def test_bad_pool_specs_name_the_field(spec: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        PoolSpec.from_spec(spec)
+
+
+def test_worker_names_are_unique_per_namespace_and_dns_labels() -> None:
+    assert builders.worker_name("default", "pool-0") == "pool-0"
+    assert builders.worker_name("team-a", "pool-0") == "team-a-pool-0"
+    long_a = builders.worker_name("n" * 40, "p" * 40 + "-0")
+    long_b = builders.worker_name("n" * 40, "p" * 40 + "-1")
+    assert len(long_a) <= 63 and long_a != long_b
+
+
+def test_control_plane_bodies() -> None:
+    assert builders.build_controlplane_pool(SPEC) == {
+        "model": "/models/qwen3-0.6b",
+        "tp": 2,
+        "dp": 2,
+        "max_loras_per_batch": 4,
+        "max_loaded_loras": 8,
+        "max_lora_rank": 32,
+    }
+    assert builders.build_worker_registration(
+        "team-a", "qwen-small", "qwen-small-1", "10.1.2.3", 2
+    ) == {
+        "name": "team-a-qwen-small-1",
+        "namespace": "team-a",
+        "pool": "qwen-small",
+        "endpoint": "http://10.1.2.3:8000",
+        "dp_size": 2,
+    }
+    body = builders.build_adapter_registration(
+        "team-a",
+        "sql",
+        {
+            "pool": "qwen-small",
+            "source": {"uri": "s3://b/sql"},
+            "placement": {"mode": "count", "count": 2},
+        },
+    )
+    assert body == {
+        "namespace": "team-a",
+        "name": "sql",
+        "pool": "qwen-small",
+        "source": {"uri": "s3://b/sql"},
+        "pinned": False,
+        "placement": {"count": 2},
+        "priority": 0,
+        "load": True,
+    }
+    assert builders.placement_of({}) == "all"

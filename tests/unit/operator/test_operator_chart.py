@@ -1,0 +1,145 @@
+"""The Helm chart: values checked by values.schema.json, CRDs in sync, and (when the pinned
+helm is built) `helm lint` clean and the rendered manifests what the operator expects."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "loraplane"
+
+
+def helm() -> str:
+    try:
+        from loraplane.devcluster import layout
+
+        built = layout.bin_dir() / "helm"
+        if built.is_file():
+            return str(built)
+    except ImportError:
+        pass
+    found = shutil.which("helm")
+    if found is None:
+        pytest.skip(
+            "helm is not built yet: `loraplane cluster up` (deploy/cluster/build.sh) puts the "
+            "pinned helm in ~/.cache/loraplane/cluster/<version>/bin/, and none is on PATH"
+        )
+    return found
+
+
+def values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def test_values_yaml_satisfies_its_schema_and_the_schema_rejects_bad_values() -> None:
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed")
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(values(), schema)
+    for path, bad in (
+        (("operator", "replicas"), -1),
+        (("controlplane", "service", "type"), "Ingress"),
+        (("controlplane", "image", "pullPolicy"), "Sometimes"),
+        (("operator", "maxAttempts"), 0),
+        (("localRun",), "yes"),
+        (("controlplane", "sources", "allowedRoots"), ["relative/dir"]),
+        (("controlplane", "typoKey"), 1),
+    ):
+        changed = copy.deepcopy(values())
+        target = changed
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = bad
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(changed, schema)
+
+
+def test_keys_reserved_for_dashboards_and_service_monitor_default_off() -> None:
+    assert values()["metrics"]["serviceMonitor"]["enabled"] is False
+    assert values()["grafana"]["dashboard"]["enabled"] is False
+
+
+def test_chart_crds_are_in_sync_with_crds_dir() -> None:
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "sync-crds.sh"), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_helm_lint_is_clean() -> None:
+    result = subprocess.run(
+        [helm(), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def render(*sets: str) -> list[dict[str, Any]]:
+    args = [helm(), "template", "rel", str(CHART), "--namespace", "lp"]
+    for item in sets:
+        args += ["--set", item]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def by_name(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def test_rendered_chart_runs_the_same_loraplane_commands_as_the_tests() -> None:
+    docs = render()
+    op = by_name(docs, "Deployment", "rel-loraplane-operator")["spec"]["template"]["spec"]
+    command = op["containers"][0]["command"]
+    assert command[:3] == ["loraplane", "operator", "run"]
+    assert command[command.index("--peering") + 1] == "loraplane"
+    assert "http://rel-loraplane-controlplane.lp.svc:8080" in command
+    cp = by_name(docs, "Deployment", "rel-loraplane-controlplane")["spec"]["template"]["spec"]
+    assert cp["containers"][0]["command"][:3] == ["loraplane", "controlplane", "serve"]
+    assert by_name(docs, "ClusterKopfPeering", "loraplane")
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]  # no Redis/PostgreSQL by default
+
+
+def test_local_run_labels_pods_and_finds_the_control_plane_by_selector() -> None:
+    docs = render("localRun=true")
+    for name in ("rel-loraplane-operator", "rel-loraplane-controlplane"):
+        labels = by_name(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"]
+        assert labels["loraplane.io/local-run"] == "true"
+    command = by_name(docs, "Deployment", "rel-loraplane-operator")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["command"]
+    assert "--controlplane-selector" in command
+    assert "loraplane.io/local-run=true" in command
+
+
+def test_optional_redis_and_postgresql() -> None:
+    docs = render("redis.enabled=true", "postgresql.enabled=true")
+    assert by_name(docs, "StatefulSet", "rel-loraplane-redis")
+    assert by_name(docs, "StatefulSet", "rel-loraplane-postgresql")
+    env = {
+        e["name"]: e
+        for e in by_name(docs, "Deployment", "rel-loraplane-controlplane")["spec"]["template"][
+            "spec"
+        ]["containers"][0]["env"]
+    }
+    assert env["LORAPLANE_REDIS_URL"]["value"] == "redis://rel-loraplane-redis:6379/0"
+    assert env["LORAPLANE_DB_URL"]["value"].startswith(
+        "postgresql+psycopg://loraplane:$(POSTGRES_PASSWORD)@"
+    )
+
+
+def test_operator_rbac_has_no_wildcards_secrets_or_deletes() -> None:
+    role = by_name(render(), "ClusterRole", "rel-loraplane-operator")
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "delete" not in rule["verbs"], rule
+        assert "secrets" not in rule["resources"]

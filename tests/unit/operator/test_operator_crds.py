@@ -1,0 +1,186 @@
+"""CRD schemas: a real JSON-schema validator accepts good objects and rejects bad ones.
+
+The API server adds structural pruning, defaulting and CEL (x-kubernetes-validations);
+the cluster tier checks those against a real kube-apiserver.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.unit
+
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed in this venv")
+
+ROOT = Path(__file__).resolve().parents[3]
+CRDS = ROOT / "crds"
+EXAMPLES = ROOT / "deploy" / "examples"
+
+
+def crd(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CRDS / name).read_text())
+
+
+def schema_of(name: str) -> dict[str, Any]:
+    (version,) = crd(name)["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+POOL = schema_of("loraplane.io_lorapools.yaml")
+ADAPTER = schema_of("loraplane.io_loraadapters.yaml")
+
+GOOD_POOL = {
+    "apiVersion": "loraplane.io/v1alpha1",
+    "kind": "LoRAPool",
+    "metadata": {"name": "qwen"},
+    "spec": {"model": "/models/qwen", "replicas": 2, "tp": 2, "dp": 2, "maxLorasPerBatch": 4},
+}
+GOOD_ADAPTER = {
+    "apiVersion": "loraplane.io/v1alpha1",
+    "kind": "LoRAAdapter",
+    "metadata": {"name": "sql-expert"},
+    "spec": {"pool": "qwen", "source": {"uri": "s3://bucket/adapters/sql"}, "pinned": True},
+}
+
+
+def errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft7Validator(schema, format_checker=jsonschema.FormatChecker())
+    return [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)
+    ]
+
+
+def with_spec(obj: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    changed = copy.deepcopy(obj)
+    changed["spec"].update(spec)
+    return changed
+
+
+def test_good_objects_validate() -> None:
+    assert errors(POOL, GOOD_POOL) == []
+    assert errors(ADAPTER, GOOD_ADAPTER) == []
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "file:///models/adapters/a",
+        "pvc://adapters/sql/v1",
+        "s3://my-bucket/prefix/a",
+        "https://example.com/adapters/a",
+        "http://10.0.0.1:8080/a",
+        "hf://org/repo",
+        "hf://org/repo@main",
+    ],
+)
+def test_every_documented_source_scheme_is_accepted(uri: str) -> None:
+    assert errors(ADAPTER, with_spec(GOOD_ADAPTER, source={"uri": uri})) == []
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "/models/a",
+        "file://relative/a",
+        "ftp://host/a",
+        "s3://",
+        "hf://just-org",
+        "gs://b/a",
+        "https://",
+    ],
+)
+def test_other_uris_are_rejected(uri: str) -> None:
+    found = errors(ADAPTER, with_spec(GOOD_ADAPTER, source={"uri": uri}))
+    assert found and found[0].startswith("spec.source.uri")
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"tp": 0}, "spec.tp"),
+        ({"dp": -1}, "spec.dp"),
+        ({"replicas": -1}, "spec.replicas"),
+        ({"maxLorasPerBatch": 0}, "spec.maxLorasPerBatch"),
+        ({"maxLoraRank": -8}, "spec.maxLoraRank"),
+        ({"maxLoraRank": 4096}, "spec.maxLoraRank"),
+        ({"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
+        ({"tolerations": [{"operator": "Maybe"}]}, "spec.tolerations.0.operator"),
+        ({"engineArgs": [3]}, "spec.engineArgs.0"),
+    ],
+)
+def test_bad_pool_fields_are_rejected(spec: dict[str, Any], field: str) -> None:
+    assert any(e.startswith(field) for e in errors(POOL, with_spec(GOOD_POOL, **spec)))
+
+
+def test_pool_needs_a_model() -> None:
+    bad = copy.deepcopy(GOOD_POOL)
+    del bad["spec"]["model"]
+    assert any("'model' is a required property" in e for e in errors(POOL, bad))
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"pool": "Not_A_Name"}, "spec.pool"),
+        ({"source": {"uri": "s3://b/a", "sha256": "XYZ"}}, "spec.source.sha256"),
+        ({"source": {}}, "spec.source"),
+        ({"placement": {"mode": "some"}}, "spec.placement.mode"),
+        ({"placement": {"mode": "count", "count": 0}}, "spec.placement.count"),
+        ({"priority": 5000}, "spec.priority"),
+        ({"pinned": "yes"}, "spec.pinned"),
+    ],
+)
+def test_bad_adapter_fields_are_rejected(spec: dict[str, Any], field: str) -> None:
+    assert any(e.startswith(field) for e in errors(ADAPTER, with_spec(GOOD_ADAPTER, **spec)))
+
+
+@pytest.mark.parametrize(
+    ("status", "field"),
+    [
+        ({"phase": "Happy"}, "status.phase"),
+        ({"conditions": [{"type": "Ready", "status": "Yes"}]}, "status.conditions.0"),
+    ],
+)
+def test_status_enums(status: dict[str, Any], field: str) -> None:
+    assert any(e.startswith(field) for e in errors(ADAPTER, {**GOOD_ADAPTER, "status": status}))
+
+
+def test_cel_rules_cover_what_a_schema_cannot() -> None:
+    rules = {r["rule"] for r in POOL["properties"]["spec"]["x-kubernetes-validations"]}
+    assert "self.tp % self.dp == 0" in rules
+    assert "self.maxLoadedLoras >= self.maxLorasPerBatch" in rules
+    for rule in POOL["properties"]["spec"]["x-kubernetes-validations"]:
+        assert rule["message"].startswith("spec.")
+
+
+def test_crd_shape_printer_columns_short_names_and_status_subresource() -> None:
+    for name, columns, short in (
+        (
+            "loraplane.io_loraadapters.yaml",
+            ["Pool", "Phase", "Ready", "Pinned", "Rank", "Age"],
+            "ladapter",
+        ),
+        ("loraplane.io_lorapools.yaml", ["Model", "Replicas", "Ready", "TP", "DP", "Age"], "lpool"),
+    ):
+        doc = crd(name)
+        assert doc["spec"]["group"] == "loraplane.io" and doc["spec"]["scope"] == "Namespaced"
+        (version,) = doc["spec"]["versions"]
+        assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
+        assert [c["name"] for c in version["additionalPrinterColumns"]] == columns
+        assert short in doc["spec"]["names"]["shortNames"]
+
+
+def test_examples_validate_against_the_crds() -> None:
+    schemas = {"LoRAPool": POOL, "LoRAAdapter": ADAPTER}
+    seen = 0
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") in schemas:
+                assert errors(schemas[doc["kind"]], doc) == [], path.name
+                seen += 1
+    assert seen >= 4
