@@ -1,0 +1,171 @@
+"""A control plane killed (SIGKILL) in the middle of a journalled load settles it when it starts
+again: the operation ends rolled back or failed, never pending, and no placement is reported
+loaded. The control plane runs as a real `loraplane controlplane serve` process.
+
+The target here is a TCP listener that accepts and never answers (a hung worker), so the load
+is guaranteed to be in flight when the process dies; the same scenario against real workers is
+in test_with_workers.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from conftest import ADMIN, ADMIN_TOKEN, POOL, free_port, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+class HungWorker:
+    """Accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+class ControlPlane:
+    def __init__(self, db_url: str, root: Path, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "LORAPLANE_DB_URL": db_url,
+            "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "LORAPLANE_SOURCES__ALLOWED_ROOTS": f'["{root}"]',
+            "LORAPLANE_SOURCES__CACHE_DIR": str(tmp / "cache"),
+            "LORAPLANE_RECONCILER__INTERVAL_S": "3600",
+            "LORAPLANE_WORKERS__LOAD_TIMEOUT_S": "120",
+            "LORAPLANE_WORKERS__PROBE_TIMEOUT_S": "1",
+        }
+        self.env.pop("LORAPLANE_REDIS_URL", None)
+        self.log = tmp / f"controlplane-{self.port}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = Path(sys.executable).with_name("loraplane")
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [str(exe), "controlplane", "serve", "--port", str(self.port), "--log-level", "warning"],
+                env=self.env, stdout=log, stderr=log,
+            )
+        wait_for(self._ready, timeout=60, what=f"the control plane to serve (log: {self.log})")
+
+    def _ready(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"control plane exited: {self.log.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+
+
+@pytest.fixture
+def hung_worker() -> Iterator[HungWorker]:
+    worker = HungWorker()
+    yield worker
+    worker.close()
+
+
+def rows(db_url: str, sql: str) -> list[Any]:
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            result = conn.execute(sa.text(sql))
+            return list(result.all()) if result.returns_rows else []
+    finally:
+        engine.dispose()
+
+
+def test_killed_mid_load_is_rolled_back_at_restart(
+    db_url: str, tmp_path: Path, adapters_root: Path, make_adapter: Callable[..., Path], hung_worker: HungWorker
+) -> None:
+    first = ControlPlane(db_url, adapters_root, tmp_path)
+    first.start()
+    try:
+        http = httpx.Client(base_url=first.url, headers=ADMIN, timeout=30)
+        assert http.put("/v1/pools/default/tiny", json=POOL).status_code == 200
+        endpoint = f"http://127.0.0.1:{hung_worker.port}"
+        assert http.post("/v1/workers", json={"name": "w0", "pool": "tiny", "endpoint": endpoint,
+                                              "dp_size": 2}).status_code == 201
+        wait_for(lambda: http.get("/v1/workers/w0").json()["state"] == "unreachable", timeout=20)
+        rows(db_url, "UPDATE workers SET state = 'ready' WHERE name = 'w0'")  # as if it had answered
+        body = {"name": "sql", "pool": "tiny", "source": {"uri": f"file://{make_adapter()}"}}
+        def post() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server dies under it
+                httpx.post(first.url + "/v1/adapters", json=body, headers={**ADMIN, "Idempotency-Key": "k1"},
+                           timeout=300)
+
+        pending = threading.Thread(target=post, daemon=True)
+        pending.start()
+        wait_for(lambda: rows(db_url, "SELECT state FROM operations") == [("running",)], timeout=20,
+                 what="the load to be journalled and running")
+        assert rows(db_url, "SELECT state FROM placements ORDER BY dp_group") == [("loading",), ("loading",)]
+    finally:
+        first.kill()
+    hung_worker.close()  # the worker is gone too: recovery must not hang on it
+
+    second = ControlPlane(db_url, adapters_root, tmp_path)
+    t0 = time.monotonic()
+    second.start()
+    print(f"restart took {time.monotonic() - t0:.1f}s")
+    try:
+        http = httpx.Client(base_url=second.url, headers=ADMIN, timeout=30)
+        ops = http.get("/v1/operations").json()["items"]
+        assert len(ops) == 1
+        op = ops[0]
+        assert op["state"] in ("failed", "rolled_back"), op
+        assert "restarted" in op["error"]
+        adapter = http.get("/v1/adapters/default/sql").json()
+        assert adapter["routable"] is False and adapter["loaded_workers"] == []
+        assert all(p["state"] != "loaded" for p in adapter["placements"])
+        # the worker could not be asked, so the adapter may still be there: not reusable until settled
+        assert adapter["inconsistent"] is True and adapter["phase"] == "Degraded"
+        replay = http.post("/v1/adapters", json={"name": "sql", "pool": "tiny",
+                                                 "source": {"uri": f"file://{adapters_root / 'adapter'}"}},
+                           headers={"Idempotency-Key": "k1"})
+        assert replay.status_code == 502 and replay.json()["operation"]["id"] == op["id"]
+    finally:
+        second.stop()
