@@ -388,6 +388,9 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, matched: int | str | None = None) -> None:
         seq.finish_reason = reason
         seq.matched_stop = matched
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished sequence (already out of the running set) lets go of its adapter version."""
         if seq.adapter_key is not None and self.residency.unhold(seq.adapter_key):
             self._remove(seq.adapter_key)
 
@@ -415,6 +418,7 @@ class Engine:
             for seq in self._incoming:
                 if seq.params.max_new_tokens == 0:
                     self._finish(seq, "length")
+                    self._release(seq)
                     self._emit(seq, ())
                 else:
                     self.scheduler.add(seq)
@@ -422,10 +426,12 @@ class Engine:
             for seq in [s for s in self.scheduler.waiting if s.aborted]:
                 self.scheduler.drop_waiting(seq)
                 self._finish(seq, "abort")
+                self._release(seq)
                 self._emit(seq, ())
             for seq in [s for s in self.scheduler.running if s.aborted]:
                 self.scheduler.finish(seq)
                 self._finish(seq, "abort")
+                self._release(seq)
                 self._emit(seq, ())
             admission = self.scheduler.schedule()
             for key in admission.evicted:
@@ -464,6 +470,7 @@ class Engine:
                     self._append(seq, token)
                     if seq.finish_reason is not None:
                         self.scheduler.finish(seq)
+                        self._release(seq)
                     self._emit(seq, tuple(seq.output_ids[before:]))
                     self.observer.tokens_generated(seq.adapter_name, 1)
 
