@@ -2,76 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-LORAPLANE = REPO / ".venv" / "bin" / "loraplane"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class WorkerProcess:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-    client: httpx.Client = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.client = httpx.Client(base_url=self.url, timeout=120)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_worker(model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> WorkerProcess:
-    port = free_port()
-    log_path = tmp / f"worker-{port}.log"
-    cmd = [str(LORAPLANE), "worker", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", *args]
-    if "--lora-backend" not in args:
-        cmd += ["--lora-backend", "torch"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    worker = WorkerProcess(proc, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode}:\n{worker.log()}")
-        try:
-            if worker.client.get("/health", timeout=2).status_code == 200:
-                return worker
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    worker.stop()
-    raise RuntimeError(f"worker did not become healthy in {timeout}s:\n{worker.log()}")
+sys.path.insert(0, str(Path(__file__).parent))
+from workerkit import TARGETS, WorkerProcess, start_worker
 
 
 @pytest.fixture(scope="session")
@@ -112,15 +50,3 @@ def worker_factory(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., W
     yield start
     for w in started:
         w.stop()
-
-
-def generate(worker: WorkerProcess, prompt: str, adapter: str | None, max_tokens: int = 6, **sampling: object) -> dict:
-    body = {"model": f"tiny-llama:{adapter}" if adapter else "tiny-llama", "prompt": prompt,
-            "max_tokens": max_tokens, "temperature": 0, **sampling}
-    r = worker.client.post("/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-if sys.platform == "win32":  # pragma: no cover
-    pytest.skip("worker integration tests need POSIX processes", allow_module_level=True)

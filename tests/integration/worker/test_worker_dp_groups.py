@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import WorkerProcess
+from workerkit import WorkerProcess
 
 from loraplane.worker.server.factory import ServeConfig, unsupported_reason
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import WorkerProcess, generate
+from workerkit import WorkerProcess, generate
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -371,7 +372,7 @@ class Engine:
                     if future.set_running_or_notify_cancel():
                         try:
                             future.set_result(fn())
-                        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                        except BaseException as exc:
                             log.exception("adapter command failed")
                             future.set_exception(exc)
                 self._step()
