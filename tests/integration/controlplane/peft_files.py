@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,12 @@ def write_adapter(
     config_extra: dict[str, Any] | None = None,
 ) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    config: dict[str, Any] = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(modules)}
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(modules),
+    }
     if base is not None:
         config["base_model_name_or_path"] = base
     config.update(config_extra or {})
@@ -56,8 +60,10 @@ def write_adapter(
                 raw = values.astype(np.float16).tobytes()
             else:  # BF16: the high half of float32
                 raw = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
-            tensors[f"base_model.model.model.layers.0.self_attn.{module}.{part}.weight"] = (dtype, shape, raw)
+            tensors[f"base_model.model.model.layers.0.self_attn.{module}.{part}.weight"] = (
+                dtype,
+                shape,
+                raw,
+            )
     write_safetensors(directory / "adapter_model.safetensors", tensors)
     return directory
-
-

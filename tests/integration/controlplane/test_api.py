@@ -8,14 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ADMIN, POOL, snapshot, wait_for
+from cp_kit import ADMIN, POOL, snapshot, wait_for
 from fastapi.testclient import TestClient
 
 pytestmark = pytest.mark.integration
 
 
-def register(client: TestClient, directory: Path, name: str = "sql", headers: dict[str, str] = ADMIN,
-             **fields: Any) -> Any:
+def register(
+    client: TestClient,
+    directory: Path,
+    name: str = "sql",
+    headers: dict[str, str] = ADMIN,
+    **fields: Any,
+) -> Any:
     body = {"name": name, "pool": "tiny", "source": {"uri": f"file://{directory}"}, **fields}
     return client.post("/v1/adapters", json=body, headers=headers)
 
@@ -26,10 +31,14 @@ def test_health_and_readiness(client: TestClient) -> None:
 
 
 def test_pool_create_update_read_delete(client: TestClient) -> None:
-    created = client.post("/v1/pools", json={"namespace": "default", "name": "p", **POOL}, headers=ADMIN)
+    created = client.post(
+        "/v1/pools", json={"namespace": "default", "name": "p", **POOL}, headers=ADMIN
+    )
     assert created.status_code == 201, created.text
     assert created.json()["max_loras_per_batch"] == 3
-    again = client.post("/v1/pools", json={"namespace": "default", "name": "p", **POOL}, headers=ADMIN)
+    again = client.post(
+        "/v1/pools", json={"namespace": "default", "name": "p", **POOL}, headers=ADMIN
+    )
     assert again.status_code == 409 and "already exists" in again.json()["error"]["message"]
     updated = client.put("/v1/pools/default/p", json={**POOL, "max_lora_rank": 64}, headers=ADMIN)
     assert updated.json()["max_lora_rank"] == 64
@@ -60,7 +69,9 @@ def test_bad_pool_specs_change_nothing(
     assert snapshot(db_url) == before
 
 
-def test_worker_registration_and_unreachable_marking(client: TestClient, pool: dict[str, Any]) -> None:
+def test_worker_registration_and_unreachable_marking(
+    client: TestClient, pool: dict[str, Any]
+) -> None:
     body = {"name": "tiny-0", "pool": "tiny", "endpoint": "http://127.0.0.1:9", "dp_size": 2}
     first = client.post("/v1/workers", json=body, headers=ADMIN)
     assert first.status_code == 201, first.text
@@ -68,14 +79,21 @@ def test_worker_registration_and_unreachable_marking(client: TestClient, pool: d
         {"dp_group": 0, "adapters": [], "slots_used": 0, "slots_total": 3},
         {"dp_group": 1, "adapters": [], "slots_used": 0, "slots_total": 3},
     ]
-    second = client.post("/v1/workers", json={**body, "endpoint": "http://127.0.0.1:10/"}, headers=ADMIN)
+    second = client.post(
+        "/v1/workers", json={**body, "endpoint": "http://127.0.0.1:10/"}, headers=ADMIN
+    )
     assert second.status_code == 200 and second.json()["endpoint"] == "http://127.0.0.1:10"
     worker = wait_for(
-        lambda: (w := client.get("/v1/workers/tiny-0", headers=ADMIN).json())["state"] == "unreachable" and w,
+        lambda: (
+            (w := client.get("/v1/workers/tiny-0", headers=ADMIN).json())["state"] == "unreachable"
+            and w
+        ),
         what="the reconciler to mark the worker unreachable",
     )
     assert "tiny-0" in worker["last_error"]
-    listed = client.get("/v1/workers", params={"state": "unreachable"}, headers=ADMIN).json()["items"]
+    listed = client.get("/v1/workers", params={"state": "unreachable"}, headers=ADMIN).json()[
+        "items"
+    ]
     assert [w["name"] for w in listed] == ["tiny-0"]
 
 
@@ -90,11 +108,22 @@ def test_worker_registration_and_unreachable_marking(client: TestClient, pool: d
     ],
 )
 def test_bad_worker_registrations_change_nothing(
-    client: TestClient, pool: dict[str, Any], db_url: str, change: dict[str, Any], status: int, field: str,
+    client: TestClient,
+    pool: dict[str, Any],
+    db_url: str,
+    change: dict[str, Any],
+    status: int,
+    field: str,
     needle: str,
 ) -> None:
     before = snapshot(db_url)
-    body = {"name": "tiny-0", "pool": "tiny", "endpoint": "http://127.0.0.1:9", "dp_size": 2, **change}
+    body = {
+        "name": "tiny-0",
+        "pool": "tiny",
+        "endpoint": "http://127.0.0.1:9",
+        "dp_size": 2,
+        **change,
+    }
     response = client.post("/v1/workers", json=body, headers=ADMIN)
     assert response.status_code == status, response.text
     assert response.json()["error"]["field"] == field
@@ -141,37 +170,124 @@ def test_idempotency_key_replays_and_refuses_a_different_body(
 
 def bad_adapter_cases() -> list[Any]:
     return [
-        pytest.param(lambda d, mk: {"pool": "nope"}, 404, "not_found", "body.pool", "pool 'default/nope' not found",
-                     id="unknown-pool"),
-        pytest.param(lambda d, mk: {"name": "Has Space"}, 400, "invalid_value", "body.name", "DNS-1123", id="bad-name"),
-        pytest.param(lambda d, mk: {"source": None}, 422, "validation_error", "body.source", "", id="no-source"),
-        pytest.param(lambda d, mk: {"placement": {"count": 0}}, 422, "validation_error", "body.placement", "",
-                     id="zero-count"),
-        pytest.param(lambda d, mk: {"extra": True}, 422, "validation_error", "body.extra", "Extra inputs",
-                     id="unknown-field"),
-        pytest.param(lambda d, mk: {"source": {"uri": f"file://{mk('r64', rank=64)}"}}, 400, "preflight_failed",
-                     "body.source.uri", "max_lora_rank=16", id="rank-too-high"),
-        pytest.param(lambda d, mk: {"source": {"uri": f"file://{mk('mlp', modules=('gate_proj',))}"}}, 400,
-                     "preflight_failed", "body.source.uri", "['gate_proj'] are not supported", id="bad-modules"),
-        pytest.param(lambda d, mk: {"source": {"uri": f"file://{mk('nan', poison='nan')}"}}, 400,
-                     "preflight_failed", "body.source.uri", "NaN", id="nan"),
-        pytest.param(lambda d, mk: {"source": {"uri": f"file://{mk('other', base='org/other-model')}"}}, 400,
-                     "preflight_failed", "body.source.uri", "trained on base model", id="base-mismatch"),
-        pytest.param(lambda d, mk: {"source": {"uri": f"file://{d}", "sha256": "ab" * 32}}, 400, "digest_mismatch",
-                     "body.source.sha256", "expected " + "ab" * 32, id="digest"),
-        pytest.param(lambda d, mk: {"source": {"uri": "file:///etc"}}, 400, "source_not_allowed", "body.source.uri",
-                     "outside the allowed roots", id="outside-roots"),
-        pytest.param(lambda d, mk: {"source": {"uri": "gopher://x/y"}}, 400, "invalid_source", "body.source.uri",
-                     "unsupported scheme", id="bad-scheme"),
-        pytest.param(lambda d, mk: {"source": {"uri": "x", "sha256": "nothex"}}, 422, "validation_error",
-                     "body.source.sha256", "", id="sha-format"),
+        pytest.param(
+            lambda d, mk: {"pool": "nope"},
+            404,
+            "not_found",
+            "body.pool",
+            "pool 'default/nope' not found",
+            id="unknown-pool",
+        ),
+        pytest.param(
+            lambda d, mk: {"name": "Has Space"},
+            400,
+            "invalid_value",
+            "body.name",
+            "DNS-1123",
+            id="bad-name",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": None},
+            422,
+            "validation_error",
+            "body.source",
+            "",
+            id="no-source",
+        ),
+        pytest.param(
+            lambda d, mk: {"placement": {"count": 0}},
+            422,
+            "validation_error",
+            "body.placement",
+            "",
+            id="zero-count",
+        ),
+        pytest.param(
+            lambda d, mk: {"extra": True},
+            422,
+            "validation_error",
+            "body.extra",
+            "Extra inputs",
+            id="unknown-field",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": f"file://{mk('r64', rank=64)}"}},
+            400,
+            "preflight_failed",
+            "body.source.uri",
+            "max_lora_rank=16",
+            id="rank-too-high",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": f"file://{mk('mlp', modules=('gate_proj',))}"}},
+            400,
+            "preflight_failed",
+            "body.source.uri",
+            "['gate_proj'] are not supported",
+            id="bad-modules",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": f"file://{mk('nan', poison='nan')}"}},
+            400,
+            "preflight_failed",
+            "body.source.uri",
+            "NaN",
+            id="nan",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": f"file://{mk('other', base='org/other-model')}"}},
+            400,
+            "preflight_failed",
+            "body.source.uri",
+            "trained on base model",
+            id="base-mismatch",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": f"file://{d}", "sha256": "ab" * 32}},
+            400,
+            "digest_mismatch",
+            "body.source.sha256",
+            "expected " + "ab" * 32,
+            id="digest",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": "file:///etc"}},
+            400,
+            "source_not_allowed",
+            "body.source.uri",
+            "outside the allowed roots",
+            id="outside-roots",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": "gopher://x/y"}},
+            400,
+            "invalid_source",
+            "body.source.uri",
+            "unsupported scheme",
+            id="bad-scheme",
+        ),
+        pytest.param(
+            lambda d, mk: {"source": {"uri": "x", "sha256": "nothex"}},
+            422,
+            "validation_error",
+            "body.source.sha256",
+            "",
+            id="sha-format",
+        ),
     ]
 
 
 @pytest.mark.parametrize(("change", "status", "code", "field", "needle"), bad_adapter_cases())
 def test_bad_adapter_registrations_change_nothing(
-    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path], db_url: str,
-    change: Callable[..., dict[str, Any]], status: int, code: str, field: str, needle: str,
+    client: TestClient,
+    pool: dict[str, Any],
+    make_adapter: Callable[..., Path],
+    db_url: str,
+    change: Callable[..., dict[str, Any]],
+    status: int,
+    code: str,
+    field: str,
+    needle: str,
 ) -> None:
     good = make_adapter("good")
     body = {"name": "sql", "pool": "tiny", "source": {"uri": f"file://{good}"}}
@@ -200,8 +316,11 @@ def test_load_with_no_ready_worker_is_a_clear_conflict(
     client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path], db_url: str
 ) -> None:
     register(client, make_adapter(), load=False)
-    client.post("/v1/workers", json={"name": "w0", "pool": "tiny", "endpoint": "http://127.0.0.1:9", "dp_size": 2},
-                headers=ADMIN)
+    client.post(
+        "/v1/workers",
+        json={"name": "w0", "pool": "tiny", "endpoint": "http://127.0.0.1:9", "dp_size": 2},
+        headers=ADMIN,
+    )
     wait_for(lambda: client.get("/v1/workers/w0", headers=ADMIN).json()["state"] == "unreachable")
     before = snapshot(db_url)
     response = client.post("/v1/adapters/default/sql/load", headers=ADMIN)
@@ -230,8 +349,11 @@ def test_new_version_of_an_adapter_loaded_nowhere(
     client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
 ) -> None:
     register(client, make_adapter("v1", rank=4))
-    response = client.post("/v1/adapters/default/sql/version",
-                           json={"source": {"uri": f"file://{make_adapter('v2', rank=8)}"}}, headers=ADMIN)
+    response = client.post(
+        "/v1/adapters/default/sql/version",
+        json={"source": {"uri": f"file://{make_adapter('v2', rank=8)}"}},
+        headers=ADMIN,
+    )
     assert response.status_code == 200, response.text
     adapter = response.json()["adapter"]
     assert adapter["version"] == 2 and adapter["rank"] == 8 and adapter["lora_name"] == "sql@2"
@@ -246,12 +368,17 @@ def test_patch_priority_and_pin_an_adapter_loaded_nowhere(
     assert response.json()["adapter"]["priority"] == 5
     pinned = client.patch("/v1/adapters/default/sql", json={"pinned": True}, headers=ADMIN)
     assert pinned.status_code == 200, pinned.text
-    assert pinned.json()["adapter"]["pinned"] is True and pinned.json()["operation"]["kind"] == "pin"
+    assert (
+        pinned.json()["adapter"]["pinned"] is True and pinned.json()["operation"]["kind"] == "pin"
+    )
 
 
 def make_token(client: TestClient, scopes: list[str], namespace: str) -> dict[str, str]:
-    response = client.post("/v1/tokens", json={"name": f"{namespace}-{'-'.join(scopes)}", "scopes": scopes,
-                                               "namespace": namespace}, headers=ADMIN)
+    response = client.post(
+        "/v1/tokens",
+        json={"name": f"{namespace}-{'-'.join(scopes)}", "scopes": scopes, "namespace": namespace},
+        headers=ADMIN,
+    )
     assert response.status_code == 201, response.text
     return {"Authorization": f"Bearer {response.json()['token']}"}
 
@@ -261,9 +388,16 @@ def test_scopes_and_namespaces(
 ) -> None:
     for namespace in ("team-a", "team-b"):
         client.put(f"/v1/pools/{namespace}/tiny", json=POOL, headers=ADMIN)
-        response = client.post("/v1/adapters", json={"namespace": namespace, "name": "sql", "pool": "tiny",
-                                                     "source": {"uri": f"file://{make_adapter(namespace)}"}},
-                               headers=ADMIN)
+        response = client.post(
+            "/v1/adapters",
+            json={
+                "namespace": namespace,
+                "name": "sql",
+                "pool": "tiny",
+                "source": {"uri": f"file://{make_adapter(namespace)}"},
+            },
+            headers=ADMIN,
+        )
         assert response.status_code == 201, response.text
     reader_a = make_token(client, ["read"], "team-a")
     router_a = make_token(client, ["route"], "team-a")
@@ -279,16 +413,30 @@ def test_scopes_and_namespaces(
     assert scope.status_code == 403 and "needs 'read'" in scope.json()["error"]["message"]
     write = client.post("/v1/adapters/team-a/sql/unload", headers=reader_a)
     assert write.status_code == 403 and write.json()["error"]["code"] == "forbidden_scope"
-    cross = client.post("/v1/adapters", json={"namespace": "team-b", "name": "x", "pool": "tiny",
-                                              "source": {"uri": "file:///nope"}}, headers=admin_a)
+    cross = client.post(
+        "/v1/adapters",
+        json={
+            "namespace": "team-b",
+            "name": "x",
+            "pool": "tiny",
+            "source": {"uri": "file:///nope"},
+        },
+        headers=admin_a,
+    )
     assert cross.status_code == 403 and cross.json()["error"]["field"] == "body.namespace"
     pools = client.put("/v1/pools/team-a/other", json=POOL, headers=admin_a)
     assert pools.status_code == 403 and "namespace '*'" in pools.json()["error"]["message"]
-    routed = client.post("/v1/completions", json={"model": "tiny:sql", "prompt": "x"},
-                         headers={**router_a, "X-Loraplane-Namespace": "team-b"})
+    routed = client.post(
+        "/v1/completions",
+        json={"model": "tiny:sql", "prompt": "x"},
+        headers={**router_a, "X-Loraplane-Namespace": "team-b"},
+    )
     assert routed.status_code == 403
     unknown = client.get("/v1/adapters", headers={"Authorization": "Bearer lp_not-a-token"})
-    assert unknown.status_code == 401 and unknown.json()["error"]["message"] == "header.Authorization: unknown token"
+    assert (
+        unknown.status_code == 401
+        and unknown.json()["error"]["message"] == "header.Authorization: unknown token"
+    )
     assert snapshot(db_url) == before
 
 
@@ -301,15 +449,29 @@ def test_token_listing_hides_secrets_and_revocation(client: TestClient) -> None:
     assert client.get("/v1/pools", headers=token).status_code == 401
 
 
-def test_router_errors_are_clear(client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]) -> None:
+def test_router_errors_are_clear(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
+) -> None:
     register(client, make_adapter())
     no_model = client.post("/v1/completions", json={"prompt": "x"}, headers=ADMIN)
     assert no_model.status_code == 400 and no_model.json()["error"]["field"] == "body.model"
-    unknown = client.post("/v1/completions", json={"model": "tiny:nope", "prompt": "x"}, headers=ADMIN)
-    assert unknown.status_code == 404 and "adapter 'nope' not found" in unknown.json()["error"]["message"]
-    wrong_pool = client.post("/v1/chat/completions", json={"model": "other:sql", "messages": []}, headers=ADMIN)
-    assert wrong_pool.status_code == 404 and "belongs to pool 'tiny'" in wrong_pool.json()["error"]["message"]
-    no_worker = client.post("/v1/completions", json={"model": "tiny:sql", "prompt": "x"}, headers=ADMIN)
+    unknown = client.post(
+        "/v1/completions", json={"model": "tiny:nope", "prompt": "x"}, headers=ADMIN
+    )
+    assert (
+        unknown.status_code == 404
+        and "adapter 'nope' not found" in unknown.json()["error"]["message"]
+    )
+    wrong_pool = client.post(
+        "/v1/chat/completions", json={"model": "other:sql", "messages": []}, headers=ADMIN
+    )
+    assert (
+        wrong_pool.status_code == 404
+        and "belongs to pool 'tiny'" in wrong_pool.json()["error"]["message"]
+    )
+    no_worker = client.post(
+        "/v1/completions", json={"model": "tiny:sql", "prompt": "x"}, headers=ADMIN
+    )
     assert no_worker.status_code == 503, no_worker.text
     assert no_worker.json()["error"]["code"] == "no_worker"
     base = client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=ADMIN)
@@ -318,13 +480,19 @@ def test_router_errors_are_clear(client: TestClient, pool: dict[str, Any], make_
     assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("tiny:sql", "tiny")]
 
 
-def test_metrics_count_operations(client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]) -> None:
+def test_metrics_count_operations(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
+) -> None:
     register(client, make_adapter())
     text = client.get("/metrics").text
     assert 'loraplane_operations_total{kind="register",outcome="succeeded"} 1.0' in text
-    for name in ("loraplane_fanout_latency_seconds", "loraplane_drift_repaired_total",
-                 "loraplane_routed_requests_total", "loraplane_on_demand_loads_total",
-                 "loraplane_on_demand_wait_seconds"):
+    for name in (
+        "loraplane_fanout_latency_seconds",
+        "loraplane_drift_repaired_total",
+        "loraplane_routed_requests_total",
+        "loraplane_on_demand_loads_total",
+        "loraplane_on_demand_wait_seconds",
+    ):
         assert f"# TYPE {name.removesuffix('_total')}" in text
 
 

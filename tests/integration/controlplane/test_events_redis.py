@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import ADMIN, POOL, free_port, wait_for
+from cp_kit import ADMIN, POOL, free_port, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import create_app
@@ -42,11 +42,25 @@ class PrivateRedis:
     def start(self) -> None:
         exe = shutil.which("redis-server")
         if exe is None:
-            pytest.fail("redis-server is not installed: run scripts/services.sh start", pytrace=False)
+            pytest.fail(
+                "redis-server is not installed: run scripts/services.sh start", pytrace=False
+            )
         self.process = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                exe,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_for(self._ping, timeout=10, what="redis-server to answer")
 
@@ -84,7 +98,10 @@ class Subscriber:
                 self.events.append(json.loads(message["data"]))
 
     def seen(self, type_: str, **fields: Any) -> bool:
-        return any(e["type"] == type_ and all(e.get(k) == v for k, v in fields.items()) for e in self.events)
+        return any(
+            e["type"] == type_ and all(e.get(k) == v for k, v in fields.items())
+            for e in self.events
+        )
 
     def close(self) -> None:
         self.stopped = True
@@ -108,22 +125,39 @@ def test_redis_outage_keeps_the_registry_working_and_events_resume(
         before = Subscriber(private_redis.url)
         try:
             client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN)
-            client.post("/v1/workers", json={"name": "w0", "pool": "tiny", "endpoint": "http://127.0.0.1:9",
-                                             "dp_size": 2}, headers=ADMIN)
-            wait_for(lambda: before.seen("worker.registered", worker="w0"), what="worker.registered over Redis")
+            client.post(
+                "/v1/workers",
+                json={"name": "w0", "pool": "tiny", "endpoint": "http://127.0.0.1:9", "dp_size": 2},
+                headers=ADMIN,
+            )
+            wait_for(
+                lambda: before.seen("worker.registered", worker="w0"),
+                what="worker.registered over Redis",
+            )
             assert client.get("/readyz").json()["redis"] == "ok"
         finally:
             before.close()
 
         private_redis.stop()
-        wait_for(lambda: client.get("/readyz").json() == {"database": "ok", "redis": "down"},
-                 what="readyz to report redis down")
+        wait_for(
+            lambda: client.get("/readyz").json() == {"database": "ok", "redis": "down"},
+            what="readyz to report redis down",
+        )
         started = time.monotonic()
         assert client.get("/v1/pools", headers=ADMIN).status_code == 200
-        registered = client.post("/v1/adapters", json={"name": "during-outage", "pool": "tiny",
-                                                       "source": {"uri": f"file://{make_adapter()}"}}, headers=ADMIN)
+        registered = client.post(
+            "/v1/adapters",
+            json={
+                "name": "during-outage",
+                "pool": "tiny",
+                "source": {"uri": f"file://{make_adapter()}"},
+            },
+            headers=ADMIN,
+        )
         assert registered.status_code == 201, registered.text
-        routed = client.post("/v1/completions", json={"model": "tiny:during-outage", "prompt": "x"}, headers=ADMIN)
+        routed = client.post(
+            "/v1/completions", json={"model": "tiny:during-outage", "prompt": "x"}, headers=ADMIN
+        )
         assert routed.status_code == 503 and routed.json()["error"]["code"] == "no_worker"
         assert time.monotonic() - started < 5, "registry calls waited for Redis"
         op_id = registered.json()["operation"]["id"]
@@ -131,16 +165,27 @@ def test_redis_outage_keeps_the_registry_working_and_events_resume(
         private_redis.start()
         after = Subscriber(private_redis.url)
         try:
-            wait_for(lambda: after.seen("operation.finished", operation=op_id), timeout=15,
-                     what="the event published during the outage to arrive after Redis came back")
-            wait_for(lambda: client.get("/readyz").json()["redis"] == "ok", what="readyz to report redis ok")
+            wait_for(
+                lambda: after.seen("operation.finished", operation=op_id),
+                timeout=15,
+                what="the event published during the outage to arrive after Redis came back",
+            )
+            wait_for(
+                lambda: client.get("/readyz").json()["redis"] == "ok",
+                what="readyz to report redis ok",
+            )
             client.post("/v1/adapters/default/during-outage/unload", headers=ADMIN)
-            wait_for(lambda: after.seen("operation.finished", kind="unload"), what="a fresh event after recovery")
+            wait_for(
+                lambda: after.seen("operation.finished", kind="unload"),
+                what="a fresh event after recovery",
+            )
         finally:
             after.close()
 
 
-def test_events_reach_the_in_process_stream_without_redis(settings: Settings, make_adapter: Callable[..., Path]) -> None:
+def test_events_reach_the_in_process_stream_without_redis(
+    settings: Settings, make_adapter: Callable[..., Path]
+) -> None:
     with TestClient(create_app(settings)) as client:
         client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN)
         bus = client.app.state.services.bus  # type: ignore[attr-defined]
@@ -161,8 +206,15 @@ def test_events_reach_the_in_process_stream_without_redis(settings: Settings, ma
 
             transport = httpx.ASGITransport(app=client.app)
             async with httpx.AsyncClient(transport=transport, base_url="http://cp") as http:
-                await http.post("/v1/adapters", json={"name": "x", "pool": "tiny",
-                                                      "source": {"uri": f"file://{make_adapter()}"}}, headers=ADMIN)
+                await http.post(
+                    "/v1/adapters",
+                    json={
+                        "name": "x",
+                        "pool": "tiny",
+                        "source": {"uri": f"file://{make_adapter()}"},
+                    },
+                    headers=ADMIN,
+                )
 
         client.portal.call(collect)  # type: ignore[union-attr]
         assert received[-1]["kind"] == "register" and received[-1]["state"] == "succeeded"

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import ADMIN, ADMIN_TOKEN, POOL, free_port, wait_for
+from cp_kit import ADMIN, ADMIN_TOKEN, POOL, free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -77,8 +77,18 @@ class ControlPlane:
         exe = Path(sys.executable).with_name("loraplane")
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                [str(exe), "controlplane", "serve", "--port", str(self.port), "--log-level", "warning"],
-                env=self.env, stdout=log, stderr=log,
+                [
+                    str(exe),
+                    "controlplane",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=log,
             )
         wait_for(self._ready, timeout=60, what=f"the control plane to serve (log: {self.log})")
 
@@ -120,7 +130,11 @@ def rows(db_url: str, sql: str) -> list[Any]:
 
 
 def test_killed_mid_load_is_rolled_back_at_restart(
-    db_url: str, tmp_path: Path, adapters_root: Path, make_adapter: Callable[..., Path], hung_worker: HungWorker
+    db_url: str,
+    tmp_path: Path,
+    adapters_root: Path,
+    make_adapter: Callable[..., Path],
+    hung_worker: HungWorker,
 ) -> None:
     first = ControlPlane(db_url, adapters_root, tmp_path)
     first.start()
@@ -128,21 +142,39 @@ def test_killed_mid_load_is_rolled_back_at_restart(
         http = httpx.Client(base_url=first.url, headers=ADMIN, timeout=30)
         assert http.put("/v1/pools/default/tiny", json=POOL).status_code == 200
         endpoint = f"http://127.0.0.1:{hung_worker.port}"
-        assert http.post("/v1/workers", json={"name": "w0", "pool": "tiny", "endpoint": endpoint,
-                                              "dp_size": 2}).status_code == 201
+        assert (
+            http.post(
+                "/v1/workers",
+                json={"name": "w0", "pool": "tiny", "endpoint": endpoint, "dp_size": 2},
+            ).status_code
+            == 201
+        )
         wait_for(lambda: http.get("/v1/workers/w0").json()["state"] == "unreachable", timeout=20)
-        rows(db_url, "UPDATE workers SET state = 'ready' WHERE name = 'w0'")  # as if it had answered
+        rows(
+            db_url, "UPDATE workers SET state = 'ready' WHERE name = 'w0'"
+        )  # as if it had answered
         body = {"name": "sql", "pool": "tiny", "source": {"uri": f"file://{make_adapter()}"}}
+
         def post() -> None:
             with contextlib.suppress(httpx.HTTPError):  # the server dies under it
-                httpx.post(first.url + "/v1/adapters", json=body, headers={**ADMIN, "Idempotency-Key": "k1"},
-                           timeout=300)
+                httpx.post(
+                    first.url + "/v1/adapters",
+                    json=body,
+                    headers={**ADMIN, "Idempotency-Key": "k1"},
+                    timeout=300,
+                )
 
         pending = threading.Thread(target=post, daemon=True)
         pending.start()
-        wait_for(lambda: rows(db_url, "SELECT state FROM operations") == [("running",)], timeout=20,
-                 what="the load to be journalled and running")
-        assert rows(db_url, "SELECT state FROM placements ORDER BY dp_group") == [("loading",), ("loading",)]
+        wait_for(
+            lambda: rows(db_url, "SELECT state FROM operations") == [("running",)],
+            timeout=20,
+            what="the load to be journalled and running",
+        )
+        assert rows(db_url, "SELECT state FROM placements ORDER BY dp_group") == [
+            ("loading",),
+            ("loading",),
+        ]
     finally:
         first.kill()
     hung_worker.close()  # the worker is gone too: recovery must not hang on it
@@ -163,9 +195,15 @@ def test_killed_mid_load_is_rolled_back_at_restart(
         assert all(p["state"] != "loaded" for p in adapter["placements"])
         # the worker could not be asked, so the adapter may still be there: not reusable until settled
         assert adapter["inconsistent"] is True and adapter["phase"] == "Degraded"
-        replay = http.post("/v1/adapters", json={"name": "sql", "pool": "tiny",
-                                                 "source": {"uri": f"file://{adapters_root / 'adapter'}"}},
-                           headers={"Idempotency-Key": "k1"})
+        replay = http.post(
+            "/v1/adapters",
+            json={
+                "name": "sql",
+                "pool": "tiny",
+                "source": {"uri": f"file://{adapters_root / 'adapter'}"},
+            },
+            headers={"Idempotency-Key": "k1"},
+        )
         assert replay.status_code == 502 and replay.json()["operation"]["id"] == op["id"]
     finally:
         second.stop()

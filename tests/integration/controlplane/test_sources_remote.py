@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ADMIN, free_port, snapshot, wait_for
+from cp_kit import ADMIN, free_port, snapshot, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import create_app
@@ -23,7 +23,9 @@ pytestmark = pytest.mark.integration
 
 
 def serve(command: list[str], url: str, cwd: Path | None = None) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
     def up() -> bool:
         try:
@@ -59,24 +61,37 @@ def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     root = tmp_path / "www"
     root.mkdir()
     port = free_port()
-    process = serve([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], f"http://127.0.0.1:{port}/",
-                    cwd=root)
+    process = serve(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        f"http://127.0.0.1:{port}/",
+        cwd=root,
+    )
     yield root, f"http://127.0.0.1:{port}"
     stop(process)
 
 
 @pytest.fixture
-def remote_client(settings: Settings, moto_url: str, http_root: tuple[Path, str],
-                  monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
+def remote_client(
+    settings: Settings, moto_url: str, http_root: tuple[Path, str], monkeypatch: pytest.MonkeyPatch
+) -> Iterator[TestClient]:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     settings.sources.s3_endpoint_url = moto_url
     settings.sources.hf_endpoint = http_root[1] + "/hf"
     with TestClient(create_app(settings)) as client:
-        client.put("/v1/pools/default/tiny", json={
-            "model": "/models/tiny-llama", "tp": 1, "dp": 1, "max_loras_per_batch": 2, "max_loaded_loras": 4,
-            "max_lora_rank": 16}, headers=ADMIN)
+        client.put(
+            "/v1/pools/default/tiny",
+            json={
+                "model": "/models/tiny-llama",
+                "tp": 1,
+                "dp": 1,
+                "max_loras_per_batch": 2,
+                "max_loaded_loras": 4,
+                "max_lora_rank": 16,
+            },
+            headers=ADMIN,
+        )
         yield client
 
 
@@ -85,8 +100,11 @@ def digest(directory: Path) -> str:
 
 
 def register(client: TestClient, name: str, uri: str, sha256: str | None = None) -> Any:
-    return client.post("/v1/adapters", json={"name": name, "pool": "tiny", "source": {"uri": uri, "sha256": sha256}},
-                       headers=ADMIN)
+    return client.post(
+        "/v1/adapters",
+        json={"name": name, "pool": "tiny", "source": {"uri": uri, "sha256": sha256}},
+        headers=ADMIN,
+    )
 
 
 def test_s3_source_is_fetched_checked_and_cached(
@@ -104,14 +122,19 @@ def test_s3_source_is_fetched_checked_and_cached(
     adapter = response.json()["adapter"]
     assert adapter["digest"] == digest(directory) and adapter["rank"] == 4
     cached = settings.sources.cache_dir / digest(directory)
-    assert (cached / "adapter_model.safetensors").read_bytes() == (directory / "adapter_model.safetensors").read_bytes()
+    assert (cached / "adapter_model.safetensors").read_bytes() == (
+        directory / "adapter_model.safetensors"
+    ).read_bytes()
     missing = register(remote_client, "gone", "s3://adapters/team/missing")
     assert missing.status_code == 400 and missing.json()["error"]["code"] == "source_not_found"
     assert "s3://adapters/team/missing/adapter_config.json" in missing.json()["error"]["message"]
 
 
 def test_http_source_and_digest_mismatch(
-    remote_client: TestClient, http_root: tuple[Path, str], make_adapter: Callable[..., Path], db_url: str,
+    remote_client: TestClient,
+    http_root: tuple[Path, str],
+    make_adapter: Callable[..., Path],
+    db_url: str,
     settings: Settings,
 ) -> None:
     root, base = http_root
@@ -125,11 +148,16 @@ def test_http_source_and_digest_mismatch(
     assert response.status_code == 201, response.text
     assert response.json()["adapter"]["source"]["uri"] == f"{base}/sql/"
     not_there = register(remote_client, "nope", f"{base}/nope")
-    assert not_there.status_code == 400 and "answered HTTP 404" in not_there.json()["error"]["message"]
+    assert (
+        not_there.status_code == 400 and "answered HTTP 404" in not_there.json()["error"]["message"]
+    )
 
 
 def test_http_source_over_the_size_limit(
-    remote_client: TestClient, http_root: tuple[Path, str], make_adapter: Callable[..., Path], settings: Settings
+    remote_client: TestClient,
+    http_root: tuple[Path, str],
+    make_adapter: Callable[..., Path],
+    settings: Settings,
 ) -> None:
     root, base = http_root
     shutil.copytree(make_adapter("big"), root / "big")
@@ -148,4 +176,7 @@ def test_hf_source_through_a_mirror(
     assert response.status_code == 201, response.text
     assert response.json()["adapter"]["digest"] == digest(directory)
     missing_rev = register(remote_client, "other", "hf://org/sql-lora")
-    assert missing_rev.status_code == 400 and "/org/sql-lora/resolve/main/" in missing_rev.json()["error"]["message"]
+    assert (
+        missing_rev.status_code == 400
+        and "/org/sql-lora/resolve/main/" in missing_rev.json()["error"]["message"]
+    )

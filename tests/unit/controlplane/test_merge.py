@@ -29,14 +29,21 @@ def test_any_failure_wins_and_takes_the_first_failed_targets_adapters() -> None:
 
 
 def test_failure_on_the_last_target_is_not_reported_as_success() -> None:
-    merged = merge_results([UpdateResult(True), UpdateResult(True), UpdateResult(False, "rank 7 died")])
+    merged = merge_results(
+        [UpdateResult(True), UpdateResult(True), UpdateResult(False, "rank 7 died")]
+    )
     assert merged.success is False
     assert merged.error_message == "rank 7 died"
 
 
 def test_messages_are_deduplicated_in_first_seen_order() -> None:
     merged = merge_results(
-        [UpdateResult(False, "b"), UpdateResult(False, "a"), UpdateResult(False, "b"), UpdateResult(False, "a")]
+        [
+            UpdateResult(False, "b"),
+            UpdateResult(False, "a"),
+            UpdateResult(False, "b"),
+            UpdateResult(False, "a"),
+        ]
     )
     assert merged.error_message == "b | a"
 

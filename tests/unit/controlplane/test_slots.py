@@ -17,7 +17,9 @@ from loraplane.controlplane.slots import (
 pytestmark = pytest.mark.unit
 
 
-def worker(name: str = "w0", k: int = 4, m: int = 4, resident: tuple[Resident, ...] = (), **kw: object) -> WorkerSlots:
+def worker(
+    name: str = "w0", k: int = 4, m: int = 4, resident: tuple[Resident, ...] = (), **kw: object
+) -> WorkerSlots:
     return WorkerSlots(name, k, m, resident, **kw)  # type: ignore[arg-type]
 
 
@@ -55,7 +57,9 @@ def test_no_eviction_needed_when_there_is_room() -> None:
 
 def test_no_capacity_when_everything_is_pinned_or_busy() -> None:
     w = worker(k=2, m=2, resident=(Resident("p", True, 0), Resident("b", False, 0, inflight=1)))
-    with pytest.raises(NoCapacity, match=r"holds 2/2 adapters \(1 pinned, 1 with requests in flight\)"):
+    with pytest.raises(
+        NoCapacity, match=r"holds 2/2 adapters \(1 pinned, 1 with requests in flight\)"
+    ):
         choose_evictions(w)
 
 
@@ -75,7 +79,11 @@ def test_placement_count_prefers_holders_then_free_slots_then_load() -> None:
     workers = [
         worker("busy", m=4, inflight=9),
         worker("full", m=4, resident=(Resident("a", False, 0), Resident("b", False, 0))),
-        worker("holder", m=4, resident=(Resident("x", False, 0), Resident("c", False, 0), Resident("d", False, 0))),
+        worker(
+            "holder",
+            m=4,
+            resident=(Resident("x", False, 0), Resident("c", False, 0), Resident("d", False, 0)),
+        ),
         worker("idle", m=4, inflight=0),
     ]
     plan = plan_placement(workers, "x", count=3, pinned=False)

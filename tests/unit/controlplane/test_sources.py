@@ -13,10 +13,16 @@ from loraplane.controlplane.settings import SourcesSettings
 from loraplane.controlplane.sources import PoolLimits, SourceResolver, preflight
 
 pytestmark = pytest.mark.unit
-POOL = PoolLimits(model="/models/tiny-llama", max_lora_rank=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+POOL = PoolLimits(
+    model="/models/tiny-llama",
+    max_lora_rank=16,
+    target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+)
 
 
-def check(directory: Path, sha256: str | None = None, pool: PoolLimits = POOL, max_bytes: int = 1 << 30) -> object:
+def check(
+    directory: Path, sha256: str | None = None, pool: PoolLimits = POOL, max_bytes: int = 1 << 30
+) -> object:
     return preflight(directory, sha256, pool, max_bytes)
 
 
@@ -98,14 +104,18 @@ def test_config_not_json(make_adapter: Callable[..., Path]) -> None:
         ({"lora_alpha": "x"}, "lora_alpha must be a number"),
     ],
 )
-def test_bad_config_fields(make_adapter: Callable[..., Path], extra: dict[str, object], needle: str) -> None:
+def test_bad_config_fields(
+    make_adapter: Callable[..., Path], extra: dict[str, object], needle: str
+) -> None:
     assert needle in rejected(make_adapter(config_extra=extra)).message
 
 
 def test_tensor_rank_must_match_config(make_adapter: Callable[..., Path]) -> None:
     directory = make_adapter(rank=8)
     other = make_adapter("other", rank=4)
-    (directory / "adapter_model.safetensors").write_bytes((other / "adapter_model.safetensors").read_bytes())
+    (directory / "adapter_model.safetensors").write_bytes(
+        (other / "adapter_model.safetensors").read_bytes()
+    )
     assert "lora_A must be [r=8, in]" in rejected(directory).message
 
 
@@ -125,12 +135,19 @@ def resolver(tmp_path: Path, **kwargs: object) -> SourceResolver:
     return SourceResolver(SourcesSettings(cache_dir=tmp_path / "cache", **kwargs))  # type: ignore[arg-type]
 
 
-def test_file_source_under_an_allowed_root(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
+def test_file_source_under_an_allowed_root(
+    tmp_path: Path, make_adapter: Callable[..., Path]
+) -> None:
     directory = make_adapter()
-    assert resolver(tmp_path, allowed_roots=[tmp_path]).fetch(f"file://{directory}") == directory.resolve()
+    assert (
+        resolver(tmp_path, allowed_roots=[tmp_path]).fetch(f"file://{directory}")
+        == directory.resolve()
+    )
 
 
-def test_file_source_outside_the_allowed_roots(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
+def test_file_source_outside_the_allowed_roots(
+    tmp_path: Path, make_adapter: Callable[..., Path]
+) -> None:
     directory = make_adapter()
     root = tmp_path / "models"
     root.mkdir()
@@ -141,7 +158,9 @@ def test_file_source_outside_the_allowed_roots(tmp_path: Path, make_adapter: Cal
     assert "outside the allowed roots" in info.value.message
 
 
-def test_symlink_escaping_the_root_is_refused(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
+def test_symlink_escaping_the_root_is_refused(
+    tmp_path: Path, make_adapter: Callable[..., Path]
+) -> None:
     directory = make_adapter()
     root = tmp_path / "models"
     root.mkdir()
@@ -150,7 +169,9 @@ def test_symlink_escaping_the_root_is_refused(tmp_path: Path, make_adapter: Call
         resolver(tmp_path, allowed_roots=[root]).fetch(f"file://{root}/sneaky")
 
 
-def test_dot_dot_escaping_the_root_is_refused(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
+def test_dot_dot_escaping_the_root_is_refused(
+    tmp_path: Path, make_adapter: Callable[..., Path]
+) -> None:
     make_adapter()
     root = tmp_path / "models"
     root.mkdir()
@@ -158,7 +179,9 @@ def test_dot_dot_escaping_the_root_is_refused(tmp_path: Path, make_adapter: Call
         resolver(tmp_path, allowed_roots=[root]).fetch(f"file://{root}/../adapter")
 
 
-def test_no_allowed_roots_configured_refuses_file_sources(tmp_path: Path, make_adapter: Callable[..., Path]) -> None:
+def test_no_allowed_roots_configured_refuses_file_sources(
+    tmp_path: Path, make_adapter: Callable[..., Path]
+) -> None:
     with pytest.raises(ApiError, match="none configured"):
         resolver(tmp_path).fetch(f"file://{make_adapter()}")
 
@@ -173,7 +196,10 @@ def test_pvc_source_maps_under_the_claim(tmp_path: Path, make_adapter: Callable[
 
 def test_hf_uri_resolution(tmp_path: Path) -> None:
     r = resolver(tmp_path, hf_endpoint="http://mirror.local/")
-    assert r.hf_url("hf://org/repo", "adapter_config.json") == "http://mirror.local/org/repo/resolve/main/adapter_config.json"
+    assert (
+        r.hf_url("hf://org/repo", "adapter_config.json")
+        == "http://mirror.local/org/repo/resolve/main/adapter_config.json"
+    )
     assert r.hf_url("hf://org/repo@v1.0", "x") == "http://mirror.local/org/repo/resolve/v1.0/x"
     with pytest.raises(ApiError, match=r"hf://<org>/<repo>\[@revision\]"):
         r.hf_url("hf://just-a-name", "x")

@@ -15,7 +15,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplane.controlplane.api import adapters, openai, operations, placements, pools, system, tokens, workers
+from loraplane.controlplane.api import (
+    adapters,
+    openai,
+    operations,
+    placements,
+    pools,
+    system,
+    tokens,
+    workers,
+)
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.deps import Services
 from loraplane.controlplane.errors import ApiError
@@ -35,7 +44,9 @@ _UNION_TAGS = re.compile(r"^([A-Z]\w*|.*\[.*\]|int|str|bool|float|list|dict|none
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     """``body.placement`` from ``("body", "placement", "literal['all']")``: union member tags dropped."""
-    return ".".join(str(part) for part in loc if not (isinstance(part, str) and _UNION_TAGS.match(part)))
+    return ".".join(
+        str(part) for part in loc if not (isinstance(part, str) and _UNION_TAGS.match(part))
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -46,7 +57,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        parts = list(dict.fromkeys(f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors))
+        parts = list(
+            dict.fromkeys(f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
+        )
         first = _field(errors[0].get("loc", ())) if errors else None
         body = {"error": {"code": "validation_error", "field": first, "message": "; ".join(parts)}}
         return JSONResponse(body, status_code=422)
@@ -54,8 +67,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": {"code": code, "field": None, "message": str(exc.detail)}},
-                            status_code=exc.status_code)
+        return JSONResponse(
+            {"error": {"code": code, "field": None, "message": str(exc.detail)}},
+            status_code=exc.status_code,
+        )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -68,16 +83,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics = Metrics()
         bus = make_bus(settings.redis_url, metrics, settings.replica_id)
         await bus.start()
-        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        http = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        )
         client = WorkerClient(
-            http, load_timeout_s=settings.workers.load_timeout_s, probe_timeout_s=settings.workers.probe_timeout_s
+            http,
+            load_timeout_s=settings.workers.load_timeout_s,
+            probe_timeout_s=settings.workers.probe_timeout_s,
         )
         inflight = Inflight()
         ops = Operations(db, client, bus, metrics, inflight)
         reconciler = Reconciler(db, client, bus, metrics, settings.reconciler.interval_s)
         app.state.services = Services(
-            settings=settings, db=db, client=client, bus=bus, metrics=metrics, inflight=inflight,
-            operations=ops, reconciler=reconciler, sources=SourceResolver(settings.sources),
+            settings=settings,
+            db=db,
+            client=client,
+            bus=bus,
+            metrics=metrics,
+            inflight=inflight,
+            operations=ops,
+            reconciler=reconciler,
+            sources=SourceResolver(settings.sources),
         )
         settled = await ops.settle_interrupted()
         if settled:

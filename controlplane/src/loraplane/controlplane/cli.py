@@ -11,13 +11,36 @@ controlplane_app = typer.Typer(no_args_is_help=True, help="The registry, router 
 
 @controlplane_app.command()
 def serve(
-    db: Annotated[str | None, typer.Option("--db", help="SQLAlchemy URL (env LORAPLANE_DB_URL; default sqlite:///./loraplane.db)")] = None,
-    redis: Annotated[str | None, typer.Option("--redis", help="redis://host:port/db for events (env LORAPLANE_REDIS_URL)")] = None,
-    host: Annotated[str | None, typer.Option(help="bind address (env LORAPLANE_HOST; default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="port (env LORAPLANE_PORT; default 8080)")] = None,
-    auth: Annotated[bool | None, typer.Option("--auth/--no-auth", help="require bearer tokens (--no-auth: demo only) (env LORAPLANE_AUTH)")] = None,
-    allowed_root: Annotated[list[str] | None, typer.Option("--allowed-root", help="directory file:// sources may use (repeatable)")] = None,
-    reconcile_interval: Annotated[float | None, typer.Option(help="seconds between reconciler passes")] = None,
+    db: Annotated[
+        str | None,
+        typer.Option(
+            "--db", help="SQLAlchemy URL (env LORAPLANE_DB_URL; default sqlite:///./loraplane.db)"
+        ),
+    ] = None,
+    redis: Annotated[
+        str | None,
+        typer.Option("--redis", help="redis://host:port/db for events (env LORAPLANE_REDIS_URL)"),
+    ] = None,
+    host: Annotated[
+        str | None, typer.Option(help="bind address (env LORAPLANE_HOST; default 127.0.0.1)")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="port (env LORAPLANE_PORT; default 8080)")
+    ] = None,
+    auth: Annotated[
+        bool | None,
+        typer.Option(
+            "--auth/--no-auth",
+            help="require bearer tokens (--no-auth: demo only) (env LORAPLANE_AUTH)",
+        ),
+    ] = None,
+    allowed_root: Annotated[
+        list[str] | None,
+        typer.Option("--allowed-root", help="directory file:// sources may use (repeatable)"),
+    ] = None,
+    reconcile_interval: Annotated[
+        float | None, typer.Option(help="seconds between reconciler passes")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level")] = "info",
 ) -> None:
     """Serve the control plane; applies database migrations first."""
@@ -48,6 +71,11 @@ def serve(
     if reconcile_interval is not None:
         settings.reconciler.interval_s = reconcile_interval
     if settings.auth and settings.admin_token is None:
-        typer.echo("warning: LORAPLANE_ADMIN_TOKEN is not set; only tokens already in the database work", err=True)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        typer.echo(
+            "warning: LORAPLANE_ADMIN_TOKEN is not set; only tokens already in the database work",
+            err=True,
+        )
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import asyncio
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -60,11 +60,19 @@ def get_principal(
     if not services.settings.auth:
         return BOOTSTRAP
     if not authorization:
-        raise ApiError(401, "unauthenticated", "header.Authorization: missing bearer token", field="header.Authorization")
+        raise ApiError(
+            401,
+            "unauthenticated",
+            "header.Authorization: missing bearer token",
+            field="header.Authorization",
+        )
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(
-            401, "unauthenticated", "header.Authorization: expected 'Bearer <token>'", field="header.Authorization"
+            401,
+            "unauthenticated",
+            "header.Authorization: expected 'Bearer <token>'",
+            field="header.Authorization",
         )
     digest = hash_token(token.strip())
     admin = services.settings.admin_token
@@ -73,7 +81,12 @@ def get_principal(
     with services.db.session() as session:
         row = session.scalar(select(Token).where(Token.token_hash == digest))
         if row is None:
-            raise ApiError(401, "unauthenticated", "header.Authorization: unknown token", field="header.Authorization")
+            raise ApiError(
+                401,
+                "unauthenticated",
+                "header.Authorization: unknown token",
+                field="header.Authorization",
+            )
         return Principal(row.name, frozenset(row.scopes), row.namespace)
 
 

@@ -24,7 +24,10 @@ class ApiError(Exception):
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "field": self.field, "message": self.message}, **self.extra}
+        return {
+            "error": {"code": self.code, "field": self.field, "message": self.message},
+            **self.extra,
+        }
 
 
 def bad_value(field: str, message: str, code: str = "invalid_value") -> ApiError:

@@ -53,7 +53,12 @@ class EventBus:
                 queue.put_nowait(event)
 
     async def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
-        event = {"type": type_, "at": datetime.now(UTC).isoformat(), "origin": self.replica_id, **fields}
+        event = {
+            "type": type_,
+            "at": datetime.now(UTC).isoformat(),
+            "origin": self.replica_id,
+            **fields,
+        }
         self._deliver(event)
         return event
 
@@ -80,7 +85,9 @@ class RedisEventBus(EventBus):
         import redis.asyncio as aioredis
 
         self.url = url
-        self._redis = aioredis.from_url(url, socket_connect_timeout=1, socket_timeout=2, health_check_interval=5)
+        self._redis = aioredis.from_url(
+            url, socket_connect_timeout=1, socket_timeout=2, health_check_interval=5
+        )
         self._pending: deque[dict[str, Any]] = deque(maxlen=buffer_size)
         self._up = False
         self._retry_s = retry_s

@@ -12,7 +12,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.operations = Counter(
-            "loraplane_operations", "Registry operations by kind and outcome", ["kind", "outcome"], registry=r
+            "loraplane_operations",
+            "Registry operations by kind and outcome",
+            ["kind", "outcome"],
+            registry=r,
         )
         self.fanout_latency = Histogram(
             "loraplane_fanout_latency_seconds",
@@ -22,7 +25,10 @@ class Metrics:
             registry=r,
         )
         self.drift_repaired = Counter(
-            "loraplane_drift_repaired", "Drift the reconciler repaired, by kind", ["kind"], registry=r
+            "loraplane_drift_repaired",
+            "Drift the reconciler repaired, by kind",
+            ["kind"],
+            registry=r,
         )
         self.routed_requests = Counter(
             "loraplane_routed_requests",
@@ -31,7 +37,10 @@ class Metrics:
             registry=r,
         )
         self.on_demand_loads = Counter(
-            "loraplane_on_demand_loads", "On-demand loads started by the router, by outcome", ["outcome"], registry=r
+            "loraplane_on_demand_loads",
+            "On-demand loads started by the router, by outcome",
+            ["outcome"],
+            registry=r,
         )
         self.on_demand_wait = Histogram(
             "loraplane_on_demand_wait_seconds",
@@ -39,10 +48,18 @@ class Metrics:
             buckets=FANOUT_BUCKETS,
             registry=r,
         )
-        self.evictions = Counter("loraplane_evictions", "LRU evictions of unpinned adapters", registry=r)
-        self.workers = Gauge("loraplane_workers", "Registered workers by state", ["state"], registry=r)
-        self.adapters = Gauge("loraplane_adapters", "Registered adapters by phase", ["phase"], registry=r)
-        self.event_bus_up = Gauge("loraplane_event_bus_up", "1 when the event bus (Redis) is reachable", registry=r)
+        self.evictions = Counter(
+            "loraplane_evictions", "LRU evictions of unpinned adapters", registry=r
+        )
+        self.workers = Gauge(
+            "loraplane_workers", "Registered workers by state", ["state"], registry=r
+        )
+        self.adapters = Gauge(
+            "loraplane_adapters", "Registered adapters by phase", ["phase"], registry=r
+        )
+        self.event_bus_up = Gauge(
+            "loraplane_event_bus_up", "1 when the event bus (Redis) is reachable", registry=r
+        )
         self.events_dropped = Counter(
             "loraplane_events_dropped", "Events not delivered to Redis (buffer full)", registry=r
         )

@@ -5,7 +5,17 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -32,7 +42,9 @@ class Pool(Base):
     max_lora_rank: Mapped[int] = mapped_column(Integer)
     target_modules: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
 
     workers: Mapped[list[Worker]] = relationship(back_populates="pool")
     adapters: Mapped[list[Adapter]] = relationship(back_populates="pool")
@@ -46,16 +58,24 @@ class Worker(Base):
     pool_id: Mapped[int] = mapped_column(ForeignKey("pools.id", ondelete="RESTRICT"))
     endpoint: Mapped[str] = mapped_column(String(1024))
     dp_size: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | ready | unreachable
+    state: Mapped[str] = mapped_column(
+        String(16), default="pending"
+    )  # pending | ready | unreachable
     served_model: Mapped[str | None] = mapped_column(String(1024), nullable=True)
-    observed: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # last /lora_state view
+    observed: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON, nullable=True
+    )  # last /lora_state view
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     last_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
 
     pool: Mapped[Pool] = relationship(back_populates="workers")
-    placements: Mapped[list[Placement]] = relationship(back_populates="worker", cascade="all, delete-orphan")
+    placements: Mapped[list[Placement]] = relationship(
+        back_populates="worker", cascade="all, delete-orphan"
+    )
 
 
 class Adapter(Base):
@@ -75,7 +95,9 @@ class Adapter(Base):
     target_modules: Mapped[list[str]] = mapped_column(JSON)
     base_model: Mapped[str | None] = mapped_column(String(1024), nullable=True)
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
-    placement_count: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None = all workers
+    placement_count: Mapped[int | None] = mapped_column(
+        Integer, nullable=True
+    )  # None = all workers
     priority: Mapped[int] = mapped_column(Integer, default=0)
     version: Mapped[int] = mapped_column(Integer, default=1)
     desired: Mapped[str] = mapped_column(String(16), default="loaded")  # loaded | unloaded
@@ -85,10 +107,14 @@ class Adapter(Base):
     busy_operation_id: Mapped[str | None] = mapped_column(String(40), nullable=True)
     last_used_at: Mapped[float] = mapped_column(Float, default=0.0)  # epoch seconds (LRU)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
 
     pool: Mapped[Pool] = relationship(back_populates="adapters")
-    placements: Mapped[list[Placement]] = relationship(back_populates="adapter", cascade="all, delete-orphan")
+    placements: Mapped[list[Placement]] = relationship(
+        back_populates="adapter", cascade="all, delete-orphan"
+    )
 
     @property
     def key(self) -> str:
@@ -100,7 +126,9 @@ class Placement(Base):
 
     __tablename__ = "placements"
     __table_args__ = (
-        UniqueConstraint("adapter_id", "worker_id", "dp_group", "lora_name", name="uq_placements_target"),
+        UniqueConstraint(
+            "adapter_id", "worker_id", "dp_group", "lora_name", name="uq_placements_target"
+        ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -137,7 +165,9 @@ class Operation(Base):
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     error_code: Mapped[str | None] = mapped_column(String(40), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 

@@ -43,7 +43,9 @@ def now() -> datetime:
 
 
 def request_hash(kind: str, body: Any) -> str:
-    return hashlib.sha256(json.dumps([kind, body], sort_keys=True, default=str).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps([kind, body], sort_keys=True, default=str).encode()
+    ).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +60,18 @@ class WorkerRef:
         return cls(worker.id, worker.name, worker.endpoint, worker.dp_size)
 
     def to_json(self) -> dict[str, Any]:
-        return {"worker_id": self.id, "worker": self.name, "endpoint": self.endpoint, "dp_size": self.dp_size}
+        return {
+            "worker_id": self.id,
+            "worker": self.name,
+            "endpoint": self.endpoint,
+            "dp_size": self.dp_size,
+        }
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> WorkerRef:
-        return cls(int(body["worker_id"]), str(body["worker"]), str(body["endpoint"]), int(body["dp_size"]))
+        return cls(
+            int(body["worker_id"]), str(body["worker"]), str(body["endpoint"]), int(body["dp_size"])
+        )
 
 
 class Inflight:
@@ -79,7 +88,14 @@ class Inflight:
 
 
 class Operations:
-    def __init__(self, db: Database, client: WorkerClient, bus: EventBus, metrics: Metrics, inflight: Inflight) -> None:
+    def __init__(
+        self,
+        db: Database,
+        client: WorkerClient,
+        bus: EventBus,
+        metrics: Metrics,
+        inflight: Inflight,
+    ) -> None:
         self.db = db
         self.client = client
         self.bus = bus
@@ -144,7 +160,10 @@ class Operations:
     def plan_load(self, session: Session, adapter: Adapter, count: int | None) -> dict[str, Any]:
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
         workers = list(adapter.pool.workers)
-        slots = [worker_slots(w, self.inflight.by_adapter, self.inflight.by_worker.get(w.id, 0)) for w in workers]
+        slots = [
+            worker_slots(w, self.inflight.by_adapter, self.inflight.by_worker.get(w.id, 0))
+            for w in workers
+        ]
         try:
             plan = plan_placement(slots, name, count=count, pinned=adapter.pinned)
         except PinLimitExceeded as exc:
@@ -158,13 +177,19 @@ class Operations:
             "path": adapter.path,
             "pinned": adapter.pinned,
             "targets": [
-                {**WorkerRef.of(by_name[t.worker]).to_json(), "evict": list(t.evict), "already_loaded": t.already_loaded}
+                {
+                    **WorkerRef.of(by_name[t.worker]).to_json(),
+                    "evict": list(t.evict),
+                    "already_loaded": t.already_loaded,
+                }
                 for t in plan.targets
             ],
         }
 
     @staticmethod
-    def add_loading_rows(session: Session, adapter: Adapter, plan: dict[str, Any], version: int | None = None) -> None:
+    def add_loading_rows(
+        session: Session, adapter: Adapter, plan: dict[str, Any], version: int | None = None
+    ) -> None:
         for target in plan["targets"]:
             if target.get("already_loaded"):
                 continue
@@ -191,7 +216,9 @@ class Operations:
                 else:
                     exists.state = "loading"
 
-    def check_pin_targets(self, session: Session, adapter: Adapter, workers: Sequence[Worker]) -> None:
+    def check_pin_targets(
+        self, session: Session, adapter: Adapter, workers: Sequence[Worker]
+    ) -> None:
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
         for worker in workers:
             try:
@@ -208,7 +235,9 @@ class Operations:
             kind, plan = op.kind, dict(op.plan)
         started = time.perf_counter()
         try:
-            runner: Callable[[str, dict[str, Any]], Awaitable[tuple[str, UpdateResult, list[dict[str, Any]]]]]
+            runner: Callable[
+                [str, dict[str, Any]], Awaitable[tuple[str, UpdateResult, list[dict[str, Any]]]]
+            ]
             runner = {
                 "register": self._run_load,
                 "load": self._run_load,
@@ -230,10 +259,18 @@ class Operations:
                 assert op is not None
                 op.error = f"{type(exc).__name__}: {exc}"
                 return op
-        return await self._finish(op_id, kind, state, merged, per_target, time.perf_counter() - started)
+        return await self._finish(
+            op_id, kind, state, merged, per_target, time.perf_counter() - started
+        )
 
     async def _finish(
-        self, op_id: str, kind: str, state: str, merged: UpdateResult, per_target: list[dict[str, Any]], took: float
+        self,
+        op_id: str,
+        kind: str,
+        state: str,
+        merged: UpdateResult,
+        per_target: list[dict[str, Any]],
+        took: float,
     ) -> Operation:
         with self.db.session() as session:
             op = session.get(Operation, op_id)
@@ -241,10 +278,16 @@ class Operations:
             op.state = state
             op.result = merged.to_json()
             op.per_target = per_target
-            op.error = None if merged.success else merged.error_message or "failed without a message"
+            op.error = (
+                None if merged.success else merged.error_message or "failed without a message"
+            )
             op.error_code = None if merged.success else "fanout_failed"
             op.finished_at = now()
-            adapter = session.get(Adapter, op.plan.get("adapter_id")) if op.plan.get("adapter_id") else None
+            adapter = (
+                session.get(Adapter, op.plan.get("adapter_id"))
+                if op.plan.get("adapter_id")
+                else None
+            )
             if adapter is not None and adapter.busy_operation_id == op_id:
                 adapter.busy_operation_id = None
                 adapter.phase = "Settled"
@@ -252,14 +295,24 @@ class Operations:
                     adapter.last_error = op.error
             namespace, adapter_name = op.namespace, op.adapter_name
         self.metrics.operations.labels(kind, state).inc()
-        log.info("operation %s %s %s/%s: %s (%.3fs)", op_id, kind, namespace, adapter_name, state, took)
+        log.info(
+            "operation %s %s %s/%s: %s (%.3fs)", op_id, kind, namespace, adapter_name, state, took
+        )
         await self.bus.publish(
-            "operation.finished", operation=op_id, kind=kind, state=state, namespace=namespace, adapter=adapter_name
+            "operation.finished",
+            operation=op_id,
+            kind=kind,
+            state=state,
+            namespace=namespace,
+            adapter=adapter_name,
         )
         return op
 
     async def _fanout(
-        self, op_label: str, targets: Sequence[WorkerRef], call: Callable[[WorkerRef], Awaitable[UpdateResult]]
+        self,
+        op_label: str,
+        targets: Sequence[WorkerRef],
+        call: Callable[[WorkerRef], Awaitable[UpdateResult]],
     ) -> tuple[list[UpdateResult], list[dict[str, Any]]]:
         async def timed(target: WorkerRef) -> tuple[UpdateResult, float]:
             start = time.perf_counter()
@@ -271,7 +324,12 @@ class Operations:
         self.metrics.fanout_latency.labels(op_label).observe(time.perf_counter() - start)
         results = [a[0] for a in answers]
         per_target = [
-            {"worker": t.name, "success": r.success, "error_message": r.error_message, "latency_s": round(s, 6)}
+            {
+                "worker": t.name,
+                "success": r.success,
+                "error_message": r.error_message,
+                "latency_s": round(s, 6),
+            }
             for t, (r, s) in zip(targets, answers, strict=True)
         ]
         return results, per_target
@@ -282,7 +340,9 @@ class Operations:
         except WorkerUnreachable:
             return None
 
-    async def _record_observed(self, adapter_id: int, name: str, targets: Sequence[WorkerRef], error: str | None) -> bool:
+    async def _record_observed(
+        self, adapter_id: int, name: str, targets: Sequence[WorkerRef], error: str | None
+    ) -> bool:
         """After a failure: rows of ``name`` on ``targets`` follow what the workers report.
         Present groups -> 'inconsistent' (to be unloaded by the reconciler), absent -> row dropped.
         Returns True if the adapter is still present anywhere (or a worker could not be asked)."""
@@ -304,8 +364,14 @@ class Operations:
                     row = have.get(group)
                     if group in present:
                         if row is None:
-                            row = Placement(adapter_id=adapter_id, worker_id=target.id, dp_group=group,
-                                            lora_name=name, version=0, state="inconsistent")
+                            row = Placement(
+                                adapter_id=adapter_id,
+                                worker_id=target.id,
+                                dp_group=group,
+                                lora_name=name,
+                                version=0,
+                                state="inconsistent",
+                            )
                             session.add(row)
                         row.state = "inconsistent" if seen is not None else "unreachable"
                         row.error = error
@@ -314,7 +380,9 @@ class Operations:
                         session.delete(row)
         return leftover
 
-    def _set_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: str) -> None:
+    def _set_rows(
+        self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: str
+    ) -> None:
         with self.db.session() as session:
             rows = session.scalars(
                 select(Placement).where(
@@ -329,8 +397,14 @@ class Operations:
                     row = have.get((target.id, group))
                     if row is None:
                         version = session.get(Adapter, adapter_id).version  # type: ignore[union-attr]
-                        row = Placement(adapter_id=adapter_id, worker_id=target.id, dp_group=group,
-                                        lora_name=name, version=version, state=state)
+                        row = Placement(
+                            adapter_id=adapter_id,
+                            worker_id=target.id,
+                            dp_group=group,
+                            lora_name=name,
+                            version=version,
+                            state=state,
+                        )
                         session.add(row)
                     row.state = state
                     row.error = None
@@ -351,7 +425,9 @@ class Operations:
             result = await self.client.unload(target.name, target.endpoint, victim)
             with self.db.session() as session:
                 rows = session.scalars(
-                    select(Placement).where(Placement.worker_id == target.id, Placement.lora_name == victim)
+                    select(Placement).where(
+                        Placement.worker_id == target.id, Placement.lora_name == victim
+                    )
                 ).all()
                 for row in rows:
                     if result.success:
@@ -361,7 +437,9 @@ class Operations:
                         row.error = result.error_message
             if not result.success:
                 return UpdateResult(
-                    False, f"worker {target.name}: evicting {victim} failed: {result.error_message}", result.loaded_adapters
+                    False,
+                    f"worker {target.name}: evicting {victim} failed: {result.error_message}",
+                    result.loaded_adapters,
                 )
             self.metrics.evictions.inc()
             await self.bus.publish("adapter.evicted", worker=target.name, lora_name=victim)
@@ -391,31 +469,46 @@ class Operations:
         merged = merge_results(results)
         if merged.success:
             self._set_rows(adapter_id, name, targets, "loaded")
-            await self.bus.publish("adapter.loaded", adapter_id=adapter_id, lora_name=name,
-                                   workers=[t.name for t in targets])
+            await self.bus.publish(
+                "adapter.loaded",
+                adapter_id=adapter_id,
+                lora_name=name,
+                workers=[t.name for t in targets],
+            )
             return "succeeded", merged, per_target
         # all or nothing: unload wherever this operation may have loaded it
         touched = [t for t in targets if t.name not in already]
-        await self._fanout("rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name))
+        await self._fanout(
+            "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)
+        )
         leftover = await self._record_observed(adapter_id, name, touched, merged.error_message)
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             if adapter is not None and leftover:
                 adapter.inconsistent = True
-        await self.bus.publish("adapter.failed", adapter_id=adapter_id, lora_name=name, error=merged.error_message)
+        await self.bus.publish(
+            "adapter.failed", adapter_id=adapter_id, lora_name=name, error=merged.error_message
+        )
         return ("failed" if leftover else "rolled_back"), merged, per_target
 
-    async def _run_load(self, op_id: str, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+    async def _run_load(
+        self, op_id: str, plan: dict[str, Any]
+    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         return await self._load_everywhere("load", plan["adapter_id"], plan, bool(plan["pinned"]))
 
-    async def _run_unload(self, op_id: str, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+    async def _run_unload(
+        self, op_id: str, plan: dict[str, Any]
+    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         adapter_id = plan["adapter_id"]
         targets = [WorkerRef.from_json(t) for t in plan["targets"]]
         names = {t["worker"]: list(t["lora_names"]) for t in plan["targets"]}
         if targets:
 
             async def unload_one(target: WorkerRef) -> UpdateResult:
-                results = [await self.client.unload(target.name, target.endpoint, n) for n in names[target.name]]
+                results = [
+                    await self.client.unload(target.name, target.endpoint, n)
+                    for n in names[target.name]
+                ]
                 return merge_results(results) if results else UpdateResult(True)
 
             results, per_target = await self._fanout("unload", targets, unload_one)
@@ -429,7 +522,10 @@ class Operations:
         else:
             for n in {n for ns in names.values() for n in ns}:
                 holders = [t for t in targets if n in names[t.name]]
-                leftover = await self._record_observed(adapter_id, n, holders, merged.error_message) or leftover
+                leftover = (
+                    await self._record_observed(adapter_id, n, holders, merged.error_message)
+                    or leftover
+                )
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             if adapter is not None:
@@ -437,13 +533,21 @@ class Operations:
                 adapter.last_error = merged.error_message if leftover else None
                 if plan.get("then") == "delete" and not leftover:
                     session.delete(adapter)
-        await self.bus.publish("adapter.unloaded", adapter_id=adapter_id, success=merged.success,
-                               inconsistent=leftover)
+        await self.bus.publish(
+            "adapter.unloaded", adapter_id=adapter_id, success=merged.success, inconsistent=leftover
+        )
         return ("succeeded" if merged.success else "failed"), merged, per_target
 
-    async def _run_pin(self, op_id: str, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+    async def _run_pin(
+        self, op_id: str, plan: dict[str, Any]
+    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         """Reload the adapter with the new ``pinned`` flag on every worker that holds it."""
-        adapter_id, name, path, pinned = plan["adapter_id"], plan["lora_name"], plan["path"], bool(plan["pinned"])
+        adapter_id, name, path, pinned = (
+            plan["adapter_id"],
+            plan["lora_name"],
+            plan["path"],
+            bool(plan["pinned"]),
+        )
         targets = [WorkerRef.from_json(t) for t in plan["targets"]]
 
         async def reload(target: WorkerRef) -> UpdateResult:
@@ -476,12 +580,19 @@ class Operations:
         with self.db.session() as session:
             for target, seen in zip(targets, observations, strict=True):
                 rows = session.scalars(
-                    select(Placement).where(Placement.adapter_id == adapter_id, Placement.worker_id == target.id,
-                                            Placement.lora_name == name)
+                    select(Placement).where(
+                        Placement.adapter_id == adapter_id,
+                        Placement.worker_id == target.id,
+                        Placement.lora_name == name,
+                    )
                 ).all()
                 present = set() if seen is None else set(seen.present_on(name))
                 for row in rows:
-                    row.state = "loaded" if row.dp_group in present else ("failed" if seen else "unreachable")
+                    row.state = (
+                        "loaded"
+                        if row.dp_group in present
+                        else ("failed" if seen else "unreachable")
+                    )
                     row.observed_at = now()
 
     async def _run_update_version(
@@ -492,7 +603,9 @@ class Operations:
         if not plan["targets"]:  # loaded nowhere: switching the record is the whole operation
             await self._switch_version(adapter_id, plan)
             return "succeeded", UpdateResult(True), []
-        state, merged, per_target = await self._load_everywhere("load", adapter_id, plan, bool(plan["pinned"]))
+        state, merged, per_target = await self._load_everywhere(
+            "load", adapter_id, plan, bool(plan["pinned"])
+        )
         if not merged.success:
             return state, merged, per_target
         await self._switch_version(adapter_id, plan)
@@ -508,7 +621,9 @@ class Operations:
         old = plan["old_lora_name"]
         holders = [WorkerRef.from_json(t) for t in plan["old_targets"]]
         if holders:
-            results, _ = await self._fanout("unload", holders, lambda t: self.client.unload(t.name, t.endpoint, old))
+            results, _ = await self._fanout(
+                "unload", holders, lambda t: self.client.unload(t.name, t.endpoint, old)
+            )
             if merge_results(results).success:
                 self._drop_rows(adapter_id, old, holders)
             else:
@@ -519,7 +634,9 @@ class Operations:
         """Finish or roll back operations a previous process left pending or running."""
         with self.db.session() as session:
             ops = session.scalars(
-                select(Operation).where(Operation.state.in_(("pending", "running"))).order_by(Operation.created_at)
+                select(Operation)
+                .where(Operation.state.in_(("pending", "running")))
+                .order_by(Operation.created_at)
             ).all()
             pending = [(op.id, op.kind, dict(op.plan)) for op in ops]
         settled = []
@@ -538,11 +655,15 @@ class Operations:
                 targets = [WorkerRef.from_json(t) for t in plan.get("targets", [])]
                 await self._observe_rows(plan["adapter_id"], plan["lora_name"], targets)
                 state, merged, per_target = "failed", UpdateResult(False, INTERRUPTED), []
-            await self._finish(op_id, kind, state, merged, per_target, time.perf_counter() - started)
+            await self._finish(
+                op_id, kind, state, merged, per_target, time.perf_counter() - started
+            )
             settled.append(op_id)
         return settled
 
-    async def _settle_load(self, plan: dict[str, Any]) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+    async def _settle_load(
+        self, plan: dict[str, Any]
+    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         name, adapter_id = plan["lora_name"], plan["adapter_id"]
         targets = [WorkerRef.from_json(t) for t in plan["targets"]]
         observations = await asyncio.gather(*(self.observe(t) for t in targets))
@@ -551,8 +672,12 @@ class Operations:
             for t, seen in zip(targets, observations, strict=True)
         )
         per_target = [
-            {"worker": t.name, "success": seen is not None and len(seen.present_on(name)) == t.dp_size,
-             "error_message": "" if seen is not None else "unreachable during recovery", "latency_s": 0.0}
+            {
+                "worker": t.name,
+                "success": seen is not None and len(seen.present_on(name)) == t.dp_size,
+                "error_message": "" if seen is not None else "unreachable during recovery",
+                "latency_s": 0.0,
+            }
             for t, seen in zip(targets, observations, strict=True)
         ]
         if complete:
@@ -560,10 +685,16 @@ class Operations:
             return "succeeded", UpdateResult(True, "", {name: plan["path"]}), per_target
         already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
         touched = [t for t in targets if t.name not in already]
-        await self._fanout("rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name))
+        await self._fanout(
+            "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)
+        )
         leftover = await self._record_observed(adapter_id, name, touched, INTERRUPTED)
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             if adapter is not None and leftover:
                 adapter.inconsistent = True
-        return ("failed" if leftover else "rolled_back"), UpdateResult(False, INTERRUPTED), per_target
+        return (
+            ("failed" if leftover else "rolled_back"),
+            UpdateResult(False, INTERRUPTED),
+            per_target,
+        )

@@ -37,7 +37,9 @@ def now() -> datetime:
 
 
 class Reconciler:
-    def __init__(self, db: Database, client: WorkerClient, bus: EventBus, metrics: Metrics, interval_s: float) -> None:
+    def __init__(
+        self, db: Database, client: WorkerClient, bus: EventBus, metrics: Metrics, interval_s: float
+    ) -> None:
         self.db = db
         self.client = client
         self.bus = bus
@@ -67,7 +69,12 @@ class Reconciler:
         async with self.bus.subscribe() as queue:
             while True:
                 event = await queue.get()
-                if event.get("type") in ("worker.registered", "adapter.failed", "adapter.unloaded", "reconcile"):
+                if event.get("type") in (
+                    "worker.registered",
+                    "adapter.failed",
+                    "adapter.unloaded",
+                    "reconcile",
+                ):
                     self.poke()
 
     async def _loop(self) -> None:
@@ -106,19 +113,29 @@ class Reconciler:
             self._after_restore(worker, adapter_id, name, result.success, result.error_message)
             if result.success:
                 self.metrics.drift_repaired.labels("restored").inc()
-                await self.bus.publish("placement.drift_repaired", kind="restored", worker=worker.name, lora_name=name)
+                await self.bus.publish(
+                    "placement.drift_repaired", kind="restored", worker=worker.name, lora_name=name
+                )
         for name in strays:
             result = await self.client.unload(worker.name, worker.endpoint, name)
             if result.success:
                 self._after_stray(worker, name)
                 self.metrics.drift_repaired.labels("stray_unloaded").inc()
-                await self.bus.publish("placement.drift_repaired", kind="stray_unloaded", worker=worker.name,
-                                       lora_name=name)
+                await self.bus.publish(
+                    "placement.drift_repaired",
+                    kind="stray_unloaded",
+                    worker=worker.name,
+                    lora_name=name,
+                )
             else:
-                log.warning("could not unload stray %s from %s: %s", name, worker.name, result.error_message)
+                log.warning(
+                    "could not unload stray %s from %s: %s", name, worker.name, result.error_message
+                )
         for name, path, pinned, adapter_id in fill:
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
-            self._after_restore(worker, adapter_id, name, result.success, result.error_message, create=True)
+            self._after_restore(
+                worker, adapter_id, name, result.success, result.error_message, create=True
+            )
             if result.success:
                 self.metrics.drift_repaired.labels("placed").inc()
 
@@ -165,7 +182,11 @@ class Reconciler:
                     busy.add(name)
                     continue
                 current = lora_name(adapter.namespace, adapter.name, adapter.version)
-                keep = adapter.desired == "loaded" and name == current and all(r.state != "inconsistent" for r in rows)
+                keep = (
+                    adapter.desired == "loaded"
+                    and name == current
+                    and all(r.state != "inconsistent" for r in rows)
+                )
                 present = set(seen.present_on(name))
                 if not keep:
                     continue  # not wanted here: a stray if present, rows dropped once it is gone
@@ -187,22 +208,27 @@ class Reconciler:
                     for r in rows:
                         session.delete(r)
                     session.flush()
-                    if adapter.inconsistent and not any(p.state == "inconsistent" for p in adapter.placements
-                                                        if p not in rows):
+                    if adapter.inconsistent and not any(
+                        p.state == "inconsistent" for p in adapter.placements if p not in rows
+                    ):
                         adapter.inconsistent = False
                         adapter.last_error = None
             # placement: all -> fill this worker if it has room
             pool = row.pool
             held = len(by_name)
             candidates = session.scalars(
-                select(Adapter).where(
+                select(Adapter)
+                .where(
                     Adapter.pool_id == pool.id,
                     Adapter.placement_count.is_(None),
                     Adapter.desired == "loaded",
                     Adapter.busy_operation_id.is_(None),
                     Adapter.inconsistent.is_(False),
                     Adapter.last_error.is_(None),
-                ).order_by(Adapter.pinned.desc(), Adapter.priority.desc(), Adapter.last_used_at.desc())
+                )
+                .order_by(
+                    Adapter.pinned.desc(), Adapter.priority.desc(), Adapter.last_used_at.desc()
+                )
             ).all()
             pinned_here = sum(1 for rows in by_name.values() if rows[0].adapter.pinned)
             for adapter in candidates:
@@ -219,24 +245,42 @@ class Reconciler:
                 fill.append((name, adapter.path, adapter.pinned, adapter.id))
         strays = sorted(seen.adapters - wanted - busy)
         if became_ready:
-            asyncio.get_running_loop().create_task(self.bus.publish("worker.ready", worker=worker.name))
+            asyncio.get_running_loop().create_task(
+                self.bus.publish("worker.ready", worker=worker.name)
+            )
         return restore, strays, fill
 
     def _after_restore(
-        self, worker: WorkerRef, adapter_id: int, name: str, ok: bool, error: str, create: bool = False
+        self,
+        worker: WorkerRef,
+        adapter_id: int,
+        name: str,
+        ok: bool,
+        error: str,
+        create: bool = False,
     ) -> None:
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             if adapter is None:
                 return
-            rows = {r.dp_group: r for r in adapter.placements if r.worker_id == worker.id and r.lora_name == name}
+            rows = {
+                r.dp_group: r
+                for r in adapter.placements
+                if r.worker_id == worker.id and r.lora_name == name
+            }
             for group in range(worker.dp_size):
                 row = rows.get(group)
                 if row is None:
                     if not (create and ok):
                         continue
-                    row = Placement(adapter_id=adapter_id, worker_id=worker.id, dp_group=group, lora_name=name,
-                                    version=adapter.version, state="loaded")
+                    row = Placement(
+                        adapter_id=adapter_id,
+                        worker_id=worker.id,
+                        dp_group=group,
+                        lora_name=name,
+                        version=adapter.version,
+                        state="loaded",
+                    )
                     session.add(row)
                 row.state = "loaded" if ok else "failed"
                 row.error = None if ok else error
@@ -245,20 +289,26 @@ class Reconciler:
     def _after_stray(self, worker: WorkerRef, name: str) -> None:
         with self.db.session() as session:
             rows = session.scalars(
-                select(Placement).where(Placement.worker_id == worker.id, Placement.lora_name == name)
+                select(Placement).where(
+                    Placement.worker_id == worker.id, Placement.lora_name == name
+                )
             ).all()
             adapters = {r.adapter for r in rows}
             for r in rows:
                 session.delete(r)
             session.flush()
             for adapter in adapters:
-                if adapter.inconsistent and not any(p.state == "inconsistent" for p in adapter.placements):
+                if adapter.inconsistent and not any(
+                    p.state == "inconsistent" for p in adapter.placements
+                ):
                     adapter.inconsistent = False
                     adapter.last_error = None
 
     def _finish_deletes(self) -> None:
         with self.db.session() as session:
-            for adapter in session.scalars(select(Adapter).where(Adapter.desired == "deleted")).all():
+            for adapter in session.scalars(
+                select(Adapter).where(Adapter.desired == "deleted")
+            ).all():
                 if not adapter.placements and not adapter.busy_operation_id:
                     session.delete(adapter)
 
@@ -271,7 +321,9 @@ class Reconciler:
                 states[worker.state] = states.get(worker.state, 0) + 1
             for state, count in states.items():
                 self.metrics.workers.labels(state).set(count)
-            phases = dict.fromkeys(("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unloaded"), 0)
+            phases = dict.fromkeys(
+                ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unloaded"), 0
+            )
             for adapter in session.scalars(select(Adapter)).all():
                 phase = adapter_phase(adapter)
                 phases[phase] = phases.get(phase, 0) + 1

@@ -57,7 +57,9 @@ def get_worker(session: Session, name: str) -> Worker:
 
 
 def get_adapter(session: Session, namespace: str, name: str) -> Adapter:
-    adapter = session.scalar(select(Adapter).where(Adapter.namespace == namespace, Adapter.name == name))
+    adapter = session.scalar(
+        select(Adapter).where(Adapter.namespace == namespace, Adapter.name == name)
+    )
     if adapter is None:
         raise not_found("adapter", f"{namespace}/{name}", field="path.name")
     return adapter
@@ -101,13 +103,20 @@ def worker_json(worker: Worker, inflight: int = 0) -> dict[str, Any]:
     observed_groups = observed.get("groups") if isinstance(observed, dict) else None
     for group in range(worker.dp_size):
         names = sorted(
-            name for name, (_, rows) in held.items() if any(r.dp_group == group and r.state == "loaded" for r in rows)
+            name
+            for name, (_, rows) in held.items()
+            if any(r.dp_group == group and r.state == "loaded" for r in rows)
         )
         slots_used = len(names)
         if isinstance(observed_groups, list) and group < len(observed_groups):
             slots_used = int(observed_groups[group].get("slots_used", slots_used))
         groups.append(
-            {"dp_group": group, "adapters": names, "slots_used": slots_used, "slots_total": pool.max_loras_per_batch}
+            {
+                "dp_group": group,
+                "adapters": names,
+                "slots_used": slots_used,
+                "slots_total": pool.max_loras_per_batch,
+            }
         )
     return {
         "name": worker.name,
@@ -182,7 +191,9 @@ def adapter_json(adapter: Adapter) -> dict[str, Any]:
         "target_modules": list(adapter.target_modules),
         "base_model": adapter.base_model,
         "pinned": adapter.pinned,
-        "placement": "all" if adapter.placement_count is None else {"count": adapter.placement_count},
+        "placement": "all"
+        if adapter.placement_count is None
+        else {"count": adapter.placement_count},
         "priority": adapter.priority,
         "version": adapter.version,
         "lora_name": lora_name(adapter.namespace, adapter.name, adapter.version),
@@ -238,7 +249,9 @@ def operation_json(op: Operation) -> dict[str, Any]:
     }
 
 
-def worker_slots(worker: Worker, inflight_by_adapter: dict[tuple[int, str], int], worker_inflight: int) -> WorkerSlots:
+def worker_slots(
+    worker: Worker, inflight_by_adapter: dict[tuple[int, str], int], worker_inflight: int
+) -> WorkerSlots:
     pool = worker.pool
     resident = []
     for name, (adapter, _rows) in worker_loaded(worker).items():

@@ -81,7 +81,9 @@ def check_pin(worker: WorkerSlots, adapter: str) -> None:
         raise PinLimitExceeded(worker.name, worker.max_pinned, pinned)
 
 
-def choose_evictions(worker: WorkerSlots, needed: int = 1, protect: Iterable[str] = ()) -> list[str]:
+def choose_evictions(
+    worker: WorkerSlots, needed: int = 1, protect: Iterable[str] = ()
+) -> list[str]:
     """Adapters to evict from ``worker`` so ``needed`` more fit; LRU first, never pinned or busy.
 
     Raises NoCapacity naming why when not enough can be evicted.
@@ -91,7 +93,11 @@ def choose_evictions(worker: WorkerSlots, needed: int = 1, protect: Iterable[str
         return []
     protected = set(protect)
     candidates = sorted(
-        (r for r in worker.resident if not r.pinned and r.inflight == 0 and r.adapter not in protected),
+        (
+            r
+            for r in worker.resident
+            if not r.pinned and r.inflight == 0 and r.adapter not in protected
+        ),
         key=lambda r: (r.last_used, r.adapter),
     )
     if len(candidates) < shortfall:
@@ -156,7 +162,10 @@ def plan_placement(
             continue
         targets.append(Target(worker.name, tuple(evict), worker.holds(adapter)))
     if not targets:
-        reasons = "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items())) or "no workers registered"
+        reasons = (
+            "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items()))
+            or "no workers registered"
+        )
         raise NoCapacity(f"no worker can take {adapter!r} ({reasons})")
     if count is not None and len(targets) < count:
         reasons = "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items()))

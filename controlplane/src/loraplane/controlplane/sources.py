@@ -33,7 +33,15 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1024 * 1024
 DEFAULT_TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "down_proj", "gate_up_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
 )
 FIELD = "body.source.uri"
 
@@ -78,7 +86,9 @@ class SourceResolver:
         scheme = parsed.scheme.lower()
         if scheme == "file":
             if parsed.netloc not in ("", "localhost"):
-                raise source_error(f"file:// URI must be absolute (file:///path), got host {parsed.netloc!r}")
+                raise source_error(
+                    f"file:// URI must be absolute (file:///path), got host {parsed.netloc!r}"
+                )
             return self._local(Path(parsed.path), self.settings.allowed_roots, "allowed roots")
         if scheme == "pvc":
             if not parsed.netloc:
@@ -88,12 +98,16 @@ class SourceResolver:
         if scheme == "s3":
             if not parsed.netloc:
                 raise source_error("s3:// URI needs a bucket: s3://<bucket>/<prefix>")
-            return self._download(uri, lambda name, dest: self._s3_get(parsed.netloc, parsed.path, name, dest))
+            return self._download(
+                uri, lambda name, dest: self._s3_get(parsed.netloc, parsed.path, name, dest)
+            )
         if scheme in ("http", "https"):
             base = uri.rstrip("/")
             return self._download(uri, lambda name, dest: self._http_get(f"{base}/{name}", dest))
         if scheme == "hf":
-            return self._download(uri, lambda name, dest: self._http_get(self.hf_url(uri, name), dest, hf=True))
+            return self._download(
+                uri, lambda name, dest: self._http_get(self.hf_url(uri, name), dest, hf=True)
+            )
         raise source_error(
             f"unsupported scheme {parsed.scheme!r} in {uri!r}; use file://, pvc://, s3://, http(s):// or hf://"
         )
@@ -104,8 +118,13 @@ class SourceResolver:
         real = Path(os.path.realpath(path))
         allowed = [Path(os.path.realpath(root)) for root in roots]
         if not any(real == root or root in real.parents for root in allowed):
-            shown = ", ".join(str(r) for r in allowed) or "none configured (LORAPLANE_SOURCES__ALLOWED_ROOTS)"
-            raise source_error(f"path {str(path)!r} is outside the {what} [{shown}]", code="source_not_allowed")
+            shown = (
+                ", ".join(str(r) for r in allowed)
+                or "none configured (LORAPLANE_SOURCES__ALLOWED_ROOTS)"
+            )
+            raise source_error(
+                f"path {str(path)!r} is outside the {what} [{shown}]", code="source_not_allowed"
+            )
         if not real.is_dir():
             raise source_error(f"{str(path)!r} is not a directory", code="source_not_found")
         return real
@@ -140,7 +159,9 @@ class SourceResolver:
     def _limit(self, size: int | None, name: str) -> None:
         limit = MAX_CONFIG_BYTES if name == CONFIG_FILE else self.settings.max_adapter_bytes
         if size is not None and size > limit:
-            raise source_error(f"{name} is {size} bytes, more than the limit of {limit}", code="adapter_too_large")
+            raise source_error(
+                f"{name} is {size} bytes, more than the limit of {limit}", code="adapter_too_large"
+            )
 
     def _http_get(self, url: str, dest: Path, hf: bool = False) -> None:
         name = dest.name
@@ -149,10 +170,16 @@ class SourceResolver:
             headers["Authorization"] = f"Bearer {self.settings.hf_token.get_secret_value()}"
         try:
             with httpx.stream(
-                "GET", url, headers=headers, timeout=self.settings.http_timeout_s, follow_redirects=True
+                "GET",
+                url,
+                headers=headers,
+                timeout=self.settings.http_timeout_s,
+                follow_redirects=True,
             ) as response:
                 if response.status_code != 200:
-                    raise source_error(f"GET {url} answered HTTP {response.status_code}", code="source_not_found")
+                    raise source_error(
+                        f"GET {url} answered HTTP {response.status_code}", code="source_not_found"
+                    )
                 length = response.headers.get("content-length")
                 self._limit(int(length) if length and length.isdigit() else None, name)
                 written = 0
@@ -162,7 +189,9 @@ class SourceResolver:
                         self._limit(written, name)
                         handle.write(chunk)
         except httpx.HTTPError as exc:
-            raise source_error(f"GET {url} failed: {type(exc).__name__}: {exc}", code="source_unreachable") from exc
+            raise source_error(
+                f"GET {url} failed: {type(exc).__name__}: {exc}", code="source_unreachable"
+            ) from exc
 
     def _s3_get(self, bucket: str, prefix: str, name: str, dest: Path) -> None:
         import boto3
@@ -176,7 +205,9 @@ class SourceResolver:
             client.download_file(bucket, key, str(dest))
         except botocore.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "")
-            raise source_error(f"s3://{bucket}/{key}: {code or exc}", code="source_not_found") from exc
+            raise source_error(
+                f"s3://{bucket}/{key}: {code or exc}", code="source_not_found"
+            ) from exc
         except botocore.exceptions.BotoCoreError as exc:
             raise source_error(f"s3://{bucket}/{key}: {exc}", code="source_unreachable") from exc
 
@@ -191,11 +222,15 @@ def _read_config(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise source_error(f"{CONFIG_FILE} is missing in {directory}", code="preflight_failed")
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise source_error(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes", code="preflight_failed")
+        raise source_error(
+            f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes", code="preflight_failed"
+        )
     try:
         config = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise source_error(f"{CONFIG_FILE} is not valid JSON: {exc}", code="preflight_failed") from exc
+        raise source_error(
+            f"{CONFIG_FILE} is not valid JSON: {exc}", code="preflight_failed"
+        ) from exc
     if not isinstance(config, dict):
         raise source_error(f"{CONFIG_FILE} must hold a JSON object", code="preflight_failed")
     return config
@@ -207,7 +242,10 @@ def same_model(adapter_base: str, pool_model: str) -> bool:
 
 
 _DTYPES: dict[str, tuple[Any, int]] = {
-    "F32": (np.float32, 4), "F16": (np.uint16, 2), "BF16": (np.uint16, 2), "F64": (np.float64, 8),
+    "F32": (np.float32, 4),
+    "F16": (np.uint16, 2),
+    "BF16": (np.uint16, 2),
+    "F64": (np.float64, 8),
 }
 
 
@@ -215,18 +253,25 @@ def check_safetensors(path: Path, rank: int, max_bytes: int) -> None:
     """Header parses, LoRA A/B tensors have rank ``rank``, every value is finite (no torch)."""
     size = path.stat().st_size
     if size > max_bytes:
-        raise source_error(f"{WEIGHTS_FILE} is {size} bytes, more than the limit of {max_bytes}", code="adapter_too_large")
+        raise source_error(
+            f"{WEIGHTS_FILE} is {size} bytes, more than the limit of {max_bytes}",
+            code="adapter_too_large",
+        )
     with path.open("rb") as handle:
         head = handle.read(8)
         if len(head) < 8:
             raise source_error(f"{WEIGHTS_FILE} is truncated (no header)", code="preflight_failed")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > min(size - 8, 100 * 1024 * 1024):
-            raise source_error(f"{WEIGHTS_FILE} header length {header_len} is impossible", code="preflight_failed")
+            raise source_error(
+                f"{WEIGHTS_FILE} header length {header_len} is impossible", code="preflight_failed"
+            )
         try:
             header = json.loads(handle.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise source_error(f"{WEIGHTS_FILE} header is not JSON: {exc}", code="preflight_failed") from exc
+            raise source_error(
+                f"{WEIGHTS_FILE} header is not JSON: {exc}", code="preflight_failed"
+            ) from exc
         data_start = 8 + header_len
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
         if not tensors:
@@ -234,24 +279,33 @@ def check_safetensors(path: Path, rank: int, max_bytes: int) -> None:
         for name, info in tensors.items():
             dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
             if not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
-                raise source_error(f"tensor {name!r} has a malformed header entry", code="preflight_failed")
+                raise source_error(
+                    f"tensor {name!r} has a malformed header entry", code="preflight_failed"
+                )
             begin, end = offsets
             if not (0 <= begin <= end <= size - data_start):
-                raise source_error(f"tensor {name!r} lies outside the file", code="preflight_failed")
+                raise source_error(
+                    f"tensor {name!r} lies outside the file", code="preflight_failed"
+                )
             if "lora_A" in name and (len(shape) < 2 or shape[0] != rank):
                 raise source_error(
-                    f"tensor {name!r} has shape {shape}; lora_A must be [r={rank}, in]", code="preflight_failed"
+                    f"tensor {name!r} has shape {shape}; lora_A must be [r={rank}, in]",
+                    code="preflight_failed",
                 )
             if "lora_B" in name and (len(shape) < 2 or shape[-1] != rank):
                 raise source_error(
-                    f"tensor {name!r} has shape {shape}; lora_B must be [out, r={rank}]", code="preflight_failed"
+                    f"tensor {name!r} has shape {shape}; lora_B must be [out, r={rank}]",
+                    code="preflight_failed",
                 )
             if dtype not in _DTYPES:
                 continue
             np_type, width = _DTYPES[dtype]
             count = int(np.prod(shape)) if shape else 1
             if count * width != end - begin:
-                raise source_error(f"tensor {name!r}: {dtype}{shape} does not match its byte range", code="preflight_failed")
+                raise source_error(
+                    f"tensor {name!r}: {dtype}{shape} does not match its byte range",
+                    code="preflight_failed",
+                )
             handle.seek(data_start + begin)
             values = np.frombuffer(handle.read(end - begin), dtype=np_type)
             if dtype == "F16":
@@ -261,30 +315,45 @@ def check_safetensors(path: Path, rank: int, max_bytes: int) -> None:
             else:
                 bad = not bool(np.all(np.isfinite(values)))
             if bad:
-                raise source_error(f"tensor {name!r} holds NaN or infinite values", code="preflight_failed")
+                raise source_error(
+                    f"tensor {name!r} holds NaN or infinite values", code="preflight_failed"
+                )
 
 
-def preflight(directory: Path, sha256: str | None, pool: PoolLimits, max_bytes: int) -> AdapterFacts:
+def preflight(
+    directory: Path, sha256: str | None, pool: PoolLimits, max_bytes: int
+) -> AdapterFacts:
     config = _read_config(directory)
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
-        raise source_error(f"adapter_config.json peft_type is {peft_type!r}; only LORA is supported", code="preflight_failed")
+        raise source_error(
+            f"adapter_config.json peft_type is {peft_type!r}; only LORA is supported",
+            code="preflight_failed",
+        )
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise source_error(f"adapter_config.json r must be a positive integer, got {rank!r}", code="preflight_failed")
+        raise source_error(
+            f"adapter_config.json r must be a positive integer, got {rank!r}",
+            code="preflight_failed",
+        )
     if rank > pool.max_lora_rank:
         raise source_error(
-            f"adapter rank r={rank} is above the pool's max_lora_rank={pool.max_lora_rank}", code="preflight_failed"
+            f"adapter rank r={rank} is above the pool's max_lora_rank={pool.max_lora_rank}",
+            code="preflight_failed",
         )
     alpha = config.get("lora_alpha", rank)
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        raise source_error(f"adapter_config.json lora_alpha must be a number, got {alpha!r}", code="preflight_failed")
+        raise source_error(
+            f"adapter_config.json lora_alpha must be a number, got {alpha!r}",
+            code="preflight_failed",
+        )
     modules = config.get("target_modules")
     if isinstance(modules, str):
         modules = [modules]
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise source_error(
-            f"adapter_config.json target_modules must be a non-empty list of names, got {modules!r}", code="preflight_failed"
+            f"adapter_config.json target_modules must be a non-empty list of names, got {modules!r}",
+            code="preflight_failed",
         )
     unsupported = sorted(set(modules) - set(pool.target_modules))
     if unsupported:
@@ -294,10 +363,13 @@ def preflight(directory: Path, sha256: str | None, pool: PoolLimits, max_bytes: 
         )
     base = config.get("base_model_name_or_path")
     if base is not None and not isinstance(base, str):
-        raise source_error(f"base_model_name_or_path must be a string, got {base!r}", code="preflight_failed")
+        raise source_error(
+            f"base_model_name_or_path must be a string, got {base!r}", code="preflight_failed"
+        )
     if base and not same_model(base, pool.model):
         raise source_error(
-            f"adapter was trained on base model {base!r}, but the pool serves {pool.model!r}", code="preflight_failed"
+            f"adapter was trained on base model {base!r}, but the pool serves {pool.model!r}",
+            code="preflight_failed",
         )
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
@@ -315,4 +387,6 @@ def preflight(directory: Path, sha256: str | None, pool: PoolLimits, max_bytes: 
 
 
 def pool_limits(model: str, max_lora_rank: int, target_modules: Sequence[str] | None) -> PoolLimits:
-    return PoolLimits(model, max_lora_rank, tuple(target_modules) if target_modules else DEFAULT_TARGET_MODULES)
+    return PoolLimits(
+        model, max_lora_rank, tuple(target_modules) if target_modules else DEFAULT_TARGET_MODULES
+    )

@@ -26,7 +26,9 @@ class Observation:
 
     served_model: str | None
     adapters: frozenset[str]  # lora names listed by /v1/models
-    groups: tuple[frozenset[str], ...]  # per DP group (from /lora_state; else /v1/models for every group)
+    groups: tuple[
+        frozenset[str], ...
+    ]  # per DP group (from /lora_state; else /v1/models for every group)
     inconsistent: frozenset[str] = frozenset()
     lora_state: Mapping[str, Any] | None = None
     pinned: frozenset[str] = field(default_factory=frozenset)
@@ -36,7 +38,9 @@ class Observation:
 
 
 class WorkerClient:
-    def __init__(self, http: httpx.AsyncClient, *, load_timeout_s: float, probe_timeout_s: float) -> None:
+    def __init__(
+        self, http: httpx.AsyncClient, *, load_timeout_s: float, probe_timeout_s: float
+    ) -> None:
         self.http = http
         self.load_timeout_s = load_timeout_s
         self.probe_timeout_s = probe_timeout_s
@@ -45,17 +49,25 @@ class WorkerClient:
         try:
             response = await self.http.post(url, json=body, timeout=self.load_timeout_s)
         except httpx.HTTPError as exc:
-            return UpdateResult(False, f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}")
+            return UpdateResult(
+                False, f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
+            )
         try:
             payload = response.json()
         except ValueError:
-            return UpdateResult(False, f"worker {worker}: HTTP {response.status_code}: {response.text[:200]}")
+            return UpdateResult(
+                False, f"worker {worker}: HTTP {response.status_code}: {response.text[:200]}"
+            )
         result = UpdateResult.from_json(payload, origin=f"worker {worker}")
         if response.status_code >= 400 and result.success:
-            return UpdateResult(False, f"worker {worker}: HTTP {response.status_code}", result.loaded_adapters)
+            return UpdateResult(
+                False, f"worker {worker}: HTTP {response.status_code}", result.loaded_adapters
+            )
         return result
 
-    async def load(self, worker: str, endpoint: str, lora_name: str, lora_path: str, pinned: bool) -> UpdateResult:
+    async def load(
+        self, worker: str, endpoint: str, lora_name: str, lora_path: str, pinned: bool
+    ) -> UpdateResult:
         return await self._update(
             worker,
             f"{endpoint}/load_lora_adapter",
@@ -63,17 +75,23 @@ class WorkerClient:
         )
 
     async def unload(self, worker: str, endpoint: str, lora_name: str) -> UpdateResult:
-        return await self._update(worker, f"{endpoint}/unload_lora_adapter", {"lora_name": lora_name})
+        return await self._update(
+            worker, f"{endpoint}/unload_lora_adapter", {"lora_name": lora_name}
+        )
 
     async def _get_json(self, worker: str, url: str) -> Any:
         try:
             response = await self.http.get(url, timeout=self.probe_timeout_s)
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}") from exc
+            raise WorkerUnreachable(
+                f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
+            ) from exc
         if response.status_code == 404:
             return None
         if response.status_code >= 400:
-            raise WorkerUnreachable(f"worker {worker}: GET {url} answered HTTP {response.status_code}")
+            raise WorkerUnreachable(
+                f"worker {worker}: GET {url} answered HTTP {response.status_code}"
+            )
         try:
             return response.json()
         except ValueError as exc:
@@ -83,9 +101,13 @@ class WorkerClient:
         try:
             response = await self.http.get(f"{endpoint}/health", timeout=self.probe_timeout_s)
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}") from exc
+            raise WorkerUnreachable(
+                f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
+            ) from exc
         if response.status_code != 200:
-            raise WorkerUnreachable(f"worker {worker}: /health answered HTTP {response.status_code}")
+            raise WorkerUnreachable(
+                f"worker {worker}: /health answered HTTP {response.status_code}"
+            )
 
     async def observe(self, worker: str, endpoint: str, dp_size: int) -> Observation:
         """Read /v1/models and /lora_state; raises WorkerUnreachable."""
@@ -118,7 +140,9 @@ class WorkerClient:
             inconsistent = frozenset(str(a) for a in state.get("inconsistent") or [])
         else:
             groups = tuple(frozenset(adapters) for _ in range(dp_size))
-        return Observation(served, frozenset(adapters), groups, inconsistent, state, frozenset(pinned))
+        return Observation(
+            served, frozenset(adapters), groups, inconsistent, state, frozenset(pinned)
+        )
 
     async def stream(
         self, worker: str, endpoint: str, path: str, body: dict[str, Any], timeout_s: float
@@ -128,7 +152,9 @@ class WorkerClient:
         try:
             response = await self.http.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}") from exc
+            raise WorkerUnreachable(
+                f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
+            ) from exc
         return response, response.aiter_raw()
 
 

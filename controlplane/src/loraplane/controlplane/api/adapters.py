@@ -12,7 +12,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.auth import Principal
-from loraplane.controlplane.deps import Admin, IdempotencyKey, Reader, Services, ServicesDep, check_namespace
+from loraplane.controlplane.deps import (
+    Admin,
+    IdempotencyKey,
+    Reader,
+    Services,
+    ServicesDep,
+    check_namespace,
+)
 from loraplane.controlplane.errors import conflict
 from loraplane.controlplane.models import Adapter, Operation, Pool
 from loraplane.controlplane.operations import WorkerRef, request_hash
@@ -34,7 +41,9 @@ class SourceSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     uri: str = Field(min_length=1, max_length=2048)
-    sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of adapter_model.safetensors")
+    sha256: str | None = Field(
+        None, pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of adapter_model.safetensors"
+    )
 
 
 class PlacementCount(BaseModel):
@@ -87,10 +96,14 @@ async def preflight(services: Services, pool: Pool, source: SourceSpec) -> Adapt
     return await asyncio.to_thread(services.sources.resolve, source.uri, source.sha256, limits)
 
 
-def respond(session: Session, op: Operation, status_ok: int, include_adapter: bool = True) -> JSONResponse:
+def respond(
+    session: Session, op: Operation, status_ok: int, include_adapter: bool = True
+) -> JSONResponse:
     """The answer to a mutation: adapter and operation, 502 if the fan-out failed."""
     body: dict[str, Any] = {"operation": operation_json(op)}
-    adapter = session.scalar(select(Adapter).where(Adapter.namespace == op.namespace, Adapter.name == op.adapter_name))
+    adapter = session.scalar(
+        select(Adapter).where(Adapter.namespace == op.namespace, Adapter.name == op.adapter_name)
+    )
     if include_adapter and adapter is not None:
         session.refresh(adapter)
         body["adapter"] = adapter_json(adapter)
@@ -106,7 +119,9 @@ def respond(session: Session, op: Operation, status_ok: int, include_adapter: bo
     return JSONResponse(body, status_code=status_ok)
 
 
-async def replay_or(services: Services, key: str | None, hash_: str, status_ok: int) -> JSONResponse | None:
+async def replay_or(
+    services: Services, key: str | None, hash_: str, status_ok: int
+) -> JSONResponse | None:
     if key is None:
         return None
     with services.db.session() as session:
@@ -145,7 +160,9 @@ def list_adapters(
     principal: Reader,
     namespace: str | None = None,
     pool: str | None = None,
-    phase: str | None = Query(None, pattern="^(Pending|Loading|Ready|Degraded|Failed|Unloading|Unloaded)$"),
+    phase: str | None = Query(
+        None, pattern="^(Pending|Loading|Ready|Degraded|Failed|Unloading|Unloaded)$"
+    ),
 ) -> dict[str, Any]:
     with services.db.session() as session:
         query = select(Adapter).join(Pool).order_by(Adapter.namespace, Adapter.name)
@@ -160,7 +177,9 @@ def list_adapters(
 
 
 @router.get("/{namespace}/{name}")
-def read_adapter(namespace: str, name: str, services: ServicesDep, principal: Reader) -> dict[str, Any]:
+def read_adapter(
+    namespace: str, name: str, services: ServicesDep, principal: Reader
+) -> dict[str, Any]:
     visible(principal, namespace)
     with services.db.session() as session:
         return adapter_json(get_adapter(session, namespace, name))
@@ -183,9 +202,14 @@ async def register_adapter(
             select(Adapter).where(Adapter.namespace == body.namespace, Adapter.name == body.name)
         )
         if existing is not None:
-            why = " (it is inconsistent: an unload failed; the name is not reusable until that settles)" if (
-                existing.inconsistent) else ""
-            raise conflict(f"adapter {body.namespace}/{body.name} already exists{why}", field="body.name")
+            why = (
+                " (it is inconsistent: an unload failed; the name is not reusable until that settles)"
+                if (existing.inconsistent)
+                else ""
+            )
+            raise conflict(
+                f"adapter {body.namespace}/{body.name} already exists{why}", field="body.name"
+            )
         if body.pinned and pool.max_loras_per_batch < 2:
             raise conflict(
                 f"pool {pool.name} has max_loras_per_batch={pool.max_loras_per_batch}; pinning needs at least 2 "
@@ -194,7 +218,9 @@ async def register_adapter(
                 field="body.pinned",
             )
         pool_id = pool.id
-        pool_snapshot = Pool(model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules)
+        pool_snapshot = Pool(
+            model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules
+        )
     facts = await preflight(services, pool_snapshot, body.source)
     with services.db.session() as session:
         adapter = Adapter(
@@ -221,13 +247,23 @@ async def register_adapter(
         session.add(adapter)
         session.flush()
         session.refresh(adapter)
-        plan: dict[str, Any] = {"adapter_id": adapter.id, "lora_name": lora_name(adapter.namespace, adapter.name, 1),
-                                "path": adapter.path, "pinned": adapter.pinned, "targets": []}
+        plan: dict[str, Any] = {
+            "adapter_id": adapter.id,
+            "lora_name": lora_name(adapter.namespace, adapter.name, 1),
+            "path": adapter.path,
+            "pinned": adapter.pinned,
+            "targets": [],
+        }
         ready = [w for w in adapter.pool.workers if w.state == "ready"]
         if body.load and ready:
             plan = services.operations.plan_load(session, adapter, adapter.placement_count)
         op = services.operations.journal(
-            session, key=key, hash_=hash_, kind="register", adapter=adapter, plan=plan,
+            session,
+            key=key,
+            hash_=hash_,
+            kind="register",
+            adapter=adapter,
+            plan=plan,
             targets=[t["worker"] for t in plan["targets"]],
         )
         services.operations.add_loading_rows(session, adapter, plan)
@@ -263,7 +299,12 @@ async def load_adapter(
         count = adapter.placement_count if body.placement is None else count_of(body.placement)
         plan = services.operations.plan_load(session, adapter, count)
         op = services.operations.journal(
-            session, key=key, hash_=hash_, kind="load", adapter=adapter, plan=plan,
+            session,
+            key=key,
+            hash_=hash_,
+            kind="load",
+            adapter=adapter,
+            plan=plan,
             targets=[t["worker"] for t in plan["targets"]],
         )
         adapter.placement_count = count
@@ -283,7 +324,10 @@ def unload_plan(adapter: Adapter) -> dict[str, Any]:
         )
         if placement.lora_name not in entry["lora_names"]:
             entry["lora_names"].append(placement.lora_name)
-    return {"adapter_id": adapter.id, "targets": sorted(targets.values(), key=lambda t: t["worker"])}
+    return {
+        "adapter_id": adapter.id,
+        "targets": sorted(targets.values(), key=lambda t: t["worker"]),
+    }
 
 
 async def _unload(
@@ -300,7 +344,12 @@ async def _unload(
         plan = unload_plan(adapter)
         plan["then"] = "delete" if kind == "delete" else "keep"
         op = services.operations.journal(
-            session, key=key, hash_=hash_, kind=kind, adapter=adapter, plan=plan,
+            session,
+            key=key,
+            hash_=hash_,
+            kind=kind,
+            adapter=adapter,
+            plan=plan,
             targets=[t["worker"] for t in plan["targets"]],
         )
         adapter.desired = "deleted" if kind == "delete" else "unloaded"
@@ -327,7 +376,11 @@ async def delete_adapter(
 
 @router.patch("/{namespace}/{name}")
 async def patch_adapter(
-    namespace: str, name: str, body: AdapterPatch, services: ServicesDep, principal: Admin,
+    namespace: str,
+    name: str,
+    body: AdapterPatch,
+    services: ServicesDep,
+    principal: Admin,
     key: IdempotencyKey = None,
 ) -> JSONResponse:
     visible(principal, namespace)
@@ -359,10 +412,17 @@ async def patch_adapter(
             "lora_name": current,
             "path": adapter.path,
             "pinned": body.pinned,
-            "targets": [WorkerRef.of(w).to_json() for w in sorted(holders.values(), key=lambda w: w.name)],
+            "targets": [
+                WorkerRef.of(w).to_json() for w in sorted(holders.values(), key=lambda w: w.name)
+            ],
         }
         op = services.operations.journal(
-            session, key=key, hash_=hash_, kind="pin" if body.pinned else "unpin", adapter=adapter, plan=plan,
+            session,
+            key=key,
+            hash_=hash_,
+            kind="pin" if body.pinned else "unpin",
+            adapter=adapter,
+            plan=plan,
             targets=[t["worker"] for t in plan["targets"]],
         )
         op_id = op.id
@@ -371,7 +431,11 @@ async def patch_adapter(
 
 @router.post("/{namespace}/{name}/version")
 async def update_version(
-    namespace: str, name: str, body: VersionRequest, services: ServicesDep, principal: Admin,
+    namespace: str,
+    name: str,
+    body: VersionRequest,
+    services: ServicesDep,
+    principal: Admin,
     key: IdempotencyKey = None,
 ) -> JSONResponse:
     visible(principal, namespace)
@@ -383,20 +447,29 @@ async def update_version(
         adapter = get_adapter(session, namespace, name)
         ensure_usable(adapter)
         pool = adapter.pool
-        pool_snapshot = Pool(model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules)
+        pool_snapshot = Pool(
+            model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules
+        )
     facts = await preflight(services, pool_snapshot, body.source)
     with services.db.session() as session:
         adapter = get_adapter(session, namespace, name)
         ensure_usable(adapter)
         if adapter.inconsistent:
-            raise conflict(f"adapter {adapter.key} is inconsistent; settle it first", code="inconsistent")
+            raise conflict(
+                f"adapter {adapter.key} is inconsistent; settle it first", code="inconsistent"
+            )
         old = lora_name(adapter.namespace, adapter.name, adapter.version)
         new_version = adapter.version + 1
         new_name = lora_name(adapter.namespace, adapter.name, new_version)
-        holders = sorted({p.worker_id: p.worker for p in adapter.placements if p.lora_name == old}.values(),
-                         key=lambda w: w.name)
-        targets = [{**WorkerRef.of(w).to_json(), "evict": [], "already_loaded": False}
-                   for w in holders if w.state == "ready"]
+        holders = sorted(
+            {p.worker_id: p.worker for p in adapter.placements if p.lora_name == old}.values(),
+            key=lambda w: w.name,
+        )
+        targets = [
+            {**WorkerRef.of(w).to_json(), "evict": [], "already_loaded": False}
+            for w in holders
+            if w.state == "ready"
+        ]
         plan = {
             "adapter_id": adapter.id,
             "lora_name": new_name,
@@ -418,7 +491,12 @@ async def update_version(
             },
         }
         op = services.operations.journal(
-            session, key=key, hash_=hash_, kind="update_version", adapter=adapter, plan=plan,
+            session,
+            key=key,
+            hash_=hash_,
+            kind="update_version",
+            adapter=adapter,
+            plan=plan,
             targets=[t["worker"] for t in targets],
         )
         services.operations.add_loading_rows(session, adapter, plan, version=new_version)

@@ -44,7 +44,8 @@ def pick_namespace(principal: Principal, header: str | None) -> str:
     if principal.namespace != ALL_NAMESPACES:
         if header is not None and header != principal.namespace:
             raise ApiError(
-                403, "forbidden_namespace",
+                403,
+                "forbidden_namespace",
                 f"header.X-Loraplane-Namespace: token {principal.name!r} may not use namespace {header!r}",
                 field="header.X-Loraplane-Namespace",
             )
@@ -81,16 +82,31 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
                 return "succeeded"
             if not adapter.busy_operation_id:
                 if adapter.inconsistent:
-                    raise ApiError(503, "inconsistent", f"adapter {adapter.key} is inconsistent until the reconciler settles it")
+                    raise ApiError(
+                        503,
+                        "inconsistent",
+                        f"adapter {adapter.key} is inconsistent until the reconciler settles it",
+                    )
                 try:
                     plan = services.operations.plan_load(session, adapter, 1)
                 except ApiError as exc:
                     services.metrics.on_demand_loads.labels("no_capacity").inc()
-                    code = "no_worker" if "no workers" in exc.message or "not ready" in exc.message else "no_capacity"
-                    raise ApiError(503, code, f"cannot load {adapter.key} on demand: {exc.message}") from exc
+                    code = (
+                        "no_worker"
+                        if "no workers" in exc.message or "not ready" in exc.message
+                        else "no_capacity"
+                    )
+                    raise ApiError(
+                        503, code, f"cannot load {adapter.key} on demand: {exc.message}"
+                    ) from exc
                 op = services.operations.journal(
-                    session, key=None, hash_=request_hash("on_demand", adapter_id), kind="load", adapter=adapter,
-                    plan=plan, targets=[t["worker"] for t in plan["targets"]],
+                    session,
+                    key=None,
+                    hash_=request_hash("on_demand", adapter_id),
+                    kind="load",
+                    adapter=adapter,
+                    plan=plan,
+                    targets=[t["worker"] for t in plan["targets"]],
                 )
                 adapter.desired = "loaded"
                 adapter.last_error = None
@@ -112,41 +128,76 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
 async def resolve(services: Services, principal: Principal, namespace: str, model: str) -> Route:
     prefix, _, adapter_name = model.rpartition(":")
     with services.db.session() as session:
-        adapter = session.scalar(select(Adapter).where(Adapter.namespace == namespace, Adapter.name == adapter_name))
+        adapter = session.scalar(
+            select(Adapter).where(Adapter.namespace == namespace, Adapter.name == adapter_name)
+        )
         if adapter is None and not prefix:
             pools = session.scalars(select(Pool).where(Pool.namespace == namespace)).all()
-            pool = next((p for p in pools if model in (p.name, p.model, p.model.rstrip("/").rsplit("/", 1)[-1])), None)
+            pool = next(
+                (
+                    p
+                    for p in pools
+                    if model in (p.name, p.model, p.model.rstrip("/").rsplit("/", 1)[-1])
+                ),
+                None,
+            )
             if pool is None:
-                pool = next((p for p in pools if any(w.served_model == model for w in p.workers)), None)
+                pool = next(
+                    (p for p in pools if any(w.served_model == model for w in p.workers)), None
+                )
             if pool is None:
-                raise ApiError(404, "not_found", f"body.model: no adapter or pool named {model!r} in namespace "
-                               f"{namespace!r}", field="body.model")
+                raise ApiError(
+                    404,
+                    "not_found",
+                    f"body.model: no adapter or pool named {model!r} in namespace {namespace!r}",
+                    field="body.model",
+                )
             worker = least_loaded(services, list(pool.workers))
             if worker is None:
                 raise ApiError(503, "no_worker", f"pool {pool.name} has no ready worker")
             return Route(WorkerRef.of(worker), worker.served_model or model, None, "", None)
         if adapter is None or adapter.desired == "deleted":
-            raise ApiError(404, "not_found", f"body.model: adapter {adapter_name!r} not found in namespace "
-                           f"{namespace!r}", field="body.model")
+            raise ApiError(
+                404,
+                "not_found",
+                f"body.model: adapter {adapter_name!r} not found in namespace {namespace!r}",
+                field="body.model",
+            )
         pool = adapter.pool
-        if prefix and prefix not in (pool.name, pool.model, pool.model.rstrip("/").rsplit("/", 1)[-1]) and not any(
-            w.served_model == prefix for w in pool.workers
+        if (
+            prefix
+            and prefix not in (pool.name, pool.model, pool.model.rstrip("/").rsplit("/", 1)[-1])
+            and not any(w.served_model == prefix for w in pool.workers)
         ):
-            raise ApiError(404, "not_found", f"body.model: adapter {adapter_name!r} belongs to pool {pool.name!r}, "
-                           f"not {prefix!r}", field="body.model")
+            raise ApiError(
+                404,
+                "not_found",
+                f"body.model: adapter {adapter_name!r} belongs to pool {pool.name!r}, "
+                f"not {prefix!r}",
+                field="body.model",
+            )
         adapter_id, key = adapter.id, adapter.name
         worker = least_loaded(services, routable_workers(adapter))
         if worker is not None:
-            return Route(WorkerRef.of(worker), lora_name(adapter.namespace, adapter.name, adapter.version),
-                         adapter_id, key, lora_name(adapter.namespace, adapter.name, adapter.version))
+            return Route(
+                WorkerRef.of(worker),
+                lora_name(adapter.namespace, adapter.name, adapter.version),
+                adapter_id,
+                key,
+                lora_name(adapter.namespace, adapter.name, adapter.version),
+            )
     started = time.perf_counter()
     timeout = services.settings.router.on_demand_timeout_s
     try:
         await asyncio.wait_for(on_demand_load(services, adapter_id), timeout)
     except TimeoutError as exc:
         services.metrics.on_demand_loads.labels("timeout").inc()
-        raise ApiError(503, "on_demand_timeout", f"adapter {namespace}/{key} was not loaded within {timeout}s "
-                       "(router.on_demand_timeout_s); the load continues, retry later") from exc
+        raise ApiError(
+            503,
+            "on_demand_timeout",
+            f"adapter {namespace}/{key} was not loaded within {timeout}s "
+            "(router.on_demand_timeout_s); the load continues, retry later",
+        ) from exc
     finally:
         services.metrics.on_demand_wait.observe(time.perf_counter() - started)
     with services.db.session() as session:
@@ -154,7 +205,11 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
         assert adapter is not None
         worker = least_loaded(services, routable_workers(adapter))
         if worker is None:
-            raise ApiError(503, "no_worker", f"adapter {namespace}/{key} was loaded but no worker holding it is ready")
+            raise ApiError(
+                503,
+                "no_worker",
+                f"adapter {namespace}/{key} was loaded but no worker holding it is ready",
+            )
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
         return Route(WorkerRef.of(worker), name, adapter_id, key, name)
 
@@ -179,7 +234,9 @@ def rewrite_model(payload: bytes, model: str) -> bytes:
     return payload
 
 
-async def proxy(request: Request, path: str, principal: Principal, services: Services, ns_header: str | None) -> Response:
+async def proxy(
+    request: Request, path: str, principal: Principal, services: Services, ns_header: str | None
+) -> Response:
     try:
         body = await request.json()
     except ValueError as exc:
@@ -205,7 +262,11 @@ async def proxy(request: Request, path: str, principal: Principal, services: Ser
 
         try:
             response, _ = await services.client.stream(
-                route.worker.name, route.worker.endpoint, path, forwarded, services.settings.router.request_timeout_s
+                route.worker.name,
+                route.worker.endpoint,
+                path,
+                forwarded,
+                services.settings.router.request_timeout_s,
             )
         except WorkerUnreachable as exc:
             release()
@@ -221,7 +282,9 @@ async def proxy(request: Request, path: str, principal: Principal, services: Ser
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "503").inc()
             raise ApiError(503, "no_worker", str(exc)) from exc
         touch(services, route.adapter_id)
-        services.metrics.routed_requests.labels(namespace, route.adapter_name, str(response.status_code)).inc()
+        services.metrics.routed_requests.labels(
+            namespace, route.adapter_name, str(response.status_code)
+        ).inc()
         if stream and response.status_code == 200:
 
             async def relay(response: Any = response) -> AsyncIterator[bytes]:
@@ -249,32 +312,58 @@ async def proxy(request: Request, path: str, principal: Principal, services: Ser
 
 @router.post("/v1/completions")
 async def completions(
-    request: Request, principal: RouteCaller, services: ServicesDep, namespace: NamespaceHeader = None
+    request: Request,
+    principal: RouteCaller,
+    services: ServicesDep,
+    namespace: NamespaceHeader = None,
 ) -> Response:
     return await proxy(request, "/v1/completions", principal, services, namespace)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    request: Request, principal: RouteCaller, services: ServicesDep, namespace: NamespaceHeader = None
+    request: Request,
+    principal: RouteCaller,
+    services: ServicesDep,
+    namespace: NamespaceHeader = None,
 ) -> Response:
     return await proxy(request, "/v1/chat/completions", principal, services, namespace)
 
 
 @router.get("/v1/models")
-def list_models(principal: RouteCaller, services: ServicesDep, namespace: NamespaceHeader = None) -> JSONResponse:
+def list_models(
+    principal: RouteCaller, services: ServicesDep, namespace: NamespaceHeader = None
+) -> JSONResponse:
     ns = pick_namespace(principal, namespace)
     data: list[dict[str, Any]] = []
     with services.db.session() as session:
-        for pool in session.scalars(select(Pool).where(Pool.namespace == ns).order_by(Pool.name)).all():
+        for pool in session.scalars(
+            select(Pool).where(Pool.namespace == ns).order_by(Pool.name)
+        ).all():
             created = int(pool.created_at.timestamp())
-            data.append({"id": pool.name, "object": "model", "created": created, "owned_by": "loraplane",
-                         "root": pool.model, "parent": None})
+            data.append(
+                {
+                    "id": pool.name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "loraplane",
+                    "root": pool.model,
+                    "parent": None,
+                }
+            )
             for adapter in sorted(pool.adapters, key=lambda a: a.name):
                 if adapter.desired == "deleted":
                     continue
-                data.append({"id": f"{pool.name}:{adapter.name}", "object": "model",
-                             "created": int(adapter.created_at.timestamp()), "owned_by": adapter.namespace,
-                             "root": adapter.source_uri, "parent": pool.name, "pinned": adapter.pinned,
-                             "routable": bool(routable_workers(adapter))})
+                data.append(
+                    {
+                        "id": f"{pool.name}:{adapter.name}",
+                        "object": "model",
+                        "created": int(adapter.created_at.timestamp()),
+                        "owned_by": adapter.namespace,
+                        "root": adapter.source_uri,
+                        "parent": pool.name,
+                        "pinned": adapter.pinned,
+                        "routable": bool(routable_workers(adapter)),
+                    }
+                )
     return JSONResponse({"object": "list", "data": data})

@@ -22,7 +22,9 @@ def list_placements(
     adapter: str | None = None,
     worker: str | None = None,
     pool: str | None = None,
-    state: str | None = Query(None, pattern="^(loading|loaded|unloading|failed|inconsistent|unreachable)$"),
+    state: str | None = Query(
+        None, pattern="^(loading|loaded|unloading|failed|inconsistent|unreachable)$"
+    ),
 ) -> dict[str, Any]:
     query = select(Placement).join(Adapter).join(Worker).join(Pool, Adapter.pool_id == Pool.id)
     if namespace is not None:

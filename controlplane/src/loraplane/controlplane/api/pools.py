@@ -20,13 +20,17 @@ router = APIRouter(prefix="/v1/pools", tags=["pools"])
 class PoolSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=1024, description="path or URI of the base checkpoint")
+    model: str = Field(
+        min_length=1, max_length=1024, description="path or URI of the base checkpoint"
+    )
     tp: int = Field(1, ge=1, le=64)
     dp: int = Field(1, ge=1, le=64)
     max_loras_per_batch: int = Field(ge=1, le=1024, description="K: GPU slots per worker")
     max_loaded_loras: int = Field(ge=1, le=100_000, description="M: resident adapters per worker")
     max_lora_rank: int = Field(ge=1, le=1024)
-    target_modules: list[str] | None = Field(None, description=f"allowed modules; default {DEFAULT_TARGET_MODULES}")
+    target_modules: list[str] | None = Field(
+        None, description=f"allowed modules; default {DEFAULT_TARGET_MODULES}"
+    )
 
 
 class PoolCreate(PoolSpec):
@@ -43,7 +47,9 @@ def validate_spec(spec: PoolSpec) -> None:
             f"{spec.max_loaded_loras} is below max_loras_per_batch={spec.max_loras_per_batch}; "
             "resident adapters must be at least the GPU slots",
         )
-    if spec.target_modules is not None and (not spec.target_modules or not all(spec.target_modules)):
+    if spec.target_modules is not None and (
+        not spec.target_modules or not all(spec.target_modules)
+    ):
         raise bad_value("body.target_modules", "must be a non-empty list of module names or null")
 
 
@@ -53,7 +59,9 @@ def apply(pool: Pool, spec: PoolSpec) -> None:
 
 
 @router.get("")
-def list_pools(session: SessionDep, principal: Reader, namespace: str | None = Query(None)) -> dict[str, Any]:
+def list_pools(
+    session: SessionDep, principal: Reader, namespace: str | None = Query(None)
+) -> dict[str, Any]:
     query = select(Pool).order_by(Pool.namespace, Pool.name)
     if namespace is not None:
         check_namespace(principal, namespace, "query.namespace")
@@ -74,7 +82,10 @@ def create_pool(body: PoolCreate, session: SessionDep, _: ClusterAdmin) -> dict[
     check_label(body.name, "body.name")
     validate_spec(body)
     if session.scalar(select(Pool).where(Pool.namespace == body.namespace, Pool.name == body.name)):
-        raise conflict(f"pool {body.namespace}/{body.name} already exists; use PUT to update it", field="body.name")
+        raise conflict(
+            f"pool {body.namespace}/{body.name} already exists; use PUT to update it",
+            field="body.name",
+        )
     pool = Pool(namespace=body.namespace, name=body.name)
     apply(pool, body)
     session.add(pool)
@@ -83,7 +94,9 @@ def create_pool(body: PoolCreate, session: SessionDep, _: ClusterAdmin) -> dict[
 
 
 @router.put("/{namespace}/{name}")
-def put_pool(namespace: str, name: str, body: PoolSpec, session: SessionDep, _: ClusterAdmin) -> dict[str, Any]:
+def put_pool(
+    namespace: str, name: str, body: PoolSpec, session: SessionDep, _: ClusterAdmin
+) -> dict[str, Any]:
     check_label(namespace, "path.namespace")
     check_label(name, "path.name")
     validate_spec(body)

@@ -55,7 +55,11 @@ def create_token(body: TokenCreate, session: SessionDep, _: ClusterAdmin) -> dic
 
 @router.get("")
 def list_tokens(session: SessionDep, _: ClusterAdmin) -> dict[str, Any]:
-    return {"items": [token_json(t) for t in session.scalars(select(Token).order_by(Token.created_at)).all()]}
+    return {
+        "items": [
+            token_json(t) for t in session.scalars(select(Token).order_by(Token.created_at)).all()
+        ]
+    }
 
 
 @router.delete("/{token_id}", status_code=204)

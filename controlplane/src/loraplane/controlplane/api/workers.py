@@ -10,7 +10,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
-from loraplane.controlplane.deps import ClusterAdmin, Reader, ServicesDep, SessionDep, check_namespace
+from loraplane.controlplane.deps import (
+    ClusterAdmin,
+    Reader,
+    ServicesDep,
+    SessionDep,
+    check_namespace,
+)
 from loraplane.controlplane.errors import bad_value
 from loraplane.controlplane.models import Pool, Worker
 from loraplane.controlplane.registry import check_label, get_pool, get_worker, worker_json
@@ -26,12 +32,16 @@ class WorkerRegister(BaseModel):
     name: str = Field(min_length=1, max_length=253)
     namespace: str = "default"
     pool: str
-    endpoint: str = Field(min_length=1, max_length=1024, description="http(s)://host:port of the worker API")
+    endpoint: str = Field(
+        min_length=1, max_length=1024, description="http(s)://host:port of the worker API"
+    )
     dp_size: int = Field(ge=1, le=64)
 
 
 @router.post("")
-async def register_worker(body: WorkerRegister, services: ServicesDep, session: SessionDep, _: ClusterAdmin) -> JSONResponse:
+async def register_worker(
+    body: WorkerRegister, services: ServicesDep, session: SessionDep, _: ClusterAdmin
+) -> JSONResponse:
     if not WORKER_NAME.match(body.name):
         raise bad_value("body.name", f"{body.name!r} is not a DNS-1123 subdomain name")
     check_label(body.namespace, "body.namespace")
@@ -39,14 +49,18 @@ async def register_worker(body: WorkerRegister, services: ServicesDep, session: 
         raise bad_value("body.endpoint", f"{body.endpoint!r} is not an http(s)://host[:port] URL")
     pool = get_pool(session, body.namespace, body.pool, field="body.pool")
     if body.dp_size != pool.dp:
-        raise bad_value("body.dp_size", f"{body.dp_size} does not match pool {pool.name}'s dp={pool.dp}")
+        raise bad_value(
+            "body.dp_size", f"{body.dp_size} does not match pool {pool.name}'s dp={pool.dp}"
+        )
     worker = session.scalar(select(Worker).where(Worker.name == body.name))
     created = worker is None
     if worker is None:
         worker = Worker(name=body.name, state="pending")
         session.add(worker)
     elif worker.pool_id != pool.id and worker.placements:
-        raise bad_value("body.pool", f"worker {body.name} is registered in another pool and holds adapters")
+        raise bad_value(
+            "body.pool", f"worker {body.name} is registered in another pool and holds adapters"
+        )
     worker.pool = pool
     worker.endpoint = body.endpoint.rstrip("/")
     worker.dp_size = body.dp_size
@@ -55,7 +69,9 @@ async def register_worker(body: WorkerRegister, services: ServicesDep, session: 
     session.flush()
     body_json = worker_json(worker, services.inflight.by_worker.get(worker.id, 0))
     session.commit()
-    await services.bus.publish("worker.registered", worker=worker.name, pool=pool.name, namespace=pool.namespace)
+    await services.bus.publish(
+        "worker.registered", worker=worker.name, pool=pool.name, namespace=pool.namespace
+    )
     services.reconciler.poke()
     return JSONResponse(body_json, status_code=201 if created else 200)
 
@@ -82,14 +98,18 @@ def list_workers(
 
 
 @router.get("/{name}")
-def read_worker(name: str, services: ServicesDep, session: SessionDep, principal: Reader) -> dict[str, Any]:
+def read_worker(
+    name: str, services: ServicesDep, session: SessionDep, principal: Reader
+) -> dict[str, Any]:
     worker = get_worker(session, name)
     check_namespace(principal, worker.pool.namespace, "path.name")
     return worker_json(worker, services.inflight.by_worker.get(worker.id, 0))
 
 
 @router.delete("/{name}", status_code=204)
-async def delete_worker(name: str, services: ServicesDep, session: SessionDep, _: ClusterAdmin) -> Response:
+async def delete_worker(
+    name: str, services: ServicesDep, session: SessionDep, _: ClusterAdmin
+) -> Response:
     worker = get_worker(session, name)
     session.delete(worker)
     session.commit()
