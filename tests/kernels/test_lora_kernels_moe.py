@@ -209,16 +209,37 @@ def test_moe_each_pair_uses_its_own_slot_and_expert() -> None:
     assert not torch.allclose(wrong.cpu().double(), dense_moe_delta(case), atol=1e-3, rtol=1e-3)
 
 
-def test_moe_routing_groups_pairs_stably_by_slot_then_expert() -> None:
-    pair_expert = torch.tensor([1, 0, 1, 2, 0, 1], dtype=torch.int32)
-    pair_slot = torch.tensor([1, -1, 0, 1, 0, 1], dtype=torch.int32)
+def test_moe_routing_groups_pairs_by_slot_then_expert() -> None:
+    pair_expert = torch.tensor([1, 0, 1, 2, 0, 1], dtype=torch.int32, device=DEVICE)
+    pair_slot = torch.tensor([1, -1, 0, 1, 0, 1], dtype=torch.int32, device=DEVICE)
     routing = moe.moe_lora_routing(pair_expert, pair_slot, num_slots=2, num_experts=3)
-    # keys: 4, none, 1, 5, 0, 4 -> sorted (stable): p4 (0), p2 (1), p0 p5 (4), p3 (5), p1 (none)
-    assert routing.row_order.tolist() == [4, 2, 0, 5, 3, 1]
+    # keys (slot * 3 + expert): p0 4, p1 none, p2 1, p3 5, p4 0, p5 4
     assert routing.seg_indptr.tolist() == [0, 1, 2, 2, 2, 4, 5]
+    order = routing.row_order.tolist()
+    assert [order[0:1], order[1:2], sorted(order[2:4]), order[4:5], order[5:]] == [
+        [4],
+        [2],
+        [0, 5],
+        [3],
+        [1],
+    ]
     valid = routing.tile_seg >= 0
     assert sorted(routing.tile_seg[valid].tolist()) == [0, 1, 4, 5]
     assert routing.tile_blk[valid].tolist() == [0, 0, 0, 0]
+
+
+def test_moe_routing_tiles_cover_long_groups() -> None:
+    """A group of 40 pairs (3 tiles of 16) next to single pairs; padding tiles are -1."""
+    pair_expert = torch.tensor([2] * 40 + [0, 1], dtype=torch.int32, device=DEVICE)
+    pair_slot = torch.tensor([1] * 40 + [0, -1], dtype=torch.int32, device=DEVICE)
+    routing = moe.moe_lora_routing(pair_expert, pair_slot, num_slots=2, num_experts=3)
+    tiles = sorted(
+        zip(routing.tile_seg.tolist(), routing.tile_blk.tolist(), strict=True), reverse=True
+    )
+    real = [t for t in tiles if t[0] >= 0]
+    assert real == [(5, 2), (5, 1), (5, 0), (0, 0)]
+    assert len(tiles) == 3 + 6  # bound: ceil(P / 16) + min(G, P) with P = 42, G = 6
+    assert sorted(routing.row_order.tolist()[1:41]) == list(range(40))
 
 
 def test_moe_all_pairs_without_adapter_and_no_pairs() -> None:

@@ -123,6 +123,18 @@ def shrink_config(max_seg_len: int, rank_max: int, hidden: int) -> ShrinkConfig:
     return ShrinkConfig(block_s=block_s, block_r=block_r, block_k=block_k, num_warps=4)
 
 
+# Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).
+TARGET_PROGRAMS = 264
+
+
+def split_k_for(programs: int, hidden: int, block_k: int) -> int:
+    """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU."""
+    k_blocks = max(1, -(-hidden // block_k))
+    if programs <= 0 or programs >= TARGET_PROGRAMS // 2:
+        return 1
+    return max(1, min(k_blocks, -(-TARGET_PROGRAMS // programs)))
+
+
 def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:
     """Fixed configs: one rank tile (whole rank), ``block_n`` output columns per program."""
     block_s = segment_block(max_seg_len)

@@ -2,8 +2,8 @@
 
 Reference: ``reference.moe_lora_shrink`` / ``reference.moe_lora_expand``.
 
-``moe_lora_routing`` sorts the pairs on the device (stable) by the key ``slot * E + expert``;
-pairs without an adapter (slot ``-1``) sort last and belong to no segment. Each key is a
+``moe_lora_routing`` groups the pairs on the device (a one-program counting sort) by the key
+``slot * E + expert``; pairs without an adapter (slot ``-1``) go last and belong to no segment. Each key is a
 segment whose "weight slot" is the key itself, indexing the weight buffer viewed as
 ``[num_slots * E, ...]``; rank and scaling are read at ``key // E``. Because the number of
 non-empty groups is only known on the device, the kernels run over a tile map: tile ``t`` is
@@ -14,12 +14,15 @@ bound ``ceil(P / BLOCK_S) + min(G, P)`` on the number of tiles. No host syncs.
 beyond an optional precomputed ``routing`` (build it once per MoE layer and pass it to both).
 """
 
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (the routing kernel is an untyped Triton JIT function; the wrappers are typed.)
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
@@ -69,6 +72,91 @@ class MoeLoraRouting:
             )
 
 
+@triton.jit
+def _moe_lora_routing_kernel(
+    pair_expert_ptr,  # int32 [P]
+    pair_slot_ptr,  # int32 [P]
+    counts_ptr,  # int32 [G + 1] scratch (key G = no adapter)
+    pair_rank_ptr,  # int32 [P] scratch: rank of the pair within its key
+    tile_start_ptr,  # int32 [G] scratch: first tile of each key
+    seg_indptr_ptr,  # int32 [G + 1] out
+    row_order_ptr,  # int64 [P] out
+    tile_seg_ptr,  # int32 [max_tiles] out, -1 = padding
+    tile_blk_ptr,  # int32 [max_tiles] out
+    num_pairs,
+    num_experts,
+    groups,
+    max_tiles,
+    BLOCK_S: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: counting sort of the pairs by key = slot * E + expert (G for no adapter).
+
+    Phases are separated by CTA barriers; every access stays on one multiprocessor. Loops are
+    ``while`` loops: a runtime ``range`` bound breaks the Triton 3.6 interpreter (numpy >= 2.4)."""
+    offs = tl.arange(0, BLOCK)
+    g0 = 0
+    while g0 < groups + 1:
+        tl.store(counts_ptr + g0 + offs, 0, mask=g0 + offs <= groups)
+        g0 += BLOCK
+    t0 = 0
+    while t0 < max_tiles:
+        t_mask = t0 + offs < max_tiles
+        tl.store(tile_seg_ptr + t0 + offs, -1, mask=t_mask)
+        tl.store(tile_blk_ptr + t0 + offs, 0, mask=t_mask)
+        t0 += BLOCK
+    tl.debug_barrier()
+
+    # Rank of each pair within its key (order within a key is unspecified: results per pair
+    # do not depend on it).
+    p0 = 0
+    while p0 < num_pairs:
+        pairs = p0 + offs
+        p_mask = pairs < num_pairs
+        slot = tl.load(pair_slot_ptr + pairs, mask=p_mask, other=-1)
+        expert = tl.load(pair_expert_ptr + pairs, mask=p_mask, other=0)
+        key = tl.where(slot >= 0, slot * num_experts + expert, groups)
+        rank = tl.atomic_add(counts_ptr + key, 1, mask=p_mask)
+        tl.store(pair_rank_ptr + pairs, rank, mask=p_mask)
+        p0 += BLOCK
+    tl.debug_barrier()
+
+    # Exclusive prefix sums: segment starts and first tiles per key.
+    seg_carry = 0
+    tile_carry = 0
+    g0 = 0
+    while g0 < groups + 1:
+        keys = g0 + offs
+        g_mask = keys <= groups
+        count = tl.load(counts_ptr + keys, mask=g_mask, other=0)
+        tiles = tl.where(keys < groups, (count + BLOCK_S - 1) // BLOCK_S, 0)
+        tl.store(seg_indptr_ptr + keys, seg_carry + tl.cumsum(count, 0) - count, mask=g_mask)
+        tl.store(
+            tile_start_ptr + keys, tile_carry + tl.cumsum(tiles, 0) - tiles, mask=keys < groups
+        )
+        seg_carry += tl.sum(count, 0)
+        tile_carry += tl.sum(tiles, 0)
+        g0 += BLOCK
+    tl.debug_barrier()
+
+    # Scatter: row_order[start(key) + rank] = pair; the first pair of each tile names it.
+    p0 = 0
+    while p0 < num_pairs:
+        pairs = p0 + offs
+        p_mask = pairs < num_pairs
+        slot = tl.load(pair_slot_ptr + pairs, mask=p_mask, other=-1)
+        expert = tl.load(pair_expert_ptr + pairs, mask=p_mask, other=0)
+        key = tl.where(slot >= 0, slot * num_experts + expert, groups)
+        rank = tl.load(pair_rank_ptr + pairs, mask=p_mask, other=0)
+        start = tl.load(seg_indptr_ptr + key, mask=p_mask, other=0)
+        tl.store(row_order_ptr + start + rank, pairs.to(tl.int64), mask=p_mask)
+        heads = p_mask & (key < groups) & (rank % BLOCK_S == 0)
+        tile = tl.load(tile_start_ptr + key, mask=heads, other=0) + rank // BLOCK_S
+        tl.store(tile_seg_ptr + tile, key, mask=heads)
+        tl.store(tile_blk_ptr + tile, rank // BLOCK_S, mask=heads)
+        p0 += BLOCK
+
+
 def moe_lora_routing(
     pair_expert: torch.Tensor,
     pair_slot: torch.Tensor,
@@ -76,7 +164,11 @@ def moe_lora_routing(
     num_experts: int,
     block_s: int = MOE_BLOCK_S,
 ) -> MoeLoraRouting:
-    """Group the ``P`` pairs by ``(slot, expert)`` on the device, without host syncs."""
+    """Group the ``P`` pairs by ``(slot, expert)`` on the device: one launch, no host sync.
+
+    Pairs with no adapter take the positions after ``seg_indptr[G]``. The order of pairs
+    within a group is unspecified (it does not change any result).
+    """
     fn = "moe_lora_routing"
     check_tensor(fn, "pair_expert", pair_expert, ndim=1, dtypes=(torch.int32,), contiguous=True)
     check_tensor(
@@ -96,37 +188,42 @@ def moe_lora_routing(
     device = pair_expert.device
     num_pairs = pair_expert.shape[0]
     groups = num_slots * num_experts
-
-    # Key per pair: slot * E + expert, or G (sorts last) for pairs with no adapter.
-    key = torch.where(
-        pair_slot >= 0,
-        pair_slot.to(torch.int64) * num_experts + pair_expert.to(torch.int64),
-        torch.full_like(pair_slot, groups, dtype=torch.int64),
-    )  # [P]
-    sorted_key, row_order = torch.sort(key, stable=True)  # [P], [P]
-    boundaries = torch.arange(groups + 1, device=device, dtype=torch.int64)
-    seg_indptr = torch.searchsorted(sorted_key, boundaries)  # [G + 1] int64
-
-    # Tile map: tiles of group g are [tile_indptr[g], tile_indptr[g+1]).
-    tiles_per_group = (seg_indptr[1:] - seg_indptr[:-1] + block_s - 1) // block_s  # [G]
-    tile_end = torch.cumsum(tiles_per_group, dim=0)  # [G] inclusive prefix sum
     max_tiles = triton.cdiv(num_pairs, block_s) + min(groups, num_pairs)
-    tile_ids = torch.arange(max_tiles, device=device, dtype=torch.int64)  # [tiles]
-    tile_seg = torch.searchsorted(tile_end, tile_ids, right=True)  # [tiles] in [0, G]
-    valid = tile_seg < groups
-    tile_start = torch.cat([tile_end.new_zeros(1), tile_end])[tile_seg]  # [tiles]
-    tile_blk = tile_ids - tile_start
-    tile_seg = torch.where(valid, tile_seg, torch.full_like(tile_seg, -1))
 
+    counts = torch.empty(groups + 1, dtype=torch.int32, device=device)
+    pair_rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    tile_start = torch.empty(max(groups, 1), dtype=torch.int32, device=device)
+    seg_indptr = torch.empty(groups + 1, dtype=torch.int32, device=device)
+    row_order = torch.empty(num_pairs, dtype=torch.int64, device=device)
+    tile_seg = torch.empty(max_tiles, dtype=torch.int32, device=device)
+    tile_blk = torch.empty(max_tiles, dtype=torch.int32, device=device)
+    _moe_lora_routing_kernel[(1,)](
+        pair_expert,
+        pair_slot,
+        counts,
+        pair_rank,
+        tile_start,
+        seg_indptr,
+        row_order,
+        tile_seg,
+        tile_blk,
+        num_pairs,
+        num_experts,
+        groups,
+        max_tiles,
+        BLOCK_S=block_s,
+        BLOCK=1024,
+        num_warps=8,
+    )
     return MoeLoraRouting(
         num_slots=num_slots,
         num_experts=num_experts,
         block_s=block_s,
-        seg_indptr=seg_indptr.to(torch.int32),
+        seg_indptr=seg_indptr,
         seg_slots=torch.arange(groups, device=device, dtype=torch.int32),
         row_order=row_order,
-        tile_seg=tile_seg.to(torch.int32),
-        tile_blk=tile_blk.to(torch.int32),
+        tile_seg=tile_seg,
+        tile_blk=tile_blk,
     )
 
 
@@ -223,7 +320,6 @@ def moe_lora_shrink(
         )
     routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
 
-    y = torch.zeros((num_pairs, lora_a.shape[2]), dtype=x.dtype, device=x.device)
     rank_max = lora_a.shape[2] // num_slices
     heuristic = shrink_config(routing.block_s, rank_max, x.shape[1])
     config = ShrinkConfig(
@@ -233,10 +329,10 @@ def moe_lora_shrink(
         num_warps=heuristic.num_warps,
     )
     weights = lora_a.view(num_slots * num_experts, lora_a.shape[2], lora_a.shape[3])
-    launch_shrink(
+    return launch_shrink(
         x,
         weights,
-        y,
+        num_pairs,
         routing.seg_indptr,
         routing.seg_slots,
         slot_ranks,
@@ -250,7 +346,6 @@ def moe_lora_shrink(
         x_row_div=topk,
         y_by_row=True,
     )
-    return y
 
 
 def moe_lora_expand(

@@ -23,6 +23,7 @@ from loraplane.worker.kernels._triton_utils import (
     check_tensor,
     dot_precision,
     shrink_config,
+    split_k_for,
 )
 
 __all__ = ["lora_shrink"]
@@ -32,7 +33,7 @@ __all__ = ["lora_shrink"]
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [weight_slots, num_slices * R, K]
-    y_ptr,  # [positions, num_slices * R]
+    y_ptr,  # [positions, num_slices * R], or fp32 [SPLIT_K, positions, num_slices * R]
     seg_indptr_ptr,  # int32 [S + 1]
     seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
     slot_ranks_ptr,  # int32 [num_slots]
@@ -46,6 +47,7 @@ def _lora_shrink_kernel(
     a_stride_row,
     weights_per_slot,  # rank/scaling index = seg_slot // weights_per_slot (MoE: experts)
     x_row_div,  # x row = row // x_row_div (MoE: topk)
+    y_stride_split,  # between the SPLIT_K partial outputs
     HAS_ROW_ORDER: tl.constexpr,
     USE_TILE_MAP: tl.constexpr,
     Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
@@ -55,6 +57,8 @@ def _lora_shrink_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # > 1: each program sums K_PER_SPLIT columns into an fp32 partial
+    K_PER_SPLIT: tl.constexpr,
 ):
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
@@ -64,7 +68,8 @@ def _lora_shrink_kernel(
         seg = tl.program_id(1)
     if seg < 0:  # tile map padding
         return
-    slice_id = tl.program_id(2)
+    slice_id = tl.program_id(2) // SPLIT_K
+    split = tl.program_id(2) % SPLIT_K
     seg_start = tl.load(seg_indptr_ptr + seg)
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
     pos0 = seg_start + blk * BLOCK_S
@@ -89,13 +94,14 @@ def _lora_shrink_kernel(
 
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
-    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    k_first = split * K_PER_SPLIT
+    offs_k = k_first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_ptrs = x_ptr + x_rows[:, None] * x_stride_row + offs_k[None, :]  # [BLOCK_S, BLOCK_K]
     a_base = a_ptr + weight_slot * a_stride_slot + (slice_id * rank_max).to(tl.int64) * a_stride_row
     a_ptrs = a_base + offs_r[None, :] * a_stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_R]
 
     acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)  # [BLOCK_S, BLOCK_R]
-    for k0 in range(0, HIDDEN, BLOCK_K):
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         k_mask = (k0 + offs_k) < HIDDEN
         x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
         a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
@@ -103,7 +109,8 @@ def _lora_shrink_kernel(
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
 
-    y_ptrs = y_ptr + y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
+    y_ptrs = y_ptr + split * y_stride_split + y_rows[:, None] * y_stride_row
+    y_ptrs += slice_id * rank_max + offs_r[None, :]
     y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
@@ -111,7 +118,7 @@ def _lora_shrink_kernel(
 def launch_shrink(
     x: torch.Tensor,
     weights: torch.Tensor,
-    y: torch.Tensor,
+    positions: int,
     seg_indptr: torch.Tensor,
     seg_slots: torch.Tensor,
     slot_ranks: torch.Tensor,
@@ -125,13 +132,27 @@ def launch_shrink(
     weights_per_slot: int = 1,
     x_row_div: int = 1,
     y_by_row: bool = False,
-) -> None:
-    """Launch without checks (callers validated). ``weights [weight_slots, slices*R, K]``."""
-    if grid_blocks == 0 or grid_segments == 0:
-        return
+) -> torch.Tensor:
+    """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
+
+    ``weights [weight_slots, slices*R, K]``. When the grid is too small to fill the GPU
+    (decode), K is split over ``split_k`` programs writing fp32 partials, summed afterwards in
+    a fixed order (deterministic, no atomics).
+    """
     rank_max = weights.shape[1] // num_slices
+    hidden = x.shape[1]
+    width = weights.shape[1]
+    split_k = split_k_for(grid_blocks * grid_segments * num_slices, hidden, config.block_k)
+    k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(hidden, k_per_split) if hidden > 0 else 1
+    if split_k > 1:
+        y = torch.zeros((split_k, positions, width), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.zeros((positions, width), dtype=x.dtype, device=x.device)
+    if grid_blocks == 0 or grid_segments == 0 or positions == 0:
+        return y if split_k == 1 else y.sum(0).to(x.dtype)
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
-    _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices)](
+    _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
         x,
         weights,
         y,
@@ -143,21 +164,27 @@ def launch_shrink(
         tile_blk,
         rank_max,
         x.stride(0),
-        y.stride(0),
+        width,
         weights.stride(0),
         weights.stride(1),
         weights_per_slot,
         x_row_div,
+        positions * width,
         HAS_ROW_ORDER=row_order is not None,
         USE_TILE_MAP=tile_map is not None,
         Y_BY_ROW=y_by_row,
         DOT_PRECISION=dot_precision(x.dtype),
-        HIDDEN=x.shape[1],
+        HIDDEN=hidden,
         BLOCK_S=config.block_s,
         BLOCK_R=config.block_r,
         BLOCK_K=config.block_k,
+        SPLIT_K=split_k,
+        K_PER_SPLIT=k_per_split,
         num_warps=config.num_warps,
     )
+    if split_k == 1:
+        return y
+    return y.sum(0).to(x.dtype)  # [positions, slices*R], partials summed in fp32
 
 
 def check_segments(
@@ -232,13 +259,12 @@ def lora_shrink(
     max_seg_len = check_max_seg_len(fn, max_seg_len)
 
     positions = row_order.shape[0] if row_order is not None else x.shape[0]
-    y = torch.zeros((positions, lora_a.shape[1]), dtype=x.dtype, device=x.device)
     rank_max = lora_a.shape[1] // num_slices
     config = shrink_config(max_seg_len, rank_max, x.shape[1])
-    launch_shrink(
+    return launch_shrink(
         x,
         lora_a,
-        y,
+        positions,
         seg_indptr,
         seg_slots,
         slot_ranks,
@@ -248,4 +274,3 @@ def lora_shrink(
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
     )
-    return y
