@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,7 +60,7 @@ def run_ours(
     rows = list(range(len(prompts)))
     batch = prefill_batch(prompts, rows, all_logits=True, device=device)
     token_slots = [s for p, s in zip(prompts, slots, strict=True) for _ in p]
-    logits = runner.forward(batch, token_slots if runner.lora else None)
+    logits = runner.forward(batch, token_slots)
     logprobs: list[list[torch.Tensor]] = []
     offset = 0
     for p in prompts:
@@ -77,7 +76,7 @@ def run_ours(
             break
         starts = [len(p) + step for p in prompts]
         batch = decode_batch([g[-1] for g in generated], rows, starts, device)
-        logits = runner.forward(batch, list(slots) if runner.lora else None)
+        logits = runner.forward(batch, list(slots))
         for i in range(len(prompts)):
             logprobs[i].append(torch.log_softmax(logits[i : i + 1].float(), dim=-1))
     sequences = [list(p) + g[:-1] for p, g in zip(prompts, generated, strict=True)]
@@ -118,6 +117,39 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a * b).sum()) / denom if denom else float("nan")
 
 
+def lora_config_for(adapters: Sequence[tuple[str, str | Path]]) -> LoRARuntimeConfig:
+    ranks = [int(read_adapter_config(n, Path(p))["r"]) for n, p in adapters]
+    return LoRARuntimeConfig(
+        max_loras_per_batch=max(1, len(adapters)),
+        max_loaded_loras=max(1, len(adapters)),
+        max_lora_rank=max(ranks, default=8),
+    )
+
+
+def run_single(
+    model_dir: Path,
+    adapters: Sequence[tuple[str, str | Path]],
+    prompt_ids: list[list[int]],
+    slots: list[int],
+    max_new_tokens: int,
+    *,
+    backend: str,
+    device: str,
+    dtype: str,
+) -> tuple[OurRun, OurRun]:
+    """Our runtime in one process: the mixed batch with LoRA, and the same tokens without LoRA."""
+    max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
+    rcfg = RunnerConfig(str(model_dir), device=device, dtype=dtype, max_seqs=len(prompt_ids), max_len=max_len, lora_backend=backend)
+    ours = ModelRunner(rcfg, lora_config_for(adapters))
+    for slot, (name, path) in enumerate(adapters):
+        ours.lora.load_slot(slot, ours.read_adapter(name, path))  # type: ignore[union-attr]
+    lora_run = run_ours(ours, prompt_ids, slots, max_new_tokens)
+    del ours
+    plain = ModelRunner(rcfg, None)
+    base_run = run_ours(plain, prompt_ids, [NO_ADAPTER] * len(prompt_ids), max_new_tokens, forced=lora_run.generated)
+    return lora_run, base_run
+
+
 def check_parity(
     model_dir: str | Path,
     adapters: Sequence[tuple[str, str | Path]],
@@ -133,28 +165,34 @@ def check_parity(
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     dtype_name = dtype or config.torch_dtype
-    ranks = [int(read_adapter_config(n, Path(p))["r"]) for n, p in adapters]
-    lora_cfg = LoRARuntimeConfig(
-        max_loras_per_batch=max(1, len(adapters)),
-        max_loaded_loras=max(1, len(adapters)),
-        max_lora_rank=max(ranks, default=8),
-    )
     prompt_ids = make_prompts(config.vocab_size, prompts, seed)
-    max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
-    rcfg = RunnerConfig(str(model_dir), device=device, dtype=dtype_name, max_seqs=prompts, max_len=max_len, lora_backend=backend)
-    ours = ModelRunner(rcfg, lora_cfg)
-    for slot, (name, path) in enumerate(adapters):
-        ours.lora.load_slot(slot, ours.read_adapter(name, path))  # type: ignore[union-attr]
     assignment = assign_adapters(prompts, len(adapters))
     slots = [a if a is not None else NO_ADAPTER for a in assignment]
-    lora_run = run_ours(ours, prompt_ids, slots, max_new_tokens)
-    del ours
-    plain = ModelRunner(rcfg, None)
-    forced = lora_run.generated
-    base_run = run_ours(plain, prompt_ids, [NO_ADAPTER] * prompts, max_new_tokens, forced=forced)
-    del plain
+    lora_run, base_run = run_single(
+        model_dir, adapters, prompt_ids, slots, max_new_tokens, backend=backend, device=device, dtype=dtype_name
+    )
+    return compare_with_references(
+        model_dir, adapters, prompt_ids, assignment, lora_run, base_run,
+        backend=backend, dtype=dtype_name, reference_device=reference_device or device,
+    )
 
-    ref_device = reference_device or device
+
+def compare_with_references(
+    model_dir: Path,
+    adapters: Sequence[tuple[str, str | Path]],
+    prompt_ids: list[list[int]],
+    assignment: list[int | None],
+    lora_run: OurRun,
+    base_run: OurRun,
+    *,
+    backend: str,
+    dtype: str,
+    reference_device: str,
+) -> ParityReport:
+    config = ModelConfig.from_dir(model_dir)
+    dtype_name = dtype
+    prompts = len(prompt_ids)
+    ref_device = reference_device
     max_peft = max_merged = 0.0
     mean_peft: list[torch.Tensor] = []
     mean_merged: list[torch.Tensor] = []
@@ -165,9 +203,7 @@ def check_parity(
     bitwise = True
     from loraplane.worker.check import reference as ref
 
-    hf_base = ref.load_hf(model_dir, dtype_name, ref_device)
-    base_lp = [ref.sequence_logprobs(hf_base, s, ref_device).cpu() for s in lora_run.sequences]
-    del hf_base
+    base_lp = ref.cached_logprobs("base", model_dir, None, dtype_name, ref_device, lora_run.sequences)
     by_adapter: dict[int | None, list[int]] = {}
     for i, a in enumerate(assignment):
         by_adapter.setdefault(a, []).append(i)
@@ -178,15 +214,10 @@ def check_parity(
             for i in idxs:
                 bitwise &= bool(torch.equal(lora_run.logprobs[i], base_run.logprobs[i]))
         else:
-            name, path = adapters[a]
-            peft_model = ref.load_peft(model_dir, path, dtype_name, ref_device)
-            peft_lp = {i: ref.sequence_logprobs(peft_model, lora_run.sequences[i], ref_device).cpu() for i in idxs}
-            del peft_model
-            with tempfile.TemporaryDirectory(prefix="loraplane-merged-") as tmp:
-                merged_dir = ref.write_merged_checkpoint(model_dir, path, tmp)
-                merged = ref.load_hf(merged_dir, dtype_name, ref_device)
-                merged_lp = {i: ref.sequence_logprobs(merged, lora_run.sequences[i], ref_device).cpu() for i in idxs}
-                del merged
+            _, path = adapters[a]
+            seqs = [lora_run.sequences[i] for i in idxs]
+            peft_lp = dict(zip(idxs, ref.cached_logprobs("peft", model_dir, path, dtype_name, ref_device, seqs), strict=True))
+            merged_lp = dict(zip(idxs, ref.cached_logprobs("merged", model_dir, path, dtype_name, ref_device, seqs), strict=True))
         for i in idxs:
             seq, gen = lora_run.sequences[i], lora_run.generated[i]
             mine = lora_run.logprobs[i].cpu()

@@ -66,6 +66,35 @@ def write_merged_checkpoint(model_dir: str | Path, adapter_dir: str | Path, out:
     return out
 
 
+_CACHE: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def cached_logprobs(kind: str, model_dir: Path | str, adapter: Path | str | None, dtype: str, device: str, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Reference logprobs of `seqs`, computed once per process for the same inputs.
+
+    The references do not depend on our backend, so checks that run our runtime several
+    ways (triton and torch, one rank and many) pay for each reference model once.
+    """
+    keys = [(kind, str(model_dir), str(adapter), dtype, device, tuple(s)) for s in seqs]
+    missing = [s for s, k in zip(seqs, keys, strict=True) if k not in _CACHE]
+    if missing:
+        if kind == "base":
+            model = load_hf(model_dir, dtype, device)
+        elif kind == "peft":
+            assert adapter is not None
+            model = load_peft(model_dir, adapter, dtype, device)
+        else:
+            import tempfile
+
+            assert adapter is not None
+            with tempfile.TemporaryDirectory(prefix="loraplane-merged-") as tmp:
+                model = load_hf(write_merged_checkpoint(model_dir, adapter, tmp), dtype, device)
+        for s in missing:
+            _CACHE[(kind, str(model_dir), str(adapter), dtype, device, tuple(s))] = sequence_logprobs(model, s, device).cpu()
+        del model
+    return [_CACHE[k] for k in keys]
+
+
 @torch.inference_mode()
 def sequence_logprobs(model: torch.nn.Module, ids: Sequence[int], device: str) -> torch.Tensor:
     """log-softmax over the vocabulary at every position of `ids`: [len(ids), vocab] (fp32)."""

@@ -10,6 +10,7 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.lora.adapter import AdapterWeights, load_adapter
+from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 from loraplane.worker.models.kv_cache import KVCache
@@ -67,23 +68,29 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(
-        self,
-        batch: ForwardBatch,
-        local_slots: Sequence[int] | None = None,
-        global_slots: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the slot per token."""
+    def forward(self, batch: ForwardBatch, local_slots: Sequence[int] | None = None) -> torch.Tensor:
+        """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the LoRA slot per token.
+
+        Under DP attention every rank calls this once per step, idle or not: the ranks
+        exchange their token counts and per-token adapter slots here, so the TP-global
+        sections see every DP group's tokens with their own adapters.
+        """
+        ps = self.ps
+        slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
+        global_slots: list[int] | None = None
+        if ps.dp_attention and ps.dp_size > 1:
+            mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots)
+            everyone = ps.all_gather_object_tp(mine)
+            groups = [everyone[r] for r in ps.dp_group_leaders()]
+            batch.dp_token_counts = [g[0] for g in groups]
+            batch.dp_logit_counts = [g[1] for g in groups]
+            global_slots = [s for g in groups for s in g[2]]
         if self.lora is not None:
-            if local_slots is None or batch.num_tokens == 0 and not global_slots:
-                # Idle or base-only: no stale metadata may survive from the last batch.
-                self.lora.reset_batch_state()
-                if global_slots and self.lora.ctx.dp_attention:
-                    self.lora.prepare_batch([], global_slots)
-            else:
-                self.lora.prepare_batch(local_slots, global_slots)
+            # Built afresh every forward; no adapter anywhere (or an idle rank) means no
+            # batch info, so every wrapper takes the base path (seed 004).
+            self.lora.prepare_batch(slots, global_slots)
         try:
-            return self.model(batch, self.kv)
+            return self.model(batch, self.kv)  # type: ignore[no-any-return]
         finally:
             if self.lora is not None:
                 self.lora.reset_batch_state()

@@ -173,6 +173,12 @@ class Experts(nn.Module):
         else:
             self.w_down.data[expert].copy_(full[:, r * i : (r + 1) * i])
 
+    # Rows per expert matmul on CPU. Fixed-size blocks make every row's result independent
+    # of how many other rows an expert got, so routing changes in one request (an adapter
+    # moving its tokens to other experts) never change another request's bits. See
+    # docs/adr/0001-batch-invariant-experts.md.
+    cpu_row_block = 16
+
     def grouped(self, x: torch.Tensor, w: torch.Tensor, pair_expert: torch.Tensor) -> torch.Tensor:
         """y[p] = x[p] @ w[pair_expert[p]]^T, one matmul per expert present."""
         out = x.new_empty(x.shape[0], w.shape[1])
@@ -180,12 +186,21 @@ class Experts(nn.Module):
             return out
         order = torch.argsort(pair_expert, stable=True)
         counts = torch.bincount(pair_expert, minlength=self.num_experts).tolist()
+        block = self.cpu_row_block if x.device.type == "cpu" else 0
         start = 0
         for e, n in enumerate(counts):
-            if n:
-                rows = order[start : start + n]
+            if not n:
+                continue
+            rows = order[start : start + n]
+            start += n
+            if not block:
                 out[rows] = x[rows] @ w[e].t()
-                start += n
+                continue
+            for b in range(0, n, block):
+                chunk = rows[b : b + block]
+                padded = x.new_zeros(block, x.shape[1])
+                padded[: chunk.numel()] = x[chunk]
+                out[chunk] = (padded @ w[e].t())[: chunk.numel()]
         return out
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""Per-batch LoRA state (seed 004): no forward can run on another batch's metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane.worker.config import LoRARuntimeConfig
+from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, prefill_batch
+from loraplane.worker.lora.batch_info import NO_ADAPTER, LoRABatchInfo
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def runners(suite) -> tuple[ModelRunner, ModelRunner]:
+    model_dir, adapters = suite["qwen3-moe"]
+    cfg = RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=4, max_len=64)
+    lora = ModelRunner(cfg, LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32))
+    for slot, (name, path) in enumerate(adapters):
+        lora.lora.load_slot(slot, lora.read_adapter(name, path))  # type: ignore[union-attr]
+    return lora, ModelRunner(cfg, None)
+
+
+PROMPTS = [[5, 9, 200, 31, 7], [44, 2, 2, 90]]
+
+
+def run(r: ModelRunner, slots: list[int]) -> torch.Tensor:
+    batch = prefill_batch(PROMPTS, [0, 1], all_logits=True, device="cpu")
+    tokens = [s for p, s in zip(PROMPTS, slots, strict=True) for _ in p]
+    return r.forward(batch, tokens)
+
+
+def test_batch_state_is_cleared_after_every_forward(runners) -> None:
+    lora, _ = runners
+    run(lora, [0, 2])
+    assert lora.lora.ctx.local is None and lora.lora.ctx.global_ is None  # type: ignore[union-attr]
+    assert not any(w.lora_active for ws in lora.lora.layers for w in ws)  # type: ignore[union-attr]
+
+
+def test_stale_metadata_cannot_reach_a_base_only_batch(runners) -> None:
+    """The bug of seed 004: a forward that skips batch preparation runs on the last batch's
+    segments. Plant such stale metadata and run a base-only batch: it must equal the model
+    without LoRA bit for bit."""
+    lora, plain = runners
+    stale = LoRABatchInfo.build([3] * 9, lora.lora.slot_ranks, lora.lora.slot_scalings, "cpu")  # type: ignore[union-attr]
+    lora.lora.ctx.local = lora.lora.ctx.global_ = stale  # type: ignore[union-attr]
+    got = run(lora, [NO_ADAPTER, NO_ADAPTER])
+    assert torch.equal(got, run(plain, [NO_ADAPTER, NO_ADAPTER]))
+
+
+def test_adapter_rows_change_and_base_rows_do_not(runners) -> None:
+    lora, plain = runners
+    mixed = run(lora, [1, NO_ADAPTER])
+    base = run(plain, [NO_ADAPTER, NO_ADAPTER])
+    n0 = len(PROMPTS[0])
+    assert (mixed[:n0] - base[:n0]).abs().max() > 1e-3  # the adapter matters
+    assert torch.equal(mixed[n0:], base[n0:])  # a base row gets no LoRA work at all
+
+
+def test_each_slot_gives_its_own_result(runners) -> None:
+    """Four adapters in one batch: each row equals that adapter alone (no cross-slot reads)."""
+    lora, _ = runners
+    together = run(lora, [2, 3])
+    alone_2 = run(lora, [2, 2])
+    alone_3 = run(lora, [3, 3])
+    n0 = len(PROMPTS[0])
+    torch.testing.assert_close(together[:n0], alone_2[:n0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(together[n0:], alone_3[n0:], rtol=0, atol=1e-5)
+    assert (alone_2[n0:] - alone_3[n0:]).abs().max() > 1e-3

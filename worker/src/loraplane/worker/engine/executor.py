@@ -1,0 +1,120 @@
+"""The executor: what the engine asks of the ranks, whatever their number.
+
+The engine (scheduler, residency, HTTP server) is rank-agnostic. It hands the executor one
+list of `SeqWork` per DP group per step, and slot commands that apply on every rank. The
+`LocalExecutor` runs one process (tp = dp = 1); `loraplane.worker.parallel.launch` provides
+the multi-rank executor with the same interface, where rank 0 drives and the others follow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
+from loraplane.worker.lora.adapter import AdapterWeights
+from loraplane.worker.lora.batch_info import NO_ADAPTER
+from loraplane.worker.models.batch import ForwardBatch, SeqChunk
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """New tokens of one sequence for this step, on its DP group."""
+
+    cache_row: int  # KV-cache row within the DP group
+    start: int  # tokens of this sequence already in the cache
+    tokens: tuple[int, ...]
+    slot: int = NO_ADAPTER  # LoRA slot of this sequence's adapter, -1 for none
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    target_modules: tuple[str, ...]
+    nbytes: int
+
+
+class Executor(Protocol):
+    dp_size: int
+    model_config: ModelConfig
+    max_seqs: int  # KV-cache rows per DP group
+    max_len: int  # positions per KV-cache row
+
+    def step(self, work: list[list[SeqWork]]) -> list[torch.Tensor]:
+        """Run one forward; per DP group the last-token logits of each of its sequences [n, vocab] (fp32, CPU)."""
+        ...
+
+    def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
+        """Validate an adapter on one DP group and keep it in that group's host memory; AdapterError if rejected."""
+        ...
+
+    def load_slot(self, slot: int, name: str) -> None:
+        """Copy an adapter already read (on every group) from host memory into `slot` on every rank."""
+        ...
+
+    def clear_slot(self, slot: int) -> None: ...
+
+    def drop_adapter(self, name: str) -> None:
+        """Forget an adapter's host copy on every rank."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+def build_batch(work: list[SeqWork], device: torch.device | str) -> tuple[ForwardBatch, list[int]]:
+    """A forward batch of one DP group and the LoRA slot of each of its tokens."""
+    chunks, tokens, slots = [], [], []
+    offset = 0
+    for w in work:
+        chunks.append(SeqChunk(cache_row=w.cache_row, start=w.start, length=len(w.tokens), token_offset=offset))
+        tokens.append(list(w.tokens))
+        slots.extend([w.slot] * len(w.tokens))
+        offset += len(w.tokens)
+    return ForwardBatch.from_chunks(tokens, chunks, all_logits=False, device=device), slots
+
+
+class LocalExecutor:
+    """One process, one rank: tp = dp = 1."""
+
+    dp_size = 1
+
+    def __init__(self, runner_config: RunnerConfig, lora: LoRARuntimeConfig) -> None:
+        self.runner = ModelRunner(runner_config, lora)
+        self.model_config = self.runner.model_config
+        self.max_seqs = runner_config.max_seqs
+        self.max_len = runner_config.max_len
+        self.host: dict[str, AdapterWeights] = {}
+
+    def step(self, work: list[list[SeqWork]]) -> list[torch.Tensor]:
+        assert len(work) == 1, "LocalExecutor has one DP group"
+        batch, slots = build_batch(work[0], self.runner.device)
+        if not work[0]:
+            return [torch.empty(0, self.model_config.vocab_size)]
+        logits = self.runner.forward(batch, slots)
+        return [logits.float().cpu()]
+
+    def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
+        assert dp_group == 0
+        weights = self.runner.read_adapter(name, path)
+        self.host[name] = weights
+        return AdapterInfo(name, path, weights.rank, weights.scaling, weights.target_modules, weights.nbytes)
+
+    def load_slot(self, slot: int, name: str) -> None:
+        assert self.runner.lora is not None
+        self.runner.lora.load_slot(slot, self.host[name])
+
+    def clear_slot(self, slot: int) -> None:
+        assert self.runner.lora is not None
+        self.runner.lora.clear_slot(slot)
+
+    def drop_adapter(self, name: str) -> None:
+        self.host.pop(name, None)
+
+    def shutdown(self) -> None:
+        pass
