@@ -1,0 +1,539 @@
+"""Issue 7's acceptance on a real local cluster: `helm install` the chart, apply a LoRAPool
+and LoRAAdapters, and watch the operator, the control plane and real worker processes
+(local-run pods at loopback pod IPs) converge.
+
+Runs in file order against one installation (module-scoped `stack`). Before asking for the
+session cluster it checks, at run time, that what the stack needs exists, and skips naming
+what is missing.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from clusterkit import Cluster, wait_for
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[3]
+CHART = ROOT / "charts" / "loraplane"
+RELEASE = "lp"
+TOKEN = "lp_test_" + uuid.uuid4().hex
+LORAPLANE = str(Path(sys.executable).parent / "loraplane")
+
+
+def _missing_prerequisites() -> list[str]:
+    missing = []
+    for group, what in (
+        ("worker", "`loraplane worker serve`"),
+        ("controlplane", "`loraplane controlplane serve`"),
+    ):
+        probe = subprocess.run(
+            [LORAPLANE, group, "serve", "--help"], capture_output=True, text=True
+        )
+        if probe.returncode != 0:
+            missing.append(f"{what} (exit {probe.returncode}: {probe.stderr.strip()[-200:]})")
+    probe = subprocess.run(
+        [LORAPLANE, "fixtures", "make-model", "--help"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        missing.append("`loraplane fixtures make-model`")
+    try:
+        from loraplane.devcluster import layout  # noqa: F401
+    except ImportError as exc:
+        missing.append(f"loraplane.devcluster ({exc})")
+    return missing
+
+
+@dataclass
+class Stack:
+    cluster: Cluster
+    release_ns: str
+    ns: str
+    work: Path
+    model: Path
+    other_model: Path
+    adapters: dict[str, Path]
+    operator_sa: str
+
+    def controlplane_url(self) -> str:
+        pods = self.cluster.get(
+            "pods", "-n", self.release_ns, "-l", "app.kubernetes.io/component=controlplane"
+        )["items"]
+        ready = [p for p in pods if _ready(p)]
+        assert ready, "no ready control plane pod"
+        return f"http://{ready[0]['status']['podIP']}:8080"
+
+    def api(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.request(
+            method,
+            self.controlplane_url() + path,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=120,
+            **kwargs,
+        )
+
+    def adapter(self, name: str) -> dict[str, Any]:
+        return self.cluster.get("loraadapter", name, "-n", self.ns)  # type: ignore[no-any-return]
+
+    def pool(self, name: str) -> dict[str, Any]:
+        return self.cluster.get("lorapool", name, "-n", self.ns)  # type: ignore[no-any-return]
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(
+        c["type"] == "Ready" and c["status"] == "True"
+        for c in (pod.get("status") or {}).get("conditions", [])
+    )
+
+
+def _fixtures(work: Path) -> tuple[Path, Path, dict[str, Path]]:
+    model, other = work / "models" / "base", work / "models" / "other"
+    for out, hidden in ((model, "64"), (other, "32")):
+        subprocess.run(
+            [LORAPLANE, "fixtures", "make-model", "--arch", "qwen3", "--out", str(out), "--hidden", hidden],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    adapters = {}
+    for seed, name in enumerate(("sql", "tone", "summary", "spare", "extra")):
+        out = work / "adapters" / name
+        subprocess.run(
+            [LORAPLANE, "fixtures", "make-adapter", "--model", str(model), "--rank", "8", "--alpha", "16",
+             "--targets", "q_proj,v_proj,down_proj", "--out", str(out), "--seed", str(seed + 1)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        adapters[name] = out
+    return model, other, adapters
+
+
+@pytest.fixture(scope="module")
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    missing = _missing_prerequisites()
+    if missing:
+        pytest.skip("the operator's acceptance needs: " + "; ".join(missing))
+    cluster: Cluster = request.getfixturevalue("local_cluster")
+    if not (cluster.bin_dir / "helm").is_file():
+        pytest.skip(f"helm is not built in {cluster.bin_dir} (deploy/cluster/build.sh)")
+    work = tmp_path_factory.mktemp("operator")
+    model, other, adapters = _fixtures(work)
+    release_ns, ns = f"lp-{uuid.uuid4().hex[:6]}", f"t-{uuid.uuid4().hex[:6]}"
+    for name in (release_ns, ns):
+        cluster.kubectl("create", "namespace", name)
+    install = cluster.run(
+        "helm", "install", RELEASE, str(CHART), "-n", release_ns, "--wait=false",
+        "--set", "localRun=true",
+        "--set", f"auth.adminToken={TOKEN}",
+        "--set", f"controlplane.database.url=sqlite:///{work}/registry.db",
+        "--set", f"controlplane.sources.allowedRoots={{{work}}}",
+        "--set", f"controlplane.sources.cacheDir={work}/cache",
+        "--set", "controlplane.reconcileInterval=1",
+        "--set", "operator.resyncInterval=2",
+        "--set", "operator.maxAttempts=3",
+        "--set", "operator.backoff=1",
+        "--set", "operator.peering.name=" + release_ns,
+    )  # fmt: skip
+    assert "NOTES" in install.stdout or install.returncode == 0
+    for component in ("controlplane", "operator"):
+        wait_for(
+            lambda c=component: [
+                p for p in cluster.get("pods", "-n", release_ns, "-l", f"app.kubernetes.io/component={c}")["items"]
+                if _ready(p)
+            ],
+            what=f"the {component} pod to be Ready",
+            timeout_s=180,
+        )  # fmt: skip
+    yield Stack(
+        cluster, release_ns, ns, work, model, other, adapters, f"{RELEASE}-loraplane-operator"
+    )
+    cluster.kubectl(
+        "delete", "loraadapters", "--all", "-n", ns, "--wait=true", "--timeout=120s", check=False
+    )
+    cluster.run("helm", "uninstall", RELEASE, "-n", release_ns, "--wait", check=False)
+    for name in (ns, release_ns):
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _pool_manifest(stack: Stack, name: str, replicas: int, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "loraplane.io/v1alpha1",
+        "kind": "LoRAPool",
+        "metadata": {"name": name, "namespace": stack.ns},
+        "spec": {
+            "model": str(stack.model),
+            "replicas": replicas,
+            "tp": 2,
+            "dp": 2,
+            "enableDPAttention": True,
+            "maxLorasPerBatch": 3,
+            "maxLoadedLoras": 6,
+            "maxLoraRank": 16,
+            "engineArgs": [
+                "--device", "cpu", "--lora-backend", "torch", "--enable-fault-injection",
+                "--allowed-lora-root", str(stack.work),
+            ],
+            **spec,
+        },
+    }  # fmt: skip
+
+
+def _adapter_manifest(
+    stack: Stack, name: str, source: Path | str, pool: str = "pool", **spec: Any
+) -> dict[str, Any]:
+    uri = source if isinstance(source, str) else f"file://{source}"
+    return {
+        "apiVersion": "loraplane.io/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": name, "namespace": stack.ns},
+        "spec": {"pool": pool, "source": {"uri": uri}, **spec},
+    }
+
+
+def _phase(stack: Stack, name: str) -> str | None:
+    return (stack.adapter(name).get("status") or {}).get("phase")
+
+
+def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(
+        (c for c in (obj.get("status") or {}).get("conditions", []) if c["type"] == type_), {}
+    )
+
+
+def _wait_ready(stack: Stack, names: list[str], replicas: int, timeout_s: float = 240) -> None:
+    def done() -> bool:
+        for name in names:
+            st = stack.adapter(name).get("status") or {}
+            if st.get("phase") != "Ready" or st.get("loadedReplicas") != replicas:
+                return False
+        return True
+
+    wait_for(
+        done,
+        what=f"adapters {names} Ready on {replicas} replicas",
+        timeout_s=timeout_s,
+        interval_s=1,
+    )
+
+
+def test_pool_pods_run_on_gpu_nodes_and_register(stack: Stack) -> None:
+    stack.cluster.apply(_pool_manifest(stack, "pool", 2))
+    wait_for(
+        lambda: (stack.pool("pool").get("status") or {}).get("registeredWorkers") == 2,
+        what="2 workers registered", timeout_s=300, interval_s=1,
+    )  # fmt: skip
+    pods = stack.cluster.get("pods", "-n", stack.ns, "-l", "loraplane.io/pool=pool")["items"]
+    assert len(pods) == 2
+    for pod in pods:
+        assert pod["spec"]["nodeName"].startswith("gpu-node-")
+        assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert pod["metadata"]["ownerReferences"][0]["kind"] == "StatefulSet"
+    sts = stack.cluster.get("statefulset", "pool", "-n", stack.ns)
+    assert sts["metadata"]["ownerReferences"][0]["kind"] == "LoRAPool"
+    assert stack.cluster.get("pdb", "pool", "-n", stack.ns)["spec"]["maxUnavailable"] == 1
+    status = stack.pool("pool")["status"]
+    assert status["readyReplicas"] == 2
+    assert all(len(w["dpGroups"]) == 2 for w in status["workers"])
+    assert _condition(stack.pool("pool"), "Ready")["status"] == "True"
+
+
+def test_three_adapters_become_ready_on_both_replicas(stack: Stack) -> None:
+    stack.cluster.apply(
+        [
+            _adapter_manifest(stack, "sql", stack.adapters["sql"], pinned=True),
+            _adapter_manifest(stack, "tone", stack.adapters["tone"]),
+            _adapter_manifest(stack, "summary", stack.adapters["summary"]),
+        ]
+    )
+    _wait_ready(stack, ["sql", "tone", "summary"], 2)
+    sql = stack.adapter("sql")
+    assert sql["metadata"]["finalizers"] == ["loraplane.io/unload"]
+    assert sql["status"]["observedGeneration"] == sql["metadata"]["generation"]
+    assert sql["status"]["rank"] == 8
+    assert {c["type"]: c["status"] for c in sql["status"]["conditions"]} == {
+        "Validated": "True", "Loaded": "True", "Ready": "True", "Degraded": "False",
+    }  # fmt: skip
+    assert all(
+        len(r["dpGroups"]) == 2 and r["state"] == "loaded" for r in sql["status"]["replicaStates"]
+    )
+    table = stack.cluster.kubectl("get", "loraadapters", "-n", stack.ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "POOL", "PHASE", "READY", "PINNED", "RANK", "AGE"]
+    assert any(row.split()[:6] == ["sql", "pool", "Ready", "2/2", "true", "8"] for row in table[1:])
+    events = stack.cluster.get(
+        "events", "-n", stack.ns, "--field-selector", "involvedObject.name=sql"
+    )["items"]
+    assert any(e["reason"] == "Ready" for e in events)
+
+
+def test_router_serves_the_named_adapter(stack: Stack) -> None:
+    def complete(model: str) -> str:
+        response = stack.api(
+            "POST", "/v1/completions",
+            json={"model": model, "prompt": "hello world", "max_tokens": 6, "temperature": 0},
+        )  # fmt: skip
+        assert response.status_code == 200, response.text
+        assert response.json()["model"] == model
+        return str(response.json()["choices"][0]["text"])
+
+    # Each adapter's answer equals the one a worker gives for that adapter directly.
+    worker = stack.pool("pool")["status"]["workers"][0]["podIP"]
+    for name in ("sql", "tone"):
+        lora_name = stack.adapter(name)["status"]["loraName"]
+        direct = httpx.post(
+            f"http://{worker}:8000/v1/completions",
+            json={"model": lora_name, "prompt": "hello world", "max_tokens": 6, "temperature": 0},
+            timeout=120,
+        )  # fmt: skip
+        assert direct.status_code == 200, direct.text
+        assert complete(f"pool:{name}") == direct.json()["choices"][0]["text"]
+    assert complete("pool:sql") != complete("pool:tone") or complete("pool:sql") != complete("pool")
+
+
+def test_scale_up_adapters_follow_onto_the_new_replica(stack: Stack) -> None:
+    stack.cluster.kubectl("scale", "lorapool", "pool", "-n", stack.ns, "--replicas=3")
+    wait_for(
+        lambda: (stack.pool("pool").get("status") or {}).get("registeredWorkers") == 3,
+        what="3 workers registered", timeout_s=300, interval_s=1,
+    )  # fmt: skip
+    _wait_ready(stack, ["sql", "tone", "summary"], 3)
+
+
+def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
+    stack.cluster.kubectl("delete", "pod", "pool-1", "-n", stack.ns, "--wait=true", "--timeout=90s")
+    wait_for(
+        lambda: any(w["pod"] == "pool-1" and w["state"] == "ready" for w in stack.pool("pool")["status"]["workers"]),
+        what="pool-1 back and registered", timeout_s=300, interval_s=1,
+    )  # fmt: skip
+    _wait_ready(stack, ["sql", "tone", "summary"], 3)
+    worker = next(w for w in stack.pool("pool")["status"]["workers"] if w["pod"] == "pool-1")
+    models = httpx.get(f"http://{worker['podIP']}:8000/v1/models", timeout=30).json()
+    ids = {m["id"] for m in models["data"]}
+    for name in ("sql", "tone", "summary"):
+        assert stack.adapter(name)["status"]["loraName"] in ids
+
+
+def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
+    bad_enum = _adapter_manifest(
+        stack, "bad-enum", stack.adapters["spare"], placement={"mode": "some"}
+    )
+    rejected = stack.cluster.apply(bad_enum, check=False)
+    assert rejected.returncode != 0 and "spec.placement.mode" in rejected.stderr
+    negative = _pool_manifest(stack, "negative", 1, maxLoraRank=-8)
+    rejected = stack.cluster.apply(negative, check=False)
+    assert rejected.returncode != 0 and "spec.maxLoraRank" in rejected.stderr
+    indivisible = _pool_manifest(stack, "indivisible", 1, tp=3, dp=2)
+    rejected = stack.cluster.apply(indivisible, check=False)
+    assert rejected.returncode != 0 and "divisible" in rejected.stderr
+
+    stack.cluster.apply(
+        _adapter_manifest(stack, "orphan", stack.adapters["spare"], pool="no-such-pool")
+    )
+    wait_for(
+        lambda: _condition(stack.adapter("orphan"), "Validated").get("reason") == "PoolNotFound",
+        what="orphan reported PoolNotFound",
+    )
+    assert _phase(stack, "orphan") == "Pending"
+    assert "no-such-pool" in _condition(stack.adapter("orphan"), "Validated")["message"]
+
+    # K = 3: two pinned adapters are allowed (sql is one), a third is not.
+    stack.cluster.apply(_adapter_manifest(stack, "spare", stack.adapters["spare"], pinned=True))
+    _wait_ready(stack, ["spare"], 3)
+    time.sleep(1)  # distinct creationTimestamps
+    stack.cluster.apply(_adapter_manifest(stack, "extra", stack.adapters["extra"], pinned=True))
+    wait_for(
+        lambda: _condition(stack.adapter("extra"), "Validated").get("reason") == "TooManyPinned",
+        what="extra reported TooManyPinned", timeout_s=60,
+    )  # fmt: skip
+    assert "maxLorasPerBatch-1 = 2" in _condition(stack.adapter("extra"), "Validated")["message"]
+    assert _phase(stack, "extra") != "Ready"
+    for name in ("orphan", "extra", "spare"):
+        stack.cluster.kubectl("delete", "loraadapter", name, "-n", stack.ns, "--timeout=120s")
+
+
+def test_deleted_adapter_is_unloaded_everywhere_and_its_finalizer_removed(stack: Stack) -> None:
+    lora_name = stack.adapter("summary")["status"]["loraName"]
+    stack.cluster.kubectl(
+        "delete", "loraadapter", "summary", "-n", stack.ns, "--wait=true", "--timeout=120s"
+    )
+    assert (
+        stack.cluster.kubectl(
+            "get", "loraadapter", "summary", "-n", stack.ns, check=False
+        ).returncode
+        != 0
+    )
+    assert stack.api("GET", f"/v1/adapters/{stack.ns}/summary").status_code == 404
+    for worker in stack.pool("pool")["status"]["workers"]:
+        ids = {
+            m["id"]
+            for m in httpx.get(f"http://{worker['podIP']}:8000/v1/models", timeout=30).json()[
+                "data"
+            ]
+        }
+        assert lora_name not in ids, worker["name"]
+
+
+def test_operator_rbac_allows_what_it_needs_and_no_more(stack: Stack) -> None:
+    who = f"system:serviceaccount:{stack.release_ns}:{stack.operator_sa}"
+
+    def can(*args: str) -> bool:
+        result = stack.cluster.kubectl(
+            "auth", "can-i", *args, "--as", who, "-n", stack.ns, check=False
+        )
+        return result.stdout.strip() == "yes"
+
+    assert can("patch", "loraadapters.loraplane.io", "--subresource=status")
+    assert can("watch", "pods")
+    assert can("patch", "statefulsets.apps")
+    assert not can("delete", "statefulsets.apps")
+    assert not can("get", "secrets")
+    assert not can("delete", "pods")
+    assert not can("update", "loraadapters.loraplane.io")
+    # And the real thing: a request under the operator's identity is refused.
+    forbidden = stack.cluster.kubectl("get", "secrets", "-n", stack.ns, "--as", who, check=False)
+    assert forbidden.returncode != 0 and "forbidden" in forbidden.stderr.lower()
+
+
+def _operator_pods(stack: Stack) -> list[dict[str, Any]]:
+    return stack.cluster.get(  # type: ignore[no-any-return]
+        "pods", "-n", stack.release_ns, "-l", "app.kubernetes.io/component=operator"
+    )["items"]
+
+
+def _log(stack: Stack, pod: dict[str, Any]) -> str:
+    meta = pod["metadata"]
+    path = (
+        stack.cluster.state_dir
+        / "pods"
+        / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+        / "log"
+    )
+    return path.read_text() if path.exists() else ""
+
+
+def _load_operations(stack: Stack, name: str) -> list[dict[str, Any]]:
+    items = stack.api(
+        "GET", "/v1/operations", params={"namespace": stack.ns, "adapter": name, "limit": "200"}
+    )
+    return [
+        o
+        for o in items.json()["items"]
+        if o["kind"] in ("register", "load") and o["state"] == "succeeded"
+    ]
+
+
+def test_killed_operator_restarts_and_converges_without_duplicate_loads(stack: Stack) -> None:
+    stack.cluster.apply(_adapter_manifest(stack, "late", stack.adapters["extra"]))
+    # Kill the operator as soon as the adapter is being worked on.
+    wait_for(
+        lambda: _phase(stack, "late") is not None,
+        what="late picked up",
+        timeout_s=60,
+        interval_s=0.2,
+    )
+    for pod in _operator_pods(stack):
+        stack.cluster.kubectl(
+            "delete",
+            "pod",
+            pod["metadata"]["name"],
+            "-n",
+            stack.release_ns,
+            "--grace-period=0",
+            "--force",
+        )
+    wait_for(
+        lambda: [p for p in _operator_pods(stack) if _ready(p)],
+        what="a new operator pod",
+        timeout_s=120,
+    )
+    _wait_ready(stack, ["late"], 3)
+    assert len(_load_operations(stack, "late")) == 1
+
+
+def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
+    stack.cluster.kubectl(
+        "scale",
+        "deployment",
+        f"{RELEASE}-loraplane-operator",
+        "-n",
+        stack.release_ns,
+        "--replicas=2",
+    )
+    wait_for(
+        lambda: len([p for p in _operator_pods(stack) if _ready(p)]) == 2,
+        what="2 operators",
+        timeout_s=120,
+    )
+
+    def peers() -> dict[str, Any]:
+        peering = stack.cluster.get("clusterkopfpeering", stack.release_ns)
+        return {k: v for k, v in (peering.get("status") or {}).items() if isinstance(v, dict)}
+
+    wait_for(lambda: len(peers()) >= 2, what="both operators in the peering object", timeout_s=120)
+    wait_for(
+        lambda: sum("Pausing operations" in _log(stack, p) for p in _operator_pods(stack)) == 1,
+        what="exactly one operator paused", timeout_s=120,
+    )  # fmt: skip
+    stack.cluster.apply(_adapter_manifest(stack, "after-ha", stack.adapters["spare"]))
+    _wait_ready(stack, ["after-ha"], 3)
+    assert len(_load_operations(stack, "after-ha")) == 1
+    stack.cluster.kubectl("delete", "loraadapter", "after-ha", "-n", stack.ns, "--timeout=120s")
+    stack.cluster.kubectl(
+        "scale",
+        "deployment",
+        f"{RELEASE}-loraplane-operator",
+        "-n",
+        stack.release_ns,
+        "--replicas=1",
+    )
+
+
+def test_adapter_failing_on_one_dp_group_is_never_ready_and_stops_retrying(stack: Stack) -> None:
+    message = "injected: dp group 1 cannot load"
+    for worker in stack.pool("pool")["status"]["workers"]:
+        armed = httpx.post(
+            f"http://{worker['podIP']}:8000/debug/fault",
+            json={"op": "load", "dp_group": 1, "count": 1000, "message": message},
+            timeout=30,
+        )  # fmt: skip
+        assert armed.status_code == 200, armed.text
+    stack.cluster.apply(_adapter_manifest(stack, "broken", stack.adapters["spare"]))
+    seen: set[str] = set()
+
+    def failed() -> bool:
+        adapter = stack.adapter("broken")
+        seen.add(str((adapter.get("status") or {}).get("phase")))
+        return (adapter.get("status") or {}).get("phase") == "Failed"
+
+    wait_for(failed, what="broken to end Failed", timeout_s=240, interval_s=0.5)
+    assert "Ready" not in seen
+    adapter = stack.adapter("broken")
+    assert message in _condition(adapter, "Degraded")["message"]
+    assert _condition(adapter, "Ready")["reason"] == "RetriesExhausted"
+    attempts = adapter["status"]["attempts"]
+    assert attempts == 3
+    events = stack.cluster.get(
+        "events", "-n", stack.ns, "--field-selector", "involvedObject.name=broken"
+    )["items"]
+    assert any(e["type"] == "Warning" and e["reason"] in ("Degraded", "Failed") for e in events)
+    time.sleep(8)  # several resync periods: no more attempts
+    assert stack.adapter("broken")["status"]["attempts"] == attempts
+    for worker in stack.pool("pool")["status"]["workers"]:
+        httpx.post(
+            f"http://{worker['podIP']}:8000/debug/fault",
+            json={"op": "load", "dp_group": 1, "count": 0}, timeout=30,
+        )  # fmt: skip
+    stack.cluster.kubectl("delete", "loraadapter", "broken", "-n", stack.ns, "--timeout=120s")
+
+
+def test_helm_lint_is_clean(stack: Stack) -> None:
+    result = stack.cluster.run("helm", "lint", "--strict", str(CHART), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
