@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,9 @@ class ModelRunner:
             self.device,
         )
         self.lora_config = lora
+        if lora is not None and config.lora_backend == "triton" and self.device.type == "cpu":
+            # Triton runs on the CPU only through its interpreter, chosen at import time.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
         self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
 
     def read_adapter(self, name: str, path: str | Path) -> AdapterWeights:

@@ -68,16 +68,20 @@ class ServeConfig:
 
 def unsupported_reason(config: ServeConfig) -> str | None:
     """Why `make_executor` cannot build this configuration, or None if it can."""
-    if config.tp == 1 and config.dp == 1:
-        return None
-    return (
-        f"--tp {config.tp} --dp {config.dp}{' --dp-attention' if config.dp_attention else ''}: the multi-rank executor "
-        "(loraplane.worker.parallel.launch) is not available yet; only --tp 1 --dp 1 runs"
-    )
+    if config.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < config.tp:
+            return f"--tp {config.tp} needs {config.tp} GPUs; this machine has {torch.cuda.device_count()}"
+    return None
 
 
 def make_executor(config: ServeConfig, max_len: int) -> Executor:
-    """The executor for `config`: KV rows per DP group = max_running, positions per row = max_len."""
+    """The executor for `config`: KV rows per DP group = max_running, positions per row = max_len.
+
+    tp = dp = 1 runs in this process; otherwise one process per rank (gloo on CPU, NCCL on
+    GPUs) driven from this one.
+    """
     reason = unsupported_reason(config)
     if reason is not None:
         raise ConfigError(reason)
@@ -92,4 +96,10 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
         max_len=max_len,
         lora_backend=config.lora_backend,
     )
-    return LocalExecutor(runner, config.lora_config)
+    if config.tp == 1 and config.dp == 1:
+        return LocalExecutor(runner, config.lora_config)
+    from loraplane.worker.parallel.executor import MultiRankExecutor
+    from loraplane.worker.parallel.state import ParallelConfig
+
+    pconf = ParallelConfig(tp=config.tp, dp=config.dp, dp_attention=config.dp_attention)
+    return MultiRankExecutor(pconf, runner, config.lora_config)

@@ -1,0 +1,205 @@
+"""The multi-rank executor: the server process drives `tp` rank processes.
+
+Each rank process owns one shard of the model (its `ParallelState`), its DP group's KV
+cache and every LoRA slot. The driver sends every command to every rank, in the same
+order, so the ranks enter each collective together; a `step` carries all DP groups' work
+and each rank picks its own group's part (an idle group gets an empty list and still joins
+every collective). Group leaders (attn-TP rank 0) send back their group's logits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as std_mp
+import queue
+import traceback
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.executor import AdapterInfo, SeqWork, build_batch
+from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
+from loraplane.worker.lora.adapter import AdapterError, AdapterWeights
+from loraplane.worker.parallel.launch import free_port, init_rank
+from loraplane.worker.parallel.state import ParallelConfig, ParallelState
+
+_REPLY_TIMEOUT_S = 600.0
+
+
+class RankFailed(RuntimeError):
+    """A rank process died or raised; the worker cannot continue."""
+
+
+def _rank_loop(
+    rank: int,
+    pconf: ParallelConfig,
+    runner_config: RunnerConfig,
+    lora: LoRARuntimeConfig,
+    port: int,
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    try:
+        device = init_rank(rank, pconf.tp, runner_config.device, port)
+        ps = ParallelState(pconf, rank)
+        cfg = RunnerConfig(
+            runner_config.model,
+            device=str(device),
+            dtype=runner_config.dtype,
+            max_seqs=runner_config.max_seqs,
+            max_len=runner_config.max_len,
+            lora_backend=runner_config.lora_backend,
+        )
+        runner = ModelRunner(cfg, lora, ps)
+        host: dict[str, AdapterWeights] = {}
+        outbox.put(("ready", rank, None))
+    except BaseException:  # noqa: BLE001 - report any start failure to the driver
+        outbox.put(("error", rank, traceback.format_exc()))
+        return
+    while True:
+        cmd, args = inbox.get()
+        try:
+            if cmd == "stop":
+                outbox.put(("ok", rank, None))
+                break
+            if cmd == "step":
+                work: list[SeqWork] = args[ps.dp_rank]
+                batch, slots = build_batch(work, runner.device)
+                logits = runner.forward(batch, slots)
+                leader = ps.attn_tp_rank == 0
+                outbox.put(("ok", rank, logits.float().cpu() if leader else None))
+            elif cmd == "read":
+                group, name, path = args
+                if group != ps.dp_rank:
+                    outbox.put(("ok", rank, None))
+                    continue
+                try:
+                    w = runner.read_adapter(name, path)
+                except AdapterError as exc:
+                    outbox.put(("rejected", rank, str(exc)))
+                    continue
+                host[name] = w
+                outbox.put(("ok", rank, AdapterInfo(name, path, w.rank, w.scaling, w.target_modules, w.nbytes)))
+            elif cmd == "load_slot":
+                slot, name = args
+                assert runner.lora is not None
+                runner.lora.load_slot(slot, host[name])
+                outbox.put(("ok", rank, None))
+            elif cmd == "clear_slot":
+                assert runner.lora is not None
+                runner.lora.clear_slot(args)
+                outbox.put(("ok", rank, None))
+            elif cmd == "drop":
+                host.pop(args, None)
+                outbox.put(("ok", rank, None))
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except BaseException:  # noqa: BLE001
+            outbox.put(("error", rank, traceback.format_exc()))
+            break
+    try:
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001, S110 - best effort on the way out
+        pass
+
+
+class MultiRankExecutor:
+    """`Executor` over `tp` rank processes with `dp` DP-attention groups."""
+
+    def __init__(self, pconf: ParallelConfig, runner_config: RunnerConfig, lora: LoRARuntimeConfig) -> None:
+        self.pconf = pconf
+        self.dp_size = pconf.dp
+        self.model_config = ModelConfig.from_dir(runner_config.model)
+        self.max_seqs = runner_config.max_seqs
+        self.max_len = runner_config.max_len
+        if runner_config.device == "cuda" and torch.cuda.device_count() < pconf.tp:
+            raise RuntimeError(f"--tp {pconf.tp} needs {pconf.tp} GPUs; this machine has {torch.cuda.device_count()}")
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._inboxes = [ctx.Queue() for _ in range(pconf.tp)]
+        self._outbox: std_mp.Queue[Any] = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_rank_loop,
+                args=(r, pconf, runner_config, lora, port, self._inboxes[r], self._outbox),
+                name=f"loraplane-rank{r}",
+                daemon=True,
+            )
+            for r in range(pconf.tp)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("start")
+
+    def _send(self, cmd: str, args: Any = None) -> list[Any]:
+        for box in self._inboxes:
+            box.put((cmd, args))
+        return self._collect(cmd)
+
+    def _collect(self, what: str) -> list[Any]:
+        replies: list[Any] = [None] * len(self._procs)
+        pending = set(range(len(self._procs)))
+        waited = 0.0
+        while pending:
+            try:
+                status, rank, payload = self._outbox.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                dead = [r for r in pending if not self._procs[r].is_alive()]
+                if dead:
+                    raise RankFailed(f"rank(s) {dead} exited during {what!r}") from None
+                if waited > _REPLY_TIMEOUT_S:
+                    raise RankFailed(f"no reply from ranks {sorted(pending)} to {what!r} in {_REPLY_TIMEOUT_S:.0f}s") from None
+                continue
+            if status == "error":
+                raise RankFailed(f"rank {rank} failed during {what!r}:\n{payload}")
+            replies[rank] = (status, payload)
+            pending.discard(rank)
+        return replies
+
+    def step(self, work: list[list[SeqWork]]) -> list[torch.Tensor]:
+        assert len(work) == self.dp_size
+        replies = self._send("step", work)
+        leaders = [g * self.pconf.attn_tp for g in range(self.dp_size)]
+        return [replies[r][1] for r in leaders]
+
+    def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
+        replies = self._send("read", (dp_group, name, path))
+        ranks = range(dp_group * self.pconf.attn_tp, (dp_group + 1) * self.pconf.attn_tp)
+        for r in ranks:
+            status, payload = replies[r]
+            if status == "rejected":
+                # The group's other ranks may have read it: forget it everywhere in the group.
+                self._send("drop", name)
+                raise _rejected(name, payload)
+        info: AdapterInfo = replies[ranks[0]][1]
+        return info
+
+    def load_slot(self, slot: int, name: str) -> None:
+        self._send("load_slot", (slot, name))
+
+    def clear_slot(self, slot: int) -> None:
+        self._send("clear_slot", slot)
+
+    def drop_adapter(self, name: str) -> None:
+        self._send("drop", name)
+
+    def shutdown(self) -> None:
+        try:
+            for box in self._inboxes:
+                box.put(("stop", None))
+            for p in self._procs:
+                p.join(timeout=10)
+        finally:
+            for p in self._procs:
+                if p.is_alive():
+                    p.kill()
+
+
+def _rejected(name: str, message: str) -> AdapterError:
+    """Re-raise a rank's AdapterError in the driver with the same message."""
+    err = AdapterError.__new__(AdapterError)
+    ValueError.__init__(err, message)
+    err.adapter, err.field, err.reason = name, "adapter", message
+    return err
