@@ -130,7 +130,9 @@ TARGET_PROGRAMS = 264
 def split_k_for(programs: int, hidden: int, block_k: int) -> int:
     """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU."""
     k_blocks = max(1, -(-hidden // block_k))
-    if programs <= 0 or programs >= TARGET_PROGRAMS // 2:
+    # Past a quarter of the target the extra partial buffer and reduction cost more than the
+    # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
+    if programs <= 0 or programs >= TARGET_PROGRAMS // 4:
         return 1
     return max(1, min(k_blocks, -(-TARGET_PROGRAMS // programs)))
 
