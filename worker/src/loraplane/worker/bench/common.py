@@ -1,0 +1,176 @@
+"""Shared pieces of the benchmarks: timing, environment record, incremental JSON output.
+
+Timing rules (docs/performance.md): device work is timed with CUDA events after warm-up
+(``triton.testing.do_bench``, median, L2 flushed before every repetition); host code that is
+part of the real step (batch building, ``tolist`` of sampled tokens) is timed with the host
+clock around whole steps that end in a synchronisation. On CPU every time is a host-clock
+median and means nothing beyond "it ran".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def is_cuda(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def sync(device: str | torch.device) -> None:
+    if is_cuda(device):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def env_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commit": os.environ.get("LORAPLANE_COMMIT") or git_commit(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "triton_interpret": os.environ.get("TRITON_INTERPRET", ""),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a worker dependency
+        info["triton"] = None
+    if is_cuda(device):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        info["gpu"] = props.name
+        info["gpu_sms"] = props.multi_processor_count
+        info["gpu_mem_gib"] = round(props.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def time_device(
+    fn: Callable[[], object], device: str, *, warmup_ms: float = 2.0, rep_ms: float = 8.0, cpu_reps: int = 2
+) -> float:
+    """Median time of ``fn`` in microseconds.
+
+    CUDA: ``triton.testing.do_bench`` (CUDA events around each call, L2 flushed before each,
+    median). The event pair brackets the launch too, so a call whose host launch is slower
+    than its kernel shows that (the flush before it gives the host a head start of ~50 us).
+    CPU: host-clock median of ``cpu_reps`` calls after one warm-up call.
+    """
+    if is_cuda(device):
+        import triton.testing
+
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return float(ms) * 1e3
+    return time_host(fn, device, reps=cpu_reps, warmup=1)
+
+
+def time_host(fn: Callable[[], object], device: str, *, reps: int = 3, warmup: int = 1) -> float:
+    """Median wall time (us) of ``fn`` with a device sync after each call (for host-heavy
+    references such as the torch kernels, which read device tensors back anyway)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(max(1, reps)):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return float(statistics.median(times))
+
+
+def host_launch_us(fn: Callable[[], object], device: str, calls: int = 50) -> float | None:
+    """Host time per call with no sync in between (launch overhead of a wrapper): the
+    device queue absorbs the kernels, so this is what the CPU spends per call. CUDA only."""
+    if not is_cuda(device):
+        return None
+    fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync(device)
+    return (t1 - t0) / calls * 1e6
+
+
+def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> dict[str, float]:
+    """Peak memory bandwidth measured with a large device-to-device copy (read + write)."""
+    if not is_cuda(device):
+        nbytes = min(nbytes, 64 << 20)
+    n = nbytes // 2
+    src = torch.randn(n, device=device, dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    us = time_device(lambda: dst.copy_(src), device, warmup_ms=5, rep_ms=50)
+    moved = 2 * src.numel() * src.element_size()
+    del src, dst
+    return {"bytes": float(moved), "us": us, "gbytes_per_s": moved / us / 1e3}
+
+
+class JsonSink:
+    """A result dict written to ``path`` (atomically) after every update, so a crash or a
+    timeout keeps what was measured so far."""
+
+    def __init__(self, path: Path | None, payload: dict[str, Any]) -> None:
+        self.path = path
+        self.payload = payload
+        self.flush()
+
+    def flush(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.payload, indent=1, default=_json_default))
+        tmp.replace(self.path)
+
+    def append(self, key: str, item: Any) -> None:
+        self.payload.setdefault(key, []).append(item)
+        self.flush()
+
+    def set(self, key: str, value: Any) -> None:
+        self.payload[key] = value
+        self.flush()
+
+    def guarded(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``; on an exception record it under ``errors`` and return None."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - a benchmark keeps going past one failure
+            self.append("errors", {"what": what, "error": repr(exc), "traceback": traceback.format_exc()[-4000:]})
+            print(f"[bench] {what} failed: {exc!r}", flush=True)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return None
+
+
+def _json_default(obj: object) -> object:
+    if isinstance(obj, torch.dtype | torch.device):
+        return str(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
