@@ -46,7 +46,9 @@ def leaf_paths(value: Any, prefix: str = "") -> set[str]:
     if isinstance(value, dict):
         return set().union(*(leaf_paths(v, f"{prefix}.{k}") for k, v in value.items())) or {prefix}
     if isinstance(value, list):
-        return set().union(*(leaf_paths(v, f"{prefix}[{i}]") for i, v in enumerate(value))) or {prefix}
+        return set().union(*(leaf_paths(v, f"{prefix}[{i}]") for i, v in enumerate(value))) or {
+            prefix
+        }
     return {prefix}
 
 
@@ -60,8 +62,12 @@ def test_dashboard_round_trips_through_grafanas_schema_unchanged() -> None:
     decoded = dashboard.Dashboard.from_json(original)
     again = json.loads(json.dumps(decoded, cls=encoder.JSONEncoder))
     lost = sorted(leaf_paths(original) - leaf_paths(again))
-    assert not lost, f"fields the Grafana dashboard schema does not know (dropped on decode): {lost[:20]}"
-    assert again == original, "the dashboard is not in the SDK's canonical form: re-encode it with the SDK"
+    assert not lost, (
+        f"fields the Grafana dashboard schema does not know (dropped on decode): {lost[:20]}"
+    )
+    assert again == original, (
+        "the dashboard is not in the SDK's canonical form: re-encode it with the SDK"
+    )
 
 
 def test_schema_version_is_the_sdks_current_one() -> None:
@@ -72,15 +78,23 @@ def test_schema_version_is_the_sdks_current_one() -> None:
 def test_every_panel_and_query_type_is_known_to_the_sdk() -> None:
     dashboard, _, runtime = sdk()
     for panel in panels():
-        assert runtime.panelcfg_config(panel["type"]) is not None, f"unknown panel type {panel['type']!r}"
+        assert runtime.panelcfg_config(panel["type"]) is not None, (
+            f"unknown panel type {panel['type']!r}"
+        )
         decoded = dashboard.Panel.from_json(panel)
         for target in decoded.targets or []:
-            assert not isinstance(target, runtime.UnknownDataquery), (panel["title"], target.to_json())
+            assert not isinstance(target, runtime.UnknownDataquery), (
+                panel["title"],
+                target.to_json(),
+            )
 
 
 def test_every_query_uses_the_datasource_variable() -> None:
     variables = {v["name"]: v for v in committed()["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource"
+        and variables["datasource"]["query"] == "prometheus"
+    )
     for name in ("namespace", "pool", "adapter"):
         assert variables[name]["type"] == "query" and variables[name]["includeAll"], name
         assert variables[name]["datasource"]["uid"] == "${datasource}", name
@@ -130,8 +144,12 @@ def test_dashboard_covers_what_a_platform_engineer_looks_for_first() -> None:
 
 
 def test_chart_copy_of_the_dashboards_is_in_sync() -> None:
-    done = subprocess.run(["bash", str(REPO / "scripts" / "sync-dashboards.sh"), "--check"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["bash", str(REPO / "scripts" / "sync-dashboards.sh"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -146,8 +164,10 @@ def helm() -> str:
         pass
     found = shutil.which("helm")
     if found is None:
-        pytest.skip("helm is not built yet: `loraplane cluster up` puts the pinned helm in "
-                    "~/.cache/loraplane/cluster/<version>/bin/, and none is on PATH")
+        pytest.skip(
+            "helm is not built yet: `loraplane cluster up` puts the pinned helm in "
+            "~/.cache/loraplane/cluster/<version>/bin/, and none is on PATH"
+        )
     return found
 
 
@@ -164,13 +184,21 @@ def test_chart_ships_the_dashboard_and_monitors_only_when_asked() -> None:
     kinds = {d["kind"] for d in render()}
     assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
     docs = render("grafana.dashboard.enabled=true", "metrics.serviceMonitor.enabled=true")
-    config_maps = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboards")]
+    config_maps = [
+        d
+        for d in docs
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboards")
+    ]
     assert len(config_maps) == 1
     assert config_maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(config_maps[0]["data"]["loraplane.json"]) == committed()
     monitors = {d["kind"]: d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")}
     assert set(monitors) == {"ServiceMonitor", "PodMonitor"}
-    jobs = {r["replacement"] for m in monitors.values()
-            for e in m["spec"].get("endpoints", []) + m["spec"].get("podMetricsEndpoints", [])
-            for r in e["relabelings"] if r["targetLabel"] == "job"}
+    jobs = {
+        r["replacement"]
+        for m in monitors.values()
+        for e in m["spec"].get("endpoints", []) + m["spec"].get("podMetricsEndpoints", [])
+        for r in e["relabelings"]
+        if r["targetLabel"] == "job"
+    }
     assert jobs == {"loraplane-controlplane", "loraplane-worker"}

@@ -30,14 +30,21 @@ def alerts() -> list[dict[str, object]]:
 
 
 def test_promtool_check_rules_accepts_the_rules() -> None:
-    done = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, f"promtool check rules failed:\n{done.stdout}\n{done.stderr}"
     assert f"SUCCESS: {len(alerts())} rules found" in done.stdout, done.stdout
 
 
 def test_promtool_unit_tests_pass() -> None:
-    done = subprocess.run([promtool(), "test", "rules", RULES_TEST.name], capture_output=True, text=True,
-                          timeout=120, cwd=RULES_TEST.parent)
+    done = subprocess.run(
+        [promtool(), "test", "rules", RULES_TEST.name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=RULES_TEST.parent,
+    )
     assert done.returncode == 0, f"promtool test rules failed:\n{done.stdout}\n{done.stderr}"
     assert "SUCCESS" in done.stdout, done.stdout
 
