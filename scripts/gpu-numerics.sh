@@ -52,14 +52,18 @@ PY
 fi
 if [ "$ngpu" -ge 2 ] && { [ "$MODE" = all ] || [ "$MODE" = dist ]; }; then
   echo "== check parity: tp=2 dp=2 DP attention, NCCL, bf16"
-  $PY - "$OUT/parity_1b_bf16_tp2dp2.json" <<'PY'
+  # Spawned ranks re-import __main__, so this one runs from a file, not stdin.
+  cat > /tmp/loraplane-dist.py <<'PY'
 import json, sys
 from loraplane.worker.check.parity_dist import check_parity_dist
 adapters = [(f"a{r}", f"/tmp/loraplane-1b/a{r}") for r in (4, 8, 16, 32)]
-rep = check_parity_dist("/tmp/loraplane-1b/model", adapters, prompts=16, max_new_tokens=8, backend="triton", device="cuda",
+if __name__ == "__main__":
+  rep = check_parity_dist("/tmp/loraplane-1b/model", adapters, prompts=16, max_new_tokens=8, backend="triton", device="cuda",
                         dtype="bfloat16", tp=2, dp=2, dp_attention=True)
-json.dump(rep.as_dict(), open(sys.argv[1], "w"), indent=2, default=str)
-print(json.dumps(rep.as_dict(), indent=1, default=str))
+if __name__ == "__main__":
+    json.dump(rep.as_dict(), open(sys.argv[1], "w"), indent=2, default=str)
+    print(json.dumps(rep.as_dict(), indent=1, default=str))
 PY
+  $PY /tmp/loraplane-dist.py "$OUT/parity_1b_bf16_tp2dp2.json"
 fi
 ls -la "$OUT"
