@@ -11,7 +11,7 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,7 +15,10 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run scripts/gpu-numerics.sh through the device tool"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU: run scripts/gpu-numerics.sh through the device tool",
+    ),
 ]
 
 RESULTS: dict[str, dict[str, float]] = {}
@@ -37,7 +40,10 @@ def _batch(tokens: int, slots: int, ranks: list[int], device: str):
 
 
 @pytest.mark.parametrize("tokens", [16, 128, 2048])
-@pytest.mark.parametrize(("name", "k", "sizes"), [("qkv", 4096, [4096, 1024, 1024]), ("gate_up", 4096, [14336, 14336]), ("down", 14336, [4096])])
+@pytest.mark.parametrize(
+    ("name", "k", "sizes"),
+    [("qkv", 4096, [4096, 1024, 1024]), ("gate_up", 4096, [14336, 14336]), ("down", 14336, [4096])],
+)
 def test_dense_kernels_bf16(tokens: int, name: str, k: int, sizes: list[int]) -> None:
     from loraplane.worker.kernels import expand, reference, shrink
 
@@ -45,21 +51,38 @@ def test_dense_kernels_bf16(tokens: int, name: str, k: int, sizes: list[int]) ->
     info = _batch(tokens, len(ranks), ranks, dev)
     assert info is not None
     n = len(sizes)
-    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    offsets = torch.tensor(
+        [0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=dev
+    )
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
     a = torch.randn(len(ranks), n * r_max, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    b = torch.randn(len(ranks), int(offsets[-1]), r_max, device=dev, dtype=torch.bfloat16) / r_max**0.5
+    b = (
+        torch.randn(len(ranks), int(offsets[-1]), r_max, device=dev, dtype=torch.bfloat16)
+        / r_max**0.5
+    )
     args = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.row_order, n, info.max_seg_len)
     y = shrink.lora_shrink(x, a, *args)
     y_ref = reference.lora_shrink(x, a, *args)
     out = torch.randn(tokens, int(offsets[-1]), device=dev, dtype=torch.bfloat16)
     out_ref = out.clone()
-    eargs = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order, offsets)
+    eargs = (
+        info.seg_indptr,
+        info.seg_slots,
+        info.slot_ranks,
+        info.slot_scalings,
+        info.row_order,
+        offsets,
+    )
     expand.lora_expand(y_ref, b, *eargs, out, info.max_seg_len)
     reference.lora_expand(y_ref, b, *eargs, out_ref, info.max_seg_len)
     s_max, s_rel = _rel(y, y_ref)
     e_max, e_rel = _rel(out, out_ref)
-    RESULTS[f"{name}-T{tokens}"] = {"shrink_max_abs": s_max, "shrink_rel": s_rel, "expand_max_abs": e_max, "expand_rel": e_rel}
+    RESULTS[f"{name}-T{tokens}"] = {
+        "shrink_max_abs": s_max,
+        "shrink_rel": s_rel,
+        "expand_max_abs": e_max,
+        "expand_rel": e_rel,
+    }
     assert s_rel < 1e-2 and e_rel < 1e-2
 
 
@@ -71,7 +94,12 @@ def test_moe_kernels_bf16(tokens: int) -> None:
     g = torch.Generator().manual_seed(tokens)
     pairs = tokens * topk
     pair_expert = torch.randint(0, e, (pairs,), generator=g).to(torch.int32).to(dev)
-    pair_slot = torch.randint(-1, len(ranks), (tokens,), generator=g).repeat_interleave(topk).to(torch.int32).to(dev)
+    pair_slot = (
+        torch.randint(-1, len(ranks), (tokens,), generator=g)
+        .repeat_interleave(topk)
+        .to(torch.int32)
+        .to(dev)
+    )
     slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=dev)
     scalings = torch.tensor([2.0 / r for r in ranks], dtype=torch.float32, device=dev)
     x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
@@ -83,11 +111,20 @@ def test_moe_kernels_bf16(tokens: int) -> None:
     y_ref = reference.moe_lora_shrink(x, a, pair_expert, pair_slot, slot_ranks, 2, topk=topk)
     out = torch.randn(pairs, 2 * inter, device=dev, dtype=torch.bfloat16)
     out_ref = out.clone()
-    moe.moe_lora_expand(y_ref, b, pair_expert, pair_slot, slot_ranks, scalings, offsets, out, routing=routing)
-    reference.moe_lora_expand(y_ref, b, pair_expert, pair_slot, slot_ranks, scalings, offsets, out_ref)
+    moe.moe_lora_expand(
+        y_ref, b, pair_expert, pair_slot, slot_ranks, scalings, offsets, out, routing=routing
+    )
+    reference.moe_lora_expand(
+        y_ref, b, pair_expert, pair_slot, slot_ranks, scalings, offsets, out_ref
+    )
     s_max, s_rel = _rel(y, y_ref)
     e_max, e_rel = _rel(out, out_ref)
-    RESULTS[f"moe-gate_up-T{tokens}"] = {"shrink_max_abs": s_max, "shrink_rel": s_rel, "expand_max_abs": e_max, "expand_rel": e_rel}
+    RESULTS[f"moe-gate_up-T{tokens}"] = {
+        "shrink_max_abs": s_max,
+        "shrink_rel": s_rel,
+        "expand_max_abs": e_max,
+        "expand_rel": e_rel,
+    }
     assert s_rel < 1e-2 and e_rel < 1e-2
 
 

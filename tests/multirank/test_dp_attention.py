@@ -8,10 +8,10 @@ the same batch on one rank.
 from __future__ import annotations
 
 import pytest
+from tests.unit.runtime.test_parity import assert_parity
 
 from loraplane.worker.check.parity_dist import check_parity_dist, plan_groups
 from loraplane.worker.config import ConfigError
-from tests.unit.runtime.test_parity import assert_parity
 
 pytestmark = pytest.mark.multirank
 
@@ -25,11 +25,22 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
-@pytest.mark.parametrize(("tp", "dp", "dp_attention"), LAYOUTS, ids=[f"tp{t}-dp{d}" for t, d, _ in LAYOUTS])
-def test_layout_matches_peft_and_single_rank(suite, arch: str, tp: int, dp: int, dp_attention: bool) -> None:
+@pytest.mark.parametrize(
+    ("tp", "dp", "dp_attention"), LAYOUTS, ids=[f"tp{t}-dp{d}" for t, d, _ in LAYOUTS]
+)
+def test_layout_matches_peft_and_single_rank(
+    suite, arch: str, tp: int, dp: int, dp_attention: bool
+) -> None:
     model_dir, adapters = suite[arch]
     report = check_parity_dist(
-        model_dir, adapters, prompts=8, max_new_tokens=4, backend="torch", tp=tp, dp=dp, dp_attention=dp_attention
+        model_dir,
+        adapters,
+        prompts=8,
+        max_new_tokens=4,
+        backend="torch",
+        tp=tp,
+        dp=dp,
+        dp_attention=dp_attention,
     )
     assert_parity(report)
     assert report.extra["vs_single_rank_max_abs_logprob_diff"] <= 1e-5, report.extra
@@ -44,7 +55,15 @@ def test_idle_dp_group_changes_nothing(suite, arch: str) -> None:
     every collective, raises nothing, and the other group's adapters still apply on its shard."""
     model_dir, adapters = suite[arch]
     report = check_parity_dist(
-        model_dir, adapters, prompts=6, max_new_tokens=4, backend="torch", tp=2, dp=2, dp_attention=True, idle_rank=1
+        model_dir,
+        adapters,
+        prompts=6,
+        max_new_tokens=4,
+        backend="torch",
+        tp=2,
+        dp=2,
+        dp_attention=True,
+        idle_rank=1,
     )
     assert report.extra["adapters_per_dp_group"][1] == []
     assert_parity(report)
@@ -68,5 +87,9 @@ def test_groups_see_different_adapter_sets() -> None:
 )
 def test_bad_layouts_fail_before_any_rank_starts(suite, kwargs: dict, message: str) -> None:
     model_dir, adapters = suite["llama"]
-    with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_parity_dist(model_dir, adapters, prompts=4, max_new_tokens=2, backend="torch", **kwargs)
+    with pytest.raises(
+        (ConfigError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")
+    ):
+        check_parity_dist(
+            model_dir, adapters, prompts=4, max_new_tokens=2, backend="torch", **kwargs
+        )

@@ -25,12 +25,32 @@ app = typer.Typer(
 # (module, attribute, name, help): mounted in this order in `loraplane --help`.
 _GROUPS: list[tuple[str, str, str, str]] = [
     ("loraplane.worker.cli", "worker_app", "worker", "Serve a model with many LoRA adapters."),
-    ("loraplane.worker.cli", "fixtures_app", "fixtures", "Write tiny HF checkpoints and PEFT adapters."),
-    ("loraplane.worker.cli", "check_app", "check", "Check numerics against HF transformers + PEFT."),
+    (
+        "loraplane.worker.cli",
+        "fixtures_app",
+        "fixtures",
+        "Write tiny HF checkpoints and PEFT adapters.",
+    ),
+    (
+        "loraplane.worker.cli",
+        "check_app",
+        "check",
+        "Check numerics against HF transformers + PEFT.",
+    ),
     ("loraplane.worker.cli", "bench_app", "bench", "Benchmarks that print JSON."),
-    ("loraplane.controlplane.cli", "controlplane_app", "controlplane", "The registry, router and API."),
+    (
+        "loraplane.controlplane.cli",
+        "controlplane_app",
+        "controlplane",
+        "The registry, router and API.",
+    ),
     ("loraplane.operator.cli", "operator_app", "operator", "The Kubernetes operator (kopf)."),
-    ("loraplane.devcluster.cli", "cluster_app", "cluster", "A real local Kubernetes control plane."),
+    (
+        "loraplane.devcluster.cli",
+        "cluster_app",
+        "cluster",
+        "A real local Kubernetes control plane.",
+    ),
     ("loraplane.demo", "demo_app", "demo", "Run the whole stack on this machine."),
 ]
 

@@ -30,7 +30,11 @@ import typer
 
 demo_app = typer.Typer(no_args_is_help=True, help="Run the whole stack on this machine.")
 
-ADAPTERS = (("sql", 8, 16.0, 1), ("poet", 16, 16.0, 2), ("pirate", 4, 8.0, 3))  # name, rank, alpha, seed
+ADAPTERS = (
+    ("sql", 8, 16.0, 1),
+    ("poet", 16, 16.0, 2),
+    ("pirate", 4, 8.0, 3),
+)  # name, rank, alpha, seed
 POOL = "demo"
 
 
@@ -61,7 +65,9 @@ def _processes(logdir: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
                 p.kill()
 
 
-def _start(procs: list[subprocess.Popen[bytes]], args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def _start(
+    procs: list[subprocess.Popen[bytes]], args: list[str], log: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
     exe = shutil.which("loraplane") or str(Path(sys.executable).with_name("loraplane"))
     handle = log.open("wb")
     p = subprocess.Popen([exe, *args], stdout=handle, stderr=subprocess.STDOUT, env=env)
@@ -75,7 +81,9 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: floa
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"{url} exited with {proc.returncode}; see {log}:\n{log.read_text()[-2000:]}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url, timeout=2).status_code == 200:
                 return
@@ -91,8 +99,12 @@ def _check(resp: Any, what: str) -> Any:
 
 @demo_app.command("run")
 def run(
-    workdir: Annotated[Path, typer.Option(help="Where fixtures, databases and logs go")] = Path(".demo"),
-    backend: Annotated[str, typer.Option(help="LoRA kernels: torch | triton (triton runs interpreted on CPU)")] = "torch",
+    workdir: Annotated[Path, typer.Option(help="Where fixtures, databases and logs go")] = Path(
+        ".demo"
+    ),
+    backend: Annotated[
+        str, typer.Option(help="LoRA kernels: torch | triton (triton runs interpreted on CPU)")
+    ] = "torch",
     workers: Annotated[int, typer.Option(help="Worker processes (each tp=2, dp=2)")] = 2,
     skip_parity: Annotated[bool, typer.Option(help="Skip the parity check (step 2)")] = False,
 ) -> None:
@@ -118,17 +130,43 @@ def run(
     for name, rank, alpha, seed in ADAPTERS:
         adapter_dirs[name] = workdir / "adapters" / name
         if not (adapter_dirs[name] / "adapter_config.json").exists():
-            make_adapter(model_dir, adapter_dirs[name], rank=rank, alpha=alpha, seed=seed,
-                         targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+            make_adapter(
+                model_dir,
+                adapter_dirs[name],
+                rank=rank,
+                alpha=alpha,
+                seed=seed,
+                targets=[
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                ],
+            )
 
     if not skip_parity:
-        _say(console, "runtime: one mixed batch (3 adapters + base rows) vs HF transformers + PEFT and merged weights")
+        _say(
+            console,
+            "runtime: one mixed batch (3 adapters + base rows) vs HF transformers + PEFT and merged weights",
+        )
         from loraplane.worker.check.parity import check_parity
 
-        report = check_parity(model_dir, list(adapter_dirs.items()), prompts=8, max_new_tokens=5, backend=backend)
+        report = check_parity(
+            model_dir, list(adapter_dirs.items()), prompts=8, max_new_tokens=5, backend=backend
+        )
         table = Table("figure", "value", title=f"parity ({backend} kernels, fp32)")
-        for key in ("max_abs_logprob_diff", "max_abs_logprob_diff_merged", "mean_abs_logprob_diff", "delta_corr",
-                    "lora_effect", "greedy_identical", "base_rows_bitwise_equal"):
+        for key in (
+            "max_abs_logprob_diff",
+            "max_abs_logprob_diff_merged",
+            "mean_abs_logprob_diff",
+            "delta_corr",
+            "lora_effect",
+            "greedy_identical",
+            "base_rows_bitwise_equal",
+        ):
             value = getattr(report, key)
             table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
         console.print(table)
@@ -141,72 +179,194 @@ def run(
         _say(console, f"control plane on {cp} (SQLite {workdir / 'registry.db'})")
         db = workdir / "registry.db"
         db.unlink(missing_ok=True)
-        cp_proc = _start(procs, ["controlplane", "serve", "--db", f"sqlite:///{db}", "--port", str(cp_port),
-                                 "--no-auth", "--allowed-root", str(workdir), "--reconcile-interval", "5"],
-                         logs / "controlplane.log", env)
+        cp_proc = _start(
+            procs,
+            [
+                "controlplane",
+                "serve",
+                "--db",
+                f"sqlite:///{db}",
+                "--port",
+                str(cp_port),
+                "--no-auth",
+                "--allowed-root",
+                str(workdir),
+                "--reconcile-interval",
+                "5",
+            ],
+            logs / "controlplane.log",
+            env,
+        )
         worker_urls: list[tuple[str, str, subprocess.Popen[bytes]]] = []
         for i in range(workers):
             port = _free_port()
             name = f"{POOL}-{i}"
-            _say(console, f"worker {name} on 127.0.0.1:{port}: tp=2 dp=2 DP attention, K=4 slots, CPU")
-            proc = _start(procs, ["worker", "serve", "--model", str(model_dir), "--tp", "2", "--dp", "2",
-                                  "--dp-attention", "--device", "cpu", "--max-loras-per-batch", "4",
-                                  "--max-loaded-loras", "8", "--max-lora-rank", "32", "--lora-backend", backend,
-                                  "--allowed-lora-root", str(workdir), "--host", "127.0.0.1", "--port", str(port),
-                                  "--max-running", "16", "--served-model-name", "qwen3-tiny"],
-                          logs / f"{name}.log", env)
+            _say(
+                console,
+                f"worker {name} on 127.0.0.1:{port}: tp=2 dp=2 DP attention, K=4 slots, CPU",
+            )
+            proc = _start(
+                procs,
+                [
+                    "worker",
+                    "serve",
+                    "--model",
+                    str(model_dir),
+                    "--tp",
+                    "2",
+                    "--dp",
+                    "2",
+                    "--dp-attention",
+                    "--device",
+                    "cpu",
+                    "--max-loras-per-batch",
+                    "4",
+                    "--max-loaded-loras",
+                    "8",
+                    "--max-lora-rank",
+                    "32",
+                    "--lora-backend",
+                    backend,
+                    "--allowed-lora-root",
+                    str(workdir),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--max-running",
+                    "16",
+                    "--served-model-name",
+                    "qwen3-tiny",
+                ],
+                logs / f"{name}.log",
+                env,
+            )
             worker_urls.append((name, f"http://127.0.0.1:{port}", proc))
         _wait_http(f"{cp}/healthz", cp_proc, logs / "controlplane.log")
         for name, url, proc in worker_urls:
             _wait_http(f"{url}/health", proc, logs / f"{name}.log")
 
         client = httpx.Client(base_url=cp, timeout=120)
-        _check(client.put(f"/v1/pools/default/{POOL}", json={
-            "model": str(model_dir), "tp": 2, "dp": 2, "max_loras_per_batch": 4, "max_loaded_loras": 8,
-            "max_lora_rank": 32}), "create pool")
+        _check(
+            client.put(
+                f"/v1/pools/default/{POOL}",
+                json={
+                    "model": str(model_dir),
+                    "tp": 2,
+                    "dp": 2,
+                    "max_loras_per_batch": 4,
+                    "max_loaded_loras": 8,
+                    "max_lora_rank": 32,
+                },
+            ),
+            "create pool",
+        )
         for name, url, _ in worker_urls:
-            _check(client.post("/v1/workers", json={"name": name, "namespace": "default", "pool": POOL,
-                                                    "endpoint": url, "dp_size": 2}), f"register worker {name}")
+            _check(
+                client.post(
+                    "/v1/workers",
+                    json={
+                        "name": name,
+                        "namespace": "default",
+                        "pool": POOL,
+                        "endpoint": url,
+                        "dp_size": 2,
+                    },
+                ),
+                f"register worker {name}",
+            )
         for i, (name, _, _, _) in enumerate(ADAPTERS):
             pinned = i == 0
-            _say(console, f"register + load adapter {name}{' (pinned)' if pinned else ''} on every worker and DP group")
-            _check(client.post("/v1/adapters", json={
-                "namespace": "default", "name": name, "pool": POOL,
-                "source": {"uri": f"file://{adapter_dirs[name]}"}, "pinned": pinned, "placement": "all"}),
-                f"register adapter {name}")
+            _say(
+                console,
+                f"register + load adapter {name}{' (pinned)' if pinned else ''} on every worker and DP group",
+            )
+            _check(
+                client.post(
+                    "/v1/adapters",
+                    json={
+                        "namespace": "default",
+                        "name": name,
+                        "pool": POOL,
+                        "source": {"uri": f"file://{adapter_dirs[name]}"},
+                        "pinned": pinned,
+                        "placement": "all",
+                    },
+                ),
+                f"register adapter {name}",
+            )
 
-        _say(console, "mixed traffic through the router: every adapter and the base model in one burst")
-        prompts = ["Tell me about the sea", "Write a query for users", "A short poem on rain", "Hello there"]
+        _say(
+            console,
+            "mixed traffic through the router: every adapter and the base model in one burst",
+        )
+        prompts = [
+            "Tell me about the sea",
+            "Write a query for users",
+            "A short poem on rain",
+            "Hello there",
+        ]
         jobs = [(model, p) for p in prompts for model in ("sql", "poet", "pirate", "qwen3-tiny")]
 
         def ask(job: tuple[str, str]) -> tuple[str, str, str]:
             model, prompt = job
-            body = _check(client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 8,
-                                                                "temperature": 0}), f"completion for {model}")
+            body = _check(
+                client.post(
+                    "/v1/completions",
+                    json={"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+                ),
+                f"completion for {model}",
+            )
             return model, prompt, body["choices"][0]["text"]
 
         with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
             answers = list(pool.map(ask, jobs))
-        table = Table("adapter", "prompt", "output (greedy, 8 tokens)", title="served in mixed batches")
+        table = Table(
+            "adapter", "prompt", "output (greedy, 8 tokens)", title="served in mixed batches"
+        )
         for model, prompt, text in answers:
             table.add_row(model if model != "qwen3-tiny" else "[dim]<base>[/]", prompt, repr(text))
         console.print(table)
 
         _say(console, "registry: which adapter is loaded on which DP group of which worker")
         placements = _check(client.get("/v1/placements"), "list placements")["items"]
-        table = Table("worker", "dp_group", "adapter", "state", "version", title="control plane registry")
+        table = Table(
+            "worker", "dp_group", "adapter", "state", "version", title="control plane registry"
+        )
         for p in sorted(placements, key=lambda p: (p["worker"], p["dp_group"], p["adapter"])):
-            table.add_row(p["worker"], str(p["dp_group"]), p["adapter"], p["state"], str(p["version"]))
+            table.add_row(
+                p["worker"], str(p["dp_group"]), p["adapter"], p["state"], str(p["version"])
+            )
         console.print(table)
-        table = Table("worker", "dp_group", "adapters (as the worker reports)", "slots", title="workers' own view (/lora_state)")
+        table = Table(
+            "worker",
+            "dp_group",
+            "adapters (as the worker reports)",
+            "slots",
+            title="workers' own view (/lora_state)",
+        )
         for name, url, _ in worker_urls:
             state = httpx.get(f"{url}/lora_state", timeout=10).json()
             for g in state["dp_groups"]:
-                table.add_row(name, str(g["dp_group"]), ", ".join(sorted(g["adapters"])), f"{g['slots_used']}/{g['slots_total']}")
+                table.add_row(
+                    name,
+                    str(g["dp_group"]),
+                    ", ".join(sorted(g["adapters"])),
+                    f"{g['slots_used']}/{g['slots_total']}",
+                )
         console.print(table)
         adapters = _check(client.get("/v1/adapters"), "list adapters")["items"]
-        table = Table("adapter", "phase", "routable", "pinned", "rank", "loaded on", title="adapters")
+        table = Table(
+            "adapter", "phase", "routable", "pinned", "rank", "loaded on", title="adapters"
+        )
         for a in adapters:
-            table.add_row(a["name"], a["phase"], str(a["routable"]), str(a["pinned"]), str(a["rank"]), ", ".join(a["loaded_workers"]))
+            table.add_row(
+                a["name"],
+                a["phase"],
+                str(a["routable"]),
+                str(a["pinned"]),
+                str(a["rank"]),
+                ", ".join(a["loaded_workers"]),
+            )
         console.print(table)
         _say(console, f"done; logs in {logs}. Stopping everything.")

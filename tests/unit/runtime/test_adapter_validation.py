@@ -25,7 +25,10 @@ KEY_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 @pytest.fixture(scope="module")
 def runner(suite) -> ModelRunner:
     model_dir, adapters = suite["llama"]
-    r = ModelRunner(RunnerConfig(str(model_dir), lora_backend="torch"), LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=16))
+    r = ModelRunner(
+        RunnerConfig(str(model_dir), lora_backend="torch"),
+        LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=16),
+    )
     assert r.lora is not None
     r.lora.load_slot(0, r.read_adapter("a8", adapters[1][1]))  # slot 0 holds a real adapter
     return r
@@ -86,31 +89,79 @@ def _layer_out_of_range(t: dict[str, torch.Tensor]) -> None:
 
 CASES: list[tuple[str, Callable[[Path], None], str, str]] = [
     ("rank above max", lambda p: edit_config(p, r=32), "r", "above max_lora_rank 16"),
-    ("unknown target", lambda p: edit_config(p, target_modules=["q_proj", "rotary_proj"]), "target_modules", "not supported"),
+    (
+        "unknown target",
+        lambda p: edit_config(p, target_modules=["q_proj", "rotary_proj"]),
+        "target_modules",
+        "not supported",
+    ),
     ("dora", lambda p: edit_config(p, use_dora=True), "use_dora", "not supported"),
     ("bias", lambda p: edit_config(p, bias="all"), "bias", "only 'none'"),
     ("non-finite", lambda p: edit_tensor(p, _nan), KEY_A, "NaN or Inf"),
     ("shape", lambda p: edit_tensor(p, _wrong_shape), KEY_A, "does not fit the base model"),
-    ("unknown module tensor", lambda p: edit_tensor(p, _unknown_module), "rotary_proj", "not a LoRA target"),
+    (
+        "unknown module tensor",
+        lambda p: edit_tensor(p, _unknown_module),
+        "rotary_proj",
+        "not a LoRA target",
+    ),
     ("integer tensor", lambda p: edit_tensor(p, _int_dtype), KEY_A, "not a floating-point type"),
-    ("half a pair", lambda p: edit_tensor(p, _missing_b), "adapter_model.safetensors", "no lora_B weight"),
-    ("layer out of range", lambda p: edit_tensor(p, _layer_out_of_range), "layers.9", "does not exist"),
-    ("missing config", lambda p: (p / "adapter_config.json").unlink(), "adapter_config.json", "missing"),
-    ("config not json", lambda p: (p / "adapter_config.json").write_text("{r: 8"), "adapter_config.json", "not valid JSON"),
-    ("missing weights", lambda p: (p / "adapter_model.safetensors").unlink(), "adapter_model.safetensors", "missing"),
+    (
+        "half a pair",
+        lambda p: edit_tensor(p, _missing_b),
+        "adapter_model.safetensors",
+        "no lora_B weight",
+    ),
+    (
+        "layer out of range",
+        lambda p: edit_tensor(p, _layer_out_of_range),
+        "layers.9",
+        "does not exist",
+    ),
+    (
+        "missing config",
+        lambda p: (p / "adapter_config.json").unlink(),
+        "adapter_config.json",
+        "missing",
+    ),
+    (
+        "config not json",
+        lambda p: (p / "adapter_config.json").write_text("{r: 8"),
+        "adapter_config.json",
+        "not valid JSON",
+    ),
+    (
+        "missing weights",
+        lambda p: (p / "adapter_model.safetensors").unlink(),
+        "adapter_model.safetensors",
+        "missing",
+    ),
     (
         "truncated weights",
-        lambda p: (p / "adapter_model.safetensors").write_bytes((p / "adapter_model.safetensors").read_bytes()[:300]),
+        lambda p: (p / "adapter_model.safetensors").write_bytes(
+            (p / "adapter_model.safetensors").read_bytes()[:300]
+        ),
         "adapter_model.safetensors",
         "cannot be read",
     ),
-    ("garbage weights", lambda p: (p / "adapter_model.safetensors").write_bytes(b"\x00" * 64), "adapter_model.safetensors", "cannot be read"),
+    (
+        "garbage weights",
+        lambda p: (p / "adapter_model.safetensors").write_bytes(b"\x00" * 64),
+        "adapter_model.safetensors",
+        "cannot be read",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("case", "damage", "field", "reason"), CASES, ids=[c[0] for c in CASES])
 def test_rejected_adapter_names_field_and_changes_nothing(
-    runner: ModelRunner, suite, tmp_path: Path, case: str, damage: Callable[[Path], None], field: str, reason: str
+    runner: ModelRunner,
+    suite,
+    tmp_path: Path,
+    case: str,
+    damage: Callable[[Path], None],
+    field: str,
+    reason: str,
 ) -> None:
     path = copy_adapter(suite, tmp_path)
     damage(path)
@@ -126,11 +177,13 @@ def test_rejected_adapter_names_field_and_changes_nothing(
 
 
 def test_missing_directory_is_named(runner: ModelRunner, tmp_path: Path) -> None:
-    with pytest.raises(AdapterError, match="lora_path: .* does not exist"):
+    with pytest.raises(AdapterError, match=r"lora_path: .* does not exist"):
         runner.read_adapter("ghost", tmp_path / "nope")
 
 
-def test_modules_the_adapter_lacks_are_zeroed_on_load(runner: ModelRunner, suite, tmp_path: Path) -> None:
+def test_modules_the_adapter_lacks_are_zeroed_on_load(
+    runner: ModelRunner, suite, tmp_path: Path
+) -> None:
     """An adapter with only q_proj, loaded into a slot that held a full adapter, leaves no trace
     of the old adapter's other modules."""
     path = copy_adapter(suite, tmp_path)

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.unit
 def runners(suite) -> tuple[ModelRunner, ModelRunner]:
     model_dir, adapters = suite["qwen3-moe"]
     cfg = RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=4, max_len=64)
-    lora = ModelRunner(cfg, LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32))
+    lora = ModelRunner(
+        cfg, LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32)
+    )
     for slot, (name, path) in enumerate(adapters):
         lora.lora.load_slot(slot, lora.read_adapter(name, path))  # type: ignore[union-attr]
     return lora, ModelRunner(cfg, None)

@@ -13,8 +13,12 @@ from typing import Annotated
 import typer
 
 worker_app = typer.Typer(no_args_is_help=True, help="Serve a model with many LoRA adapters.")
-fixtures_app = typer.Typer(no_args_is_help=True, help="Write tiny HF-format checkpoints and PEFT adapters.")
-check_app = typer.Typer(no_args_is_help=True, help="Check the runtime against independent references.")
+fixtures_app = typer.Typer(
+    no_args_is_help=True, help="Write tiny HF-format checkpoints and PEFT adapters."
+)
+check_app = typer.Typer(
+    no_args_is_help=True, help="Check the runtime against independent references."
+)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks; each prints one JSON document.")
 
 
@@ -26,7 +30,9 @@ def _fail(message: str) -> None:
 @fixtures_app.command("make-model")
 def make_model_cmd(
     arch: Annotated[str, typer.Option(help="llama | qwen2 | qwen3 | qwen3-moe")],
-    out: Annotated[Path, typer.Option(help="Directory to write config.json, model.safetensors, tokenizer")],
+    out: Annotated[
+        Path, typer.Option(help="Directory to write config.json, model.safetensors, tokenizer")
+    ],
     seed: Annotated[int, typer.Option(help="Seed of the random weights")] = 0,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16")] = "float32",
     hidden: Annotated[int, typer.Option(help="hidden_size")] = 64,
@@ -70,10 +76,18 @@ def make_adapter_cmd(
     model: Annotated[Path, typer.Option(help="The base model directory")],
     rank: Annotated[int, typer.Option(help="LoRA rank r")],
     alpha: Annotated[float, typer.Option(help="lora_alpha (scaling = alpha / r)")],
-    targets: Annotated[str, typer.Option(help="Comma-separated target modules, e.g. q_proj,v_proj,down_proj")],
-    out: Annotated[Path, typer.Option(help="Directory to write adapter_config.json and adapter_model.safetensors")],
+    targets: Annotated[
+        str, typer.Option(help="Comma-separated target modules, e.g. q_proj,v_proj,down_proj")
+    ],
+    out: Annotated[
+        Path,
+        typer.Option(help="Directory to write adapter_config.json and adapter_model.safetensors"),
+    ],
     seed: Annotated[int, typer.Option(help="Seed of the random A and B")] = 0,
-    experts: Annotated[bool, typer.Option("--experts/--no-experts", help="Also target the routed experts (qwen3-moe)")] = False,
+    experts: Annotated[
+        bool,
+        typer.Option("--experts/--no-experts", help="Also target the routed experts (qwen3-moe)"),
+    ] = False,
 ) -> None:
     """Write a PEFT-format LoRA adapter with non-zero A and B for a base model."""
     from loraplane.worker.fixtures.adapters import make_adapter
@@ -81,7 +95,13 @@ def make_adapter_cmd(
     if not (model / "config.json").is_file():
         _fail(f"--model {model} has no config.json; make one with `loraplane fixtures make-model`")
     path = make_adapter(
-        model, out, rank=rank, alpha=alpha, targets=[t for t in targets.split(",") if t], seed=seed, experts=experts
+        model,
+        out,
+        rank=rank,
+        alpha=alpha,
+        targets=[t for t in targets.split(",") if t],
+        seed=seed,
+        experts=experts,
     )
     typer.echo(str(path))
 
@@ -99,16 +119,26 @@ def _parse_adapters(specs: list[str]) -> list[tuple[str, str]]:
 @check_app.command("parity")
 def parity_cmd(
     model: Annotated[Path, typer.Option(help="HF-format model directory")],
-    adapter: Annotated[list[str], typer.Option(help="NAME=DIR of a PEFT adapter; repeat for several")] = [],  # noqa: B006
-    prompts: Annotated[int, typer.Option(help="Prompts in the mixed batch (spread over adapters and none)")] = 10,
+    adapter: Annotated[
+        list[str], typer.Option(help="NAME=DIR of a PEFT adapter; repeat for several")
+    ] = [],  # noqa: B006
+    prompts: Annotated[
+        int, typer.Option(help="Prompts in the mixed batch (spread over adapters and none)")
+    ] = 10,
     max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens to decode per prompt")] = 6,
     backend: Annotated[str, typer.Option(help="LoRA kernels: triton | torch")] = "triton",
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 (default: the checkpoint's)")] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32 | bfloat16 (default: the checkpoint's)")
+    ] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks (started by this command)")] = 1,
     dp: Annotated[int, typer.Option(help="DP-attention groups (tp must be divisible by dp)")] = 1,
-    dp_attention: Annotated[bool, typer.Option("--dp-attention/--no-dp-attention", help="Attention per DP group")] = False,
-    idle_rank: Annotated[int | None, typer.Option(help="Give this DP group no requests (idle rank test)")] = None,
+    dp_attention: Annotated[
+        bool, typer.Option("--dp-attention/--no-dp-attention", help="Attention per DP group")
+    ] = False,
+    idle_rank: Annotated[
+        int | None, typer.Option(help="Give this DP group no requests (idle rank test)")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the prompts")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
@@ -120,15 +150,31 @@ def parity_cmd(
         from loraplane.worker.check.parity_dist import check_parity_dist
 
         report = check_parity_dist(
-            model, adapters, prompts=prompts, max_new_tokens=max_new_tokens, backend=backend, device=device,
-            dtype=dtype, seed=seed, tp=tp, dp=dp, dp_attention=dp_attention, idle_rank=idle_rank,
+            model,
+            adapters,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            tp=tp,
+            dp=dp,
+            dp_attention=dp_attention,
+            idle_rank=idle_rank,
         )
     else:
         from loraplane.worker.check.parity import check_parity
 
         report = check_parity(
-            model, adapters, prompts=prompts, max_new_tokens=max_new_tokens, backend=backend, device=device,
-            dtype=dtype, seed=seed,
+            model,
+            adapters,
+            prompts=prompts,
+            max_new_tokens=max_new_tokens,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+            seed=seed,
         )
     data = report.as_dict()
     if as_json:
@@ -152,25 +198,46 @@ def parity_cmd(
 
 @worker_app.command("serve")
 def serve_cmd(
-    model: Annotated[Path, typer.Option(help="HF-format model directory (config.json, safetensors, tokenizer.json)")],
+    model: Annotated[
+        Path,
+        typer.Option(help="HF-format model directory (config.json, safetensors, tokenizer.json)"),
+    ],
     tp: Annotated[int, typer.Option(help="Tensor-parallel ranks")] = 1,
     dp: Annotated[int, typer.Option(help="DP-attention groups (tp must be divisible by dp)")] = 1,
-    dp_attention: Annotated[bool, typer.Option("--dp-attention/--no-dp-attention", help="Attention per DP group")] = False,
+    dp_attention: Annotated[
+        bool, typer.Option("--dp-attention/--no-dp-attention", help="Attention per DP group")
+    ] = False,
     device: Annotated[str, typer.Option(help="cpu | cuda")] = "cpu",
-    dtype: Annotated[str | None, typer.Option(help="float32 | bfloat16 (default: the checkpoint's)")] = None,
-    max_loras_per_batch: Annotated[int, typer.Option(help="K: GPU LoRA slots; distinct adapters per batch")] = 4,
+    dtype: Annotated[
+        str | None, typer.Option(help="float32 | bfloat16 (default: the checkpoint's)")
+    ] = None,
+    max_loras_per_batch: Annotated[
+        int, typer.Option(help="K: GPU LoRA slots; distinct adapters per batch")
+    ] = 4,
     max_loaded_loras: Annotated[int, typer.Option(help="M: adapters kept in host memory")] = 8,
     max_lora_rank: Annotated[int, typer.Option(help="R: largest adapter rank a slot holds")] = 64,
-    lora: Annotated[list[str], typer.Option(help="NAME=PATH of an adapter to load at start; repeat")] = [],  # noqa: B006
-    pinned: Annotated[list[str], typer.Option(help="NAME of a --lora adapter to pin (never evicted); repeat")] = [],  # noqa: B006
+    lora: Annotated[
+        list[str], typer.Option(help="NAME=PATH of an adapter to load at start; repeat")
+    ] = [],  # noqa: B006
+    pinned: Annotated[
+        list[str], typer.Option(help="NAME of a --lora adapter to pin (never evicted); repeat")
+    ] = [],  # noqa: B006
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = 30000,
     lora_backend: Annotated[str, typer.Option(help="LoRA kernels: triton | torch")] = "triton",
-    allowed_lora_root: Annotated[list[str], typer.Option(help="Adapter paths must lie under one of these; repeat")] = [],  # noqa: B006
-    enable_fault_injection: Annotated[bool, typer.Option(help="Test only: enable POST /debug/fault")] = False,
+    allowed_lora_root: Annotated[
+        list[str], typer.Option(help="Adapter paths must lie under one of these; repeat")
+    ] = [],  # noqa: B006
+    enable_fault_injection: Annotated[
+        bool, typer.Option(help="Test only: enable POST /debug/fault")
+    ] = False,
     max_running: Annotated[int, typer.Option(help="Running requests (KV rows) per DP group")] = 32,
-    max_model_len: Annotated[int | None, typer.Option(help="Prompt + generated tokens per request")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Base model id in /v1/models (default: dir name)")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Prompt + generated tokens per request")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Base model id in /v1/models (default: dir name)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
@@ -187,11 +254,25 @@ def serve_cmd(
         loras.append((name, path))
     try:
         config = ServeConfig(
-            model=str(model), tp=tp, dp=dp, dp_attention=dp_attention, device=device, dtype=dtype,
-            max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras, max_lora_rank=max_lora_rank,
-            lora_backend=lora_backend, max_running=max_running, max_model_len=max_model_len, loras=tuple(loras),
-            pinned=tuple(pinned), allowed_lora_roots=tuple(allowed_lora_root),
-            enable_fault_injection=enable_fault_injection, served_model_name=served_model_name, host=host, port=port,
+            model=str(model),
+            tp=tp,
+            dp=dp,
+            dp_attention=dp_attention,
+            device=device,
+            dtype=dtype,
+            max_loras_per_batch=max_loras_per_batch,
+            max_loaded_loras=max_loaded_loras,
+            max_lora_rank=max_lora_rank,
+            lora_backend=lora_backend,
+            max_running=max_running,
+            max_model_len=max_model_len,
+            loras=tuple(loras),
+            pinned=tuple(pinned),
+            allowed_lora_roots=tuple(allowed_lora_root),
+            enable_fault_injection=enable_fault_injection,
+            served_model_name=served_model_name,
+            host=host,
+            port=port,
             log_level=log_level,
         )
         serve(config)

@@ -52,7 +52,14 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
-        for fname in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+        for fname in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
             if getattr(self, fname) <= 0:
                 raise ConfigError(f"config.{fname} must be positive, got {getattr(self, fname)}")
         if self.num_heads % self.num_kv_heads:
@@ -60,7 +67,9 @@ class ModelConfig:
                 f"config.num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
-        if self.is_moe and (self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts):
+        if self.is_moe and (
+            self.num_experts <= 0 or not 0 < self.num_experts_per_tok <= self.num_experts
+        ):
             raise ConfigError(
                 f"config.num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
                 f"got {self.num_experts_per_tok}"

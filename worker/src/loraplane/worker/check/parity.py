@@ -38,14 +38,19 @@ class OurRun:
     logprobs: list[torch.Tensor]  # [len(sequence), vocab] per prompt, fp32
 
 
-def make_prompts(vocab: int, n: int, seed: int, min_len: int = 4, max_len: int = 20) -> list[list[int]]:
+def make_prompts(
+    vocab: int, n: int, seed: int, min_len: int = 4, max_len: int = 20
+) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
 
 
 def assign_adapters(n_prompts: int, n_adapters: int) -> list[int | None]:
     """Prompt i -> adapter i mod (n + 1); index n means no adapter."""
-    return [(i % (n_adapters + 1)) if i % (n_adapters + 1) < n_adapters else None for i in range(n_prompts)]
+    return [
+        (i % (n_adapters + 1)) if i % (n_adapters + 1) < n_adapters else None
+        for i in range(n_prompts)
+    ]
 
 
 def run_ours(
@@ -85,7 +90,7 @@ def run_ours(
 
 def _token_logprobs(lp: torch.Tensor, seq: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
     """Logprob of the realised next token at every position: [len(seq)]."""
-    nxt = torch.tensor(list(seq[1:]) + [generated[-1]], dtype=torch.long)
+    nxt = torch.tensor([*seq[1:], generated[-1]], dtype=torch.long)
     return lp.cpu().gather(1, nxt[:, None])[:, 0]
 
 
@@ -139,14 +144,23 @@ def run_single(
 ) -> tuple[OurRun, OurRun]:
     """Our runtime in one process: the mixed batch with LoRA, and the same tokens without LoRA."""
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
-    rcfg = RunnerConfig(str(model_dir), device=device, dtype=dtype, max_seqs=len(prompt_ids), max_len=max_len, lora_backend=backend)
+    rcfg = RunnerConfig(
+        str(model_dir),
+        device=device,
+        dtype=dtype,
+        max_seqs=len(prompt_ids),
+        max_len=max_len,
+        lora_backend=backend,
+    )
     ours = ModelRunner(rcfg, lora_config_for(adapters))
     for slot, (name, path) in enumerate(adapters):
         ours.lora.load_slot(slot, ours.read_adapter(name, path))  # type: ignore[union-attr]
     lora_run = run_ours(ours, prompt_ids, slots, max_new_tokens)
     del ours
     plain = ModelRunner(rcfg, None)
-    base_run = run_ours(plain, prompt_ids, [NO_ADAPTER] * len(prompt_ids), max_new_tokens, forced=lora_run.generated)
+    base_run = run_ours(
+        plain, prompt_ids, [NO_ADAPTER] * len(prompt_ids), max_new_tokens, forced=lora_run.generated
+    )
     return lora_run, base_run
 
 
@@ -169,11 +183,25 @@ def check_parity(
     assignment = assign_adapters(prompts, len(adapters))
     slots = [a if a is not None else NO_ADAPTER for a in assignment]
     lora_run, base_run = run_single(
-        model_dir, adapters, prompt_ids, slots, max_new_tokens, backend=backend, device=device, dtype=dtype_name
+        model_dir,
+        adapters,
+        prompt_ids,
+        slots,
+        max_new_tokens,
+        backend=backend,
+        device=device,
+        dtype=dtype_name,
     )
     return compare_with_references(
-        model_dir, adapters, prompt_ids, assignment, lora_run, base_run,
-        backend=backend, dtype=dtype_name, reference_device=reference_device or device,
+        model_dir,
+        adapters,
+        prompt_ids,
+        assignment,
+        lora_run,
+        base_run,
+        backend=backend,
+        dtype=dtype_name,
+        reference_device=reference_device or device,
     )
 
 
@@ -203,7 +231,9 @@ def compare_with_references(
     bitwise = True
     from loraplane.worker.check import reference as ref
 
-    base_lp = ref.cached_logprobs("base", model_dir, None, dtype_name, ref_device, lora_run.sequences)
+    base_lp = ref.cached_logprobs(
+        "base", model_dir, None, dtype_name, ref_device, lora_run.sequences
+    )
     by_adapter: dict[int | None, list[int]] = {}
     for i, a in enumerate(assignment):
         by_adapter.setdefault(a, []).append(i)
@@ -216,8 +246,20 @@ def compare_with_references(
         else:
             _, path = adapters[a]
             seqs = [lora_run.sequences[i] for i in idxs]
-            peft_lp = dict(zip(idxs, ref.cached_logprobs("peft", model_dir, path, dtype_name, ref_device, seqs), strict=True))
-            merged_lp = dict(zip(idxs, ref.cached_logprobs("merged", model_dir, path, dtype_name, ref_device, seqs), strict=True))
+            peft_lp = dict(
+                zip(
+                    idxs,
+                    ref.cached_logprobs("peft", model_dir, path, dtype_name, ref_device, seqs),
+                    strict=True,
+                )
+            )
+            merged_lp = dict(
+                zip(
+                    idxs,
+                    ref.cached_logprobs("merged", model_dir, path, dtype_name, ref_device, seqs),
+                    strict=True,
+                )
+            )
         for i in idxs:
             seq, gen = lora_run.sequences[i], lora_run.generated[i]
             mine = lora_run.logprobs[i].cpu()
@@ -232,7 +274,9 @@ def compare_with_references(
             if a is not None:
                 t_base = _token_logprobs(base_run.logprobs[i].cpu(), seq, gen)
                 ours_delta.append(t_mine - t_base)
-                ref_delta.append(_token_logprobs(merged_lp[i], seq, gen) - _token_logprobs(base_lp[i], seq, gen))
+                ref_delta.append(
+                    _token_logprobs(merged_lp[i], seq, gen) - _token_logprobs(base_lp[i], seq, gen)
+                )
                 effect.append((t_mine - t_base).abs())
     counts: dict[str, int | None] = {}
     for a in assignment:
@@ -248,7 +292,9 @@ def compare_with_references(
         max_abs_logprob_diff_merged=max_merged,
         mean_abs_logprob_diff=float(torch.cat(mean_peft).mean()),
         mean_abs_logprob_diff_merged=float(torch.cat(mean_merged).mean()),
-        delta_corr=_corr(torch.cat(ours_delta), torch.cat(ref_delta)) if ours_delta else float("nan"),
+        delta_corr=_corr(torch.cat(ours_delta), torch.cat(ref_delta))
+        if ours_delta
+        else float("nan"),
         lora_effect=float(torch.cat(effect).mean()) if effect else 0.0,
         greedy_identical=f"{greedy}/{prompts}",
         greedy_identical_count=greedy,

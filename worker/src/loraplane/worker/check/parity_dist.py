@@ -31,7 +31,9 @@ from loraplane.worker.parallel.launch import spawn_ranks
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 
-def plan_groups(prompts: int, n_adapters: int, dp: int, idle: int | None) -> tuple[list[int], list[int | None]]:
+def plan_groups(
+    prompts: int, n_adapters: int, dp: int, idle: int | None
+) -> tuple[list[int], list[int | None]]:
     """(DP group, adapter index or None) of every prompt."""
     active = [g for g in range(dp) if g != idle] or [0]
     groups, assignment = [], []
@@ -62,18 +64,34 @@ def _rank_main(
 ) -> None:
     mine = [i for i, g in enumerate(groups) if g == ps.dp_rank]
     max_len = max(len(p) for p in prompt_ids) + max_new_tokens + 1
-    rcfg = RunnerConfig(model_dir, device=str(device), dtype=dtype, max_seqs=max(1, len(prompt_ids)), max_len=max_len, lora_backend=backend)
+    rcfg = RunnerConfig(
+        model_dir,
+        device=str(device),
+        dtype=dtype,
+        max_seqs=max(1, len(prompt_ids)),
+        max_len=max_len,
+        lora_backend=backend,
+    )
     runner = ModelRunner(rcfg, lora_config_for(adapters), ps)
     # Every rank holds the union of adapters the global batch needs, in the same slots.
     for slot, (name, path) in enumerate(adapters):
         runner.lora.load_slot(slot, runner.read_adapter(name, path))  # type: ignore[union-attr]
-    lora_run = run_ours(runner, [prompt_ids[i] for i in mine], [slots[i] for i in mine], max_new_tokens)
+    lora_run = run_ours(
+        runner, [prompt_ids[i] for i in mine], [slots[i] for i in mine], max_new_tokens
+    )
     del runner
     plain = ModelRunner(rcfg, None, ps)
     base_run = run_ours(
-        plain, [prompt_ids[i] for i in mine], [NO_ADAPTER] * len(mine), max_new_tokens, forced=lora_run.generated
+        plain,
+        [prompt_ids[i] for i in mine],
+        [NO_ADAPTER] * len(mine),
+        max_new_tokens,
+        forced=lora_run.generated,
     )
-    to_cpu = lambda r: OurRun(r.sequences, r.generated, [t.cpu() for t in r.logprobs])  # noqa: E731
+
+    def to_cpu(r: OurRun) -> OurRun:
+        return OurRun(r.sequences, r.generated, [t.cpu() for t in r.logprobs])
+
     gathered = ps.all_gather_object_tp((mine, to_cpu(lora_run), to_cpu(base_run)))
     if rank == 0:
         torch.save(gathered, out_path)
@@ -109,7 +127,9 @@ def check_parity_dist(
     dp_attention: bool = False,
     idle_rank: int | None = None,
 ) -> ParityReport:
-    pconf = ParallelConfig(tp=tp, dp=dp, dp_attention=dp_attention)  # checked before any process starts
+    pconf = ParallelConfig(
+        tp=tp, dp=dp, dp_attention=dp_attention
+    )  # checked before any process starts
     if idle_rank is not None and not 0 <= idle_rank < dp:
         raise ValueError(f"--idle-rank {idle_rank} is not a DP group of dp={dp}")
     model_dir = Path(model_dir)
@@ -123,32 +143,68 @@ def check_parity_dist(
     with tempfile.TemporaryDirectory(prefix="loraplane-parity-") as tmp:
         out = str(Path(tmp) / "ranks.pt")
         spawn_ranks(
-            _rank_main, pconf, device, str(model_dir), adapters, prompt_ids, groups, slots, max_new_tokens,
-            backend, dtype_name, out,
+            _rank_main,
+            pconf,
+            device,
+            str(model_dir),
+            adapters,
+            prompt_ids,
+            groups,
+            slots,
+            max_new_tokens,
+            backend,
+            dtype_name,
+            out,
         )
         parts = torch.load(out, weights_only=False)
     leaders = [g * pconf.attn_tp for g in range(dp)]
     lora_run, base_run = _assemble(parts, prompts, leaders)
     single_lora, _ = run_single(
-        model_dir, adapters, prompt_ids, slots, max_new_tokens, backend=backend, device=device, dtype=dtype_name
+        model_dir,
+        adapters,
+        prompt_ids,
+        slots,
+        max_new_tokens,
+        backend=backend,
+        device=device,
+        dtype=dtype_name,
     )
     # Compare positions whose context is the same in both runs: in bf16 a greedy choice can
     # flip between the two, after which the sequences (and their logprobs) differ by design.
     vs_single = 0.0
     bitwise_single = True
     for seq_a, seq_b, lp_a, lp_b in zip(
-        lora_run.sequences, single_lora.sequences, lora_run.logprobs, single_lora.logprobs, strict=True
+        lora_run.sequences,
+        single_lora.sequences,
+        lora_run.logprobs,
+        single_lora.logprobs,
+        strict=True,
     ):
-        same = next((k for k, (x, y) in enumerate(zip(seq_a, seq_b, strict=True)) if x != y), len(seq_a))
+        same = next(
+            (k for k, (x, y) in enumerate(zip(seq_a, seq_b, strict=True)) if x != y), len(seq_a)
+        )
         a, b = lp_a[:same].cpu(), lp_b[:same].cpu()
         vs_single = max(vs_single, float((a - b).abs().max()) if same else 0.0)
         bitwise_single &= bool(torch.equal(a, b)) and same == len(seq_a)
     report = compare_with_references(
-        model_dir, adapters, prompt_ids, assignment, lora_run, base_run,
-        backend=backend, dtype=dtype_name, reference_device=device,
+        model_dir,
+        adapters,
+        prompt_ids,
+        assignment,
+        lora_run,
+        base_run,
+        backend=backend,
+        dtype=dtype_name,
+        reference_device=device,
     )
     adapters_per_group = {
-        g: sorted({adapters[a][0] if a is not None else "<base>" for a, gg in zip(assignment, groups, strict=True) if gg == g})
+        g: sorted(
+            {
+                adapters[a][0] if a is not None else "<base>"
+                for a, gg in zip(assignment, groups, strict=True)
+                if gg == g
+            }
+        )
         for g in range(dp)
     }
     report.extra.update(

@@ -24,18 +24,24 @@ def _hf_dtype(name: str) -> torch.dtype:
 def load_hf(model_dir: str | Path, dtype: str, device: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_hf_dtype(dtype), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=_hf_dtype(dtype), attn_implementation="eager"
+    )
     return model.to(device).eval()
 
 
-def load_peft(model_dir: str | Path, adapter_dir: str | Path, dtype: str, device: str) -> torch.nn.Module:
+def load_peft(
+    model_dir: str | Path, adapter_dir: str | Path, dtype: str, device: str
+) -> torch.nn.Module:
     from peft import PeftModel
 
     base = load_hf(model_dir, dtype, device)
     return PeftModel.from_pretrained(base, str(adapter_dir)).to(device).eval()
 
 
-def write_merged_checkpoint(model_dir: str | Path, adapter_dir: str | Path, out: str | Path) -> Path:
+def write_merged_checkpoint(
+    model_dir: str | Path, adapter_dir: str | Path, out: str | Path
+) -> Path:
     """A copy of the checkpoint with W <- W + scaling * B @ A for every LoRA pair (fp32 math)."""
     model_dir, adapter_dir, out = Path(model_dir), Path(adapter_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +75,14 @@ def write_merged_checkpoint(model_dir: str | Path, adapter_dir: str | Path, out:
 _CACHE: dict[tuple[object, ...], torch.Tensor] = {}
 
 
-def cached_logprobs(kind: str, model_dir: Path | str, adapter: Path | str | None, dtype: str, device: str, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+def cached_logprobs(
+    kind: str,
+    model_dir: Path | str,
+    adapter: Path | str | None,
+    dtype: str,
+    device: str,
+    seqs: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
     """Reference logprobs of `seqs`, computed once per process for the same inputs.
 
     The references do not depend on our backend, so checks that run our runtime several
@@ -90,7 +103,9 @@ def cached_logprobs(kind: str, model_dir: Path | str, adapter: Path | str | None
             with tempfile.TemporaryDirectory(prefix="loraplane-merged-") as tmp:
                 model = load_hf(write_merged_checkpoint(model_dir, adapter, tmp), dtype, device)
         for s in missing:
-            _CACHE[(kind, str(model_dir), str(adapter), dtype, device, tuple(s))] = sequence_logprobs(model, s, device).cpu()
+            _CACHE[(kind, str(model_dir), str(adapter), dtype, device, tuple(s))] = (
+                sequence_logprobs(model, s, device).cpu()
+            )
         del model
     return [_CACHE[k] for k in keys]
 

@@ -72,7 +72,11 @@ def build_batch(work: list[SeqWork], device: torch.device | str) -> tuple[Forwar
     chunks, tokens, slots = [], [], []
     offset = 0
     for w in work:
-        chunks.append(SeqChunk(cache_row=w.cache_row, start=w.start, length=len(w.tokens), token_offset=offset))
+        chunks.append(
+            SeqChunk(
+                cache_row=w.cache_row, start=w.start, length=len(w.tokens), token_offset=offset
+            )
+        )
         tokens.append(list(w.tokens))
         slots.extend([w.slot] * len(w.tokens))
         offset += len(w.tokens)
@@ -103,7 +107,9 @@ class LocalExecutor:
         assert dp_group == 0
         weights = self.runner.read_adapter(name, path)
         self.host[name] = weights
-        return AdapterInfo(name, path, weights.rank, weights.scaling, weights.target_modules, weights.nbytes)
+        return AdapterInfo(
+            name, path, weights.rank, weights.scaling, weights.target_modules, weights.nbytes
+        )
 
     def load_slot(self, slot: int, name: str) -> None:
         assert self.runner.lora is not None

@@ -72,7 +72,9 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, local_slots: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, local_slots: Sequence[int] | None = None
+    ) -> torch.Tensor:
         """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the LoRA slot per token.
 
         Under DP attention every rank calls this once per step, idle or not: the ranks
@@ -101,20 +103,31 @@ class ModelRunner:
 
 
 def prefill_batch(
-    prompts: Sequence[Sequence[int]], cache_rows: Sequence[int], *, all_logits: bool, device: torch.device | str
+    prompts: Sequence[Sequence[int]],
+    cache_rows: Sequence[int],
+    *,
+    all_logits: bool,
+    device: torch.device | str,
 ) -> ForwardBatch:
     chunks, offset = [], 0
     for ids, row in zip(prompts, cache_rows, strict=True):
         chunks.append(SeqChunk(cache_row=row, start=0, length=len(ids), token_offset=offset))
         offset += len(ids)
-    return ForwardBatch.from_chunks([list(p) for p in prompts], chunks, all_logits=all_logits, device=device)
+    return ForwardBatch.from_chunks(
+        [list(p) for p in prompts], chunks, all_logits=all_logits, device=device
+    )
 
 
 def decode_batch(
-    last_tokens: Sequence[int], cache_rows: Sequence[int], starts: Sequence[int], device: torch.device | str
+    last_tokens: Sequence[int],
+    cache_rows: Sequence[int],
+    starts: Sequence[int],
+    device: torch.device | str,
 ) -> ForwardBatch:
     chunks = [
         SeqChunk(cache_row=row, start=start, length=1, token_offset=i)
         for i, (row, start) in enumerate(zip(cache_rows, starts, strict=True))
     ]
-    return ForwardBatch.from_chunks([[t] for t in last_tokens], chunks, all_logits=False, device=device)
+    return ForwardBatch.from_chunks(
+        [[t] for t in last_tokens], chunks, all_logits=False, device=device
+    )

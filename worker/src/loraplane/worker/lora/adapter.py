@@ -54,7 +54,9 @@ class AdapterWeights:
     # (layer, module) -> (A [r, in], B [out, r])
     dense: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (layer, expert, module) -> (A [r, in], B [out, r])
-    experts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    experts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
     version: int = 0
 
     @property
@@ -91,7 +93,9 @@ def read_adapter_config(name: str, path: Path) -> dict[str, Any]:
         raise AdapterError(name, "lora_path", f"{path} is not a directory")
     cfg_path = path / ADAPTER_CONFIG
     if not cfg_path.is_file():
-        raise AdapterError(name, ADAPTER_CONFIG, f"missing in {path}; a PEFT adapter directory needs it")
+        raise AdapterError(
+            name, ADAPTER_CONFIG, f"missing in {path}; a PEFT adapter directory needs it"
+        )
     try:
         raw = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -120,11 +124,20 @@ def load_adapter(
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(name, "r", f"must be a positive integer, got {rank!r}")
     if rank > max_rank:
-        raise AdapterError(name, "r", f"{rank} is above max_lora_rank {max_rank}; start the worker with a larger --max-lora-rank")
+        raise AdapterError(
+            name,
+            "r",
+            f"{rank} is above max_lora_rank {max_rank}; start the worker with a larger --max-lora-rank",
+        )
     alpha = raw.get("lora_alpha", rank)
     if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(name, "lora_alpha", f"must be a finite number, got {alpha!r}")
-    for unsupported, empty in (("use_dora", False), ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {})):
+    for unsupported, empty in (
+        ("use_dora", False),
+        ("modules_to_save", None),
+        ("rank_pattern", {}),
+        ("alpha_pattern", {}),
+    ):
         value = raw.get(unsupported)
         if value not in (empty, None, False, {}, []):
             raise AdapterError(name, unsupported, f"{value!r} is not supported")
@@ -143,7 +156,11 @@ def load_adapter(
             f"{unknown} not supported by this worker; expected a subset of {list(allowed_modules)}",
         )
     if target_params:
-        raise AdapterError(name, "target_parameters", f"{target_params} is not supported; target expert modules by name")
+        raise AdapterError(
+            name,
+            "target_parameters",
+            f"{target_params} is not supported; target expert modules by name",
+        )
     scaling = float(alpha) / (math.sqrt(rank) if raw.get("use_rslora") else rank)
 
     weights_path = path / ADAPTER_WEIGHTS
@@ -155,10 +172,17 @@ def load_adapter(
             for key in f.keys():  # noqa: SIM118
                 tensors[key] = f.get_tensor(key)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise AdapterError(name, ADAPTER_WEIGHTS, f"cannot be read, truncated or corrupt ({exc})") from exc
+        raise AdapterError(
+            name, ADAPTER_WEIGHTS, f"cannot be read, truncated or corrupt ({exc})"
+        ) from exc
 
     adapter = AdapterWeights(
-        name=name, path=str(path), rank=rank, alpha=float(alpha), scaling=scaling, target_modules=tuple(targets)
+        name=name,
+        path=str(path),
+        rank=rank,
+        alpha=float(alpha),
+        scaling=scaling,
+        target_modules=tuple(targets),
     )
     halves: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -171,21 +195,39 @@ def load_adapter(
             if not experts_enabled:
                 raise AdapterError(name, key, "expert LoRA is disabled on this worker")
             if not (config.is_moe and layer < config.num_layers and config.is_moe_layer(layer)):
-                raise AdapterError(name, key, f"layer {layer} of {config.name} has no routed experts")
+                raise AdapterError(
+                    name, key, f"layer {layer} of {config.name} has no routed experts"
+                )
             if expert >= config.num_experts:
-                raise AdapterError(name, key, f"expert {expert} >= num_experts {config.num_experts}")
+                raise AdapterError(
+                    name, key, f"expert {expert} >= num_experts {config.num_experts}"
+                )
             d_in, d_out = _expert_shape(config, module)
             halves.setdefault(("e", layer, expert, module), {})[ab] = t
         elif m := _DENSE_KEY.match(key):
             layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
             if module not in LORA_MODULES:
-                raise AdapterError(name, key, f"module {module!r} is not a LoRA target this worker supports")
+                raise AdapterError(
+                    name, key, f"module {module!r} is not a LoRA target this worker supports"
+                )
             if module not in allowed_modules:
-                raise AdapterError(name, key, f"module {module!r} is not enabled on this worker ({list(allowed_modules)})")
+                raise AdapterError(
+                    name,
+                    key,
+                    f"module {module!r} is not enabled on this worker ({list(allowed_modules)})",
+                )
             if layer >= config.num_layers:
-                raise AdapterError(name, key, f"layer {layer} does not exist; {config.name} has {config.num_layers} layers")
+                raise AdapterError(
+                    name,
+                    key,
+                    f"layer {layer} does not exist; {config.name} has {config.num_layers} layers",
+                )
             if module in MLP_MODULES and config.is_moe_layer(layer):
-                raise AdapterError(name, key, f"layer {layer} is a MoE layer with no dense {module}; target experts instead")
+                raise AdapterError(
+                    name,
+                    key,
+                    f"layer {layer} is a MoE layer with no dense {module}; target experts instead",
+                )
             d_in, d_out = _dense_shape(config, module)
             halves.setdefault(("d", layer, module), {})[ab] = t
         else:
@@ -193,7 +235,9 @@ def load_adapter(
         expected = (rank, d_in) if ab == "A" else (d_out, rank)
         if tuple(t.shape) != expected:
             raise AdapterError(
-                name, key, f"shape {list(t.shape)} does not fit the base model (expected {list(expected)} for r={rank})"
+                name,
+                key,
+                f"shape {list(t.shape)} does not fit the base model (expected {list(expected)} for r={rank})",
             )
     for where, pair in halves.items():
         if set(pair) != {"A", "B"}:

@@ -17,26 +17,42 @@ class LoRABackend:
 
     def __init__(self, name: str) -> None:
         if name == "torch":
-            from loraplane.worker.kernels import reference as k
+            from loraplane.worker.kernels import reference
 
-            self._kernels: Any = k
+            self._kernels: Any = reference
             self._routing: Any = None
         elif name == "triton":
-            from loraplane.worker import kernels as k
+            from loraplane.worker import kernels
 
-            self._kernels = k
-            self._routing = k.moe_lora_routing
+            self._kernels = kernels
+            self._routing = kernels.moe_lora_routing  # type: ignore[attr-defined]
         else:
-            raise ValueError(f"LoRA backend {name!r} is not supported; expected 'triton' or 'torch'")
+            raise ValueError(
+                f"LoRA backend {name!r} is not supported; expected 'triton' or 'torch'"
+            )
         self.name = name
 
-    def shrink(self, x: torch.Tensor, lora_a: torch.Tensor, info: LoRABatchInfo, num_slices: int) -> torch.Tensor:
+    def shrink(
+        self, x: torch.Tensor, lora_a: torch.Tensor, info: LoRABatchInfo, num_slices: int
+    ) -> torch.Tensor:
         return self._kernels.lora_shrink(  # type: ignore[no-any-return]
-            x, lora_a, info.seg_indptr, info.seg_slots, info.slot_ranks, info.row_order, num_slices, info.max_seg_len
+            x,
+            lora_a,
+            info.seg_indptr,
+            info.seg_slots,
+            info.slot_ranks,
+            info.row_order,
+            num_slices,
+            info.max_seg_len,
         )
 
     def expand(
-        self, y: torch.Tensor, lora_b: torch.Tensor, info: LoRABatchInfo, slice_offsets: torch.Tensor, out: torch.Tensor
+        self,
+        y: torch.Tensor,
+        lora_b: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: torch.Tensor,
+        out: torch.Tensor,
     ) -> None:
         self._kernels.lora_expand(
             y,
@@ -51,7 +67,9 @@ class LoRABackend:
             info.max_seg_len,
         )
 
-    def moe_routing(self, pair_expert: torch.Tensor, pair_slot: torch.Tensor, num_slots: int, num_experts: int) -> Any:
+    def moe_routing(
+        self, pair_expert: torch.Tensor, pair_slot: torch.Tensor, num_slots: int, num_experts: int
+    ) -> Any:
         """Pairs grouped by (slot, expert), computed once per MoE layer and reused."""
         if self._routing is None:
             return None
@@ -69,7 +87,14 @@ class LoRABackend:
         routing: Any,
     ) -> torch.Tensor:
         return self._kernels.moe_lora_shrink(  # type: ignore[no-any-return]
-            x, lora_a, pair_expert, pair_slot, info.slot_ranks, num_slices, topk=topk, routing=routing
+            x,
+            lora_a,
+            pair_expert,
+            pair_slot,
+            info.slot_ranks,
+            num_slices,
+            topk=topk,
+            routing=routing,
         )
 
     def moe_expand(
@@ -84,7 +109,15 @@ class LoRABackend:
         routing: Any,
     ) -> None:
         self._kernels.moe_lora_expand(
-            y, lora_b, pair_expert, pair_slot, info.slot_ranks, info.slot_scalings, slice_offsets, out, routing=routing
+            y,
+            lora_b,
+            pair_expert,
+            pair_slot,
+            info.slot_ranks,
+            info.slot_scalings,
+            slice_offsets,
+            out,
+            routing=routing,
         )
 
 

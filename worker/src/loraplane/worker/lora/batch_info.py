@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -51,7 +52,7 @@ class LoRABatchInfo:
                 slots.append(token_slots[i])
         indptr.append(len(order))
         identity = order == list(range(len(order)))
-        lens = [b - a for a, b in zip(indptr, indptr[1:], strict=False)]
+        lens = [b - a for a, b in pairwise(indptr)]
         return cls(
             token_slots=torch.tensor(list(token_slots), dtype=torch.int32, device=device),
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),

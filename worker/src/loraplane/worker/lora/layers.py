@@ -57,7 +57,9 @@ class LoRALayer(nn.Module):
     def lora_active(self) -> bool:
         return self.ctx.info(self.section) is not None
 
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    def set_slot(
+        self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> None:
         raise NotImplementedError
 
     def clear_slot(self, slot: int) -> None:
@@ -83,11 +85,17 @@ class ColumnLoRA(LoRALayer):
         self.max_rank = max_rank
         w = base.weight
         n = len(module_names)
-        self.lora_a = torch.zeros(num_slots, n * max_rank, base.in_features, dtype=w.dtype, device=w.device)
-        self.lora_b = torch.zeros(num_slots, base.local_offsets[-1], max_rank, dtype=w.dtype, device=w.device)
+        self.lora_a = torch.zeros(
+            num_slots, n * max_rank, base.in_features, dtype=w.dtype, device=w.device
+        )
+        self.lora_b = torch.zeros(
+            num_slots, base.local_offsets[-1], max_rank, dtype=w.dtype, device=w.device
+        )
         self.slice_offsets = torch.tensor(base.local_offsets, dtype=torch.int32, device=w.device)
 
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    def set_slot(
+        self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> None:
         self.clear_slot(slot)
         r = self.max_rank
         for i, name in enumerate(self.module_names):
@@ -128,11 +136,19 @@ class RowLoRA(LoRALayer):
         self.base_layer = base
         self.module_names = (module_name,)
         w = base.weight
-        self.lora_a = torch.zeros(num_slots, max_rank, base.in_local, dtype=w.dtype, device=w.device)
-        self.lora_b = torch.zeros(num_slots, base.out_features, max_rank, dtype=w.dtype, device=w.device)
-        self.slice_offsets = torch.tensor([0, base.out_features], dtype=torch.int32, device=w.device)
+        self.lora_a = torch.zeros(
+            num_slots, max_rank, base.in_local, dtype=w.dtype, device=w.device
+        )
+        self.lora_b = torch.zeros(
+            num_slots, base.out_features, max_rank, dtype=w.dtype, device=w.device
+        )
+        self.slice_offsets = torch.tensor(
+            [0, base.out_features], dtype=torch.int32, device=w.device
+        )
 
-    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int) -> None:
+    def set_slot(
+        self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
+    ) -> None:
         self.clear_slot(slot)
         if self.module_names[0] in weights:
             a, b = weights[self.module_names[0]]  # [r, in_full], [out, r]
@@ -174,7 +190,10 @@ class ExpertsLoRA(LoRALayer):
         base.lora = self
 
     def set_expert_slot(
-        self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int
+        self,
+        slot: int,
+        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+        rank: int,
     ) -> None:
         self.clear_slot(slot)
         i, r, tp_rank = self.base_layer.intermediate, self.max_rank, self.base_layer.tp_rank
@@ -185,14 +204,21 @@ class ExpertsLoRA(LoRALayer):
             else:  # A [r, H] whole; B [I_full, r] split by rows
                 k = 0 if module == "gate_proj" else 1
                 self.a_gate_up[slot, expert, k * r : k * r + rank].copy_(a)
-                self.b_gate_up[slot, expert, k * i : (k + 1) * i, :rank].copy_(b[tp_rank * i : (tp_rank + 1) * i])
+                self.b_gate_up[slot, expert, k * i : (k + 1) * i, :rank].copy_(
+                    b[tp_rank * i : (tp_rank + 1) * i]
+                )
 
     def clear_slot(self, slot: int) -> None:
         for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
             buf[slot].zero_()
 
     def add_gate_up(
-        self, x: torch.Tensor, gu: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor, topk: int
+        self,
+        x: torch.Tensor,
+        gu: torch.Tensor,
+        pair_expert: torch.Tensor,
+        pair_token: torch.Tensor,
+        topk: int,
     ) -> None:
         """gu [P, 2I] += per-pair LoRA of gate/up; pair p reads token row p // topk of x [T, H]."""
         info = self.ctx.info(self.section)
@@ -203,9 +229,18 @@ class ExpertsLoRA(LoRALayer):
         self._routing = backend.moe_routing(
             self._pair_expert, self._pair_slots, self.a_gate_up.shape[0], self.a_gate_up.shape[1]
         )
-        y = backend.moe_shrink(x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing)
+        y = backend.moe_shrink(
+            x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing
+        )
         backend.moe_expand(
-            y, self.b_gate_up, self._pair_expert, self._pair_slots, info, self.gate_up_offsets, gu, self._routing
+            y,
+            self.b_gate_up,
+            self._pair_expert,
+            self._pair_slots,
+            info,
+            self.gate_up_offsets,
+            gu,
+            self._routing,
         )
 
     def add_down(self, act: torch.Tensor, d: torch.Tensor) -> None:
@@ -213,5 +248,16 @@ class ExpertsLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
-        y = backend.moe_shrink(act, self.a_down, self._pair_expert, self._pair_slots, info, 1, 1, self._routing)
-        backend.moe_expand(y, self.b_down, self._pair_expert, self._pair_slots, info, self.down_offsets, d, self._routing)
+        y = backend.moe_shrink(
+            act, self.a_down, self._pair_expert, self._pair_slots, info, 1, 1, self._routing
+        )
+        backend.moe_expand(
+            y,
+            self.b_down,
+            self._pair_expert,
+            self._pair_slots,
+            info,
+            self.down_offsets,
+            d,
+            self._routing,
+        )

@@ -20,14 +20,18 @@ from loraplane.worker.models.model import MLP, CausalLM, SparseMoE
 
 
 class LoRAManager:
-    def __init__(self, model: CausalLM, config: LoRARuntimeConfig, backend: str | LoRABackend = "triton") -> None:
+    def __init__(
+        self, model: CausalLM, config: LoRARuntimeConfig, backend: str | LoRABackend = "triton"
+    ) -> None:
         self.model = model
         self.config = config
         ps = model.ps
         device = model.embed_tokens.weight.device
         self.device = device
         self.num_slots = config.max_loras_per_batch
-        self.ctx = LoRAContext(make_backend(backend) if isinstance(backend, str) else backend, ps.dp_attention)
+        self.ctx = LoRAContext(
+            make_backend(backend) if isinstance(backend, str) else backend, ps.dp_attention
+        )
         self.slot_ranks = torch.zeros(self.num_slots, dtype=torch.int32, device=device)
         self.slot_scalings = torch.zeros(self.num_slots, dtype=torch.float32, device=device)
         self.slot_adapters: list[AdapterWeights | None] = [None] * self.num_slots
@@ -40,7 +44,9 @@ class LoRAManager:
             wrappers: list[LoRALayer] = []
             attn = layer.self_attn
             if targets & {"q_proj", "k_proj", "v_proj"}:
-                attn.qkv_proj = ColumnLoRA(attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.ctx, "local", k, r)
+                attn.qkv_proj = ColumnLoRA(
+                    attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.ctx, "local", k, r
+                )
                 wrappers.append(attn.qkv_proj)
             if "o_proj" in targets:
                 attn.o_proj = RowLoRA(attn.o_proj, "o_proj", self.ctx, "local", k, r)
@@ -48,7 +54,9 @@ class LoRAManager:
             mlp = layer.mlp
             if isinstance(mlp, MLP):
                 if targets & {"gate_proj", "up_proj"}:
-                    mlp.gate_up_proj = ColumnLoRA(mlp.gate_up_proj, ("gate_proj", "up_proj"), self.ctx, "global", k, r)
+                    mlp.gate_up_proj = ColumnLoRA(
+                        mlp.gate_up_proj, ("gate_proj", "up_proj"), self.ctx, "global", k, r
+                    )
                     wrappers.append(mlp.gate_up_proj)
                 if "down_proj" in targets:
                     mlp.down_proj = RowLoRA(mlp.down_proj, "down_proj", self.ctx, "global", k, r)
@@ -70,7 +78,9 @@ class LoRAManager:
         for layer_idx, wrappers in enumerate(self.layers):
             for w in wrappers:
                 weights = {
-                    m: adapter.dense[(layer_idx, m)] for m in w.module_names if (layer_idx, m) in adapter.dense
+                    m: adapter.dense[(layer_idx, m)]
+                    for m in w.module_names
+                    if (layer_idx, m) in adapter.dense
                 }
                 w.set_slot(slot, weights, adapter.rank)
             experts = self.experts[layer_idx]
@@ -98,7 +108,9 @@ class LoRAManager:
 
     # --- per batch ---------------------------------------------------------------------
 
-    def prepare_batch(self, local_slots: Sequence[int], global_slots: Sequence[int] | None = None) -> None:
+    def prepare_batch(
+        self, local_slots: Sequence[int], global_slots: Sequence[int] | None = None
+    ) -> None:
         """Batch info for this forward: DP-local rows and (with DP attention) TP-global rows.
 
         `global_slots` is the per-token slot ids all-gathered from every DP group, in
@@ -107,10 +119,14 @@ class LoRAManager:
         for s in list(local_slots) + list(global_slots or []):
             if s != NO_ADAPTER and self.slot_adapters[s] is None:
                 raise RuntimeError(f"a token uses slot {s}, which holds no adapter")
-        self.ctx.local = LoRABatchInfo.build(local_slots, self.slot_ranks, self.slot_scalings, self.device)
+        self.ctx.local = LoRABatchInfo.build(
+            local_slots, self.slot_ranks, self.slot_scalings, self.device
+        )
         if self.ctx.dp_attention:
             assert global_slots is not None, "DP attention needs the all-gathered adapter slots"
-            self.ctx.global_ = LoRABatchInfo.build(global_slots, self.slot_ranks, self.slot_scalings, self.device)
+            self.ctx.global_ = LoRABatchInfo.build(
+                global_slots, self.slot_ranks, self.slot_scalings, self.device
+            )
         else:
             self.ctx.global_ = self.ctx.local
 

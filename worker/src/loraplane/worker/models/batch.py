@@ -59,7 +59,10 @@ class ForwardBatch:
                 logit_rows.extend(range(chunk.token_offset, chunk.token_offset + chunk.length))
             elif chunk.length:
                 logit_rows.append(chunk.token_offset + chunk.length - 1)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+
+        def as_long(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
         return cls(
             input_ids=as_long(flat_ids),
             positions=as_long(positions),

@@ -35,7 +35,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
@@ -57,7 +59,9 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def split_evenly(size: int, parts: int, what: str) -> int:
     if size % parts:
-        raise ConfigError(f"{what} of size {size} cannot be sharded over {parts} ranks (not divisible)")
+        raise ConfigError(
+            f"{what} of size {size} cannot be sharded over {parts} ranks (not divisible)"
+        )
     return size // parts
 
 
@@ -99,7 +103,9 @@ class ColumnParallelLinear(nn.Module):
         size = self.local_sizes[slice_index]
         return full.narrow(0, self.tp_rank * size, size)
 
-    def load(self, full_weight: torch.Tensor, slice_index: int = 0, bias: torch.Tensor | None = None) -> None:
+    def load(
+        self, full_weight: torch.Tensor, slice_index: int = 0, bias: torch.Tensor | None = None
+    ) -> None:
         lo, hi = self.local_offsets[slice_index], self.local_offsets[slice_index + 1]
         self.weight.data[lo:hi].copy_(self.shard_rows(full_weight, slice_index))
         if bias is not None:

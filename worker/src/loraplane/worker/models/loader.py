@@ -25,7 +25,9 @@ def resolve_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ConfigError(f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}") from None
+        raise ConfigError(
+            f"dtype {name!r} is not supported; expected one of {sorted(DTYPES)}"
+        ) from None
 
 
 def load_model(
@@ -44,14 +46,15 @@ def load_model(
     dtype = dtype or resolve_dtype(config.torch_dtype)
     with torch.device("meta"):
         model = CausalLM(config, ps)
-    model = model.to_empty(device=device)
+    model.to_empty(device=device)
     model.to(dtype)
     # Buffers computed at construction (rotary inv_freq) were lost on the meta device.
     for module in model.modules():
         if hasattr(module, "inv_freq"):
             hd = module.inv_freq.numel() * 2
             module.inv_freq = 1.0 / (
-                config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
+                config.rope_theta
+                ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
             )
     seen: set[str] = set()
     for path in files:
@@ -64,7 +67,8 @@ def load_model(
     missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in seen]
     if missing:
         raise ConfigError(f"checkpoint {model_dir} lacks {missing}")
-    return model.eval()
+    model.eval()
+    return model
 
 
 def _load_tensor(model: CausalLM, config: ModelConfig, key: str, t: torch.Tensor) -> None:

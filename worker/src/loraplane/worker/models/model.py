@@ -34,8 +34,12 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         tp, rank = ps.attn_tp_size, ps.attn_tp_rank
-        self.num_heads = split_evenly(config.num_heads, tp, f"layers.{layer}.self_attn q_proj heads")
-        self.num_kv_heads = split_evenly(config.num_kv_heads, tp, f"layers.{layer}.self_attn k_proj/v_proj heads")
+        self.num_heads = split_evenly(
+            config.num_heads, tp, f"layers.{layer}.self_attn q_proj heads"
+        )
+        self.num_kv_heads = split_evenly(
+            config.num_kv_heads, tp, f"layers.{layer}.self_attn k_proj/v_proj heads"
+        )
         self.head_dim = config.head_dim
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -102,16 +106,22 @@ class Attention(nn.Module):
             if not c.length:
                 continue
             total = c.start + c.length
-            qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[None]  # [1, heads, Lq, d]
+            qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[
+                None
+            ]  # [1, heads, Lq, d]
             ks = k_cache[c.cache_row, :total].transpose(0, 1)[None]  # [1, kv, Lk, d]
             vs = v_cache[c.cache_row, :total].transpose(0, 1)[None]
             if c.start == 0:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
+                )
             else:
                 qpos = torch.arange(c.start, total, device=q.device)
                 kpos = torch.arange(total, device=q.device)
                 mask = kpos[None, :] <= qpos[:, None]  # [Lq, Lk]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
+                )
             out[c.token_offset : c.token_offset + c.length] = o[0].transpose(0, 1)
         return out
 
@@ -119,7 +129,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU MLP sharded over all TP ranks (runs on the TP-global token set)."""
 
-    def __init__(self, config: ModelConfig, layer: int, ps: ParallelState, intermediate: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, ps: ParallelState, intermediate: int
+    ) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -158,7 +170,9 @@ class Experts(nn.Module):
             config.moe_intermediate_size, self.tp_size, f"layers.{layer}.mlp.experts intermediate"
         )
         i, h, e = self.intermediate, config.hidden_size, config.num_experts
-        self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)  # [E, 2I_local, H]
+        self.w_gate_up = nn.Parameter(
+            torch.empty(e, 2 * i, h), requires_grad=False
+        )  # [E, 2I_local, H]
         self.w_down = nn.Parameter(torch.empty(e, h, i), requires_grad=False)  # [E, H, I_local]
         self.reduce = ps.all_reduce_tp
         # Set by the LoRA manager: adds per-(slot, expert) LoRA to the pair outputs.
@@ -203,7 +217,9 @@ class Experts(nn.Module):
                 out[chunk] = (padded @ w[e].t())[: chunk.numel()]
         return out
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         t, k = topk_ids.shape
         pair_token = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
         pair_expert = topk_ids.reshape(-1)  # [P]
@@ -227,7 +243,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # router, replicated
+        self.gate = nn.Linear(
+            config.hidden_size, config.num_experts, bias=False
+        )  # router, replicated
         self.gate.weight.requires_grad_(False)
         self.experts = Experts(config, layer, ps)
 
@@ -260,7 +278,9 @@ class CausalLM(nn.Module):
         self.ps = ps or ParallelState.single()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.ps) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.ps) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ColumnParallelLinear(
             config.hidden_size,
@@ -281,7 +301,9 @@ class CausalLM(nn.Module):
         padded = x.new_zeros(pad, *x.shape[1:])
         padded[: x.shape[0]] = x
         gathered = ps.all_gather_tp(padded)
-        return torch.cat([gathered[r][:n] for r, n in zip(ps.dp_group_leaders(), counts, strict=True)])
+        return torch.cat(
+            [gathered[r][:n] for r, n in zip(ps.dp_group_leaders(), counts, strict=True)]
+        )
 
     def _dp_local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The rows of the TP-global set that belong to this rank's DP group."""

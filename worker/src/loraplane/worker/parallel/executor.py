@@ -9,6 +9,7 @@ every collective). Group leaders (attn-TP rank 0) send back their group's logits
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as std_mp
 import queue
 import traceback
@@ -54,7 +55,7 @@ def _rank_loop(
         runner = ModelRunner(cfg, lora, ps)
         host: dict[str, AdapterWeights] = {}
         outbox.put(("ready", rank, None))
-    except BaseException:  # noqa: BLE001 - report any start failure to the driver
+    except BaseException:
         outbox.put(("error", rank, traceback.format_exc()))
         return
     while True:
@@ -80,7 +81,13 @@ def _rank_loop(
                     outbox.put(("rejected", rank, str(exc)))
                     continue
                 host[name] = w
-                outbox.put(("ok", rank, AdapterInfo(name, path, w.rank, w.scaling, w.target_modules, w.nbytes)))
+                outbox.put(
+                    (
+                        "ok",
+                        rank,
+                        AdapterInfo(name, path, w.rank, w.scaling, w.target_modules, w.nbytes),
+                    )
+                )
             elif cmd == "load_slot":
                 slot, name = args
                 assert runner.lora is not None
@@ -95,26 +102,28 @@ def _rank_loop(
                 outbox.put(("ok", rank, None))
             else:
                 raise ValueError(f"unknown command {cmd!r}")
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             outbox.put(("error", rank, traceback.format_exc()))
             break
-    try:
+    with contextlib.suppress(Exception):  # best effort on the way out
         torch.distributed.destroy_process_group()
-    except Exception:  # noqa: BLE001, S110 - best effort on the way out
-        pass
 
 
 class MultiRankExecutor:
     """`Executor` over `tp` rank processes with `dp` DP-attention groups."""
 
-    def __init__(self, pconf: ParallelConfig, runner_config: RunnerConfig, lora: LoRARuntimeConfig) -> None:
+    def __init__(
+        self, pconf: ParallelConfig, runner_config: RunnerConfig, lora: LoRARuntimeConfig
+    ) -> None:
         self.pconf = pconf
         self.dp_size = pconf.dp
         self.model_config = ModelConfig.from_dir(runner_config.model)
         self.max_seqs = runner_config.max_seqs
         self.max_len = runner_config.max_len
         if runner_config.device == "cuda" and torch.cuda.device_count() < pconf.tp:
-            raise RuntimeError(f"--tp {pconf.tp} needs {pconf.tp} GPUs; this machine has {torch.cuda.device_count()}")
+            raise RuntimeError(
+                f"--tp {pconf.tp} needs {pconf.tp} GPUs; this machine has {torch.cuda.device_count()}"
+            )
         ctx = mp.get_context("spawn")
         port = free_port()
         self._inboxes = [ctx.Queue() for _ in range(pconf.tp)]
@@ -150,7 +159,9 @@ class MultiRankExecutor:
                 if dead:
                     raise RankFailed(f"rank(s) {dead} exited during {what!r}") from None
                 if waited > _REPLY_TIMEOUT_S:
-                    raise RankFailed(f"no reply from ranks {sorted(pending)} to {what!r} in {_REPLY_TIMEOUT_S:.0f}s") from None
+                    raise RankFailed(
+                        f"no reply from ranks {sorted(pending)} to {what!r} in {_REPLY_TIMEOUT_S:.0f}s"
+                    ) from None
                 continue
             if status == "error":
                 raise RankFailed(f"rank {rank} failed during {what!r}:\n{payload}")

@@ -30,7 +30,9 @@ def init_rank(rank: int, world: int, device: str, port: int) -> torch.device:
     os.environ["MASTER_PORT"] = str(port)
     if device == "cuda":
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        dist.init_process_group(
+            "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+        )
         return torch.device("cuda", rank)
     # One thread per rank: the ranks share the CPU cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -38,7 +40,15 @@ def init_rank(rank: int, world: int, device: str, port: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _entry(rank: int, fn: Callable[..., Any], world: int, device: str, port: int, config: ParallelConfig, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world: int,
+    device: str,
+    port: int,
+    config: ParallelConfig,
+    args: tuple[Any, ...],
+) -> None:
     dev = init_rank(rank, world, device, port)
     try:
         ps = ParallelState(config, rank)
@@ -50,7 +60,9 @@ def _entry(rank: int, fn: Callable[..., Any], world: int, device: str, port: int
 def spawn_ranks(fn: Callable[..., Any], config: ParallelConfig, device: str, *args: Any) -> None:
     """Run fn(rank, parallel_state, device, *args) on `config.tp` processes and wait for all."""
     if device == "cuda" and torch.cuda.device_count() < config.tp:
-        raise RuntimeError(f"tp={config.tp} needs {config.tp} GPUs, this machine has {torch.cuda.device_count()}")
+        raise RuntimeError(
+            f"tp={config.tp} needs {config.tp} GPUs, this machine has {torch.cuda.device_count()}"
+        )
     mp.start_processes(
         _entry,
         args=(fn, config.tp, device, free_port(), config, args),

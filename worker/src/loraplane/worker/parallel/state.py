@@ -61,7 +61,9 @@ class ParallelState:
         self.attn_tp_group: Any = None
         if self.tp_size > 1:
             if not dist.is_initialized():
-                raise RuntimeError("torch.distributed must be initialized before a ParallelState with tp > 1")
+                raise RuntimeError(
+                    "torch.distributed must be initialized before a ParallelState with tp > 1"
+                )
             self.tp_group = dist.group.WORLD
             # Every rank must create every group, in the same order.
             for g in range(self.dp_size):
