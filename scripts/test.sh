@@ -12,6 +12,11 @@ needs() { local t; for t in "${tiers[@]}"; do [ "$t" = "$1" ] && return 0; done;
 # Tiny checkpoints and adapters shared by the tiers (deterministic; rebuilt when missing).
 export LORAPLANE_FIXTURES="${LORAPLANE_FIXTURES:-$PWD/.fixtures}"
 
+if needs unit || needs integration; then
+  # promtool (unit: rule tests) and prometheus (integration: a real scrape) from Debian.
+  bash scripts/prometheus.sh install
+fi
+
 if needs integration; then
   echo "== starting PostgreSQL and Redis (scripts/services.sh)"
   bash scripts/services.sh start
