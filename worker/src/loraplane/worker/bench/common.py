@@ -67,7 +67,12 @@ def env_info(device: str) -> dict[str, Any]:
 
 
 def time_device(
-    fn: Callable[[], object], device: str, *, warmup_ms: float = 2.0, rep_ms: float = 8.0, cpu_reps: int = 2
+    fn: Callable[[], object],
+    device: str,
+    *,
+    warmup_ms: float = 2.0,
+    rep_ms: float = 8.0,
+    cpu_reps: int = 2,
 ) -> float:
     """Median time of ``fn`` in microseconds.
 
@@ -123,7 +128,6 @@ def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> dict[str, float]:
     dst = torch.empty_like(src)
     us = time_device(lambda: dst.copy_(src), device, warmup_ms=5, rep_ms=50)
     moved = 2 * src.numel() * src.element_size()
-    del src, dst
     return {"bytes": float(moved), "us": us, "gbytes_per_s": moved / us / 1e3}
 
 
@@ -152,12 +156,15 @@ class JsonSink:
         self.payload[key] = value
         self.flush()
 
-    def guarded(self, what: str, fn: Callable[[], Any]) -> Any:
+    def guarded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn``; on an exception record it under ``errors`` and return None."""
         try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 - a benchmark keeps going past one failure
-            self.append("errors", {"what": what, "error": repr(exc), "traceback": traceback.format_exc()[-4000:]})
+            return fn(*args)
+        except Exception as exc:
+            self.append(
+                "errors",
+                {"what": what, "error": repr(exc), "traceback": traceback.format_exc()[-4000:]},
+            )
             print(f"[bench] {what} failed: {exc!r}", flush=True)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

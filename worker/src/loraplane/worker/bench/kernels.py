@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -99,7 +98,9 @@ PREFILL_MIN_TOKENS = 512  # a token count at or above this is labelled "prefill"
 REF_MAX_MOE_PAIRS = 1024
 
 
-def _randn(shape: tuple[int, ...], scale: float, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+def _randn(
+    shape: tuple[int, ...], scale: float, dtype: torch.dtype, device: str, gen: torch.Generator
+) -> torch.Tensor:
     return (torch.randn(shape, device=device, dtype=torch.float32, generator=gen) * scale).to(dtype)
 
 
@@ -111,7 +112,14 @@ def _rel_err(delta: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_case(
-    mod: ModuleShape, tokens: int, rank: int, adapters: int, device: str, dtype: torch.dtype, rep_ms: float, seed: int
+    mod: ModuleShape,
+    tokens: int,
+    rank: int,
+    adapters: int,
+    device: str,
+    dtype: torch.dtype,
+    rep_ms: float,
+    seed: int,
 ) -> dict[str, Any]:
     from loraplane.worker import kernels as tk
     from loraplane.worker.kernels import reference as ref
@@ -119,7 +127,11 @@ def run_case(
     from loraplane.worker.models.model import Experts
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    es = dtype.itemsize if hasattr(dtype, "itemsize") else torch.tensor([], dtype=dtype).element_size()
+    es = (
+        dtype.itemsize
+        if hasattr(dtype, "itemsize")
+        else torch.tensor([], dtype=dtype).element_size()
+    )
     K, n_slices = mod.hidden, len(mod.slices)
     offsets = [0]
     for w in mod.slices:
@@ -159,7 +171,9 @@ def run_case(
             return tk.lora_shrink(x, a, *seg, n_slices, info.max_seg_len)
 
         def expand() -> object:
-            tk.lora_expand(y, b, *seg3, info.slot_scalings, ro, slice_offsets, out, info.max_seg_len)
+            tk.lora_expand(
+                y, b, *seg3, info.slot_scalings, ro, slice_offsets, out, info.max_seg_len
+            )
             return None
 
         def both_tri(o: torch.Tensor) -> None:
@@ -168,7 +182,9 @@ def run_case(
 
         def both_ref(o: torch.Tensor) -> None:
             yy = ref.lora_shrink(x, a, *seg, n_slices, info.max_seg_len)
-            ref.lora_expand(yy, b, *seg3, info.slot_scalings, ro, slice_offsets, o, info.max_seg_len)
+            ref.lora_expand(
+                yy, b, *seg3, info.slot_scalings, ro, slice_offsets, o, info.max_seg_len
+            )
 
         routing_fn: Callable[[], object] | None = None
         x_rows, lora_rows = tokens, tokens
@@ -192,15 +208,34 @@ def run_case(
         kernel_topk = 1 if mod.pairs_input else topk
         routing = tk.moe_lora_routing(pair_expert, pair_slot, adapters, E)
         out = _randn((P, N), 1.0, dtype, device, gen)
-        y = tk.moe_lora_shrink(x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk, routing=routing)
+        y = tk.moe_lora_shrink(
+            x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk, routing=routing
+        )
 
         def shrink() -> object:
             return tk.moe_lora_shrink(
-                x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk, routing=routing
+                x,
+                a,
+                pair_expert,
+                pair_slot,
+                slot_ranks,
+                n_slices,
+                topk=kernel_topk,
+                routing=routing,
             )
 
         def expand() -> object:
-            tk.moe_lora_expand(y, b, pair_expert, pair_slot, slot_ranks, slot_scalings, slice_offsets, out, routing=routing)
+            tk.moe_lora_expand(
+                y,
+                b,
+                pair_expert,
+                pair_slot,
+                slot_ranks,
+                slot_scalings,
+                slice_offsets,
+                out,
+                routing=routing,
+            )
             return None
 
         def routing_fn() -> object:
@@ -208,12 +243,28 @@ def run_case(
 
         def both_tri(o: torch.Tensor) -> None:
             r = tk.moe_lora_routing(pair_expert, pair_slot, adapters, E)
-            yy = tk.moe_lora_shrink(x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk, routing=r)
-            tk.moe_lora_expand(yy, b, pair_expert, pair_slot, slot_ranks, slot_scalings, slice_offsets, o, routing=r)
+            yy = tk.moe_lora_shrink(
+                x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk, routing=r
+            )
+            tk.moe_lora_expand(
+                yy,
+                b,
+                pair_expert,
+                pair_slot,
+                slot_ranks,
+                slot_scalings,
+                slice_offsets,
+                o,
+                routing=r,
+            )
 
         def both_ref(o: torch.Tensor) -> None:
-            yy = ref.moe_lora_shrink(x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk)
-            ref.moe_lora_expand(yy, b, pair_expert, pair_slot, slot_ranks, slot_scalings, slice_offsets, o)
+            yy = ref.moe_lora_shrink(
+                x, a, pair_expert, pair_slot, slot_ranks, n_slices, topk=kernel_topk
+            )
+            ref.moe_lora_expand(
+                yy, b, pair_expert, pair_slot, slot_ranks, slot_scalings, slice_offsets, o
+            )
 
         lora_rows = P
         used_weights = int(torch.unique(pair_slot.long() * E + pair_expert.long()).numel())
@@ -260,19 +311,33 @@ def run_case(
         row["ref_us"] = time_host(lambda: both_ref(scratch), device, reps=3)
     else:
         row["ref_us"] = None
-        row["ref_skipped"] = f"torch reference not timed above {REF_MAX_MOE_PAIRS} pairs (Python loop over groups)"
+        row["ref_skipped"] = (
+            f"torch reference not timed above {REF_MAX_MOE_PAIRS} pairs (Python loop over groups)"
+        )
     if t_cuda:
+
         def pair_call() -> None:
             yy = shrink()
             if mod.experts:
-                tk.moe_lora_expand(yy, b, pair_expert, pair_slot, slot_ranks, slot_scalings, slice_offsets, out, routing=routing)  # type: ignore[arg-type]
+                tk.moe_lora_expand(
+                    yy,
+                    b,
+                    pair_expert,
+                    pair_slot,
+                    slot_ranks,
+                    slot_scalings,
+                    slice_offsets,
+                    out,
+                    routing=routing,
+                )  # type: ignore[arg-type]
             else:
-                tk.lora_expand(yy, b, *seg3, info.slot_scalings, ro, slice_offsets, out, info.max_seg_len)  # type: ignore[arg-type]
+                tk.lora_expand(
+                    yy, b, *seg3, info.slot_scalings, ro, slice_offsets, out, info.max_seg_len
+                )  # type: ignore[arg-type]
 
         row["host_us"] = host_launch_us(pair_call, device, calls=30)
     row["lora_over_dense"] = lora_us / row["dense_us"] if row["dense_us"] else None
     row["ref_over_lora"] = row["ref_us"] / lora_us if row["ref_us"] else None
-    del x, a, b, out, y, out0, w_base
     return row
 
 
@@ -326,7 +391,9 @@ def run_kernels_bench(
                 "tokens": token_list,
                 "dtype": str(tdtype),
                 "rep_ms": rep_ms,
-                "timer": "triton.testing.do_bench median (CUDA events, L2 flushed)" if dev_type == "cuda" else "host clock",
+                "timer": "triton.testing.do_bench median (CUDA events, L2 flushed)"
+                if dev_type == "cuda"
+                else "host clock",
             },
             "cases": [],
         },
@@ -346,7 +413,9 @@ def run_kernels_bench(
                             return sink.payload
                         seed += 1
                         what = f"{shape}/{mod.name} T={t} r={rank} adapters={n}"
-                        row = sink.guarded(what, lambda: run_case(mod, t, rank, n, device, tdtype, rep_ms, seed))  # noqa: B023
+                        row = sink.guarded(
+                            what, run_case, mod, t, rank, n, device, tdtype, rep_ms, seed
+                        )
                         if row is None:
                             continue
                         row["shape"] = shape
@@ -380,17 +449,23 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loraplane.worker.bench.kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m loraplane.worker.bench.kernels", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--shapes", default=None, help="comma list of " + ",".join(SHAPES))
     p.add_argument("--ranks", default="16,64")
     p.add_argument("--adapters", default="1,4,16")
-    p.add_argument("--tokens", default=None, help="comma list; default decode 16,64,128 + prefill 2048 on CUDA")
+    p.add_argument(
+        "--tokens", default=None, help="comma list; default decode 16,64,128 + prefill 2048 on CUDA"
+    )
     p.add_argument("--dtype", default=None)
     p.add_argument("--rep-ms", type=float, default=8.0)
     p.add_argument("--max-seconds", type=float, default=None)
     p.add_argument("--out", type=Path, default=None, help="JSON file, written after every case")
-    p.add_argument("--json", action="store_true", help="print the result JSON on stdout (else a table)")
+    p.add_argument(
+        "--json", action="store_true", help="print the result JSON on stdout (else a table)"
+    )
     args = p.parse_args(argv)
     if args.shapes:
         shapes = args.shapes.split(",")

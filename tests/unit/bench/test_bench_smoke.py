@@ -1,0 +1,68 @@
+"""CPU smoke test of the GPU benchmarks at tiny shapes (Triton interpreter): every JSON field
+the reports rely on is present and the ratios are computed. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+
+def test_kernels_bench_tiny(tmp_path):
+    from loraplane.worker.bench.kernels import run_kernels_bench, summary_table
+
+    out = tmp_path / "kernels.json"
+    res = run_kernels_bench("cpu", [4], [2], ["tiny"], out, tokens=[3], rep_ms=1.0)
+    assert json.loads(out.read_text())["cases"] == json.loads(json.dumps(res["cases"]))
+    assert not res.get("errors"), res.get("errors")
+    assert res["peak"]["gbytes_per_s"] > 0
+    assert {c["module"] for c in res["cases"]} == {"qkv", "down", "moe_gate_up", "moe_down"}
+    for c in res["cases"]:
+        for key in (
+            "shrink_us",
+            "expand_us",
+            "lora_us",
+            "dense_us",
+            "shrink_bytes",
+            "expand_bytes",
+            "shrink_pct_peak",
+            "expand_pct_peak",
+            "lora_pct_peak",
+            "lora_over_dense",
+        ):
+            assert c[key] is not None and c[key] > 0, key
+        assert c["ref_us"] > 0 and c["ref_over_lora"] == pytest.approx(c["ref_us"] / c["lora_us"])
+        assert c["rel_err"] < 1e-5  # fp32 in the interpreter
+        if c["kind"] == "moe":
+            assert c["routing_us"] > 0 and c["base_grouped_us"] > 0 and c["pairs"] == 6
+    assert "tiny/qkv" in summary_table(res)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-moe"])
+def test_decode_bench_tiny(tmp_path, shape):
+    from loraplane.worker.bench.decode import run_decode_bench, summary_table
+
+    out = tmp_path / "decode.json"
+    res = run_decode_bench(
+        "cpu", [2], [2], 1, shape, False, out, rank=4, context=4, steps=1, warmup=1
+    )
+    assert not res.get("errors"), res.get("errors")
+    assert json.loads(out.read_text())["settings"]["shape"] == shape
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"head", "off", "none", "2"}
+    assert rows["off"]["ratio_vs_off"] == 1.0
+    for v in ("none", "2"):
+        r = rows[v]
+        assert r["tok_s"] > 0 and r["step_ms"] > 0
+        assert r["ratio_vs_off"] == pytest.approx(r["tok_s"] / rows["off"]["tok_s"])
+        assert "projected_ratio_full_depth" in r
+        assert r["projected_ratio_full_depth"] is None or math.isfinite(
+            r["projected_ratio_full_depth"]
+        )
+    assert "bs" in summary_table(res)

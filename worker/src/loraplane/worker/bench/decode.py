@@ -1,0 +1,614 @@
+"""Decode benchmark: end-to-end decode tokens/s of our runtime, LoRA off vs on.
+
+    python -m loraplane.worker.bench.decode --device cuda --json [--out FILE]
+        [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
+        [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--cuda-graphs] [--profile]
+
+Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
+*, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None) -> dict``.
+
+What runs (the same engine and settings on both sides of every ratio, all in one process):
+
+* The model is ``CausalLM`` built **in memory** at the real shapes of ``shape`` with ``layers``
+  decoder layers and the real vocabulary (no checkpoint is written: a multi-GB safetensors
+  round trip would cost minutes and measure nothing), random bf16 weights (std 1/sqrt(fan_in),
+  never zeros), wrapped in a ``ModelRunner`` (``_InMemoryRunner``: the real ``forward``, only
+  the constructor differs) with its real ``KVCache``.
+* The KV cache rows are filled with random values for ``context`` positions instead of running
+  a prefill (a decode step costs the same either way); every sequence sits at the same length.
+* One decode step = what the engine does per step: ``decode_batch`` (host lists -> device
+  tensors), ``ModelRunner.forward`` (which builds ``LoRABatchInfo`` on the host), greedy
+  ``argmax`` and ``tolist`` of the next tokens (the host sync that ends every real step).
+  Steps advance the position by one. tokens/s = batch size x timed steps / wall time.
+* Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
+  attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
+  adapters (token ``i`` uses slot ``i % n``: mixed traffic, gathered through ``row_order``).
+  The manager is attached once and swapped in and out of the model (``_LoRASwitch``), so every
+  variant runs on the same weights. Adapters: rank ``rank``, every linear target (q, k, v, o,
+  gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
+  experts); dense adapters are random per adapter, expert LoRA tensors are shared between
+  adapters (same cost: each slot is its own buffer).
+* ``head`` rows time the step with no decoder layer (embedding, final norm, LM head, sampling)
+  so ``projected_ratio_full_depth`` extrapolates each ratio to the real depth (32 / 48 layers):
+  ``(H + L b) / (H + L (b + d))`` with ``b``, ``d`` the measured per-layer base and LoRA cost.
+* ``--cuda-graphs`` (dense only): the model forward of one fixed decode batch is captured once
+  per (batch size, variant) with its LoRA batch info held static, then replayed; a step is
+  replay + argmax + next tokens copied into the static input + ``tolist``. Positions do not
+  advance (the same context every replay). This is what graphs could give; the runtime does
+  not capture graphs yet (docs/performance.md). MoE cannot be captured: ``Experts.grouped``
+  reads expert counts back to the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loraplane.worker.bench.common import JsonSink, env_info, fmt, is_cuda, sync
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(
+        arch="llama",
+        hidden_size=4096,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        full_layers=32,
+    ),
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe",
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        qk_norm=True,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        rope_theta=1000000.0,
+        full_layers=48,
+    ),
+    "tiny": dict(
+        arch="llama",
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        full_layers=4,
+    ),
+    "tiny-moe": dict(
+        arch="qwen3_moe",
+        hidden_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        qk_norm=True,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        full_layers=4,
+    ),
+}
+
+DENSE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def model_config(shape: str, layers: int, dtype: torch.dtype) -> Any:
+    from loraplane.worker.config import ModelConfig
+
+    spec = {k: v for k, v in SHAPES[shape].items() if k != "full_layers"}
+    return ModelConfig(
+        num_layers=layers,
+        torch_dtype=str(dtype).removeprefix("torch."),
+        name=f"bench-{shape}",
+        **spec,
+    )
+
+
+def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
+    """``CausalLM`` at ``config``'s shapes with random weights, built on ``device``."""
+    from loraplane.worker.models.model import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to_empty(device=device)
+    model.to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):  # lost on the meta device (as in loader.load_model)
+            hd = module.inv_freq.numel() * 2
+            module.inv_freq = 1.0 / (
+                config.rope_theta
+                ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
+            )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # norm weights
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0, generator=gen)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    return model.eval()
+
+
+def _make_runner(model: nn.Module, device: str, max_seqs: int, max_len: int) -> Any:
+    from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
+    from loraplane.worker.models.kv_cache import KVCache
+    from loraplane.worker.parallel.state import ParallelState
+
+    class _InMemoryRunner(ModelRunner):
+        """``ModelRunner`` around a model built in memory (its ``forward`` is the real one)."""
+
+        def __init__(self) -> None:
+            self.config = RunnerConfig(
+                model="<in-memory>", device=device, max_seqs=max_seqs, max_len=max_len
+            )
+            self.ps = model.ps
+            self.device = torch.device(device)
+            self.model = model
+            self.model_config = model.config
+            self.dtype = model.embed_tokens.weight.dtype
+            attn = model.layers[0].self_attn
+            self.kv = KVCache(
+                self.model_config.num_layers,
+                max_seqs,
+                max_len,
+                attn.num_kv_heads,
+                self.model_config.head_dim,
+                self.dtype,
+                self.device,
+            )
+            self.lora_config = None
+            self.lora = None
+
+    del ParallelState
+    return _InMemoryRunner()
+
+
+class _LoRASwitch:
+    """Attach a ``LoRAManager`` once, then swap its wrappers in (``on``) and out (``off``)."""
+
+    _ATTRS = (
+        ("self_attn", "qkv_proj"),
+        ("self_attn", "o_proj"),
+        ("mlp", "gate_up_proj"),
+        ("mlp", "down_proj"),
+    )
+
+    def __init__(self, runner: Any, lora_cfg: Any, backend: str) -> None:
+        from loraplane.worker.lora.manager import LoRAManager
+
+        self.runner = runner
+        self.base = self._refs()
+        self.manager = LoRAManager(runner.model, lora_cfg, backend)
+        self.wrapped = self._refs()
+        self.expert_loras = [
+            getattr(getattr(layer.mlp, "experts", None), "lora", None)
+            for layer in runner.model.layers
+        ]
+        runner.lora_config = lora_cfg
+        self.off()
+
+    def _refs(self) -> list[dict[tuple[str, str], nn.Module]]:
+        refs = []
+        for layer in self.runner.model.layers:
+            d = {}
+            for parent, attr in self._ATTRS:
+                mod = getattr(layer, parent)
+                if hasattr(mod, attr):
+                    d[(parent, attr)] = getattr(mod, attr)
+            refs.append(d)
+        return refs
+
+    def _apply(self, refs: list[dict[tuple[str, str], nn.Module]], experts_on: bool) -> None:
+        for layer, d, el in zip(self.runner.model.layers, refs, self.expert_loras, strict=True):
+            for (parent, attr), mod in d.items():
+                setattr(getattr(layer, parent), attr, mod)
+            if el is not None:
+                layer.mlp.experts.lora = el if experts_on else None
+
+    def on(self) -> None:
+        self._apply(self.wrapped, True)
+        self.runner.lora = self.manager
+
+    def off(self) -> None:
+        self._apply(self.base, False)
+        self.runner.lora = None
+
+
+def random_adapters(
+    config: Any, n: int, rank: int, device: str, dtype: torch.dtype, seed: int = 1
+) -> list[Any]:
+    """``n`` validated-shape ``AdapterWeights`` held on ``device`` (slots copy from there)."""
+    from loraplane.worker.lora.adapter import AdapterWeights
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    shapes = {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+    def pair(fan_in: int, fan_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = (torch.randn(rank, fan_in, device=device, generator=gen) * fan_in**-0.5).to(dtype)
+        b = (torch.randn(fan_out, rank, device=device, generator=gen) * (0.1 * rank**-0.5)).to(
+            dtype
+        )
+        return a, b
+
+    moe = config.is_moe
+    modules = ("q_proj", "k_proj", "v_proj", "o_proj") if moe else DENSE_MODULES
+    experts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    if moe:  # shared between adapters (same cost: every slot is its own buffer)
+        mi = config.moe_intermediate_size
+        for layer in range(config.num_layers):
+            for e in range(config.num_experts):
+                for m in ("gate_proj", "up_proj", "down_proj"):
+                    experts[(layer, e, m)] = pair(mi, h) if m == "down_proj" else pair(h, mi)
+    out = []
+    for k in range(n):
+        dense = {
+            (layer, m): pair(*shapes[m]) for layer in range(config.num_layers) for m in modules
+        }
+        out.append(
+            AdapterWeights(
+                name=f"bench-{k}",
+                path="<random>",
+                rank=rank,
+                alpha=2.0 * rank,
+                scaling=2.0,
+                target_modules=modules + (("gate_proj", "up_proj", "down_proj") if moe else ()),
+                dense=dense,
+                experts=experts,
+            )
+        )
+    return out
+
+
+def _eager_steps(
+    runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
+) -> list[float]:
+    from loraplane.worker.engine.runner import decode_batch
+
+    rows = list(range(bs))
+    tokens = [(7 * j + 3) % runner.model_config.vocab_size for j in rows]
+    times = []
+    for s in range(warmup + steps):
+        t0 = time.perf_counter()
+        batch = decode_batch(tokens, rows, [context + s] * bs, runner.device)
+        logits = runner.forward(batch, slots)
+        tokens = logits.argmax(-1).tolist()  # the real step's host sync
+        if s >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _graph_steps(
+    runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
+) -> list[float]:
+    from loraplane.worker.engine.runner import decode_batch
+
+    rows = list(range(bs))
+    tokens = [(7 * j + 3) % runner.model_config.vocab_size for j in rows]
+    batch = decode_batch(tokens, rows, [context] * bs, runner.device)
+    if runner.lora is not None:
+        runner.lora.prepare_batch(slots)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                runner.model(batch, runner.kv)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = runner.model(batch, runner.kv)
+        times = []
+        for s in range(warmup + steps):
+            t0 = time.perf_counter()
+            graph.replay()
+            nxt = logits.argmax(-1)
+            batch.input_ids.copy_(nxt)
+            nxt.tolist()
+            if s >= warmup:
+                times.append(time.perf_counter() - t0)
+        del graph
+        return times
+    finally:
+        if runner.lora is not None:
+            runner.lora.reset_batch_state()
+
+
+def run_decode_bench(
+    device: str,
+    batch_sizes: list[int],
+    adapters: list[int],
+    layers: int,
+    shape: str,
+    cuda_graphs: bool,
+    out: Path | None,
+    *,
+    rank: int = 16,
+    context: int = 512,
+    steps: int = 10,
+    warmup: int = 3,
+    profile: bool = False,
+    dtype: str | None = None,
+    backend: str = "triton",
+) -> dict[str, Any]:
+    """Measure every (batch size, variant, mode); JSON written to ``out`` after each row."""
+    from loraplane.worker.config import LoRARuntimeConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
+    dev_type = torch.device(device).type
+    tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
+        dtype or ("bfloat16" if dev_type == "cuda" else "float32")
+    ]
+    config = model_config(shape, layers, tdtype)
+    graphs = cuda_graphs and dev_type == "cuda" and not config.is_moe
+    modes = ["eager"] + (["graph"] if graphs else [])
+    sink = JsonSink(
+        out,
+        {
+            "bench": "decode",
+            "env": env_info(device),
+            "settings": {
+                "shape": shape,
+                "layers": layers,
+                "full_layers": SHAPES[shape]["full_layers"],
+                "batch_sizes": batch_sizes,
+                "adapters": adapters,
+                "rank": rank,
+                "context": context,
+                "steps": steps,
+                "warmup": warmup,
+                "dtype": str(tdtype),
+                "modes": modes,
+                "backend": backend,
+                "model": "CausalLM built in memory, random weights, real vocabulary; KV filled randomly",
+                "targets": "q,k,v,o + per-expert gate/up/down"
+                if config.is_moe
+                else ",".join(DENSE_MODULES),
+                "cuda_graphs_requested": cuda_graphs,
+            },
+            "rows": [],
+        },
+    )
+    t_start = time.perf_counter()
+    max_bs, max_len = max(batch_sizes), context + warmup + steps + 8
+    model = build_model(config, device, tdtype)
+    runner = _make_runner(model, device, max_bs, max_len)
+    for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
+        k_cache.normal_()
+        v_cache.normal_()
+    n_slots = max(adapters) if adapters else 1
+    lora_cfg = LoRARuntimeConfig(
+        max_loras_per_batch=n_slots,
+        max_loaded_loras=n_slots,
+        max_lora_rank=rank,
+    )
+    switch = _LoRASwitch(runner, lora_cfg, backend)
+    for slot, ad in enumerate(random_adapters(config, n_slots, rank, device, tdtype)):
+        switch.manager.load_slot(slot, ad)
+    sync(device)
+    sink.set("setup_s", time.perf_counter() - t_start)
+
+    variants: list[tuple[str, list[int] | None]] = [("off", None), ("none", None)]
+    variants += [(str(n), None) for n in adapters]
+
+    def measure(bs: int, variant: str, mode: str) -> dict[str, Any]:
+        if variant in ("off", "head"):
+            switch.off()
+            slots = [-1] * bs
+        else:
+            switch.on()
+            n = 0 if variant == "none" else int(variant)
+            slots = [i % n for i in range(bs)] if n else [-1] * bs
+        saved_layers = runner.model.layers
+        if variant == "head":
+            runner.model.layers = nn.ModuleList()
+        try:
+            with torch.inference_mode():
+                fn = _graph_steps if mode == "graph" else _eager_steps
+                times = fn(runner, bs, slots, context, warmup, steps)
+        finally:
+            runner.model.layers = saved_layers
+            switch.off()
+        step_s = statistics.median(times)
+        return {
+            "bs": bs,
+            "variant": variant,
+            "mode": mode,
+            "step_ms": step_s * 1e3,
+            "tok_s": bs * len(times) / sum(times),
+            "step_ms_min": min(times) * 1e3,
+        }
+
+    with torch.inference_mode():
+        for bs in batch_sizes:
+            for mode in modes:
+                base: dict[str, Any] | None = None
+                head = sink.guarded(f"decode bs={bs} head {mode}", measure, bs, "head", mode)
+                if head:
+                    sink.append("rows", head)
+                for variant, _ in variants:
+                    row = sink.guarded(
+                        f"decode bs={bs} {variant} {mode}", measure, bs, variant, mode
+                    )
+                    if row is None:
+                        continue
+                    if variant == "off":
+                        base = row
+                    if base is not None:
+                        row["ratio_vs_off"] = row["tok_s"] / base["tok_s"]
+                        if head is not None and variant != "off":
+                            row["projected_ratio_full_depth"] = _project(
+                                head["step_ms"],
+                                base["step_ms"],
+                                row["step_ms"],
+                                layers,
+                                SHAPES[shape]["full_layers"],
+                            )
+                    sink.append("rows", row)
+                    print(
+                        f"[decode] {shape} bs={bs} {mode} {variant}: {row['tok_s']:.0f} tok/s "
+                        f"ratio={fmt(row.get('ratio_vs_off'), 3)}",
+                        flush=True,
+                    )
+    if profile and dev_type == "cuda":
+        sink.set(
+            "profile",
+            sink.guarded(
+                "profile", lambda: _profile(runner, switch, min(64, max_bs), adapters, context)
+            ),
+        )
+    sink.set("elapsed_s", time.perf_counter() - t_start)
+    if dev_type == "cuda":
+        torch.cuda.empty_cache()
+    return sink.payload
+
+
+def _project(head_ms: float, off_ms: float, lora_ms: float, layers: int, full: int) -> float | None:
+    b = (off_ms - head_ms) / layers
+    d = (lora_ms - off_ms) / layers
+    if b <= 0:
+        return None
+    return (head_ms + full * b) / (head_ms + full * (b + d))
+
+
+def _profile(
+    runner: Any, switch: _LoRASwitch, bs: int, adapters: list[int], context: int
+) -> dict[str, Any]:
+    """torch.profiler over 3 eager steps, LoRA off and with 4 (or the most) adapters: the top
+    kernels by device time and the number of kernel launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 4 if 4 in adapters else max(adapters)
+    result: dict[str, Any] = {"bs": bs}
+    for variant in ("off", str(n)):
+        slots = [-1] * bs if variant == "off" else [i % n for i in range(bs)]
+        (switch.off if variant == "off" else switch.on)()
+        try:
+            with torch.inference_mode():
+                _eager_steps(runner, bs, slots, context, 1, 1)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    _eager_steps(runner, bs, slots, context, 0, 3)
+        finally:
+            switch.off()
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        table = events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
+        result[variant] = {"kernel_launches_per_step": launches / 3, "table": table}
+    return result
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    s = result.get("settings", {})
+    lines = [
+        f"decode {s.get('shape')} layers={s.get('layers')} (of {s.get('full_layers')}) rank={s.get('rank')} "
+        f"context={s.get('context')} setup {fmt(result.get('setup_s'))} s",
+        f"{'bs':>4} {'mode':6} {'variant':>7} {'step ms':>8} {'tok/s':>9} {'ratio':>6} {'proj':>6}",
+    ]
+    for r in result.get("rows", []):
+        lines.append(
+            f"{r['bs']:>4} {r['mode']:6} {r['variant']:>7} {r['step_ms']:>8.2f} {r['tok_s']:>9.0f} "
+            f"{fmt(r.get('ratio_vs_off'), 3):>6} {fmt(r.get('projected_ratio_full_depth'), 3):>6}"
+        )
+    prof = result.get("profile")
+    if isinstance(prof, dict):
+        for k, v in prof.items():
+            if isinstance(v, dict):
+                lines.append(
+                    f"profile bs={prof.get('bs')} {k}: {v['kernel_launches_per_step']:.0f} kernel launches/step"
+                )
+    for e in result.get("errors", []):
+        lines.append(f"ERROR {e['what']}: {e['error'][:160]}")
+    return "\n".join(lines)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(v) for v in s.split(",") if v]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m loraplane.worker.bench.decode", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", default=None, help="one of " + ",".join(SHAPES))
+    p.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default 8 dense, 4 MoE, 2 tiny)"
+    )
+    p.add_argument("--batch-sizes", default=None)
+    p.add_argument("--adapters", default="1,4,16")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--context", type=int, default=None)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--backend", default="triton", choices=["triton", "torch"])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--json", action="store_true", help="print the result JSON on stdout (else a table)"
+    )
+    args = p.parse_args(argv)
+    cuda = is_cuda(args.device)
+    shape = args.shape or ("llama3-8b" if cuda else "tiny")
+    layers = args.layers or (
+        2 if shape.startswith("tiny") else 4 if SHAPES[shape].get("num_experts") else 8
+    )
+    bss = _ints(args.batch_sizes) if args.batch_sizes else ([16, 32, 64, 128] if cuda else [2, 4])
+    context = args.context if args.context is not None else (512 if cuda else 8)
+    result = run_decode_bench(
+        args.device,
+        bss,
+        _ints(args.adapters),
+        layers,
+        shape,
+        args.cuda_graphs,
+        args.out,
+        rank=args.rank,
+        context=context,
+        steps=args.steps,
+        warmup=args.warmup,
+        profile=args.profile,
+        dtype=args.dtype,
+        backend=args.backend,
+    )
+    if args.json:
+        json.dump(result, sys.stdout, indent=1, default=str)
+        print()
+    else:
+        print(summary_table(result))
+    return 1 if result.get("errors") and not result.get("rows") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
