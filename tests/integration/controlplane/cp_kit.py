@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+import redis
 import sqlalchemy as sa
 
 ADMIN_TOKEN = "integration-admin-token"
@@ -88,3 +91,227 @@ def worker_command() -> list[str] | None:
     if probe.returncode != 0:
         return None
     return [exe, "worker", "serve"]
+
+
+class WorkerProc:
+    """A real `loraplane worker serve` process on a fixed loopback port (so it can be restarted
+    at the same endpoint, like a StatefulSet pod)."""
+
+    def __init__(
+        self,
+        model: Path,
+        tmp: Path,
+        *,
+        tp: int = 1,
+        dp: int = 1,
+        port: int | None = None,
+        k: int = 3,
+        m: int = 4,
+        rank: int = 16,
+        roots: tuple[Path, ...] = (),
+    ) -> None:
+        self.model, self.tmp, self.tp, self.dp = model, tmp, tp, dp
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            "--max-loras-per-batch",
+            str(k),
+            "--max-loaded-loras",
+            str(m),
+            "--max-lora-rank",
+            str(rank),
+            "--enable-fault-injection",
+            "--lora-backend",
+            "torch",
+        ]
+        if tp > 1 or dp > 1:
+            self.args += ["--tp", str(tp), "--dp", str(dp), "--dp-attention"]
+        for root in roots:
+            self.args += ["--allowed-lora-root", str(root)]
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = tmp / f"worker-{self.port}.log"
+
+    def start(self, timeout: float = 240) -> WorkerProc:
+        command = worker_command()
+        if command is None:
+            pytest.skip(
+                "`loraplane worker serve` does not exist yet (worker/src/loraplane/worker/server)"
+            )
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    *command,
+                    "--model",
+                    str(self.model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                text = self.log.read_text(errors="replace")
+                if "is not available yet" in text:
+                    pytest.skip(
+                        f"worker topology tp={self.tp} dp={self.dp} not available yet: {text.strip()[-300:]}"
+                    )
+                raise AssertionError(
+                    f"worker exited with {self.process.returncode}:\n{text[-3000:]}"
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise AssertionError(
+            f"worker did not become healthy in {timeout}s:\n{self.log.read_text()[-3000:]}"
+        )
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def models(self) -> set[str] | None:
+        """Adapter names /v1/models lists, or None if the worker does not answer."""
+        import httpx
+
+        try:
+            data = httpx.get(self.url + "/v1/models", timeout=30).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+        return {m["id"] for m in data if m.get("parent") is not None}
+
+    def fault(self, op: str, dp_group: int, message: str, count: int = 1) -> None:
+        import httpx
+
+        response = httpx.post(
+            self.url + "/debug/fault",
+            json={"op": op, "dp_group": dp_group, "count": count, "message": message},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+
+
+class ControlPlane:
+    def __init__(self, db_url: str, root: Path, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "LORAPLANE_DB_URL": db_url,
+            "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
+            "LORAPLANE_SOURCES__ALLOWED_ROOTS": f'["{root}"]',
+            "LORAPLANE_SOURCES__CACHE_DIR": str(tmp / "cache"),
+            "LORAPLANE_RECONCILER__INTERVAL_S": "3600",
+            "LORAPLANE_WORKERS__LOAD_TIMEOUT_S": "120",
+            "LORAPLANE_WORKERS__PROBE_TIMEOUT_S": "1",
+        }
+        self.env.pop("LORAPLANE_REDIS_URL", None)
+        self.log = tmp / f"controlplane-{self.port}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = Path(sys.executable).with_name("loraplane")
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    str(exe),
+                    "controlplane",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "warning",
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=log,
+            )
+        wait_for(self._ready, timeout=60, what=f"the control plane to serve (log: {self.log})")
+
+    def _ready(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"control plane exited: {self.log.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=20)
+
+
+class PrivateRedis:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail(
+                "redis-server is not installed: run scripts/services.sh start", pytrace=False
+            )
+        self.process = subprocess.Popen(
+            [
+                exe,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.directory),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(self._ping, timeout=10, what="redis-server to answer")
+
+    def _ping(self) -> bool:
+        try:
+            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +17,7 @@ from typing import Any
 
 import pytest
 import redis
-from cp_kit import ADMIN, POOL, free_port, wait_for
+from cp_kit import ADMIN, POOL, PrivateRedis, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import create_app
@@ -27,54 +25,6 @@ from loraplane.controlplane.events import CHANNEL
 from loraplane.controlplane.settings import Settings
 
 pytestmark = pytest.mark.integration
-
-
-class PrivateRedis:
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail(
-                "redis-server is not installed: run scripts/services.sh start", pytrace=False
-            )
-        self.process = subprocess.Popen(
-            [
-                exe,
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.directory),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for(self._ping, timeout=10, what="redis-server to answer")
-
-    def _ping(self) -> bool:
-        try:
-            return bool(redis.Redis.from_url(self.url, socket_connect_timeout=0.2).ping())
-        except redis.RedisError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)
-            self.process = None
 
 
 class Subscriber:

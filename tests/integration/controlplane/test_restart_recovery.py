@@ -10,11 +10,7 @@ in test_with_workers.py.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from cp_kit import ADMIN, ADMIN_TOKEN, POOL, free_port, wait_for
+from cp_kit import ADMIN, POOL, ControlPlane, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -53,63 +49,6 @@ class HungWorker:
         self.sock.close()
         for conn in self.conns:
             conn.close()
-
-
-class ControlPlane:
-    def __init__(self, db_url: str, root: Path, tmp: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {
-            **os.environ,
-            "LORAPLANE_DB_URL": db_url,
-            "LORAPLANE_ADMIN_TOKEN": ADMIN_TOKEN,
-            "LORAPLANE_SOURCES__ALLOWED_ROOTS": f'["{root}"]',
-            "LORAPLANE_SOURCES__CACHE_DIR": str(tmp / "cache"),
-            "LORAPLANE_RECONCILER__INTERVAL_S": "3600",
-            "LORAPLANE_WORKERS__LOAD_TIMEOUT_S": "120",
-            "LORAPLANE_WORKERS__PROBE_TIMEOUT_S": "1",
-        }
-        self.env.pop("LORAPLANE_REDIS_URL", None)
-        self.log = tmp / f"controlplane-{self.port}.log"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        exe = Path(sys.executable).with_name("loraplane")
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [
-                    str(exe),
-                    "controlplane",
-                    "serve",
-                    "--port",
-                    str(self.port),
-                    "--log-level",
-                    "warning",
-                ],
-                env=self.env,
-                stdout=log,
-                stderr=log,
-            )
-        wait_for(self._ready, timeout=60, what=f"the control plane to serve (log: {self.log})")
-
-    def _ready(self) -> bool:
-        assert self.process is not None
-        if self.process.poll() is not None:
-            raise AssertionError(f"control plane exited: {self.log.read_text()[-3000:]}")
-        try:
-            return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=20)
 
 
 @pytest.fixture

@@ -171,6 +171,13 @@ class Operations:
         except NoCapacity as exc:
             raise ApiError(409, "no_capacity", str(exc)) from exc
         by_name = {w.name: w for w in workers}
+
+        def loaded_everywhere(worker: Worker) -> bool:
+            groups = {
+                p.dp_group for p in worker.placements if p.lora_name == name and p.state == "loaded"
+            }
+            return groups >= set(range(worker.dp_size))
+
         return {
             "adapter_id": adapter.id,
             "lora_name": name,
@@ -180,7 +187,7 @@ class Operations:
                 {
                     **WorkerRef.of(by_name[t.worker]).to_json(),
                     "evict": list(t.evict),
-                    "already_loaded": t.already_loaded,
+                    "already_loaded": t.already_loaded and loaded_everywhere(by_name[t.worker]),
                 }
                 for t in plan.targets
             ],
@@ -410,6 +417,15 @@ class Operations:
                     row.error = None
                     row.observed_at = now()
 
+    def _set_state(self, adapter_id: int, name: str, state: str) -> None:
+        with self.db.session() as session:
+            session.execute(
+                update(Placement)
+                .where(Placement.adapter_id == adapter_id, Placement.lora_name == name)
+                .values(state=state)
+                .execution_options(synchronize_session=False)
+            )
+
     def _drop_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef]) -> None:
         with self.db.session() as session:
             session.execute(
@@ -559,6 +575,7 @@ class Operations:
                 await self.client.load(target.name, target.endpoint, name, path, not pinned)
             return loaded
 
+        self._set_state(adapter_id, name, "loading")  # absent for a moment on every target
         if targets:
             results, per_target = await self._fanout("pin", targets, reload)
             merged = merge_results(results)
@@ -620,6 +637,7 @@ class Operations:
                 setattr(adapter, field_name, value)
         old = plan["old_lora_name"]
         holders = [WorkerRef.from_json(t) for t in plan["old_targets"]]
+        self._set_state(adapter_id, old, "unloading")  # never reported loaded while it goes away
         if holders:
             results, _ = await self._fanout(
                 "unload", holders, lambda t: self.client.unload(t.name, t.endpoint, old)

@@ -100,7 +100,9 @@ def worker_json(worker: Worker, inflight: int = 0) -> dict[str, Any]:
     pinned = sum(1 for adapter, _ in held.values() if adapter.pinned)
     groups: list[dict[str, Any]] = []
     observed = worker.observed or {}
-    observed_groups = observed.get("groups") if isinstance(observed, dict) else None
+    observed_groups = (
+        observed.get("dp_groups", observed.get("groups")) if isinstance(observed, dict) else None
+    )
     for group in range(worker.dp_size):
         names = sorted(
             name

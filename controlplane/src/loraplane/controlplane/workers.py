@@ -129,10 +129,13 @@ class WorkerClient:
         state = await self._get_json(worker, f"{endpoint}/lora_state")
         groups: tuple[frozenset[str], ...]
         inconsistent: frozenset[str] = frozenset()
-        if isinstance(state, Mapping) and isinstance(state.get("groups"), list):
+        group_list = None
+        if isinstance(state, Mapping):
+            group_list = state.get("dp_groups", state.get("groups"))
+        if isinstance(state, Mapping) and isinstance(group_list, list):
             by_group = {
                 int(g.get("dp_group", i)): frozenset(str(a) for a in g.get("adapters") or [])
-                for i, g in enumerate(state["groups"])
+                for i, g in enumerate(group_list)
                 if isinstance(g, Mapping)
             }
             size = max(dp_size, len(by_group))

@@ -22,7 +22,7 @@ from sqlalchemy import select
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal
 from loraplane.controlplane.deps import RouteCaller, Services, ServicesDep
 from loraplane.controlplane.errors import ApiError, bad_value
-from loraplane.controlplane.models import Adapter, Operation, Pool, Worker
+from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef, request_hash
 from loraplane.controlplane.registry import check_label, lora_name, routable_workers
 from loraplane.controlplane.workers import WorkerUnreachable
@@ -223,6 +223,18 @@ def touch(services: Services, adapter_id: int | None) -> None:
             adapter.last_used_at = time.time()
 
 
+def mark_lost(services: Services, route: Route) -> None:
+    with services.db.session() as session:
+        rows = session.scalars(
+            select(Placement).where(
+                Placement.worker_id == route.worker.id, Placement.lora_name == route.lora_name
+            )
+        ).all()
+        for row in rows:
+            row.state = "failed"
+            row.error = "the worker answered 404 for this adapter"
+
+
 def rewrite_model(payload: bytes, model: str) -> bytes:
     try:
         body = json.loads(payload)
@@ -277,10 +289,21 @@ async def proxy(
                     if worker is not None:
                         worker.state = "unreachable"
                         worker.last_error = str(exc)
+                        for placement in worker.placements:
+                            if placement.state == "loaded":
+                                placement.state = "unreachable"
                 route = await resolve(services, principal, namespace, model)
                 continue
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "503").inc()
             raise ApiError(503, "no_worker", str(exc)) from exc
+        if response.status_code == 404 and route.lora_name is not None and attempt == 0:
+            # the worker lost the adapter (it restarted): say so, let the reconciler repair, retry
+            await response.aclose()
+            release()
+            mark_lost(services, route)
+            services.reconciler.poke()
+            route = await resolve(services, principal, namespace, model)
+            continue
         touch(services, route.adapter_id)
         services.metrics.routed_requests.labels(
             namespace, route.adapter_name, str(response.status_code)

@@ -1,0 +1,477 @@
+"""The control plane driving real `loraplane worker serve` processes (CPU, tiny model).
+
+Acceptance of issue 6: fail-first partial failures leave nothing loaded anywhere; a worker
+killed and restarted empty gets its adapters back while the registry never reports an adapter
+loaded where the worker does not list it; a control plane killed mid-load settles the
+operation at restart; routing, on-demand loads, LRU eviction and the pin limit.
+
+Topologies: tp=1 dp=1 and tp=2 dp=2 (DP attention); a topology the worker cannot run yet is
+skipped with the worker's own message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cp_kit import ADMIN, ControlPlane, PrivateRedis, WorkerProc, wait_for
+from fastapi.testclient import TestClient
+
+from loraplane.controlplane.app import create_app
+from loraplane.controlplane.settings import Settings
+
+pytestmark = pytest.mark.integration
+TOPOLOGIES = [pytest.param((1, 1), id="tp1dp1"), pytest.param((2, 2), id="tp2dp2")]
+ADAPTERS = ("a0", "a1", "a2", "a3", "a4", "stray")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model dir, adapters dir): a tiny llama and rank-4 adapters written by our fixtures."""
+    from loraplane.worker.fixtures.adapters import make_adapter
+    from loraplane.worker.fixtures.models import make_model
+
+    root = tmp_path_factory.mktemp("cp-workers")
+    model = make_model(
+        root / "tiny-llama", "llama", seed=0, hidden_size=64, num_layers=2, vocab_size=512
+    )
+    adapters = root / "adapters"
+    for i, name in enumerate(ADAPTERS):
+        make_adapter(
+            model,
+            adapters / name,
+            rank=4,
+            alpha=8.0,
+            targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+            seed=i,
+        )
+    return model, adapters
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def fleet(
+    request: pytest.FixtureRequest,
+    tiny: tuple[Path, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[list[WorkerProc]]:
+    """Two workers for the whole module; each test starts from empty workers."""
+    tp, dp = request.param
+    model, adapters = tiny
+    tmp = tmp_path_factory.mktemp("worker-logs")
+    workers = [
+        WorkerProc(model, tmp, tp=tp, dp=dp, k=3, m=4, rank=16, roots=(adapters,)) for _ in range(2)
+    ]
+    try:
+        for worker in workers:
+            worker.start()
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture
+def workers(fleet: list[WorkerProc]) -> Iterator[list[WorkerProc]]:
+    for worker in fleet:
+        if worker.process is None or worker.process.poll() is not None:
+            worker.start()
+    yield fleet
+    for worker in fleet:  # leave them empty, faults disarmed, for the next test
+        if worker.process is None or worker.process.poll() is not None:
+            worker.start()
+        for op in ("load", "unload"):
+            for group in range(worker.dp):
+                worker.fault(op, group, "", count=0)
+        for name in worker.models() or set():
+            httpx.post(worker.url + "/unload_lora_adapter", json={"lora_name": name}, timeout=30)
+
+
+def pool_spec(model: Path, workers: list[WorkerProc], **change: Any) -> dict[str, Any]:
+    w = workers[0]
+    return {
+        "model": str(model),
+        "tp": w.tp,
+        "dp": w.dp,
+        "max_loras_per_batch": 3,
+        "max_loaded_loras": 4,
+        "max_lora_rank": 16,
+        **change,
+    }
+
+
+@pytest.fixture
+def cp(settings: Settings, tiny: tuple[Path, Path]) -> Iterator[TestClient]:
+    settings.sources.allowed_roots = [tiny[1]]
+    settings.router.on_demand_timeout_s = 60
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def join(cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc], **pool: Any) -> None:
+    assert (
+        cp.put(
+            "/v1/pools/default/tiny", json=pool_spec(tiny[0], workers, **pool), headers=ADMIN
+        ).status_code
+        == 200
+    )
+    for i, worker in enumerate(workers):
+        body = {"name": f"w{i}", "pool": "tiny", "endpoint": worker.url, "dp_size": worker.dp}
+        assert cp.post("/v1/workers", json=body, headers=ADMIN).status_code in (200, 201)
+    for i in range(len(workers)):
+        wait_for(
+            lambda i=i: cp.get(f"/v1/workers/w{i}", headers=ADMIN).json()["state"] == "ready",
+            timeout=30,
+            what=f"w{i} ready",
+        )
+
+
+def register(cp: TestClient, tiny: tuple[Path, Path], name: str, **fields: Any) -> httpx.Response:
+    body = {"name": name, "pool": "tiny", "source": {"uri": f"file://{tiny[1] / name}"}, **fields}
+    return cp.post("/v1/adapters", json=body, headers=ADMIN)
+
+
+def adapter(cp: TestClient, name: str) -> dict[str, Any]:
+    body: dict[str, Any] = cp.get(f"/v1/adapters/default/{name}", headers=ADMIN).json()
+    return body
+
+
+def metric(cp: TestClient, name: str, **labels: str) -> float:
+    for line in cp.get("/metrics").text.splitlines():
+        key, _, value = line.rpartition(" ")
+        if key.split("{")[0] == name and all(f'{k}="{v}"' in key for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+def test_partial_failure_on_one_dp_group_of_one_worker_loads_nothing_anywhere(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    last_group = workers[1].dp - 1
+    workers[1].fault("load", last_group, f"group {last_group}: out of memory (injected)")
+    failed = register(cp, tiny, "a0")
+    assert failed.status_code == 502, failed.text
+    op = failed.json()["operation"]
+    assert op["state"] == "rolled_back" and op["targets"] == ["w0", "w1"]
+    assert op["result"]["success"] is False
+    assert op["result"]["error_message"] == f"group {last_group}: out of memory (injected)"
+    assert [t["success"] for t in op["per_target"]] == [True, False]
+    assert failed.json()["error"]["code"] == "fanout_failed"
+    for worker in workers:
+        assert "a0" not in (worker.models() or {"unreachable"})
+    state = adapter(cp, "a0")
+    assert state["routable"] is False and state["placements"] == [] and state["phase"] == "Failed"
+    assert cp.get("/v1/placements", headers=ADMIN).json()["items"] == []
+
+    # the same message from both workers is reported once
+    for worker in workers:
+        worker.fault("load", 0, "disk full (injected)")
+    both = cp.post("/v1/adapters/default/a0/load", headers=ADMIN)
+    assert both.status_code == 502
+    assert both.json()["operation"]["result"]["error_message"] == "disk full (injected)"
+
+    retry = cp.post("/v1/adapters/default/a0/load", headers=ADMIN)
+    assert retry.status_code == 200, retry.text
+    assert retry.json()["adapter"]["loaded_workers"] == ["w0", "w1"]
+    assert all("a0" in (w.models() or set()) for w in workers)
+    groups = {
+        (p["worker"], p["dp_group"], p["state"]) for p in retry.json()["adapter"]["placements"]
+    }
+    assert groups == {(f"w{i}", g, "loaded") for i in range(2) for g in range(workers[0].dp)}
+
+
+def test_failed_unload_is_inconsistent_until_the_reconciler_settles_it(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a1").status_code == 201
+    workers[0].fault("unload", 0, "rank 0 busy (injected)", count=1000)  # the reconciler fails too
+    failed = cp.post("/v1/adapters/default/a1/unload", headers=ADMIN)
+    assert failed.status_code == 502, failed.text
+    state = failed.json()["adapter"]
+    assert (
+        state["inconsistent"] is True
+        and state["routable"] is False
+        and state["phase"] == "Degraded"
+    )
+    again = register(cp, tiny, "a1")
+    assert again.status_code == 409 and "not reusable" in again.json()["error"]["message"]
+    routed = cp.post(
+        "/v1/completions", json={"model": "a1", "prompt": "x", "max_tokens": 2}, headers=ADMIN
+    )
+    assert routed.status_code == 503
+    time.sleep(1)  # several reconciler passes: still inconsistent while the worker refuses
+    assert adapter(cp, "a1")["inconsistent"] is True
+    workers[0].fault("unload", 0, "", count=0)
+    wait_for(
+        lambda: not adapter(cp, "a1")["inconsistent"],
+        timeout=30,
+        what="the reconciler to unload the leftover",
+    )
+    assert adapter(cp, "a1")["placements"] == [] and adapter(cp, "a1")["phase"] == "Unloaded"
+    assert [w.models() for w in workers] == [set(), set()]
+
+
+def test_router_proxies_streams_and_counts(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a2").status_code == 201
+    plain = cp.post(
+        "/v1/completions",
+        json={
+            "model": "tiny:a2",
+            "prompt": "The quick brown fox",
+            "max_tokens": 4,
+            "temperature": 0,
+        },
+        headers=ADMIN,
+    )
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["model"] == "tiny:a2" and plain.json()["usage"]["completion_tokens"] == 4
+    direct = httpx.post(
+        workers[0].url + "/v1/completions",
+        json={"model": "a2", "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0},
+    ).json()
+    assert plain.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    with cp.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "a2",
+            "prompt": "The quick brown fox",
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+        },
+        headers=ADMIN,
+    ) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert {c["model"] for c in chunks} == {"a2"}
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain.json()["choices"][0]["text"]
+    chat = cp.post(
+        "/v1/chat/completions",
+        json={"model": "tiny:a2", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+        headers=ADMIN,
+    )
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    base = cp.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=ADMIN
+    )
+    assert base.status_code == 200
+    assert adapter(cp, "a2")["last_used_at"] is not None
+    text = cp.get("/metrics").text
+    assert (
+        'loraplane_routed_requests_total{adapter="a2",code="200",namespace="default"} 3.0' in text
+    )
+
+
+def test_on_demand_loads_evict_the_least_recently_used_and_pins_are_limited(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers[:1])  # one worker: M=4 resident, K=3 slots, at most 2 pinned
+    for name in ("a0", "a1", "a2", "a3", "a4"):
+        assert register(cp, tiny, name, load=False, placement={"count": 1}).status_code == 201
+    worker = workers[0]
+
+    def route(name: str) -> None:
+        response = cp.post(
+            "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 1}, headers=ADMIN
+        )
+        assert response.status_code == 200, response.text
+
+    for name in ("a0", "a1", "a2", "a3"):
+        route(name)
+        time.sleep(0.01)
+    assert worker.models() == {"a0", "a1", "a2", "a3"}
+    route("a1")  # a0 is now the least recently used
+    route("a4")
+    assert worker.models() == {"a1", "a2", "a3", "a4"}
+    assert adapter(cp, "a0")["placements"] == [] and adapter(cp, "a4")["routable"] is True
+    assert "loraplane_evictions_total 1.0" in cp.get("/metrics").text
+    assert 'loraplane_on_demand_loads_total{outcome="succeeded"} 5.0' in cp.get("/metrics").text
+
+    for name in ("a2", "a3"):
+        pinned = cp.patch(f"/v1/adapters/default/{name}", json={"pinned": True}, headers=ADMIN)
+        assert pinned.status_code == 200, pinned.text
+    too_many = cp.patch("/v1/adapters/default/a4", json={"pinned": True}, headers=ADMIN)
+    assert too_many.status_code == 409 and too_many.json()["error"]["code"] == "too_many_pinned"
+    assert (
+        "worker 'w0' already has 2 pinned adapters (a2, a3)" in too_many.json()["error"]["message"]
+    )
+    assert adapter(cp, "a4")["pinned"] is False
+    assert sorted(httpx.get(worker.url + "/lora_state").json()["pinned"]) == ["a2", "a3"]
+    route("a0")  # evicts the LRU unpinned one (a1), never a pinned one
+    assert worker.models() == {"a0", "a2", "a3", "a4"}
+
+
+def test_restarted_worker_gets_its_adapters_back_and_the_registry_never_lies(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    for name in ("a0", "a1"):
+        assert register(cp, tiny, name).status_code == 201
+    violations: list[str] = []
+    samples = [0]
+    stop = threading.Event()
+    by_name = {f"w{i}": w for i, w in enumerate(workers)}
+
+    def sample() -> None:
+        while not stop.is_set():
+            claimed = cp.get("/v1/placements", params={"state": "loaded"}, headers=ADMIN).json()[
+                "items"
+            ]
+            for name, worker in by_name.items():
+                listed = worker.models()
+                if listed is None:
+                    continue
+                samples[0] += 1
+                for p in claimed:
+                    if p["worker"] == name and p["lora_name"] not in listed:
+                        violations.append(
+                            f"registry: {p['lora_name']} loaded on {name}; /v1/models: {sorted(listed)}"
+                        )
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        workers[0].kill()
+        wait_for(
+            lambda: adapter(cp, "a0")["loaded_workers"] == ["w1"],
+            timeout=30,
+            what="w0 marked unreachable",
+        )
+        assert adapter(cp, "a0")["phase"] == "Degraded"
+        assert {p["state"] for p in adapter(cp, "a0")["placements"] if p["worker"] == "w0"} == {
+            "unreachable"
+        }
+        workers[0].start()  # same endpoint, empty
+        wait_for(
+            lambda: (
+                adapter(cp, "a0")["loaded_workers"] == ["w0", "w1"]
+                and adapter(cp, "a1")["loaded_workers"] == ["w0", "w1"]
+            ),
+            timeout=60,
+            what="w0 restored",
+        )
+        assert {"a0", "a1"} <= (workers[0].models() or set())
+        # a stray adapter loaded behind the registry's back is unloaded
+        stray = httpx.post(
+            workers[1].url + "/load_lora_adapter",
+            json={"lora_name": "stray", "lora_path": str(tiny[1] / "stray"), "pinned": False},
+        )
+        assert stray.json()["success"] is True
+        wait_for(
+            lambda: "stray" not in (workers[1].models() or {"stray"}),
+            timeout=30,
+            what="stray unloaded",
+        )
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    assert violations == []
+    assert samples[0] > 20
+    assert metric(cp, "loraplane_drift_repaired_total", kind="restored") >= 2
+    assert metric(cp, "loraplane_drift_repaired_total", kind="stray_unloaded") >= 1
+
+
+def test_control_plane_killed_mid_load_completes_or_rolls_back(
+    db_url: str, tmp_path: Path, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    worker = workers[0]
+    first = ControlPlane(db_url, tiny[1], tmp_path)
+    first.start()
+    http = httpx.Client(base_url=first.url, headers=ADMIN, timeout=60)
+    assert http.put("/v1/pools/default/tiny", json=pool_spec(tiny[0], workers)).status_code == 200
+    joined = http.post(
+        "/v1/workers",
+        json={"name": "w0", "pool": "tiny", "endpoint": worker.url, "dp_size": worker.dp},
+    )
+    assert joined.status_code == 201, joined.text
+    wait_for(lambda: http.get("/v1/workers/w0").json()["state"] == "ready", timeout=30)
+    assert worker.process is not None
+    worker.process.send_signal(signal.SIGSTOP)  # the load will hang in the worker
+    try:
+
+        def post() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(
+                    first.url + "/v1/adapters",
+                    headers=ADMIN,
+                    timeout=120,
+                    json={
+                        "name": "a3",
+                        "pool": "tiny",
+                        "source": {"uri": f"file://{tiny[1] / 'a3'}"},
+                    },
+                )
+
+        threading.Thread(target=post, daemon=True).start()
+        wait_for(
+            lambda: [o["state"] for o in http.get("/v1/operations").json()["items"]] == ["running"],
+            timeout=30,
+            what="the load to be running",
+        )
+        first.kill()
+    finally:
+        worker.process.send_signal(signal.SIGCONT)
+    second = ControlPlane(db_url, tiny[1], tmp_path)
+    second.start()
+    try:
+        http = httpx.Client(base_url=second.url, headers=ADMIN, timeout=60)
+        op = http.get("/v1/operations").json()["items"][0]
+        assert op["state"] in ("succeeded", "rolled_back", "failed"), op
+
+        def agree() -> bool:
+            state = http.get("/v1/adapters/default/a3").json()
+            listed = worker.models() or set()
+            return (state["routable"] and "a3" in listed) or (
+                not state["routable"] and not state["inconsistent"] and "a3" not in listed
+            )
+
+        wait_for(agree, timeout=60, what="registry and worker to agree about a3")
+        if op["state"] == "succeeded":
+            assert http.get("/v1/adapters/default/a3").json()["loaded_workers"] == ["w0"]
+    finally:
+        second.stop()
+
+
+def test_routing_keeps_working_while_redis_is_down(
+    settings: Settings, tiny: tuple[Path, Path], workers: list[WorkerProc], tmp_path: Path
+) -> None:
+    redis_server = PrivateRedis(tmp_path)
+    redis_server.start()
+    settings.redis_url = redis_server.url
+    settings.sources.allowed_roots = [tiny[1]]
+    try:
+        with TestClient(create_app(settings)) as cp:
+            join(cp, tiny, workers)
+            assert register(cp, tiny, "a4").status_code == 201
+            redis_server.stop()
+            wait_for(lambda: cp.get("/readyz").json()["redis"] == "down", what="redis down")
+            routed = cp.post(
+                "/v1/completions",
+                json={"model": "a4", "prompt": "hi", "max_tokens": 2},
+                headers=ADMIN,
+            )
+            assert routed.status_code == 200, routed.text
+            assert cp.post("/v1/adapters/default/a4/unload", headers=ADMIN).status_code == 200
+            assert [w.models() for w in workers] == [set(), set()]
+            redis_server.start()
+            wait_for(
+                lambda: cp.get("/readyz").json()["redis"] == "ok", timeout=15, what="redis back"
+            )
+    finally:
+        redis_server.stop()
