@@ -36,7 +36,12 @@ lint: install ## ruff, mypy and the import-layer contracts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-bench: install ## CPU benchmarks (JSON under bench/results/); GPU ones run through the device tool
-	$(PY) -m loraplane.cli bench all --device cpu
+bench: install ## CPU benchmarks (JSON in bench/results/cpu/); GPU ones: bash bench/run_gpu.sh on an H200
+	@mkdir -p bench/results/cpu
+	$(VENV)/bin/loraplane bench worker-cpu | tee bench/results/cpu/worker_cpu.json
+	@if [ -f bench/controlplane_bench.py ]; then \
+	  bash scripts/services.sh start && eval "$$(bash scripts/services.sh env)" && \
+	  $(PY) bench/controlplane_bench.py | tee bench/results/cpu/controlplane.json; \
+	fi
 
 .PHONY: help install demo test lint bench

@@ -278,3 +278,34 @@ def serve_cmd(
         serve(config)
     except (ConfigError, AdapterError) as exc:
         _fail(str(exc))
+
+
+_PASSTHROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@bench_app.command("kernels", context_settings=_PASSTHROUGH)
+def bench_kernels_cmd(ctx: typer.Context) -> None:
+    """Shrink/expand (plain, stacked, MoE) vs peak copy bandwidth, torch and cuBLAS; `--help` for options."""
+    from loraplane.worker.bench.kernels import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@bench_app.command("decode", context_settings=_PASSTHROUGH)
+def bench_decode_cmd(ctx: typer.Context) -> None:
+    """End-to-end decode tokens/s, LoRA off vs on (1/4/16 adapters); `--help` for options."""
+    from loraplane.worker.bench.decode import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@bench_app.command("worker-cpu", context_settings=_PASSTHROUGH)
+def bench_worker_cpu_cmd(ctx: typer.Context) -> None:
+    """Requests/s and tokens/s of a real `worker serve` process on CPU, LoRA on vs off."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[4] / "bench" / "worker_cpu_bench.py"
+    if not script.is_file():
+        _fail(f"{script} not found: this command runs from a source checkout")
+    sys.argv = [str(script), *ctx.args]
+    runpy.run_path(str(script), run_name="__main__")
