@@ -176,7 +176,7 @@ class RedisEventBus(EventBus):
                 await asyncio.sleep(self._retry_s)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 def make_bus(redis_url: str | None, metrics: Metrics | None, replica_id: str | None) -> EventBus:

@@ -142,7 +142,7 @@ class Operations:
         )
         session.add(op)
         session.flush()
-        claimed = session.execute(
+        claimed = session.execute(  # type: ignore[attr-defined]
             update(Adapter)
             .where(Adapter.id == adapter.id, Adapter.busy_operation_id.is_(None))
             .values(busy_operation_id=op.id)
@@ -254,6 +254,7 @@ class Operations:
                 "unpin": self._run_pin,
                 "update_version": self._run_update_version,
             }[kind]
+            per_target: list[dict[str, Any]]
             if kind == "register" and not plan.get("targets"):
                 state, merged, per_target = "succeeded", UpdateResult(True), []
             else:

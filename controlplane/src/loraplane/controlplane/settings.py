@@ -20,45 +20,48 @@ class SourcesSettings(BaseModel):
         description="file:// sources must resolve under one of these directories",
     )
     pvc_root: Path = Field(
-        Path("/mnt/pvc"), description="pvc://<claim>/<path> maps to <pvc_root>/<claim>/<path>"
+        default=Path("/mnt/pvc"),
+        description="pvc://<claim>/<path> maps to <pvc_root>/<claim>/<path>",
     )
     cache_dir: Path = Field(
-        Path.home() / ".cache" / "loraplane" / "adapters",
+        default=Path.home() / ".cache" / "loraplane" / "adapters",
         description="remote sources are copied here (content-addressed); workers must see the same path",
     )
     s3_endpoint_url: str | None = Field(
-        None, description="S3-compatible endpoint (MinIO, moto); None = AWS"
+        default=None, description="S3-compatible endpoint (MinIO, moto); None = AWS"
     )
     hf_endpoint: str = Field(
-        "https://huggingface.co", description="base URL hf:// resolves against"
+        default="https://huggingface.co", description="base URL hf:// resolves against"
     )
     hf_token: SecretStr | None = None
     max_adapter_bytes: int = Field(
-        2 * 1024**3, ge=1, description="largest adapter_model.safetensors accepted"
+        default=2 * 1024**3, ge=1, description="largest adapter_model.safetensors accepted"
     )
-    http_timeout_s: float = Field(60.0, gt=0)
+    http_timeout_s: float = Field(default=60.0, gt=0)
 
 
 class RouterSettings(BaseModel):
     on_demand_timeout_s: float = Field(
-        30.0, gt=0, description="longest a request waits for an on-demand load"
+        default=30.0, gt=0, description="longest a request waits for an on-demand load"
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="timeout of a proxied inference request"
+        default=600.0, gt=0, description="timeout of a proxied inference request"
     )
 
 
 class ReconcilerSettings(BaseModel):
     enabled: bool = True
     interval_s: float = Field(
-        5.0, gt=0, description="period of the full comparison with every worker"
+        default=5.0, gt=0, description="period of the full comparison with every worker"
     )
 
 
 class WorkerClientSettings(BaseModel):
-    load_timeout_s: float = Field(120.0, gt=0, description="timeout of one load/unload call")
+    load_timeout_s: float = Field(
+        default=120.0, gt=0, description="timeout of one load/unload call"
+    )
     probe_timeout_s: float = Field(
-        3.0, gt=0, description="timeout of /health, /v1/models, /lora_state"
+        default=3.0, gt=0, description="timeout of /health, /v1/models, /lora_state"
     )
 
 
@@ -74,10 +77,10 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     auth: bool = True
     replica_id: str | None = Field(
-        None, description="name of this replica in events; default host:pid"
+        default=None, description="name of this replica in events; default host:pid"
     )
 
-    sources: SourcesSettings = Field(default_factory=SourcesSettings)
-    router: RouterSettings = Field(default_factory=RouterSettings)
-    reconciler: ReconcilerSettings = Field(default_factory=ReconcilerSettings)
-    workers: WorkerClientSettings = Field(default_factory=WorkerClientSettings)
+    sources: SourcesSettings = Field(default_factory=lambda: SourcesSettings())
+    router: RouterSettings = Field(default_factory=lambda: RouterSettings())
+    reconciler: ReconcilerSettings = Field(default_factory=lambda: ReconcilerSettings())
+    workers: WorkerClientSettings = Field(default_factory=lambda: WorkerClientSettings())

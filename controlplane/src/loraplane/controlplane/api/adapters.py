@@ -407,7 +407,7 @@ async def patch_adapter(
                     field="body.pinned",
                 )
             services.operations.check_pin_targets(session, adapter, list(holders.values()))
-        plan = {
+        plan: dict[str, Any] = {
             "adapter_id": adapter.id,
             "lora_name": current,
             "path": adapter.path,
@@ -470,7 +470,7 @@ async def update_version(
             for w in holders
             if w.state == "ready"
         ]
-        plan = {
+        plan: dict[str, Any] = {
             "adapter_id": adapter.id,
             "lora_name": new_name,
             "path": facts.path,

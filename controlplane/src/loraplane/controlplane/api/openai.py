@@ -117,8 +117,9 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
         await asyncio.sleep(0.05)
     await services.operations.run(op_id)
     with services.db.session() as session:
-        op = session.get(Operation, op_id)
-        assert op is not None
+        settled = session.get(Operation, op_id)
+        assert settled is not None
+        op = settled
         services.metrics.on_demand_loads.labels(op.state).inc()
         if op.state != "succeeded":
             raise ApiError(503, "on_demand_failed", f"on-demand load failed: {op.error}")
