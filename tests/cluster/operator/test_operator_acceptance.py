@@ -9,6 +9,9 @@ what is missing.
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +32,9 @@ CHART = ROOT / "charts" / "loraplane"
 RELEASE = "lp"
 TOKEN = "lp_test_" + uuid.uuid4().hex
 LORAPLANE = str(Path(sys.executable).parent / "loraplane")
+CLUSTER_BINARIES = (
+    "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubectl", "helm",
+)  # fmt: skip
 
 
 def _missing_prerequisites() -> list[str]:
@@ -52,6 +58,35 @@ def _missing_prerequisites() -> list[str]:
     except ImportError as exc:
         missing.append(f"loraplane.devcluster ({exc})")
     return missing
+
+
+def _multirank_worker_problem(model: Path) -> str | None:
+    """Start a tp=2 dp=2 worker for a few seconds: None if it starts serving, else why not."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [LORAPLANE, "worker", "serve", "--model", str(model), "--tp", "2", "--dp", "2", "--dp-attention",
+         "--device", "cpu", "--lora-backend", "torch", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                err = (process.stderr.read() if process.stderr else "").strip()
+                return f"`loraplane worker serve --tp 2 --dp 2` exits {process.returncode}: {err[-300:]}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    return None
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return "`loraplane worker serve --tp 2 --dp 2` did not become healthy within 120 s"
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
 
 
 @dataclass
@@ -122,11 +157,21 @@ def stack(
     missing = _missing_prerequisites()
     if missing:
         pytest.skip("the operator's acceptance needs: " + "; ".join(missing))
-    cluster: Cluster = request.getfixturevalue("local_cluster")
-    if not (cluster.bin_dir / "helm").is_file():
-        pytest.skip(f"helm is not built in {cluster.bin_dir} (deploy/cluster/build.sh)")
     work = tmp_path_factory.mktemp("operator")
     model, other, adapters = _fixtures(work)
+    problem = _multirank_worker_problem(model)
+    if problem:
+        pytest.skip(f"the pool runs tp=2 dp=2 workers, but {problem}")
+    from loraplane.devcluster import layout
+
+    # Do not start a long build from here: the cluster tier's binaries are built by
+    # `loraplane cluster up` / deploy/cluster/build.sh.
+    unbuilt = [b for b in CLUSTER_BINARIES if not (layout.bin_dir() / b).is_file()]
+    if unbuilt:
+        pytest.skip(
+            f"not built yet in {layout.bin_dir()}: {', '.join(unbuilt)} (run deploy/cluster/build.sh)"
+        )
+    cluster: Cluster = request.getfixturevalue("local_cluster")
     release_ns, ns = f"lp-{uuid.uuid4().hex[:6]}", f"t-{uuid.uuid4().hex[:6]}"
     for name in (release_ns, ns):
         cluster.kubectl("create", "namespace", name)
