@@ -375,7 +375,7 @@ def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
     negative = _pool_manifest(stack, "negative", 1, maxLoraRank=-8)
     rejected = stack.cluster.apply(negative, check=False)
     assert rejected.returncode != 0 and "spec.maxLoraRank" in rejected.stderr
-    indivisible = _pool_manifest(stack, "indivisible", 1, tp=3, dp=2)
+    indivisible = _pool_manifest(stack, "indivisible", 1, tp=3, dp=2)  # enableDPAttention is set
     rejected = stack.cluster.apply(indivisible, check=False)
     assert rejected.returncode != 0 and "divisible" in rejected.stderr
 

@@ -75,7 +75,7 @@ def test_building_twice_gives_identical_manifests() -> None:
 
 @pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 2), (4, 2), (8, 1)])
 def test_each_replica_requests_tp_gpus(tp: int, dp: int) -> None:
-    spec = PoolSpec(model="/m", tp=tp, dp=dp)
+    spec = PoolSpec(model="/m", tp=tp, dp=dp, enable_dp_attention=dp > 1)
     sts = builders.build_statefulset(OWNER, spec, WorkerDefaults())
     resources = sts["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == tp
@@ -149,7 +149,8 @@ def test_scheduling_fields_and_image_defaults() -> None:
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
-        ({"model": "/m", "tp": 3, "dp": 2}, "spec.tp"),
+        ({"model": "/m", "tp": 3, "dp": 2, "enableDPAttention": True}, "spec.tp"),
+        ({"model": "/m", "tp": 2, "dp": 2}, "spec.enableDPAttention"),
         ({"model": "/m", "tp": 0}, "spec.tp"),
         ({"model": ""}, "spec.model"),
         ({"model": "/m", "maxLorasPerBatch": 0}, "spec.maxLorasPerBatch"),

@@ -154,6 +154,7 @@ def test_cel_rules_cover_what_a_schema_cannot() -> None:
     rules = {r["rule"] for r in POOL["properties"]["spec"]["x-kubernetes-validations"]}
     assert "self.tp % self.dp == 0" in rules
     assert "self.maxLoadedLoras >= self.maxLorasPerBatch" in rules
+    assert "self.dp == 1 || self.enableDPAttention" in rules
     for rule in POOL["properties"]["spec"]["x-kubernetes-validations"]:
         assert rule["message"].startswith("spec.")
 

@@ -51,6 +51,11 @@ class PoolSpec:
                 raise ValueError(f"spec.{name}: {value} is out of range")
         if self.tp % self.dp != 0:
             raise ValueError(f"spec.tp: {self.tp} is not divisible by spec.dp={self.dp}")
+        if self.dp > 1 and not self.enable_dp_attention:
+            raise ValueError(
+                f"spec.enableDPAttention: must be true when spec.dp={self.dp} > 1 (dp is "
+                "DP-attention groups inside one worker; use spec.replicas for independent workers)"
+            )
         if self.max_loras_per_batch < 1:
             raise ValueError(f"spec.maxLorasPerBatch: {self.max_loras_per_batch} must be >= 1")
         if self.max_loaded_loras < self.max_loras_per_batch:
