@@ -475,3 +475,83 @@ def test_routing_keeps_working_while_redis_is_down(
             )
     finally:
         redis_server.stop()
+
+
+def test_new_version_is_loaded_before_the_old_one_goes(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a0").status_code == 201
+    prompt = {"prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0}
+    before = cp.post("/v1/completions", json={"model": "a0", **prompt}, headers=ADMIN).json()
+    updated = cp.post(
+        "/v1/adapters/default/a0/version",
+        json={"source": {"uri": f"file://{tiny[1] / 'a1'}"}},
+        headers=ADMIN,
+    )
+    assert updated.status_code == 200, updated.text
+    state = updated.json()["adapter"]
+    assert state["version"] == 2 and state["lora_name"] == "a0@2"
+    assert state["loaded_workers"] == ["w0", "w1"]
+    assert {p["lora_name"] for p in state["placements"]} == {"a0@2"}
+    for worker in workers:
+        assert worker.models() == {"a0@2"}
+    after = cp.post("/v1/completions", json={"model": "a0", **prompt}, headers=ADMIN).json()
+    reference = httpx.post(
+        workers[0].url + "/v1/completions", json={"model": "a0@2", **prompt}, timeout=60
+    ).json()
+    assert after["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert after["model"] == "a0" and before["model"] == "a0"
+
+
+def test_namespaced_adapters_route_only_with_their_tokens(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers[:1])
+    cp.put("/v1/pools/team-a/tiny", json=pool_spec(tiny[0], workers), headers=ADMIN)
+    body = {
+        "name": "w-team-a",
+        "namespace": "team-a",
+        "pool": "tiny",
+        "endpoint": workers[1].url,
+        "dp_size": workers[1].dp,
+    }
+    assert cp.post("/v1/workers", json=body, headers=ADMIN).status_code == 201
+    wait_for(
+        lambda: cp.get("/v1/workers/w-team-a", headers=ADMIN).json()["state"] == "ready", timeout=30
+    )
+    created = cp.post(
+        "/v1/adapters",
+        headers=ADMIN,
+        json={
+            "namespace": "team-a",
+            "name": "sql",
+            "pool": "tiny",
+            "source": {"uri": f"file://{tiny[1] / 'a2'}"},
+        },
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["adapter"]["lora_name"] == "team-a.sql"
+    assert workers[1].models() == {"team-a.sql"}
+    tokens = {}
+    for namespace in ("team-a", "default"):
+        response = cp.post(
+            "/v1/tokens",
+            headers=ADMIN,
+            json={"name": namespace, "scopes": ["route"], "namespace": namespace},
+        )
+        tokens[namespace] = {"Authorization": f"Bearer {response.json()['token']}"}
+    ok = cp.post(
+        "/v1/completions",
+        headers=tokens["team-a"],
+        json={"model": "tiny:sql", "prompt": "hi", "max_tokens": 2},
+    )
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["model"] == "tiny:sql"
+    hidden = cp.post(
+        "/v1/completions",
+        headers=tokens["default"],
+        json={"model": "tiny:sql", "prompt": "hi", "max_tokens": 2},
+    )
+    assert hidden.status_code == 404
+    assert "adapter 'sql' not found in namespace 'default'" in hidden.json()["error"]["message"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from datetime import UTC, datetime
 
 from sqlalchemy import select
@@ -50,6 +51,8 @@ class Reconciler:
         self._events_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self.passes = 0
+        # (worker, lora_name) -> (failures, not before): a repair that keeps failing backs off
+        self._backoff: dict[tuple[str, str], tuple[int, float]] = {}
 
     def poke(self) -> None:
         self._wake.set()
@@ -107,10 +110,25 @@ class Reconciler:
             return
         restore, strays, fill = self._compare(worker, seen)
         for name, path, pinned, adapter_id in restore:
+            failures, not_before = self._backoff.get((worker.name, name), (0, 0.0))
+            if time.monotonic() < not_before:
+                continue
             if set(seen.present_on(name)):  # partially present: start clean
                 await self.client.unload(worker.name, worker.endpoint, name)
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
             self._after_restore(worker, adapter_id, name, result.success, result.error_message)
+            if not result.success:
+                delay = min(60.0, self.interval_s * 2**failures)
+                self._backoff[(worker.name, name)] = (failures + 1, time.monotonic() + delay)
+                log.warning(
+                    "restoring %s on %s failed (retry in %.1fs): %s",
+                    name,
+                    worker.name,
+                    delay,
+                    result.error_message,
+                )
+            else:
+                self._backoff.pop((worker.name, name), None)
             if result.success:
                 self.metrics.drift_repaired.labels("restored").inc()
                 await self.bus.publish(
