@@ -393,40 +393,47 @@ def test_control_plane_killed_mid_load_completes_or_rolls_back(
     worker = workers[0]
     first = ControlPlane(db_url, tiny[1], tmp_path)
     first.start()
-    http = httpx.Client(base_url=first.url, headers=ADMIN, timeout=60)
-    assert http.put("/v1/pools/default/tiny", json=pool_spec(tiny[0], workers)).status_code == 200
-    joined = http.post(
-        "/v1/workers",
-        json={"name": "w0", "pool": "tiny", "endpoint": worker.url, "dp_size": worker.dp},
-    )
-    assert joined.status_code == 201, joined.text
-    wait_for(lambda: http.get("/v1/workers/w0").json()["state"] == "ready", timeout=30)
-    assert worker.process is not None
-    worker.process.send_signal(signal.SIGSTOP)  # the load will hang in the worker
     try:
-
-        def post() -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.post(
-                    first.url + "/v1/adapters",
-                    headers=ADMIN,
-                    timeout=120,
-                    json={
-                        "name": "a3",
-                        "pool": "tiny",
-                        "source": {"uri": f"file://{tiny[1] / 'a3'}"},
-                    },
-                )
-
-        threading.Thread(target=post, daemon=True).start()
-        wait_for(
-            lambda: [o["state"] for o in http.get("/v1/operations").json()["items"]] == ["running"],
-            timeout=30,
-            what="the load to be running",
+        http = httpx.Client(base_url=first.url, headers=ADMIN, timeout=60)
+        assert (
+            http.put("/v1/pools/default/tiny", json=pool_spec(tiny[0], workers)).status_code == 200
         )
-        first.kill()
+        joined = http.post(
+            "/v1/workers",
+            json={"name": "w0", "pool": "tiny", "endpoint": worker.url, "dp_size": worker.dp},
+        )
+        assert joined.status_code == 201, joined.text
+        wait_for(lambda: http.get("/v1/workers/w0").json()["state"] == "ready", timeout=30)
+        assert worker.process is not None
+        worker.process.send_signal(signal.SIGSTOP)  # the load will hang in the worker
+        try:
+
+            def post() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    httpx.post(
+                        first.url + "/v1/adapters",
+                        headers=ADMIN,
+                        timeout=120,
+                        json={
+                            "name": "a3",
+                            "pool": "tiny",
+                            "source": {"uri": f"file://{tiny[1] / 'a3'}"},
+                        },
+                    )
+
+            threading.Thread(target=post, daemon=True).start()
+            wait_for(
+                lambda: (
+                    [o["state"] for o in http.get("/v1/operations").json()["items"]] == ["running"]
+                ),
+                timeout=30,
+                what="the load to be running",
+            )
+            first.kill()
+        finally:
+            worker.process.send_signal(signal.SIGCONT)
     finally:
-        worker.process.send_signal(signal.SIGCONT)
+        first.stop()  # killed above; stopped here if the test failed before
     second = ControlPlane(db_url, tiny[1], tmp_path)
     second.start()
     try:

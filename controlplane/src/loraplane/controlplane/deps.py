@@ -47,6 +47,8 @@ ServicesDep = Annotated[Services, Depends(get_services)]
 
 
 def get_session(services: ServicesDep) -> Iterator[Session]:
+    """A session for one request. Handlers that write commit before answering: FastAPI may run
+    the code after ``yield`` only once the response is on its way."""
     with services.db.session() as session:
         yield session
 

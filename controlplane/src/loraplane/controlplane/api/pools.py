@@ -89,7 +89,7 @@ def create_pool(body: PoolCreate, session: SessionDep, _: ClusterAdmin) -> dict[
     pool = Pool(namespace=body.namespace, name=body.name)
     apply(pool, body)
     session.add(pool)
-    session.flush()
+    session.commit()  # before the answer: a client's next call must see it
     return pool_json(pool)
 
 
@@ -105,7 +105,7 @@ def put_pool(
         pool = Pool(namespace=namespace, name=name)
         session.add(pool)
     apply(pool, body)
-    session.flush()
+    session.commit()
     return pool_json(pool)
 
 
@@ -118,4 +118,5 @@ def delete_pool(namespace: str, name: str, session: SessionDep, _: ClusterAdmin)
             "delete them first"
         )
     session.delete(pool)
+    session.commit()
     return Response(status_code=204)

@@ -49,7 +49,7 @@ def create_token(body: TokenCreate, session: SessionDep, _: ClusterAdmin) -> dic
         namespace=body.namespace,
     )
     session.add(token)
-    session.flush()
+    session.commit()
     return {**token_json(token), "token": plaintext}
 
 
@@ -68,4 +68,5 @@ def delete_token(token_id: str, session: SessionDep, _: ClusterAdmin) -> Respons
     if token is None:
         raise not_found("token", token_id, field="path.token_id")
     session.delete(token)
+    session.commit()
     return Response(status_code=204)
