@@ -356,7 +356,7 @@ def test_new_version_of_an_adapter_loaded_nowhere(
     )
     assert response.status_code == 200, response.text
     adapter = response.json()["adapter"]
-    assert adapter["version"] == 2 and adapter["rank"] == 8 and adapter["lora_name"] == "sql@2"
+    assert adapter["version"] == 2 and adapter["rank"] == 8 and adapter["lora_name"] == "sql_v2"
 
 
 def test_patch_priority_and_pin_an_adapter_loaded_nowhere(

@@ -498,14 +498,14 @@ def test_new_version_is_loaded_before_the_old_one_goes(
     )
     assert updated.status_code == 200, updated.text
     state = updated.json()["adapter"]
-    assert state["version"] == 2 and state["lora_name"] == "a0@2"
+    assert state["version"] == 2 and state["lora_name"] == "a0_v2"
     assert state["loaded_workers"] == ["w0", "w1"]
-    assert {p["lora_name"] for p in state["placements"]} == {"a0@2"}
+    assert {p["lora_name"] for p in state["placements"]} == {"a0_v2"}
     for worker in workers:
-        assert worker.models() == {"a0@2"}
+        assert worker.models() == {"a0_v2"}
     after = cp.post("/v1/completions", json={"model": "a0", **prompt}, headers=ADMIN).json()
     reference = httpx.post(
-        workers[0].url + "/v1/completions", json={"model": "a0@2", **prompt}, timeout=60
+        workers[0].url + "/v1/completions", json={"model": "a0_v2", **prompt}, timeout=60
     ).json()
     assert after["choices"][0]["text"] == reference["choices"][0]["text"]
     assert after["model"] == "a0" and before["model"] == "a0"

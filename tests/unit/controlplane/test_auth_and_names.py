@@ -39,8 +39,8 @@ def test_star_namespace_sees_everything() -> None:
 def test_worker_side_names_are_unambiguous() -> None:
     assert lora_name("default", "sql", 1) == "sql"
     assert lora_name("team-a", "sql", 1) == "team-a.sql"
-    assert lora_name("default", "sql", 3) == "sql@3"
-    assert lora_name("team-a", "sql", 2) == "team-a.sql@2"
+    assert lora_name("default", "sql", 3) == "sql_v3"
+    assert lora_name("team-a", "sql", 2) == "team-a.sql_v2"
     # a default-namespace name can never look like a namespaced one: labels have no '.'
     with pytest.raises(ApiError):
         check_label("team-a.sql", "body.name")

@@ -32,7 +32,7 @@ def test_validation_error_fields_drop_union_member_tags(
 
 
 def test_rewrite_model_sets_what_the_client_sent() -> None:
-    body = json.dumps({"id": "x", "model": "team-a.sql@2", "choices": []}).encode()
+    body = json.dumps({"id": "x", "model": "team-a.sql_v2", "choices": []}).encode()
     assert json.loads(rewrite_model(body, "tiny:sql"))["model"] == "tiny:sql"
     assert rewrite_model(b"not json", "m") == b"not json"
     assert rewrite_model(b'{"no_model": 1}', "m") == b'{"no_model": 1}'

@@ -29,9 +29,10 @@ def check_label(value: str, field: str) -> str:
 
 
 def lora_name(namespace: str, name: str, version: int) -> str:
-    """The name workers know an adapter version by; unambiguous because labels have no '.' or '@'."""
+    """The name workers know an adapter version by: `sql`, `team-a.sql`, `sql_v2`. Unambiguous
+    because DNS-1123 labels have no `.` or `_`; the worker accepts `[A-Za-z0-9._-]`."""
     base = name if namespace == "default" else f"{namespace}.{name}"
-    return base if version == 1 else f"{base}@{version}"
+    return base if version == 1 else f"{base}_v{version}"
 
 
 def iso(value: datetime | None) -> str | None:

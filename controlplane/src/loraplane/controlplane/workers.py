@@ -58,6 +58,12 @@ class WorkerClient:
             return UpdateResult(
                 False, f"worker {worker}: HTTP {response.status_code}: {response.text[:200]}"
             )
+        if isinstance(payload, Mapping) and "success" not in payload:  # an error body, not a result
+            error = payload.get("error")
+            detail = error.get("message") if isinstance(error, Mapping) else payload.get("detail")
+            return UpdateResult(
+                False, f"worker {worker}: HTTP {response.status_code}: {detail or payload}"
+            )
         result = UpdateResult.from_json(payload, origin=f"worker {worker}")
         if response.status_code >= 400 and result.success:
             return UpdateResult(
