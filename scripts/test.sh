@@ -12,6 +12,14 @@ needs() { local t; for t in "${tiers[@]}"; do [ "$t" = "$1" ] && return 0; done;
 # Tiny checkpoints and adapters shared by the tiers (deterministic; rebuilt when missing).
 export LORAPLANE_FIXTURES="${LORAPLANE_FIXTURES:-$PWD/.fixtures}"
 
+if needs cluster; then
+  # The pinned Kubernetes binaries, helm and kubectl (built once from the Go module proxy,
+  # cached outside the repo); built first so the chart tests of the unit tier can use helm.
+  echo "== building the local cluster's binaries (deploy/cluster/build.sh; cached after the first run)"
+  bash deploy/cluster/build.sh
+  export PATH="$(bash deploy/cluster/build.sh --print-bin-dir):$PATH"
+fi
+
 if needs unit || needs integration; then
   # promtool (unit: rule tests) and prometheus (integration: a real scrape) from Debian.
   bash scripts/prometheus.sh install
