@@ -168,3 +168,39 @@ def test_events_reach_the_in_process_stream_without_redis(
 
         client.portal.call(collect)  # type: ignore[union-attr]
         assert received[-1]["kind"] == "register" and received[-1]["state"] == "succeeded"
+
+
+def test_one_replica_leads_the_reconciler_at_a_time(redis_url: str) -> None:
+    from loraplane.controlplane.events import RedisEventBus
+
+    async def run() -> list[bool]:
+        role = f"test-{time.monotonic_ns()}"
+        first, second = (
+            RedisEventBus(redis_url, replica_id="r1"),
+            RedisEventBus(redis_url, replica_id="r2"),
+        )
+        try:
+            results = [await first.try_lead(role, 0.5), await second.try_lead(role, 0.5)]
+            results.append(await first.try_lead(role, 0.5))  # the holder renews
+            await asyncio.sleep(0.8)  # the holder went quiet: the lock expires
+            results.append(await second.try_lead(role, 0.5))
+            results.append(await first.try_lead(role, 0.5))
+            return results
+        finally:
+            await first.close()
+            await second.close()
+
+    assert asyncio.run(run()) == [True, False, True, True, False]
+
+
+def test_without_redis_every_replica_leads(tmp_path: Path) -> None:
+    from loraplane.controlplane.events import RedisEventBus
+
+    async def run() -> bool:
+        bus = RedisEventBus(f"redis://127.0.0.1:{PrivateRedis(tmp_path).port}/0", replica_id="r1")
+        try:
+            return await bus.try_lead("reconciler", 1.0)
+        finally:
+            await bus.close()
+
+    assert asyncio.run(run()) is True

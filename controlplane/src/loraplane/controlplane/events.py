@@ -62,6 +62,10 @@ class EventBus:
         self._deliver(event)
         return event
 
+    async def try_lead(self, role: str, ttl_s: float) -> bool:
+        """Whether this replica should do ``role`` now; one replica alone always leads."""
+        return True
+
     @contextlib.asynccontextmanager
     async def subscribe(self, maxsize: int = 1000) -> AsyncIterator[asyncio.Queue[dict[str, Any]]]:
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize)
@@ -132,6 +136,25 @@ class RedisEventBus(EventBus):
         self._pending.append(event)
         self._wake.set()
         return event
+
+    async def try_lead(self, role: str, ttl_s: float) -> bool:
+        """A short-lived Redis lock per role (SET NX PX, renewed by its holder). Without Redis
+        every replica leads: the work it guards must be idempotent."""
+        key = f"loraplane:leader:{role}"
+        ttl_ms = max(1, int(ttl_s * 1000))
+        try:
+            if await self._redis.set(key, self.replica_id, nx=True, px=ttl_ms):
+                return True
+            holder = await self._redis.get(key)
+            if (
+                holder is not None
+                and (holder.decode() if isinstance(holder, bytes) else holder) == self.replica_id
+            ):
+                await self._redis.pexpire(key, ttl_ms)
+                return True
+            return False
+        except Exception:
+            return True
 
     async def _sender(self) -> None:
         while True:

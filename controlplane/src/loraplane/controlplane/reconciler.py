@@ -93,6 +93,9 @@ class Reconciler:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
 
     async def reconcile_all(self) -> None:
+        # several replicas: one reconciles at a time (a Redis lock that outlives a few passes)
+        if not await self.bus.try_lead("reconciler", ttl_s=max(3 * self.interval_s, 2.0)):
+            return
         async with self._lock:
             with self.db.session() as session:
                 workers = [WorkerRef.of(w) for w in session.scalars(select(Worker)).all()]
