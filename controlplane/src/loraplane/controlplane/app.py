@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import sqlalchemy.exc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -63,6 +64,15 @@ def install_error_handlers(app: FastAPI) -> None:
         first = _field(errors[0].get("loc", ())) if errors else None
         body = {"error": {"code": "validation_error", "field": first, "message": "; ".join(parts)}}
         return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(sqlalchemy.exc.OperationalError)
+    async def database_unavailable(
+        _: Request, exc: sqlalchemy.exc.OperationalError
+    ) -> JSONResponse:
+        log.warning("database unavailable: %s", exc.orig)
+        message = f"the registry database is unavailable, retry later ({type(exc.orig).__name__})"
+        body = {"error": {"code": "database_unavailable", "field": None, "message": message}}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
