@@ -12,6 +12,8 @@
 # Ports are fixed and loopback-only: PostgreSQL 127.0.0.1:${LORAPLANE_PG_PORT:-55432},
 # Redis 127.0.0.1:${LORAPLANE_REDIS_PORT:-56379}. Database `loraplane`, user `loraplane`,
 # password `loraplane`. Prometheus is only installed here; starting it is another script's job.
+# As root, the state dir's parents get o+x so the `postgres` user can reach its data dir, and
+# package installs run under a policy-rc.d that keeps the system-wide daemons from starting.
 set -euo pipefail
 
 STATE_DIR="${LORAPLANE_SERVICES_DIR:-$HOME/.cache/loraplane/services}"
@@ -182,7 +184,7 @@ case "${1:-}" in
     ;;
   env) print_env ;;
   *)
-    sed -n '2,14p' "$0" >&2
+    sed -n '2,16p' "$0" >&2
     exit 2
     ;;
 esac
