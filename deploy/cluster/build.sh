@@ -17,6 +17,9 @@ if [[ "${1:-}" == "--print-bin-dir" ]]; then
   exit 0
 fi
 mkdir -p "$bin"
+# One build at a time per cache: a second caller waits, then finds everything built.
+exec 9>"$cache/.build.lock"
+flock 9
 
 # Static, reproducible binaries; at most two packages compiled at once (2-core machines
 # shared with other work), at low priority.

@@ -7,6 +7,7 @@ directory, and stops it at the end, failing the session if anything is left runn
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,19 @@ import pytest
 from clusterkit import Cluster, wait_for
 
 from loraplane.devcluster import cluster, layout
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the pinned binaries before any test runs when a cluster test was selected:
+    a cold build takes far longer than one test's timeout (docs/cluster.md)."""
+    if session.config.option.collectonly:
+        return
+    if any(item.get_closest_marker("cluster") for item in session.items):
+        started = time.monotonic()
+        bin_dir = layout.build_binaries()
+        elapsed = time.monotonic() - started
+        if elapsed > 5:
+            print(f"\ncluster binaries built into {bin_dir} in {elapsed:.0f} s")
 
 
 @pytest.fixture(scope="session")

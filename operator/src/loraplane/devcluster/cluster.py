@@ -326,8 +326,13 @@ def _is_ready(conditions: list[Any] | None) -> bool:
 
 
 def _nodes_ready(api: Any, count: int) -> bool:
-    nodes = api.list_node().items
-    return sum(_is_ready(n.status.conditions) for n in nodes) >= count
+    """`count` nodes Ready and without the not-ready/unreachable taints the node
+    lifecycle controller puts on a new node, so pods can be scheduled right away."""
+    schedulable = 0
+    for node in api.list_node().items:
+        taints = [t.key for t in node.spec.taints or [] if t.key.startswith("node.kubernetes.io/")]
+        schedulable += _is_ready(node.status.conditions) and not taints
+    return schedulable >= count
 
 
 def _has_default_service_account(api: Any) -> bool:

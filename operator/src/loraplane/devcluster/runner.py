@@ -445,7 +445,9 @@ class Runner:
 
             try:
                 method = getattr(self.core, f"read_namespaced_{kind}")
-                found: dict[str, Any] = json.loads(method(name, namespace, _preload_content=False).data)
+                found: dict[str, Any] = json.loads(
+                    method(name, namespace, _preload_content=False).data
+                )
                 return found
             except ApiException as exc:
                 if exc.status == 404:
