@@ -84,7 +84,7 @@ def test_helm_lint_is_clean() -> None:
 
 
 def render(*sets: str) -> list[dict[str, Any]]:
-    args = [helm(), "template", "rel", str(CHART), "--namespace", "lp"]
+    args = [helm(), "template", "rel", str(CHART), "--namespace", "lp", "--kube-version", "1.36.0"]
     for item in sets:
         args += ["--set", item]
     result = subprocess.run(args, capture_output=True, text=True, timeout=120)
