@@ -35,7 +35,7 @@ def test_layout_matches_peft_and_single_rank(
     report = check_parity_dist(
         model_dir,
         adapters,
-        prompts=8,
+        prompts=max(8, 4 * dp),  # every group gets base rows and each of its own adapters
         max_new_tokens=4,
         backend="torch",
         tp=tp,
@@ -75,6 +75,11 @@ def test_groups_see_different_adapter_sets() -> None:
     g0 = {a for a, g in zip(assignment, groups, strict=True) if g == 0}
     g1 = {a for a, g in zip(assignment, groups, strict=True) if g == 1}
     assert g0 == {1, 3, None} and g1 == {0, 2, None}
+    groups, assignment = plan_groups(16, 4, 4, None)
+    sets = [
+        frozenset(a for a, g in zip(assignment, groups, strict=True) if g == k) for k in range(4)
+    ]
+    assert len(set(sets)) == 4 and all(None in s for s in sets)
 
 
 @pytest.mark.parametrize(

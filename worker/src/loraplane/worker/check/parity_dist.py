@@ -41,7 +41,7 @@ def plan_groups(
     for i in range(prompts):
         g = active[i % len(active)]
         own = [a for a in range(n_adapters) if dp == 1 or a % dp != g] or list(range(n_adapters))
-        choices: list[int | None] = [*own, None]
+        choices: list[int | None] = [None, *own]  # base rows first, then the group's own adapters
         assignment.append(choices[per_group_count[g] % len(choices)])
         per_group_count[g] += 1
         groups.append(g)
