@@ -167,13 +167,17 @@ def test_crd_is_served_validates_and_prunes(local_cluster: Cluster, namespace: s
         what="widgets to be served",
     )
 
+    with_unknown = json.dumps(
+        _widget("good", {"size": 3, "color": "red", "unknownField": "dropped"})
+    )
+    # kubectl asks for strict field validation by default: the unknown field is refused...
+    strict = local_cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", check=False, stdin=with_unknown
+    )
+    assert strict.returncode != 0 and 'unknown field "spec.unknownField"' in strict.stderr
+    # ...and without it the object is accepted and the field pruned by the schema.
     local_cluster.kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        stdin=json.dumps(_widget("good", {"size": 3, "color": "red", "unknownField": "dropped"})),
+        "apply", "-n", namespace, "--validate=false", "-f", "-", stdin=with_unknown
     )
     stored = local_cluster.get("widget", "good", "-n", namespace)
     assert stored["spec"] == {"size": 3, "color": "red"}  # unknownField pruned

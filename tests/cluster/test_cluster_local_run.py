@@ -14,7 +14,9 @@ from clusterkit import Cluster, wait_for
 pytestmark = pytest.mark.cluster
 
 
-def _local_run_pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
+def _local_run_pod(
+    name: str, command: list[str], container: dict[str, Any] | None = None, **spec: Any
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -33,7 +35,7 @@ def _local_run_pod(name: str, command: list[str], **spec: Any) -> dict[str, Any]
                             "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
                         }
                     ],
-                    **spec.pop("container_extra", {}),
+                    **(container or {}),
                 }
             ],
         },
@@ -61,7 +63,7 @@ def test_labelled_pod_serves_http_at_its_pod_ip(local_cluster: Cluster, namespac
     pod = _local_run_pod(
         "web",
         ["python3", "-m", "http.server", "--bind", "$(MY_POD_IP)", "8080"],
-        container_extra={
+        container={
             "ports": [{"name": "http", "containerPort": 8080}],
             "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 2},
         },
