@@ -34,7 +34,7 @@ lint: install ## ruff, mypy and the import-layer contracts
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/lint-imports
+	PYTHONPATH=worker/src:controlplane/src:operator/src $(VENV)/bin/lint-imports
 
 bench: install ## CPU benchmarks (JSON in bench/results/cpu/); GPU ones: bash bench/run_gpu.sh on an H200
 	@mkdir -p bench/results/cpu
