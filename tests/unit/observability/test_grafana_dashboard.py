@@ -172,7 +172,7 @@ def helm() -> str:
 
 
 def render(*sets: str) -> list[dict[str, Any]]:
-    args = [helm(), "template", "lp", str(CHART), "--namespace", "ml"]
+    args = [helm(), "template", "lp", str(CHART), "--namespace", "ml", "--kube-version", "1.36.0"]
     for s in sets:
         args += ["--set", s]
     done = subprocess.run(args, capture_output=True, text=True, timeout=120)
