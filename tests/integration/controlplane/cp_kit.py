@@ -64,6 +64,18 @@ POOL = {
 }
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples `name` in Prometheus text whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
+
+
 def wait_for(
     predicate: Callable[[], Any],
     timeout: float = 10.0,

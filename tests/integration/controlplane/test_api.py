@@ -485,7 +485,12 @@ def test_metrics_count_operations(
 ) -> None:
     register(client, make_adapter())
     text = client.get("/metrics").text
-    assert 'loraplane_operations_total{kind="register",outcome="succeeded"} 1.0' in text
+    assert (
+        'loraplane_operations_total{kind="register",namespace="default",outcome="succeeded",'
+        'pool="tiny"} 1.0'
+    ) in text
+    # The in-process event bus (no Redis configured here) is up.
+    assert "loraplane_event_bus_up 1.0" in text
     for name in (
         "loraplane_fanout_latency_seconds",
         "loraplane_drift_repaired_total",

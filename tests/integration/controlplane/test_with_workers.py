@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cp_kit import ADMIN, ControlPlane, PrivateRedis, WorkerProc, wait_for
+from cp_kit import ADMIN, ControlPlane, PrivateRedis, WorkerProc, metric_value, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import create_app
@@ -299,8 +299,19 @@ def test_on_demand_loads_evict_the_least_recently_used_and_pins_are_limited(
     route("a4")
     assert worker.models() == {"a1", "a2", "a3", "a4"}
     assert adapter(cp, "a0")["placements"] == [] and adapter(cp, "a4")["routable"] is True
-    assert "loraplane_evictions_total 1.0" in cp.get("/metrics").text
-    assert 'loraplane_on_demand_loads_total{outcome="succeeded"} 5.0' in cp.get("/metrics").text
+    text = cp.get("/metrics").text
+    assert metric_value(text, "loraplane_evictions_total") == 1.0
+    assert metric_value(text, "loraplane_evictions_total", namespace="default", pool="tiny") == 1.0
+    assert (
+        metric_value(
+            text,
+            "loraplane_on_demand_loads_total",
+            namespace="default",
+            pool="tiny",
+            outcome="succeeded",
+        )
+        == 5.0
+    )
 
     for name in ("a2", "a3"):
         pinned = cp.patch(f"/v1/adapters/default/{name}", json={"pinned": True}, headers=ADMIN)

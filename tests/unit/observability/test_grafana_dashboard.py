@@ -192,8 +192,14 @@ def test_chart_ships_the_dashboard_and_monitors_only_when_asked() -> None:
     assert len(config_maps) == 1
     assert config_maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(config_maps[0]["data"]["loraplane.json"]) == committed()
-    monitors = {d["kind"]: d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")}
-    assert set(monitors) == {"ServiceMonitor", "PodMonitor"}
+    monitors = {
+        d["metadata"]["name"]: d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")
+    }
+    assert {(m["kind"], name) for name, m in monitors.items()} == {
+        ("ServiceMonitor", "lp-loraplane-controlplane"),
+        ("PodMonitor", "lp-loraplane-workers"),
+        ("PodMonitor", "lp-loraplane-operator"),
+    }
     jobs = {
         r["replacement"]
         for m in monitors.values()
@@ -201,4 +207,21 @@ def test_chart_ships_the_dashboard_and_monitors_only_when_asked() -> None:
         for r in e["relabelings"]
         if r["targetLabel"] == "job"
     }
-    assert jobs == {"loraplane-controlplane", "loraplane-worker"}
+    assert jobs == {"loraplane-controlplane", "loraplane-worker", "loraplane-operator"}
+    # The operator PodMonitor selects the operator pods and scrapes their `metrics` port, which
+    # `loraplane operator run --metrics-port` serves.
+    operator = next(
+        d
+        for d in docs
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "lp-loraplane-operator"
+    )
+    pod = operator["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == 9090
+    command = container["command"]
+    assert command[command.index("--metrics-port") + 1] == "9090"
+    monitor = monitors["lp-loraplane-operator"]
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()

@@ -36,6 +36,9 @@ class EventBus:
         self.metrics = metrics
         self.replica_id = replica_id or default_replica_id()
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        if metrics is not None:
+            # The in-process bus is always up; RedisEventBus overrides it from Redis.
+            metrics.event_bus_up.set(1)
 
     @property
     def state(self) -> str:
@@ -94,6 +97,8 @@ class RedisEventBus(EventBus):
         )
         self._pending: deque[dict[str, Any]] = deque(maxlen=buffer_size)
         self._up = False
+        if metrics is not None:
+            metrics.event_bus_up.set(0)  # until the first ping answers
         self._retry_s = retry_s
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+# Label values known up front (counters start at 0 for them).
+OPERATION_KINDS = ("register", "load", "unload", "delete", "pin", "unpin", "update_version")
+OPERATION_OUTCOMES = ("succeeded", "failed", "rolled_back", "error")
+ON_DEMAND_OUTCOMES = ("succeeded", "failed", "rolled_back", "timeout", "no_capacity")
+DRIFT_KINDS = ("restored", "stray_unloaded", "placed")
+RECONCILE_OUTCOMES = ("ok", "error", "standby")
+WORKER_STATES = ("pending", "ready", "unreachable")
+ADAPTER_PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unloaded")
+PLACEMENT_STATES = ("loaded", "loading", "failed", "inconsistent", "unreachable")
 FANOUT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -13,8 +22,8 @@ class Metrics:
         r = self.registry
         self.operations = Counter(
             "loraplane_operations",
-            "Registry operations by kind and outcome",
-            ["kind", "outcome"],
+            "Registry operations by kind and outcome, per pool",
+            ["namespace", "pool", "kind", "outcome"],
             registry=r,
         )
         self.fanout_latency = Histogram(
@@ -38,8 +47,8 @@ class Metrics:
         )
         self.on_demand_loads = Counter(
             "loraplane_on_demand_loads",
-            "On-demand loads started by the router, by outcome",
-            ["outcome"],
+            "On-demand loads started by the router, by pool and outcome",
+            ["namespace", "pool", "outcome"],
             registry=r,
         )
         self.on_demand_wait = Histogram(
@@ -49,17 +58,58 @@ class Metrics:
             registry=r,
         )
         self.evictions = Counter(
-            "loraplane_evictions", "LRU evictions of unpinned adapters", registry=r
+            "loraplane_evictions",
+            "LRU evictions of unpinned adapters from a worker's host memory",
+            ["namespace", "pool", "worker"],
+            registry=r,
         )
         self.workers = Gauge(
-            "loraplane_workers", "Registered workers by state", ["state"], registry=r
+            "loraplane_workers",
+            "Registered workers by pool and state",
+            ["namespace", "pool", "state"],
+            registry=r,
         )
         self.adapters = Gauge(
-            "loraplane_adapters", "Registered adapters by phase", ["phase"], registry=r
+            "loraplane_adapters",
+            "Registered adapters by pool and phase",
+            ["namespace", "pool", "phase"],
+            registry=r,
         )
+        self.placements = Gauge(
+            "loraplane_placements",
+            "Placement rows (adapter x worker x DP group) in the registry, by state",
+            ["namespace", "pool", "worker", "state"],
+            registry=r,
+        )
+        self.reconcile_last_success = Gauge(
+            "loraplane_reconcile_last_success_timestamp_seconds",
+            "Unix time of this replica's last completed reconcile pass (0: none yet)",
+            registry=r,
+        )
+        self.reconcile_passes = Counter(
+            "loraplane_reconcile_passes",
+            "Reconcile passes by outcome (ok, error; standby: another replica leads)",
+            ["outcome"],
+            registry=r,
+        )
+        # 1 for the in-process bus (nothing to reach); RedisEventBus sets it from Redis.
         self.event_bus_up = Gauge(
             "loraplane_event_bus_up", "1 when the event bus (Redis) is reachable", registry=r
         )
         self.events_dropped = Counter(
             "loraplane_events_dropped", "Events not delivered to Redis (buffer full)", registry=r
         )
+        # A labelled counter is born at its first increment, which rate()/increase() cannot
+        # see: label values known up front start at 0 (per pool ones in `init_pool`).
+        for kind in DRIFT_KINDS:
+            self.drift_repaired.labels(kind)
+        for outcome in RECONCILE_OUTCOMES:
+            self.reconcile_passes.labels(outcome)
+
+    def init_pool(self, namespace: str, pool: str) -> None:
+        """Zero the per-pool counters of a pool (idempotent, cheap: called every pass)."""
+        for outcome in ON_DEMAND_OUTCOMES:
+            self.on_demand_loads.labels(namespace, pool, outcome)
+        for kind in OPERATION_KINDS:
+            for outcome in OPERATION_OUTCOMES:
+                self.operations.labels(namespace, pool, kind, outcome)

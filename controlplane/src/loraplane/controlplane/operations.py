@@ -48,6 +48,19 @@ def request_hash(kind: str, body: Any) -> str:
     ).hexdigest()
 
 
+def _pool_of(session: Session, op: Operation) -> str:
+    """The pool an operation's adapter belongs to ("" when the adapter is gone)."""
+    adapter_id = (op.plan or {}).get("adapter_id")
+    adapter = session.get(Adapter, adapter_id) if adapter_id else None
+    if adapter is None and op.adapter_name:
+        adapter = session.scalars(
+            select(Adapter).where(
+                Adapter.namespace == op.namespace, Adapter.name == op.adapter_name
+            )
+        ).first()
+    return adapter.pool.name if adapter is not None else ""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerRef:
     id: int
@@ -261,11 +274,13 @@ class Operations:
                 state, merged, per_target = await runner(op_id, plan)
         except Exception as exc:  # a bug or the database went away: leave it for settle_interrupted
             log.exception("operation %s failed unexpectedly", op_id)
-            self.metrics.operations.labels(kind, "error").inc()
             with self.db.session() as session:
                 op = session.get(Operation, op_id)
                 assert op is not None
                 op.error = f"{type(exc).__name__}: {exc}"
+                self.metrics.operations.labels(
+                    op.namespace, _pool_of(session, op), kind, "error"
+                ).inc()
                 return op
         return await self._finish(
             op_id, kind, state, merged, per_target, time.perf_counter() - started
@@ -302,7 +317,8 @@ class Operations:
                 if kind in ("register", "load", "pin", "unpin", "update_version"):
                     adapter.last_error = op.error
             namespace, adapter_name = op.namespace, op.adapter_name
-        self.metrics.operations.labels(kind, state).inc()
+            pool_name = adapter.pool.name if adapter is not None else _pool_of(session, op)
+        self.metrics.operations.labels(namespace, pool_name, kind, state).inc()
         log.info(
             "operation %s %s %s/%s: %s (%.3fs)", op_id, kind, namespace, adapter_name, state, took
         )
@@ -441,6 +457,10 @@ class Operations:
         for victim in names:
             result = await self.client.unload(target.name, target.endpoint, victim)
             with self.db.session() as session:
+                worker = session.get(Worker, target.id)
+                pool_labels = (
+                    (worker.pool.namespace, worker.pool.name) if worker is not None else ("", "")
+                )
                 rows = session.scalars(
                     select(Placement).where(
                         Placement.worker_id == target.id, Placement.lora_name == victim
@@ -458,7 +478,7 @@ class Operations:
                     f"worker {target.name}: evicting {victim} failed: {result.error_message}",
                     result.loaded_adapters,
                 )
-            self.metrics.evictions.inc()
+            self.metrics.evictions.labels(*pool_labels, target.name).inc()
             await self.bus.publish("adapter.evicted", worker=target.name, lora_name=victim)
         return UpdateResult(True)
 

@@ -24,8 +24,13 @@ from sqlalchemy import select
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus
-from loraplane.controlplane.metrics import Metrics
-from loraplane.controlplane.models import Adapter, Placement, Worker
+from loraplane.controlplane.metrics import (
+    ADAPTER_PHASES,
+    PLACEMENT_STATES,
+    WORKER_STATES,
+    Metrics,
+)
+from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef
 from loraplane.controlplane.registry import lora_name
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
@@ -87,6 +92,7 @@ class Reconciler:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                self.metrics.reconcile_passes.labels("error").inc()
                 log.exception("reconcile pass failed")
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
@@ -95,6 +101,7 @@ class Reconciler:
     async def reconcile_all(self) -> None:
         # several replicas: one reconciles at a time (a Redis lock that outlives a few passes)
         if not await self.bus.try_lead("reconciler", ttl_s=max(3 * self.interval_s, 2.0)):
+            self.metrics.reconcile_passes.labels("standby").inc()
             return
         async with self._lock:
             with self.db.session() as session:
@@ -103,6 +110,8 @@ class Reconciler:
             self._finish_deletes()
             self._update_gauges()
             self.passes += 1
+        self.metrics.reconcile_passes.labels("ok").inc()
+        self.metrics.reconcile_last_success.set(time.time())
 
     async def reconcile_worker(self, worker: WorkerRef) -> None:
         try:
@@ -334,19 +343,40 @@ class Reconciler:
                     session.delete(adapter)
 
     def _update_gauges(self) -> None:
+        """Per-pool gauges from the registry; every known label combination is written (0 when
+        empty) and combinations of deleted pools/workers disappear."""
         from loraplane.controlplane.registry import adapter_phase
 
+        m = self.metrics
+        workers: dict[tuple[str, str, str], int] = {}
+        adapters: dict[tuple[str, str, str], int] = {}
+        placements: dict[tuple[str, str, str, str], int] = {}
         with self.db.session() as session:
-            states: dict[str, int] = {"pending": 0, "ready": 0, "unreachable": 0}
+            for pool in session.scalars(select(Pool)).all():
+                m.init_pool(pool.namespace, pool.name)
+                for state in WORKER_STATES:
+                    workers[(pool.namespace, pool.name, state)] = 0
+                for phase in ADAPTER_PHASES:
+                    adapters[(pool.namespace, pool.name, phase)] = 0
             for worker in session.scalars(select(Worker)).all():
-                states[worker.state] = states.get(worker.state, 0) + 1
-            for state, count in states.items():
-                self.metrics.workers.labels(state).set(count)
-            phases = dict.fromkeys(
-                ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unloaded"), 0
-            )
+                ns, pool_name = worker.pool.namespace, worker.pool.name
+                key = (ns, pool_name, worker.state)
+                workers[key] = workers.get(key, 0) + 1
+                m.evictions.labels(ns, pool_name, worker.name)
+                for state in PLACEMENT_STATES:
+                    placements[(ns, pool_name, worker.name, state)] = 0
+                for placement in worker.placements:
+                    pkey = (ns, pool_name, worker.name, placement.state)
+                    placements[pkey] = placements.get(pkey, 0) + 1
             for adapter in session.scalars(select(Adapter)).all():
-                phase = adapter_phase(adapter)
-                phases[phase] = phases.get(phase, 0) + 1
-            for phase, count in phases.items():
-                self.metrics.adapters.labels(phase).set(count)
+                akey = (adapter.pool.namespace, adapter.pool.name, adapter_phase(adapter))
+                adapters[akey] = adapters.get(akey, 0) + 1
+        # No await from here on: a scrape never sees the gauges half rewritten.
+        for gauge, values in (
+            (m.workers, workers),
+            (m.adapters, adapters),
+            (m.placements, placements),
+        ):
+            gauge.clear()
+            for labels, count in values.items():
+                gauge.labels(*labels).set(count)

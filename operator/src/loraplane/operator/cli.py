@@ -74,6 +74,13 @@ def run(
         str | None,
         typer.Option(help="Liveness endpoint, e.g. http://0.0.0.0:8081/healthz"),
     ] = None,
+    metrics_port: Annotated[
+        int,
+        typer.Option(help="Port of the Prometheus endpoint (GET /metrics); 0: none"),
+    ] = 9090,
+    metrics_host: Annotated[
+        str, typer.Option(help="Address the Prometheus endpoint binds to")
+    ] = "0.0.0.0",
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Run the operator until interrupted. The admin token is read from
@@ -85,12 +92,15 @@ def run(
     from loraplane.operator import handlers
     from loraplane.operator.builders import WorkerDefaults
     from loraplane.operator.config import OperatorConfig
+    from loraplane.operator.metrics import OperatorMetrics
     from loraplane.operator.status import RetryPolicy
 
     if controlplane_port < 1 or max_attempts < 1 or resync_interval <= 0:
         raise typer.BadParameter(
             "--controlplane-port, --max-attempts, --resync-interval must be > 0"
         )
+    if not 0 <= metrics_port <= 65535:
+        raise typer.BadParameter("--metrics-port must be 0..65535")
     config = OperatorConfig(
         controlplane_url=controlplane_url,
         controlplane_selector=controlplane_selector,
@@ -110,11 +120,15 @@ def run(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    metrics = OperatorMetrics(standalone=config.standalone)
+    metrics.watch_peering()
+    if metrics_port:
+        metrics.serve(metrics_port, metrics_host)
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, config)
+    handlers.register(registry, config, metrics)
     kopf.run(
         registry=registry,
-        memo=kopf.Memo(config=config),
+        memo=kopf.Memo(config=config, metrics=metrics),
         clusterwide=not config.namespaces,
         namespaces=config.namespaces,
         liveness_endpoint=config.health_endpoint,

@@ -38,8 +38,11 @@ class ControlPlaneClient:
         token: str | None,
         timeout_s: float = 150.0,
         transport: httpx.BaseTransport | None = None,
+        on_reachable: Callable[[bool], None] | None = None,
     ) -> None:
         self._base_url = base_url
+        # Told after each call whether the control plane answered (a 5xx counts as not).
+        self._on_reachable = on_reachable or (lambda _up: None)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(headers=headers, timeout=timeout_s, transport=transport)
 
@@ -55,6 +58,26 @@ class ControlPlaneClient:
         params: dict[str, str] | None = None,
         key: str | None = None,
         ok_statuses: tuple[int, ...] = (),
+    ) -> Any:
+        try:
+            answer = self._request(method, path, json, params, key, ok_statuses)
+        except ControlPlaneUnavailable:
+            self._on_reachable(False)
+            raise
+        except ControlPlaneError:
+            self._on_reachable(True)
+            raise
+        self._on_reachable(True)
+        return answer
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        json: Any,
+        params: dict[str, str] | None,
+        key: str | None,
+        ok_statuses: tuple[int, ...],
     ) -> Any:
         try:
             url = self._base_url().rstrip("/") + path

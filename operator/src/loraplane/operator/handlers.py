@@ -26,6 +26,7 @@ from loraplane.operator.cpclient import (
     ControlPlaneUnavailable,
 )
 from loraplane.operator.kube import ControlPlaneLocator, Kube, pod_view, service_account_dir
+from loraplane.operator.metrics import OperatorMetrics
 
 FINALIZER = "loraplane.io/unload"
 POOLS = ("loraplane.io", "v1alpha1", "lorapools")
@@ -55,6 +56,11 @@ class Runtime:
 def _runtime(memo: kopf.Memo) -> Runtime:
     runtime: Runtime = memo["runtime"]
     return runtime
+
+
+def _metrics(memo: kopf.Memo) -> OperatorMetrics | None:
+    metrics: OperatorMetrics | None = memo.get("metrics")
+    return metrics
 
 
 # ------------------------------------------------------------------ startup and login
@@ -87,7 +93,16 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         config.controlplane_namespace,
         config.controlplane_port,
     )
-    memo["runtime"] = Runtime(config, kube, ControlPlaneClient(locator, config.admin_token))
+    metrics = _metrics(memo)
+    memo["runtime"] = Runtime(
+        config,
+        kube,
+        ControlPlaneClient(
+            locator,
+            config.admin_token,
+            on_reachable=metrics.controlplane_reachable if metrics else None,
+        ),
+    )
 
 
 def cleanup(memo: kopf.Memo, **_: Any) -> None:
@@ -339,9 +354,19 @@ def reconcile_adapter(
         )
     except ControlPlaneUnavailable as exc:
         view = replace(view, last_error=f"control plane unavailable: {exc}")
-        _write_adapter_status(view, old, body, patch)
+        phase = _write_adapter_status(view, old, body, patch)
+        record_adapter_phase(_metrics(memo), namespace, name, spec_dict, phase)
         raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
-    _write_adapter_status(view, old, body, patch)
+    phase = _write_adapter_status(view, old, body, patch)
+    record_adapter_phase(_metrics(memo), namespace, name, spec_dict, phase)
+
+
+def record_adapter_phase(
+    metrics: OperatorMetrics | None, namespace: str, name: str, spec: dict[str, Any], phase: str
+) -> None:
+    """The phase just written, for `loraplane_operator_adapters`."""
+    if metrics is not None:
+        metrics.adapter_phase(namespace, name, str(spec.get("pool", "")), phase)
 
 
 def _observe_and_act(
@@ -448,7 +473,8 @@ def _failed_attempt(
 
 def _write_adapter_status(
     view: states.AdapterView, old: dict[str, Any], body: kopf.Body, patch: kopf.Patch
-) -> None:
+) -> str:
+    """Patch the status; returns the phase written."""
     now = states.now_iso()
     new = states.adapter_status(view, old, now)
     if view.attempts and view.attempts != (
@@ -468,6 +494,7 @@ def _write_adapter_status(
             reason=after,
             message=message[:1000],
         )
+    return str(after)
 
 
 def unload_adapter(
@@ -482,8 +509,10 @@ def unload_adapter(
 ) -> None:
     """Finalizer `loraplane.io/unload`: unloaded everywhere and forgotten before delete."""
     runtime = _runtime(memo)
+    metrics = _metrics(memo)
     if retry == 0:
         patch.status["phase"] = "Unloading"
+        record_adapter_phase(metrics, namespace, name, dict(body.get("spec") or {}), "Unloading")
         kopf.event(body, type="Normal", reason="Unloading", message="unloading from every worker")
     delay = runtime.config.retry.delay(retry + 1)
     try:
@@ -496,6 +525,8 @@ def unload_adapter(
     kopf.event(
         body, type="Normal", reason="Unloaded", message="unloaded everywhere; finalizer removed"
     )
+    if metrics is not None:
+        metrics.forget_adapter(namespace, name)
 
 
 # ------------------------------------------------------------------ registration
@@ -503,16 +534,25 @@ def unload_adapter(
 _SELECTOR = re.compile(r"^[\w./-]+=[\w.-]*$")
 
 
-def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
-    """Attach every handler to `registry` (intervals from `config`)."""
+def register(
+    registry: kopf.OperatorRegistry,
+    config: OperatorConfig,
+    metrics: OperatorMetrics | None = None,
+) -> None:
+    """Attach every handler to `registry` (intervals from `config`); with `metrics`, every
+    LoRAPool/LoRAAdapter reconcile pass is counted and timed."""
     interval = config.resync_interval_s
+    pool_handler, adapter_handler = reconcile_pool, reconcile_adapter
+    if metrics is not None:
+        pool_handler = metrics.instrument("lorapool", reconcile_pool)
+        adapter_handler = metrics.instrument("loraadapter", reconcile_adapter)
     kopf.on.startup(registry=registry)(configure)
     kopf.on.cleanup(registry=registry)(cleanup)
     kopf.on.login(registry=registry)(login)
 
-    kopf.on.resume(*POOLS, registry=registry, backoff=5)(reconcile_pool)
-    kopf.on.create(*POOLS, registry=registry, backoff=5)(reconcile_pool)
-    kopf.on.update(*POOLS, registry=registry, field="spec", backoff=5)(reconcile_pool)
+    kopf.on.resume(*POOLS, registry=registry, backoff=5)(pool_handler)
+    kopf.on.create(*POOLS, registry=registry, backoff=5)(pool_handler)
+    kopf.on.update(*POOLS, registry=registry, field="spec", backoff=5)(pool_handler)
     kopf.timer(
         *POOLS,
         registry=registry,
@@ -520,7 +560,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         interval=interval,
         initial_delay=interval,
         backoff=interval,
-    )(reconcile_pool)
+    )(pool_handler)
     kopf.on.delete(*POOLS, registry=registry, optional=True)(forget_pool)
     kopf.on.event(
         "",
@@ -530,9 +570,9 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         labels={builders.POOL_LABEL: kopf.PRESENT, builders.COMPONENT_LABEL: "worker"},
     )(on_worker_pod)
 
-    kopf.on.resume(*ADAPTERS, registry=registry, backoff=5)(reconcile_adapter)
-    kopf.on.create(*ADAPTERS, registry=registry, backoff=5)(reconcile_adapter)
-    kopf.on.update(*ADAPTERS, registry=registry, field="spec", backoff=5)(reconcile_adapter)
+    kopf.on.resume(*ADAPTERS, registry=registry, backoff=5)(adapter_handler)
+    kopf.on.create(*ADAPTERS, registry=registry, backoff=5)(adapter_handler)
+    kopf.on.update(*ADAPTERS, registry=registry, field="spec", backoff=5)(adapter_handler)
     kopf.timer(
         *ADAPTERS,
         registry=registry,
@@ -540,7 +580,7 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         interval=interval,
         initial_delay=interval,
         backoff=interval,
-    )(reconcile_adapter)
+    )(adapter_handler)
     kopf.on.delete(*ADAPTERS, registry=registry, retries=30, backoff=config.retry.base_delay_s)(
         unload_adapter
     )

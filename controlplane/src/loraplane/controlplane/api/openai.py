@@ -90,7 +90,9 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
                 try:
                     plan = services.operations.plan_load(session, adapter, 1)
                 except ApiError as exc:
-                    services.metrics.on_demand_loads.labels("no_capacity").inc()
+                    services.metrics.on_demand_loads.labels(
+                        adapter.namespace, adapter.pool.name, "no_capacity"
+                    ).inc()
                     code = (
                         "no_worker"
                         if "no workers" in exc.message or "not ready" in exc.message
@@ -113,6 +115,7 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
                 adapter.phase = "Loading"
                 services.operations.add_loading_rows(session, adapter, plan)
                 op_id = op.id
+                pool_name = adapter.pool.name
                 break
         await asyncio.sleep(0.05)
     await services.operations.run(op_id)
@@ -120,7 +123,7 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
         settled = session.get(Operation, op_id)
         assert settled is not None
         op = settled
-        services.metrics.on_demand_loads.labels(op.state).inc()
+        services.metrics.on_demand_loads.labels(op.namespace, pool_name, op.state).inc()
         if op.state != "succeeded":
             raise ApiError(503, "on_demand_failed", f"on-demand load failed: {op.error}")
         return op.state
@@ -177,7 +180,7 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
                 f"not {prefix!r}",
                 field="body.model",
             )
-        adapter_id, key = adapter.id, adapter.name
+        adapter_id, key, pool_name = adapter.id, adapter.name, pool.name
         worker = least_loaded(services, routable_workers(adapter))
         if worker is not None:
             return Route(
@@ -192,7 +195,7 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
     try:
         await asyncio.wait_for(on_demand_load(services, adapter_id), timeout)
     except TimeoutError as exc:
-        services.metrics.on_demand_loads.labels("timeout").inc()
+        services.metrics.on_demand_loads.labels(namespace, pool_name, "timeout").inc()
         raise ApiError(
             503,
             "on_demand_timeout",

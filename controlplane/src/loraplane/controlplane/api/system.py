@@ -29,7 +29,9 @@ async def readyz(services: ServicesDep) -> JSONResponse:
 
 
 @router.get("/metrics")
-def metrics(services: ServicesDep) -> Response:
+async def metrics(services: ServicesDep) -> Response:
+    # On the event loop, not a thread: the reconciler rewrites its gauges between two awaits,
+    # so a scrape never sees them half rewritten.
     return Response(generate_latest(services.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -46,6 +46,7 @@ class EngineObserver(Protocol):
     def step(self, distinct_adapters: int, running_per_group: list[int], waiting: int, waiting_for_slot: int) -> None: ...
     def idle(self) -> None: ...
     def evicted(self, adapter: str) -> None: ...
+    def slot_loaded(self, adapter: str) -> None: ...
     def residency_changed(self, slots_used: int, loaded: int, pinned: int, inconsistent: int) -> None: ...
     def adapter_op(self, op: str, seconds: float, success: bool) -> None: ...
 
@@ -442,8 +443,10 @@ class Engine:
                 log.info("evicted adapter %s from its slot (LRU)", adapter.name)
             running = list(self.scheduler.running)
             waiting = len(self.scheduler.waiting)
-        for slot, key in admission.slot_loads:
+            slot_names = [self.residency.adapters[key].name for _, key in admission.slot_loads]
+        for (slot, key), name in zip(admission.slot_loads, slot_names, strict=True):
             self.executor.load_slot(slot, key)
+            self.observer.slot_loaded(name)
         if admission.slot_loads:
             self._publish_residency()
         if not running:

@@ -37,11 +37,17 @@ class WorkerMetrics:
         self.running = Gauge("loraplane_worker_requests_running", "Requests running", ["dp_group"], registry=r)
         self.distinct_adapters = Histogram("loraplane_worker_step_distinct_adapters", "Distinct adapters in one forward step", buckets=tuple(range(0, max_loras_per_batch + 1)), registry=r)
         self.steps = Counter("loraplane_worker_steps", "Forward steps run", registry=r)
+        self.slot_loads = Counter("loraplane_worker_slot_loads", "Adapters copied from host memory into a GPU LoRA slot (slot-level cold starts)", ["adapter"], registry=r)
+        self.info = Gauge("loraplane_worker_info", "Always 1: the served base model and the topology (tp, dp)", ["model", "tp", "dp"], registry=r)
         for g in range(dp_size):
             self.slots_total.labels(str(g)).set(max_loras_per_batch)
             self.slots_used.labels(str(g)).set(0)
             self.running.labels(str(g)).set(0)
         self.max_loaded.set(max_loaded_loras)
+
+    def set_info(self, model: str, tp: int, dp: int) -> None:
+        self.info.clear()
+        self.info.labels(model, str(tp), str(dp)).set(1)
 
     # --- EngineObserver ------------------------------------------------------------------
 
@@ -68,6 +74,9 @@ class WorkerMetrics:
 
     def evicted(self, adapter: str) -> None:
         self.evictions.labels(adapter).inc()
+
+    def slot_loaded(self, adapter: str) -> None:
+        self.slot_loads.labels(adapter).inc()
 
     def residency_changed(self, slots_used: int, loaded: int, pinned: int, inconsistent: int) -> None:
         for g in range(self.dp_size):

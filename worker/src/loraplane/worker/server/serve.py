@@ -38,6 +38,7 @@ def build_server(config: ServeConfig) -> WorkerServer:
     )
     engine.start()
     served = config.served_model_name or Path(config.model).resolve().name
+    metrics.set_info(served, config.tp, executor.dp_size)
     server = WorkerServer(
         engine,
         served_model=served,
