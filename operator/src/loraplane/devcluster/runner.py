@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplane.devcluster import podenv, processes
+from loraplane.devcluster.kubehttp import KubeHTTP
 from loraplane.devcluster.layout import LOCAL_RUN_LABEL, ClusterState, Process
 
 log = logging.getLogger("loraplane.devcluster.runner")
@@ -77,16 +78,13 @@ class PodRun:
 
 class Runner:
     def __init__(self, state: Path, workdir: Path) -> None:
-        from kubernetes import client, config
-
         cluster = ClusterState.load(state)
         if cluster is None:
             raise SystemExit(f"no cluster.json in {state}")
         self.state = state
         self.workdir = workdir
         self.cluster = cluster
-        self.api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
-        self.core = client.CoreV1Api(self.api_client)
+        self.api = KubeHTTP(cluster.server, state / "pki")
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.runs: dict[str, PodRun] = {}
         self.stopping = threading.Event()
@@ -96,27 +94,16 @@ class Runner:
 
     def watch_pods(self) -> None:
         """List, then watch, local-run pods; put events on the queue; relist on any error."""
-        from kubernetes import watch
-
         selector = f"{LOCAL_RUN_LABEL}=true"
         while not self.stopping.is_set():
             try:
-                response = self.core.list_pod_for_all_namespaces(
-                    label_selector=selector, _preload_content=False
-                )
-                listed = json.loads(response.data)
+                listed = self.api.request("GET", "/api/v1/pods", labelSelector=selector)
                 self.events.put(("LIST", listed["items"]))
-                stream = watch.Watch().stream(
-                    self.core.list_pod_for_all_namespaces,
-                    label_selector=selector,
-                    resource_version=listed["metadata"]["resourceVersion"],
-                    timeout_seconds=300,
-                    allow_watch_bookmarks=True,
-                )
-                for event in stream:
+                version = listed["metadata"]["resourceVersion"]
+                for event in self.api.watch("/api/v1/pods", version, labelSelector=selector):
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self.events.put((event["type"], event["raw_object"]))
-                    elif event["type"] == "ERROR":
+                        self.events.put((event["type"], event["object"]))
+                    elif event["type"] == "ERROR":  # e.g. 410 Gone: relist
                         break
             except Exception as exc:  # the API server restarts, a watch expires: relist
                 if not self.stopping.is_set():
@@ -209,8 +196,8 @@ class Runner:
                 pod,
                 container,
                 env,
-                read_secret=self.read("secret"),
-                read_config_map=self.read("config_map"),
+                read_secret=self.read("secrets"),
+                read_config_map=self.read("configmaps"),
             )
             argv = podenv.command_line(container, env)
         except (podenv.PodEnvError, OSError) as exc:
@@ -271,23 +258,26 @@ class Runner:
 
     def write_service_account(self, run: PodRun) -> Path:
         """token, ca.crt and namespace for the pod's ServiceAccount, as a kubelet mounts them."""
-        from kubernetes import client
-
         directory = run.directory / "serviceaccount"
         directory.mkdir(parents=True, exist_ok=True)
         account = run.pod["spec"].get("serviceAccountName") or "default"
-        request = client.AuthenticationV1TokenRequest(
-            spec=client.V1TokenRequestSpec(
-                audiences=[],
-                expiration_seconds=_TOKEN_SECONDS,
-                bound_object_ref=client.V1BoundObjectReference(
-                    api_version="v1", kind="Pod", name=run.name, uid=run.uid
-                ),
-            )
-        )
-        token = self.core.create_namespaced_service_account_token(account, run.namespace, request)
+        request = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {
+                "expirationSeconds": _TOKEN_SECONDS,
+                "boundObjectRef": {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "name": run.name,
+                    "uid": run.uid,
+                },
+            },
+        }
+        path = f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{account}/token"
+        token = self.api.request("POST", path, request)["status"]["token"]
         for name, content in (
-            ("token", token.status.token),
+            ("token", token),
             ("ca.crt", self.ca),
             ("namespace", run.namespace),
         ):
@@ -335,15 +325,10 @@ class Runner:
             with open(run.directory / "log", "a") as out:
                 out.write(f"[local-run] {_now()} stopped: pod deleted\n")
         try:
-            from kubernetes import client
-
-            self.core.delete_namespaced_pod(
-                run.name,
-                run.namespace,
-                grace_period_seconds=0,
-                body=client.V1DeleteOptions(
-                    grace_period_seconds=0, preconditions=client.V1Preconditions(uid=run.uid)
-                ),
+            self.api.request(
+                "DELETE",
+                f"/api/v1/namespaces/{run.namespace}/pods/{run.name}",
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": run.uid}},
             )
         except Exception as exc:  # already gone, or replaced by a pod of the same name
             log.debug("delete %s/%s: %s", run.namespace, run.name, exc)
@@ -440,19 +425,10 @@ class Runner:
     # -- API helpers ---------------------------------------------------------------------
 
     def read(self, kind: str) -> podenv.Reader:
-        def reader(namespace: str, name: str) -> dict[str, Any] | None:
-            from kubernetes.client.exceptions import ApiException
+        """A reader of `secrets` or `configmaps` by (namespace, name)."""
 
-            try:
-                method = getattr(self.core, f"read_namespaced_{kind}")
-                found: dict[str, Any] = json.loads(
-                    method(name, namespace, _preload_content=False).data
-                )
-                return found
-            except ApiException as exc:
-                if exc.status == 404:
-                    return None
-                raise
+        def reader(namespace: str, name: str) -> dict[str, Any] | None:
+            return self.api.get_or_none(f"/api/v1/namespaces/{namespace}/{kind}/{name}")
 
         return reader
 
@@ -523,18 +499,12 @@ class Runner:
         if phase:
             patch["status"]["phase"] = phase
         try:
-            updated = self.api_client.call_api(
-                "/api/v1/namespaces/{namespace}/pods/{name}/status",
+            run.pod = self.api.request(
                 "PATCH",
-                {"namespace": run.namespace, "name": run.name},
-                [],
-                {"Content-Type": "application/merge-patch+json", "Accept": "application/json"},
-                body=patch,
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                _return_http_data_only=True,
+                f"/api/v1/namespaces/{run.namespace}/pods/{run.name}/status",
+                patch,
+                content_type="application/merge-patch+json",
             )
-            run.pod = json.loads(updated.data)
         except Exception as exc:  # the pod went away meanwhile
             log.debug("patch status of %s/%s: %s", run.namespace, run.name, exc)
 
