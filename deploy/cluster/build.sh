@@ -20,6 +20,7 @@ mkdir -p "$bin"
 # One build at a time per cache: a second caller waits, then finds everything built.
 exec 9>"$cache/.build.lock"
 flock 9
+rm -rf "$bin"/.install.* "$bin"/*.tmp  # left by a build that was killed
 
 # Static, reproducible binaries; at most two packages compiled at once (2-core machines
 # shared with other work), at low priority.
