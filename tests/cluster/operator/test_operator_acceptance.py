@@ -112,7 +112,8 @@ class Stack:
         return httpx.request(
             method,
             self.controlplane_url() + path,
-            headers={"Authorization": f"Bearer {TOKEN}"},
+            # The router resolves adapter names in one namespace: the test's.
+            headers={"Authorization": f"Bearer {TOKEN}", "X-Loraplane-Namespace": self.ns},
             timeout=120,
             **kwargs,
         )
