@@ -86,6 +86,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             f"127.0.0.1:{free_port()}",
         )
         started.append(prom)
+        api = PromAPI(prom.url)
+        # The workload's counters must be seen before and after it: wait for a first scrape.
+        wait_for(
+            lambda: len(api.vector('up{job=~"loraplane-controlplane|loraplane-worker"} == 1')) == 3,
+            30,
+            "Prometheus to scrape the control plane and both workers",
+        )
         yield {
             "cp": cp,
             "workers": workers,

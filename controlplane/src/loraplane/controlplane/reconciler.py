@@ -371,6 +371,7 @@ class Reconciler:
             for adapter in session.scalars(select(Adapter)).all():
                 akey = (adapter.pool.namespace, adapter.pool.name, adapter_phase(adapter))
                 adapters[akey] = adapters.get(akey, 0) + 1
+                m.routed_requests.labels(adapter.namespace, adapter.name, "200")
         # No await from here on: a scrape never sees the gauges half rewritten.
         for gauge, values in (
             (m.workers, workers),

@@ -44,6 +44,11 @@ class WorkerMetrics:
             self.slots_used.labels(str(g)).set(0)
             self.running.labels(str(g)).set(0)
         self.max_loaded.set(max_loaded_loras)
+        for counter in (self.requests, self.prompt_tokens, self.generated_tokens):
+            counter.labels(NO_ADAPTER_LABEL)
+        for outcome in ("success", "failure"):  # born at 0: increase() sees the first failure
+            self.load_seconds.labels(outcome)
+            self.unload_seconds.labels(outcome)
 
     def set_info(self, model: str, tp: int, dp: int) -> None:
         self.info.clear()
@@ -74,6 +79,11 @@ class WorkerMetrics:
 
     def evicted(self, adapter: str) -> None:
         self.evictions.labels(adapter).inc()
+
+    def adapter_loaded(self, adapter: str) -> None:
+        """A newly loaded adapter's counters start at 0, so rate() sees its first requests."""
+        for counter in (self.requests, self.prompt_tokens, self.generated_tokens, self.evictions, self.slot_loads):
+            counter.labels(adapter)
 
     def slot_loaded(self, adapter: str) -> None:
         self.slot_loads.labels(adapter).inc()
