@@ -88,6 +88,10 @@ def make_adapter_cmd(
         bool,
         typer.Option("--experts/--no-experts", help="Also target the routed experts (qwen3-moe)"),
     ] = False,
+    init_scale: Annotated[
+        float,
+        typer.Option(help="Size of the LoRA term relative to the base projection's output (0.08: moderate)"),
+    ] = 0.08,
 ) -> None:
     """Write a PEFT-format LoRA adapter with non-zero A and B for a base model."""
     from loraplane.worker.fixtures.adapters import make_adapter
@@ -102,6 +106,7 @@ def make_adapter_cmd(
         targets=[t for t in targets.split(",") if t],
         seed=seed,
         experts=experts,
+        init_scale=init_scale,
     )
     typer.echo(str(path))
 
