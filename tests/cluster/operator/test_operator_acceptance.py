@@ -143,7 +143,7 @@ def _fixtures(work: Path) -> tuple[Path, Path, dict[str, Path]]:
     for seed, name in enumerate(("sql", "tone", "summary", "spare", "extra")):
         out = work / "adapters" / name
         subprocess.run(
-            [LORAPLANE, "fixtures", "make-adapter", "--model", str(model), "--rank", "8", "--alpha", "16",
+            [LORAPLANE, "fixtures", "make-adapter", "--model", str(model), "--rank", "8", "--alpha", "16", "--init-scale", "1.0",
              "--targets", "q_proj,v_proj,down_proj", "--out", str(out), "--seed", str(seed + 1)],
             check=True, capture_output=True,
         )  # fmt: skip
@@ -354,17 +354,32 @@ def test_scale_up_adapters_follow_onto_the_new_replica(stack: Stack) -> None:
 
 
 def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
+    old_uid = stack.cluster.get("pod", "pool-1", "-n", stack.ns)["metadata"]["uid"]
     stack.cluster.kubectl("delete", "pod", "pool-1", "-n", stack.ns, "--wait=true", "--timeout=90s")
+    names = {stack.adapter(n)["status"]["loraName"] for n in ("sql", "tone", "summary")}
+
+    def new_pod_serves_its_adapters() -> bool:
+        # The pool's status may still describe the old pod for a moment: ask the new one.
+        try:
+            pod = stack.cluster.get("pod", "pool-1", "-n", stack.ns)
+        except Exception:  # not recreated yet
+            return False
+        ip = pod.get("status", {}).get("podIP")
+        if pod["metadata"]["uid"] == old_uid or not ip:
+            return False
+        try:
+            models = httpx.get(f"http://{ip}:8000/v1/models", timeout=10).json()
+        except httpx.HTTPError:
+            return False  # the new worker is still starting
+        return names <= {m["id"] for m in models["data"]}
+
     wait_for(
-        lambda: any(w["pod"] == "pool-1" and w["state"] == "ready" for w in stack.pool("pool")["status"]["workers"]),
-        what="pool-1 back and registered", timeout_s=300, interval_s=1,
-    )  # fmt: skip
+        new_pod_serves_its_adapters,
+        what="the recreated pool-1 serving its adapters",
+        timeout_s=300,
+        interval_s=2,
+    )
     _wait_ready(stack, ["sql", "tone", "summary"], 3)
-    worker = next(w for w in stack.pool("pool")["status"]["workers"] if w["pod"] == "pool-1")
-    models = httpx.get(f"http://{worker['podIP']}:8000/v1/models", timeout=30).json()
-    ids = {m["id"] for m in models["data"]}
-    for name in ("sql", "tone", "summary"):
-        assert stack.adapter(name)["status"]["loraName"] in ids
 
 
 def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
