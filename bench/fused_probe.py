@@ -70,8 +70,8 @@ def main() -> int:
                 y = shrink.lora_shrink(x, a, *seg, info.row_order, n, info.max_seg_len)
                 expand.lora_expand(y, b, *seg, info.slot_scalings, info.row_order, offs, out, info.max_seg_len)
 
-            def fused() -> None:
-                lora_shrink_expand(x, a, b, *seg, info.slot_scalings, info.row_order, offs, out, info.max_seg_len)
+            def fused(n_sub: int | None = None) -> None:
+                lora_shrink_expand(x, a, b, *seg, info.slot_scalings, info.row_order, offs, out, info.max_seg_len, n_sub=n_sub)
 
             # correctness against the torch references first
             ref_out = torch.zeros_like(out, dtype=torch.float32)
@@ -81,10 +81,12 @@ def main() -> int:
             fused()
             err = float((out.float() - ref_out).norm() / ref_out.norm())
             t_base, t_two, t_fused = graph_time_us(base), graph_time_us(two_step), graph_time_us(fused)
+            by_sub = {n: graph_time_us(lambda n=n: fused(n)) for n in (1, 2, 4, 8, 16)}
             per_layer["base"] += t_base
             per_layer["two_step"] += t_two
             per_layer["fused"] += t_fused
-            rows.append({"module": name, "tokens": tokens, "base_us": t_base, "two_step_us": t_two, "fused_us": t_fused, "fused_rel_err": err})
+            rows.append({"module": name, "tokens": tokens, "base_us": t_base, "two_step_us": t_two, "fused_us": t_fused, "fused_rel_err": err,
+                         "fused_us_by_n_sub": by_sub})
         rows.append({"module": "layer_linears", "tokens": tokens, **{f"{k}_us": v for k, v in per_layer.items()},
                      "ratio_two_step": per_layer["base"] / (per_layer["base"] + per_layer["two_step"]),
                      "ratio_fused": per_layer["base"] / (per_layer["base"] + per_layer["fused"])})

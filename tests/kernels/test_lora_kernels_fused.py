@@ -33,15 +33,17 @@ def _case(seed: int, sizes: list[int], k: int, rank_max: int, ranks: list[int], 
     return x, a, b, info, offsets, out
 
 
+@pytest.mark.parametrize("n_sub", [None, 2, 4])
 @pytest.mark.parametrize(
     ("sizes", "token_slots"),
     [
+        ([160, 64, 64], [0, 2, -1, 1, 1, 0, 2, -1, 3]),  # several column blocks: chunks span slices
         ([48, 16, 16], [0, 2, -1, 1, 1, 0, 2, -1, 3]),  # qkv with GQA widths, shuffled adapters, base rows
         ([32, 32], [1] * 5 + [-1] * 3 + [0] * 20),  # gate_up, contiguous segments, one longer than a block
         ([40], [3]),  # one token, one slot
     ],
 )
-def test_fused_equals_two_step_reference(sizes: list[int], token_slots: list[int]) -> None:
+def test_fused_equals_two_step_reference(sizes: list[int], token_slots: list[int], n_sub: int | None) -> None:
     from loraplane.worker.kernels import reference
     from loraplane.worker.kernels.fused import lora_shrink_expand
 
@@ -54,7 +56,7 @@ def test_fused_equals_two_step_reference(sizes: list[int], token_slots: list[int
     )
     before = out.clone()
     lora_shrink_expand(
-        x, a, b, info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order, offsets, out, info.max_seg_len
+        x, a, b, info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order, offsets, out, info.max_seg_len, n_sub=n_sub
     )
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     base_rows = [i for i, s in enumerate(token_slots) if s < 0]

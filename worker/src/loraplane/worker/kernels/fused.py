@@ -60,6 +60,7 @@ def _lora_fused_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    N_SUB: tl.constexpr,  # column blocks per program: the shrink is computed once for them
 ):
     blk = tl.program_id(0)
     seg = tl.program_id(1)
@@ -80,18 +81,19 @@ def _lora_fused_kernel(
         rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
     else:
         rows = offs_s.to(tl.int64)
-    n0 = tl.program_id(2) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    chunk0 = tl.program_id(2) * (BLOCK_N * N_SUB)  # this program's columns: N_SUB blocks of BLOCK_N
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_mask = offs_r < rank  # rows of A / columns of B at or beyond the rank are never read
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
+    # Shrink once per slice that overlaps the chunk (at most 3 slices: qkv), kept in registers.
+    y0 = tl.zeros((BLOCK_S, BLOCK_R), dtype=x_ptr.dtype.element_ty)
+    y1 = tl.zeros((BLOCK_S, BLOCK_R), dtype=x_ptr.dtype.element_ty)
+    y2 = tl.zeros((BLOCK_S, BLOCK_R), dtype=x_ptr.dtype.element_ty)
     for i in tl.static_range(NUM_SLICES):
         col_lo = tl.load(slice_offsets_ptr + i)
         col_hi = tl.load(slice_offsets_ptr + i + 1)
-        if (col_lo < n0 + BLOCK_N) & (col_hi > n0):
-            # shrink of slice i for these rows: y [BLOCK_S, BLOCK_R] = x A_i^T
+        if (col_lo < chunk0 + BLOCK_N * N_SUB) & (col_hi > chunk0):
             y = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
             a_base = a_ptr + slot * a_stride_slot + (i * rank_max + offs_r[None, :]).to(tl.int64) * a_stride_row
             for k0 in range(0, HIDDEN, BLOCK_K):
@@ -105,19 +107,38 @@ def _lora_fused_kernel(
                     a_base + (k0 + offs_k)[:, None], mask=k_mask[:, None] & r_mask[None, :], other=0.0
                 )  # [BLOCK_K, BLOCK_R]
                 y += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
-            y_cast = y.to(x_ptr.dtype.element_ty)  # the two-step path stores y in x's dtype
-            n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
-            b_tile = tl.load(
-                b_ptr + slot * b_stride_slot + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None],
-                mask=r_mask[:, None] & n_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_R, BLOCK_N]
-            acc += tl.dot(y_cast, b_tile, input_precision=DOT_PRECISION)
+            # the two-step path stores y in x's dtype: round the same way
+            if i == 0:
+                y0 = y.to(x_ptr.dtype.element_ty)
+            elif i == 1:
+                y1 = y.to(x_ptr.dtype.element_ty)
+            else:
+                y2 = y.to(x_ptr.dtype.element_ty)
 
-    out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]
-    out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
-    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask)
+    for sub in tl.static_range(N_SUB):
+        n0 = chunk0 + sub * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
+        for i in tl.static_range(NUM_SLICES):
+            col_lo = tl.load(slice_offsets_ptr + i)
+            col_hi = tl.load(slice_offsets_ptr + i + 1)
+            if (col_lo < n0 + BLOCK_N) & (col_hi > n0):
+                n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
+                b_tile = tl.load(
+                    b_ptr + slot * b_stride_slot + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None],
+                    mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0,
+                )  # [BLOCK_R, BLOCK_N]
+                if i == 0:
+                    acc += tl.dot(y0, b_tile, input_precision=DOT_PRECISION)
+                elif i == 1:
+                    acc += tl.dot(y1, b_tile, input_precision=DOT_PRECISION)
+                else:
+                    acc += tl.dot(y2, b_tile, input_precision=DOT_PRECISION)
+        out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]
+        out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
+        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+        tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def lora_shrink_expand(
@@ -132,8 +153,12 @@ def lora_shrink_expand(
     slice_offsets: torch.Tensor,
     out: torch.Tensor,
     max_seg_len: int,
+    n_sub: int | None = None,
 ) -> None:
-    """``lora_expand(lora_shrink(x, lora_a, …), lora_b, …, out)`` in one launch, in place into ``out``."""
+    """``lora_expand(lora_shrink(x, lora_a, …), lora_b, …, out)`` in one launch, in place into ``out``.
+
+    ``n_sub``: column blocks per program (a power of two; default: chosen by the grid size).
+    """
     fn = "lora_shrink_expand"
     x = check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     a = check_tensor(fn, "lora_a", lora_a, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
@@ -157,7 +182,18 @@ def lora_shrink_expand(
         return
     config = expand_config(max_seg_len, rank_max, b.shape[1])
     block_k = 128 if x.shape[1] >= 128 else max(16, triton.next_power_of_2(x.shape[1]))
-    grid = (triton.cdiv(max_seg_len, config.block_s), n_segments, triton.cdiv(b.shape[1], config.block_n))
+    if num_slices > 3:
+        raise ValueError(f"{fn}: at most 3 stacked slices (q, k, v), got {num_slices}")
+    n_blocks = triton.cdiv(b.shape[1], config.block_n)
+    seg_blocks = triton.cdiv(max_seg_len, config.block_s)
+    # Enough programs to fill the GPU (~2 per SM of an H100/H200), as few shrink repeats as that allows.
+    if n_sub is not None and (n_sub < 1 or n_sub & (n_sub - 1)):
+        raise ValueError(f"{fn}: n_sub must be a power of two >= 1, got {n_sub}")
+    n_sub_auto = n_sub is None
+    n_sub = n_sub or 1
+    while n_sub < 16 and n_sub_auto and seg_blocks * n_segments * triton.cdiv(n_blocks, n_sub * 2) >= 256:
+        n_sub *= 2
+    grid = (seg_blocks, n_segments, triton.cdiv(n_blocks, n_sub))
     _lora_fused_kernel[grid](
         x,
         a,
@@ -185,5 +221,6 @@ def lora_shrink_expand(
         BLOCK_R=config.block_r,
         BLOCK_K=block_k,
         BLOCK_N=config.block_n,
+        N_SUB=n_sub,
         num_warps=config.num_warps,
     )
