@@ -49,7 +49,7 @@ async def fanout_case(groups: int, delay_s: float, repeats: int) -> dict[str, An
     walls = []
     for _ in range(repeats):
         start = time.perf_counter()
-        results, _per_target = await ops._fanout("load", targets, answer)  # noqa: SLF001
+        results, _per_target = await ops._fanout("load", targets, answer)
         merged = merge_results(results)
         walls.append(time.perf_counter() - start)
         assert merged.success is False
@@ -65,9 +65,17 @@ async def fanout_case(groups: int, delay_s: float, repeats: int) -> dict[str, An
 
 def write_adapter(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
-        "base_model_name_or_path": "/models/bench"}))
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": 8,
+                "lora_alpha": 16,
+                "target_modules": ["q_proj", "v_proj"],
+                "base_model_name_or_path": "/models/bench",
+            }
+        )
+    )
     header: dict[str, Any] = {}
     blobs = []
     offset = 0
@@ -75,12 +83,17 @@ def write_adapter(directory: Path) -> Path:
         for part, shape in (("lora_A", [8, 256]), ("lora_B", [256, 8])):
             raw = np.random.default_rng(0).standard_normal(shape).astype(np.float32).tobytes()
             header[f"base_model.model.layers.0.self_attn.{module}.{part}.weight"] = {
-                "dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+                "dtype": "F32",
+                "shape": shape,
+                "data_offsets": [offset, offset + len(raw)],
+            }
             offset += len(raw)
             blobs.append(raw)
     encoded = json.dumps(header).encode()
     encoded += b" " * (-len(encoded) % 8)
-    (directory / "adapter_model.safetensors").write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs))
+    (directory / "adapter_model.safetensors").write_bytes(
+        len(encoded).to_bytes(8, "little") + encoded + b"".join(blobs)
+    )
     return directory
 
 
@@ -95,13 +108,30 @@ def registry_case(db_url: str, n: int, tmp: Path) -> dict[str, Any]:
     settings.reconciler.enabled = False
     adapter = write_adapter(tmp / "bench-adapter")
     with TestClient(create_app(settings)) as client:
-        client.put("/v1/pools/default/bench", headers=ADMIN, json={
-            "model": "/models/bench", "tp": 1, "dp": 1, "max_loras_per_batch": 4, "max_loaded_loras": 8,
-            "max_lora_rank": 64})
+        client.put(
+            "/v1/pools/default/bench",
+            headers=ADMIN,
+            json={
+                "model": "/models/bench",
+                "tp": 1,
+                "dp": 1,
+                "max_loras_per_batch": 4,
+                "max_loaded_loras": 8,
+                "max_lora_rank": 64,
+            },
+        )
         start = time.perf_counter()
         for i in range(n):
-            response = client.post("/v1/adapters", headers={**ADMIN, "Idempotency-Key": f"bench-{i}"}, json={
-                "name": f"a{i}", "pool": "bench", "source": {"uri": f"file://{adapter}"}, "load": False})
+            response = client.post(
+                "/v1/adapters",
+                headers={**ADMIN, "Idempotency-Key": f"bench-{i}"},
+                json={
+                    "name": f"a{i}",
+                    "pool": "bench",
+                    "source": {"uri": f"file://{adapter}"},
+                    "load": False,
+                },
+            )
             assert response.status_code == 201, response.text
         registrations = n / (time.perf_counter() - start)
         start = time.perf_counter()
@@ -110,13 +140,25 @@ def registry_case(db_url: str, n: int, tmp: Path) -> dict[str, Any]:
         reads = n / (time.perf_counter() - start)
         start = time.perf_counter()
         for i in range(n):  # idempotent replays: journal lookups
-            response = client.post("/v1/adapters", headers={**ADMIN, "Idempotency-Key": f"bench-{i}"}, json={
-                "name": f"a{i}", "pool": "bench", "source": {"uri": f"file://{adapter}"}, "load": False})
+            response = client.post(
+                "/v1/adapters",
+                headers={**ADMIN, "Idempotency-Key": f"bench-{i}"},
+                json={
+                    "name": f"a{i}",
+                    "pool": "bench",
+                    "source": {"uri": f"file://{adapter}"},
+                    "load": False,
+                },
+            )
             assert response.status_code == 201
         replays = n / (time.perf_counter() - start)
-    return {"database": sa.engine.make_url(db_url).get_backend_name(), "operations": n,
-            "registrations_per_s": round(registrations, 1), "adapter_reads_per_s": round(reads, 1),
-            "idempotent_replays_per_s": round(replays, 1)}
+    return {
+        "database": sa.engine.make_url(db_url).get_backend_name(),
+        "operations": n,
+        "registrations_per_s": round(registrations, 1),
+        "adapter_reads_per_s": round(reads, 1),
+        "idempotent_replays_per_s": round(replays, 1),
+    }
 
 
 def fresh_pg_database(url: str) -> tuple[str, sa.Engine, str]:
@@ -130,13 +172,18 @@ def fresh_pg_database(url: str) -> tuple[str, sa.Engine, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pg-url", help="PostgreSQL server URL (a scratch database is created and dropped)")
+    parser.add_argument(
+        "--pg-url", help="PostgreSQL server URL (a scratch database is created and dropped)"
+    )
     parser.add_argument("--operations", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--delay-ms", type=float, default=5.0)
     args = parser.parse_args()
 
-    fanout = [asyncio.run(fanout_case(g, args.delay_ms / 1000, args.repeats)) for g in (2, 4, 8, 16, 32, 64)]
+    fanout = [
+        asyncio.run(fanout_case(g, args.delay_ms / 1000, args.repeats))
+        for g in (2, 4, 8, 16, 32, 64)
+    ]
     registry = []
     with tempfile.TemporaryDirectory() as tmp:
         registry.append(registry_case(f"sqlite:///{tmp}/bench.db", args.operations, Path(tmp)))
@@ -147,8 +194,17 @@ def main() -> None:
             finally:
                 with admin.connect() as conn:
                     conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    json.dump({"benchmark": "controlplane", "python": sys.version.split()[0], "machine": platform.machine(),
-               "fanout": fanout, "registry": registry}, sys.stdout, indent=2)
+    json.dump(
+        {
+            "benchmark": "controlplane",
+            "python": sys.version.split()[0],
+            "machine": platform.machine(),
+            "fanout": fanout,
+            "registry": registry,
+        },
+        sys.stdout,
+        indent=2,
+    )
     sys.stdout.write("\n")
 
 

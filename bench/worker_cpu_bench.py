@@ -21,7 +21,12 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = ["The quick brown fox", "Adapters change the", "What is the capital", "for i in range(10):"]
+PROMPTS = [
+    "The quick brown fox",
+    "Adapters change the",
+    "What is the capital",
+    "for i in range(10):",
+]
 
 
 def _port() -> int:
@@ -30,12 +35,16 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(url: str, adapters: list[str | None], requests: int, concurrency: int, max_tokens: int) -> dict[str, float]:
+def _run(
+    url: str, adapters: list[str | None], requests: int, concurrency: int, max_tokens: int
+) -> dict[str, float]:
     client = httpx.Client(base_url=url, timeout=600)
 
     def one(i: int) -> int:
-        body: dict = {"text": PROMPTS[i % len(PROMPTS)],
-                      "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+        body: dict = {
+            "text": PROMPTS[i % len(PROMPTS)],
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        }
         adapter = adapters[i % len(adapters)]
         if adapter:
             body["lora_path"] = adapter
@@ -49,8 +58,13 @@ def _run(url: str, adapters: list[str | None], requests: int, concurrency: int, 
         tokens = sum(pool.map(one, range(requests)))
     wall = time.perf_counter() - t0
     client.close()
-    return {"requests": requests, "wall_s": round(wall, 3), "requests_per_s": round(requests / wall, 3),
-            "tokens_per_s": round(tokens / wall, 2), "generated_tokens": tokens}
+    return {
+        "requests": requests,
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(requests / wall, 3),
+        "tokens_per_s": round(tokens / wall, 2),
+        "generated_tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -71,18 +85,41 @@ def main() -> None:
     names = []
     lora_args: list[str] = []
     for i in range(args.adapters):
-        out = make_adapter(model, tmp / f"a{i}", rank=8, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                            "gate_proj", "up_proj", "down_proj"], seed=i)
+        out = make_adapter(
+            model,
+            tmp / f"a{i}",
+            rank=8,
+            alpha=16,
+            targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            seed=i,
+        )
         names.append(f"a{i}")
         lora_args += ["--lora", f"a{i}={out}"]
     port = _port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp / "worker.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [str(REPO / ".venv/bin/loraplane"), "worker", "serve", "--model", str(model), "--port", str(port),
-         "--lora-backend", args.lora_backend, "--max-loras-per-batch", str(max(1, args.adapters)),
-         "--max-loaded-loras", str(max(1, args.adapters)), "--max-running", str(args.concurrency), *lora_args],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
+        [
+            str(REPO / ".venv/bin/loraplane"),
+            "worker",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--lora-backend",
+            args.lora_backend,
+            "--max-loras-per-batch",
+            str(max(1, args.adapters)),
+            "--max-loaded-loras",
+            str(max(1, args.adapters)),
+            "--max-running",
+            str(args.concurrency),
+            *lora_args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ},
     )
     try:
         for _ in range(600):
@@ -94,10 +131,15 @@ def main() -> None:
         else:
             sys.exit(f"worker did not start; see {tmp / 'worker.log'}")
         result = {
-            "model": str(model), "lora_backend": args.lora_backend, "concurrency": args.concurrency,
-            "max_tokens": args.max_tokens, "adapters": args.adapters,
+            "model": str(model),
+            "lora_backend": args.lora_backend,
+            "concurrency": args.concurrency,
+            "max_tokens": args.max_tokens,
+            "adapters": args.adapters,
             "lora_off": _run(url, [None], args.requests, args.concurrency, args.max_tokens),
-            "lora_on": _run(url, list(names) or [None], args.requests, args.concurrency, args.max_tokens),
+            "lora_on": _run(
+                url, list(names) or [None], args.requests, args.concurrency, args.max_tokens
+            ),
         }
         off, on = result["lora_off"]["tokens_per_s"], result["lora_on"]["tokens_per_s"]
         result["lora_on_over_off"] = round(on / off, 3) if off else None

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from tests.unit.runtime.test_parity import ARCHS, assert_parity
 
 from loraplane.worker.check.parity import check_parity
-from tests.unit.runtime.test_parity import ARCHS, assert_parity
 
 pytestmark = pytest.mark.kernels
 

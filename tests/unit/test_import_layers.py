@@ -18,7 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_import_contracts_are_kept() -> None:
     exe = Path(sys.executable).with_name("lint-imports")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / r / "src") for r in ("worker", "controlplane", "operator")))
-    result = subprocess.run([str(exe)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            str(REPO / r / "src") for r in ("worker", "controlplane", "operator")
+        ),
+    )
+    result = subprocess.run(
+        [str(exe)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 broken" in result.stdout

@@ -16,8 +16,14 @@ from workerkit import TARGETS, WorkerProcess, start_worker
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from loraplane.worker.fixtures.models import make_model
 
-    return make_model(tmp_path_factory.mktemp("model") / "tiny-llama", "llama", seed=0, hidden_size=64, num_layers=2,
-                      vocab_size=512)
+    return make_model(
+        tmp_path_factory.mktemp("model") / "tiny-llama",
+        "llama",
+        seed=0,
+        hidden_size=64,
+        num_layers=2,
+        vocab_size=512,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +38,9 @@ def make_adapter_dir(tiny_model: Path, adapter_root: Path) -> Callable[..., Path
     def make(name: str, *, seed: int = 0, rank: int = 4, targets: list[str] | None = None) -> Path:
         out = adapter_root / name
         if not out.exists():
-            make_adapter(tiny_model, out, rank=rank, alpha=2.0 * rank, targets=targets or TARGETS, seed=seed)
+            make_adapter(
+                tiny_model, out, rank=rank, alpha=2.0 * rank, targets=targets or TARGETS, seed=seed
+            )
         return out
 
     return make

@@ -15,11 +15,16 @@ pytestmark = pytest.mark.integration
 
 DP_ARGS = ("--tp", "2", "--dp", "2", "--dp-attention")
 _reason = unsupported_reason(ServeConfig(model="-", tp=2, dp=2, dp_attention=True))
-needs_multirank = pytest.mark.skipif(_reason is not None, reason=f"make_executor cannot build it yet: {_reason}")
+needs_multirank = pytest.mark.skipif(
+    _reason is not None, reason=f"make_executor cannot build it yet: {_reason}"
+)
 
 
 def gen_ids(worker: WorkerProcess, prompt: str, adapter: str | None) -> list[int]:
-    body: dict = {"text": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}
+    body: dict = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+    }
     if adapter:
         body["lora_path"] = adapter
     r = worker.client.post("/generate", json=body)
@@ -35,11 +40,16 @@ def test_partial_load_and_unload_failure_on_one_dp_group(
     worker = worker_factory(*DP_ARGS, "--enable-fault-injection", "--lora", f"dpkeep={keep}")
     c = worker.client
     path = str(make_adapter_dir("dpflaky", seed=4))
-    c.post("/debug/fault", json={"op": "load", "dp_group": 1, "count": 1, "message": "group 1 says no"})
+    c.post(
+        "/debug/fault", json={"op": "load", "dp_group": 1, "count": 1, "message": "group 1 says no"}
+    )
     r = c.post("/load_lora_adapter", json={"lora_name": "dpflaky", "lora_path": path})
     assert r.status_code == 400
-    assert r.json() == {"success": False, "error_message": "group 1 says no",
-                        "loaded_adapters": {"dpkeep": str(keep.resolve())}}
+    assert r.json() == {
+        "success": False,
+        "error_message": "group 1 says no",
+        "loaded_adapters": {"dpkeep": str(keep.resolve())},
+    }
     state = c.get("/lora_state").json()
     assert all("dpflaky" not in g["adapters"] for g in state["dp_groups"])  # rolled back on group 0
     assert "dpflaky" not in state["slots"]
@@ -47,9 +57,19 @@ def test_partial_load_and_unload_failure_on_one_dp_group(
     # both groups failing with the same message: de-duplicated
     c.post("/debug/fault", json={"op": "load", "dp_group": 0, "count": 1, "message": "same"})
     c.post("/debug/fault", json={"op": "load", "dp_group": 1, "count": 1, "message": "same"})
-    assert c.post("/load_lora_adapter", json={"lora_name": "dpflaky", "lora_path": path}).json()["error_message"] == "same"
-    assert c.post("/load_lora_adapter", json={"lora_name": "dpflaky", "lora_path": path}).json()["success"]
-    c.post("/debug/fault", json={"op": "unload", "dp_group": 1, "count": 1, "message": "group 1 unload"})
+    assert (
+        c.post("/load_lora_adapter", json={"lora_name": "dpflaky", "lora_path": path}).json()[
+            "error_message"
+        ]
+        == "same"
+    )
+    assert c.post("/load_lora_adapter", json={"lora_name": "dpflaky", "lora_path": path}).json()[
+        "success"
+    ]
+    c.post(
+        "/debug/fault",
+        json={"op": "unload", "dp_group": 1, "count": 1, "message": "group 1 unload"},
+    )
     r = c.post("/unload_lora_adapter", json={"lora_name": "dpflaky"})
     assert r.status_code == 400 and r.json()["error_message"] == "group 1 unload"
     state = c.get("/lora_state").json()
@@ -65,7 +85,9 @@ def test_mixed_concurrent_requests_equal_one_at_a_time_dp2(
     worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
 ) -> None:
     adapters = {f"dpm{i}": make_adapter_dir(f"dpm{i}", seed=20 + i) for i in range(4)}
-    worker = worker_factory(*DP_ARGS, *[a for n, p in adapters.items() for a in ("--lora", f"{n}={p}")])
+    worker = worker_factory(
+        *DP_ARGS, *[a for n, p in adapters.items() for a in ("--lora", f"{n}={p}")]
+    )
     jobs = [(f"prompt number {i}", [None, *adapters][i % 5]) for i in range(10)]
     sequential = [gen_ids(worker, p, a) for p, a in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:

@@ -15,12 +15,23 @@ from workerkit import WorkerProcess, generate
 
 pytestmark = pytest.mark.integration
 
-PROMPTS = ["The quick brown fox", "Adapters change the", "What is the capital", "for i in range(10):",
-           "A small model learns", "Monday Tuesday", "Please write a short poem", "import torch; y ="]
+PROMPTS = [
+    "The quick brown fox",
+    "Adapters change the",
+    "What is the capital",
+    "for i in range(10):",
+    "A small model learns",
+    "Monday Tuesday",
+    "Please write a short poem",
+    "import torch; y =",
+]
 
 
 def gen_ids(worker: WorkerProcess, prompt: str, adapter: str | None, n: int = 6) -> list[int]:
-    body: dict = {"text": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    body: dict = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
     if adapter:
         body["lora_path"] = adapter
     r = worker.client.post("/generate", json=body)
@@ -42,54 +53,99 @@ def test_mixed_concurrent_requests_equal_one_at_a_time(
     worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
 ) -> None:
     adapters = {f"mix{i}": make_adapter_dir(f"mix{i}", seed=10 + i) for i in range(4)}
-    worker = worker_factory("--max-loras-per-batch", "4", "--max-loaded-loras", "4",
-                            *[a for n, p in adapters.items() for a in ("--lora", f"{n}={p}")])
-    jobs = [(PROMPTS[i % len(PROMPTS)], [None, "mix0", "mix1", "mix2", "mix3"][i % 5]) for i in range(12)]
+    worker = worker_factory(
+        "--max-loras-per-batch",
+        "4",
+        "--max-loaded-loras",
+        "4",
+        *[a for n, p in adapters.items() for a in ("--lora", f"{n}={p}")],
+    )
+    jobs = [
+        (PROMPTS[i % len(PROMPTS)], [None, "mix0", "mix1", "mix2", "mix3"][i % 5])
+        for i in range(12)
+    ]
     sequential = [gen_ids(worker, p, a) for p, a in jobs]
     # the adapters really change the output
-    assert len({tuple(gen_ids(worker, PROMPTS[0], a)) for a in [None, "mix0", "mix1", "mix2", "mix3"]}) == 5
+    assert (
+        len({tuple(gen_ids(worker, PROMPTS[0], a)) for a in [None, "mix0", "mix1", "mix2", "mix3"]})
+        == 5
+    )
     with ThreadPoolExecutor(len(jobs)) as pool:
         concurrent = list(pool.map(lambda job: gen_ids(worker, *job), jobs))
     assert concurrent == sequential
     # the batches really were mixed
     assert metric(worker, "loraplane_worker_step_distinct_adapters_bucket", 'le="2.0"') < metric(
-        worker, "loraplane_worker_step_distinct_adapters_count")
+        worker, "loraplane_worker_step_distinct_adapters_count"
+    )
 
 
-def test_openai_shapes_streaming_and_chat(worker_factory: Callable[..., WorkerProcess],
-                                          make_adapter_dir: Callable[..., Path]) -> None:
+def test_openai_shapes_streaming_and_chat(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
     worker = worker_factory("--lora", f"oa={make_adapter_dir('oa', seed=3)}")
     full = generate(worker, "The quick brown fox", "oa", max_tokens=8, ignore_eos=True)
     assert full["object"] == "text_completion" and full["usage"]["completion_tokens"] == 8
     assert full["choices"][0]["finish_reason"] == "length"
     # the same adapter by bare name and by lora_path
-    by_name = worker.client.post("/v1/completions", json={"model": "oa", "prompt": "The quick brown fox",
-                                                           "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    by_name = worker.client.post(
+        "/v1/completions",
+        json={
+            "model": "oa",
+            "prompt": "The quick brown fox",
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert by_name.json()["choices"][0]["text"] == full["choices"][0]["text"]
-    with worker.client.stream("POST", "/v1/completions", json={"model": "tiny-llama:oa", "prompt": "The quick brown fox",
-                                                               "max_tokens": 8, "temperature": 0, "stream": True,
-                                                               "ignore_eos": True}) as r:
+    with worker.client.stream(
+        "POST",
+        "/v1/completions",
+        json={
+            "model": "tiny-llama:oa",
+            "prompt": "The quick brown fox",
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        },
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    chat = worker.client.post("/v1/chat/completions", json={"model": "tiny-llama:oa", "max_tokens": 5, "temperature": 0,
-                                                            "messages": [{"role": "user", "content": "hi"}]})
+    chat = worker.client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-llama:oa",
+            "max_tokens": 5,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert chat.status_code == 200, chat.text
     body = chat.json()
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    assert (
+        body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+    )
     # stop strings end the text before the stop string
     text = full["choices"][0]["text"]
     if len(text) > 3:
         stop = text[2:4]
-        stopped = generate(worker, "The quick brown fox", "oa", max_tokens=8, stop=[stop], ignore_eos=True)
+        stopped = generate(
+            worker, "The quick brown fox", "oa", max_tokens=8, stop=[stop], ignore_eos=True
+        )
         assert stopped["choices"][0]["text"] == text[: text.index(stop)]
         assert stopped["choices"][0]["finish_reason"] == "stop"
     # seeded sampling is reproducible
-    seeded = [generate(worker, "Monday", None, max_tokens=6, temperature=1.0, seed=5)["choices"][0]["text"]
-              for _ in range(2)]
+    seeded = [
+        generate(worker, "Monday", None, max_tokens=6, temperature=1.0, seed=5)["choices"][0][
+            "text"
+        ]
+        for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     models = worker.client.get("/v1/models").json()["data"]
     assert models[0]["id"] == "tiny-llama" and models[0]["parent"] is None
@@ -101,11 +157,21 @@ def test_openai_shapes_streaming_and_chat(worker_factory: Callable[..., WorkerPr
 def test_slots_pinning_and_lru_under_random_traffic(
     worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
 ) -> None:
-    worker = worker_factory("--max-loras-per-batch", "8", "--max-loaded-loras", "16", "--max-running", "8")
+    worker = worker_factory(
+        "--max-loras-per-batch", "8", "--max-loaded-loras", "16", "--max-running", "8"
+    )
     names = [f"r{i:02d}" for i in range(16)]
     for i, name in enumerate(names):
-        r = worker.client.post("/load_lora_adapter", json={"lora_name": name, "lora_path": str(make_adapter_dir(
-            name, seed=100 + i, rank=2, targets=["q_proj", "v_proj"])), "pinned": i < 2})
+        r = worker.client.post(
+            "/load_lora_adapter",
+            json={
+                "lora_name": name,
+                "lora_path": str(
+                    make_adapter_dir(name, seed=100 + i, rank=2, targets=["q_proj", "v_proj"])
+                ),
+                "pinned": i < 2,
+            },
+        )
         assert r.status_code == 200 and r.json()["success"], r.text
     pinned = {"r00", "r01"}
     # a third pin is refused: at most K - 1 = 7... here we have room, so pin limit is tested elsewhere
@@ -135,7 +201,9 @@ def test_slots_pinning_and_lru_under_random_traffic(
             with lock:
                 results.append(bool(ids))
 
-    threads = [threading.Thread(target=client_loop, args=(rng.randint(0, 1 << 30),)) for _ in range(6)]
+    threads = [
+        threading.Thread(target=client_loop, args=(rng.randint(0, 1 << 30),)) for _ in range(6)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,28 +225,44 @@ def test_slots_pinning_and_lru_under_random_traffic(
     # no slot leaked: metrics agree with /lora_state and /v1/models
     state = worker.client.get("/lora_state").json()
     models = worker.client.get("/v1/models").json()["data"][1:]
-    assert metric(worker, "loraplane_worker_lora_slots_used", 'dp_group="0"') == sum(1 for s in state["slots"] if s) == 8
+    assert (
+        metric(worker, "loraplane_worker_lora_slots_used", 'dp_group="0"')
+        == sum(1 for s in state["slots"] if s)
+        == 8
+    )
     assert metric(worker, "loraplane_worker_adapters_loaded") == len(models) == 16
-    assert metric(worker, "loraplane_worker_adapters_pinned") == 2 == sum(1 for m in models if m["pinned"])
-    assert metric(worker, "loraplane_worker_adapter_evictions_total", f'adapter="{evicted[0]}"') >= 1
+    assert (
+        metric(worker, "loraplane_worker_adapters_pinned")
+        == 2
+        == sum(1 for m in models if m["pinned"])
+    )
+    assert (
+        metric(worker, "loraplane_worker_adapter_evictions_total", f'adapter="{evicted[0]}"') >= 1
+    )
 
 
-def test_pin_limit_and_host_capacity(worker_factory: Callable[..., WorkerProcess],
-                                     make_adapter_dir: Callable[..., Path]) -> None:
+def test_pin_limit_and_host_capacity(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
     worker = worker_factory("--max-loras-per-batch", "2", "--max-loaded-loras", "2")
     load = lambda n, pinned=False: worker.client.post(  # noqa: E731
-        "/load_lora_adapter", json={"lora_name": n, "lora_path": str(make_adapter_dir(n)), "pinned": pinned})
+        "/load_lora_adapter",
+        json={"lora_name": n, "lora_path": str(make_adapter_dir(n)), "pinned": pinned},
+    )
     assert load("cap0", True).json()["success"]
     r = load("cap1", True)
-    assert r.status_code == 400 and "at most max_loras_per_batch - 1 = 1" in r.json()["error_message"]
+    assert (
+        r.status_code == 400 and "at most max_loras_per_batch - 1 = 1" in r.json()["error_message"]
+    )
     assert load("cap1").json()["success"]
     r = load("cap2")
     assert r.status_code == 400 and "max_loaded_loras (2)" in r.json()["error_message"]
     assert sorted(r.json()["loaded_adapters"]) == ["cap0", "cap1"]
 
 
-def test_new_version_swaps_atomically(worker_factory: Callable[..., WorkerProcess],
-                                      make_adapter_dir: Callable[..., Path]) -> None:
+def test_new_version_swaps_atomically(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
     v1, v2 = make_adapter_dir("ver1", seed=41), make_adapter_dir("ver2", seed=42)
     worker = worker_factory("--lora", f"ref2={v2}", "--lora", f"swap={v1}")
     prompt = "The quick brown fox"
@@ -187,7 +271,9 @@ def test_new_version_swaps_atomically(worker_factory: Callable[..., WorkerProces
     assert old != want_new
     # a long request is running on version 1 while version 2 is loaded
     holder: dict[str, list[int]] = {}
-    t = threading.Thread(target=lambda: holder.setdefault("ids", gen_ids(worker, prompt, "swap", n=40)))
+    t = threading.Thread(
+        target=lambda: holder.setdefault("ids", gen_ids(worker, prompt, "swap", n=40))
+    )
     t.start()
     time.sleep(0.3)
     r = worker.client.post("/load_lora_adapter", json={"lora_name": "swap", "lora_path": str(v2)})
@@ -196,37 +282,63 @@ def test_new_version_swaps_atomically(worker_factory: Callable[..., WorkerProces
     t.join(60)
     assert holder["ids"] == old  # never half old, half new
     state = worker.client.get("/lora_state").json()
-    assert [a["key"] for a in state["adapters"] if a["name"] == "swap"] == ["swap@v2"]  # v1 gone once unused
+    assert [a["key"] for a in state["adapters"] if a["name"] == "swap"] == [
+        "swap@v2"
+    ]  # v1 gone once unused
     # loading the same, unchanged weights again is a no-op success
-    assert worker.client.post("/load_lora_adapter", json={"lora_name": "swap", "lora_path": str(v2)}).json()["success"]
-    assert [a["key"] for a in worker.client.get("/lora_state").json()["adapters"] if a["name"] == "swap"] == ["swap@v2"]
+    assert worker.client.post(
+        "/load_lora_adapter", json={"lora_name": "swap", "lora_path": str(v2)}
+    ).json()["success"]
+    assert [
+        a["key"] for a in worker.client.get("/lora_state").json()["adapters"] if a["name"] == "swap"
+    ] == ["swap@v2"]
 
 
-def test_fault_injection_load_and_unload(worker_factory: Callable[..., WorkerProcess],
-                                         make_adapter_dir: Callable[..., Path]) -> None:
-    worker = worker_factory("--enable-fault-injection", "--lora", f"keep={make_adapter_dir('keep')}")
+def test_fault_injection_load_and_unload(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
+    worker = worker_factory(
+        "--enable-fault-injection", "--lora", f"keep={make_adapter_dir('keep')}"
+    )
     path = str(make_adapter_dir("flaky", seed=5))
-    assert worker.client.post("/debug/fault", json={"op": "load", "dp_group": 0, "count": 1,
-                                                    "message": "injected load failure"}).status_code == 200
+    assert (
+        worker.client.post(
+            "/debug/fault",
+            json={"op": "load", "dp_group": 0, "count": 1, "message": "injected load failure"},
+        ).status_code
+        == 200
+    )
     r = worker.client.post("/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path})
     assert r.status_code == 400
-    assert r.json() == {"success": False, "error_message": "injected load failure",
-                        "loaded_adapters": {"keep": str(make_adapter_dir("keep").resolve())}}
+    assert r.json() == {
+        "success": False,
+        "error_message": "injected load failure",
+        "loaded_adapters": {"keep": str(make_adapter_dir("keep").resolve())},
+    }
     assert "flaky" not in [m["id"] for m in worker.client.get("/v1/models").json()["data"]]
     assert worker.client.get("/lora_state").json()["slots"].count("flaky") == 0
     # a failure with no message is still a failure
-    worker.client.post("/debug/fault", json={"op": "load", "dp_group": 0, "count": 1, "message": ""})
+    worker.client.post(
+        "/debug/fault", json={"op": "load", "dp_group": 0, "count": 1, "message": ""}
+    )
     r = worker.client.post("/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path})
     assert r.status_code == 400 and r.json()["success"] is False and r.json()["error_message"] == ""
-    assert worker.client.post("/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path}).json()["success"]
+    assert worker.client.post(
+        "/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path}
+    ).json()["success"]
     # unload failure: inconsistent, not routable, not reusable, until a retry succeeds
-    worker.client.post("/debug/fault", json={"op": "unload", "dp_group": 0, "count": 1, "message": "injected unload"})
+    worker.client.post(
+        "/debug/fault",
+        json={"op": "unload", "dp_group": 0, "count": 1, "message": "injected unload"},
+    )
     r = worker.client.post("/unload_lora_adapter", json={"lora_name": "flaky"})
     assert r.status_code == 400 and r.json()["error_message"] == "injected unload"
     assert worker.client.get("/lora_state").json()["inconsistent"] == ["flaky"]
     card = next(m for m in worker.client.get("/v1/models").json()["data"] if m["id"] == "flaky")
     assert card["inconsistent"] is True
-    r = worker.client.post("/v1/completions", json={"model": "tiny-llama:flaky", "prompt": "hi", "max_tokens": 2})
+    r = worker.client.post(
+        "/v1/completions", json={"model": "tiny-llama:flaky", "prompt": "hi", "max_tokens": 2}
+    )
     assert r.status_code == 404 and "inconsistent" in r.json()["error"]["message"]
     r = worker.client.post("/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path})
     assert r.status_code == 400 and "inconsistent" in r.json()["error_message"]
@@ -235,15 +347,27 @@ def test_fault_injection_load_and_unload(worker_factory: Callable[..., WorkerPro
     assert r.json()["success"], r.text
     assert worker.client.get("/lora_state").json()["inconsistent"] == []
     assert "flaky" not in [m["id"] for m in worker.client.get("/v1/models").json()["data"]]
-    assert worker.client.post("/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path}).json()["success"]
+    assert worker.client.post(
+        "/load_lora_adapter", json={"lora_name": "flaky", "lora_path": path}
+    ).json()["success"]
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(
-    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path], tmp_path: Path
+    worker_factory: Callable[..., WorkerProcess],
+    make_adapter_dir: Callable[..., Path],
+    tmp_path: Path,
 ) -> None:
     root = make_adapter_dir("good").parent
-    worker = worker_factory("--allowed-lora-root", str(root), "--max-lora-rank", "8", "--max-model-len", "64",
-                            "--lora", f"good={make_adapter_dir('good')}")
+    worker = worker_factory(
+        "--allowed-lora-root",
+        str(root),
+        "--max-lora-rank",
+        "8",
+        "--max-model-len",
+        "64",
+        "--lora",
+        f"good={make_adapter_dir('good')}",
+    )
     c = worker.client
     r = c.post("/v1/completions", json={"model": "tiny-llama:nope", "prompt": "hi"})
     assert r.status_code == 404 and "'nope' is not loaded" in r.json()["error"]["message"]
@@ -254,7 +378,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(
     r = c.post("/v1/completions", json={"prompt": "word " * 200, "max_tokens": 2})
     assert r.status_code == 400 and "max_model_len is 64" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "prompt"
-    r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = c.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 422
     r = c.post("/v1/completions", json={"prompt": "hi", "temperature": -1})
     assert r.status_code == 422 and r.json()["detail"][0]["loc"][-1] == "temperature"
@@ -268,32 +394,42 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(
     link = tmp_path / "elsewhere"
     link.mkdir()
     (link / "adapter_config.json").write_bytes((outside / "adapter_config.json").read_bytes())
-    (link / "adapter_model.safetensors").write_bytes((outside / "adapter_model.safetensors").read_bytes())
+    (link / "adapter_model.safetensors").write_bytes(
+        (outside / "adapter_model.safetensors").read_bytes()
+    )
     r = c.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": str(link)})
     assert r.status_code == 400 and "outside the allowed adapter roots" in r.json()["error_message"]
     big = make_adapter_dir("bigrank", rank=16)
     r = c.post("/load_lora_adapter", json={"lora_name": "bigrank", "lora_path": str(big)})
     assert r.status_code == 400
     assert "adapter 'bigrank': r: 16 is above max_lora_rank 8" in r.json()["error_message"]
-    r = c.post("/load_lora_adapter", json={"lora_name": "missing", "lora_path": str(root / "does-not-exist")})
+    r = c.post(
+        "/load_lora_adapter",
+        json={"lora_name": "missing", "lora_path": str(root / "does-not-exist")},
+    )
     assert r.status_code == 400 and "lora_path" in r.json()["error_message"]
     r = c.post("/load_lora_adapter", json={"lora_name": "bad name!", "lora_path": str(big)})
     assert r.status_code == 422
     r = c.post("/unload_lora_adapter", json={"lora_name": "never-loaded"})
     assert r.status_code == 400 and "not loaded" in r.json()["error_message"]
-    assert c.post("/debug/fault", json={"op": "load", "dp_group": 0}).status_code == 404  # off by default
+    assert (
+        c.post("/debug/fault", json={"op": "load", "dp_group": 0}).status_code == 404
+    )  # off by default
     # still serving, state unchanged
     assert c.get("/health").json() == {"status": "ok"}
     assert generate(worker, "hello", "good", max_tokens=2)["usage"]["completion_tokens"] >= 1
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-llama", "good"]
 
 
-def test_triton_backend_matches_torch(worker_factory: Callable[..., WorkerProcess],
-                                      make_adapter_dir: Callable[..., Path]) -> None:
+def test_triton_backend_matches_torch(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
     path = make_adapter_dir("tri", seed=9)
     torch_worker = worker_factory("--lora", f"tri={path}")
     want = [gen_ids(torch_worker, p, a, n=3) for p, a in [(PROMPTS[0], "tri"), (PROMPTS[1], None)]]
     torch_worker.stop()
-    triton_worker = worker_factory("--lora", f"tri={path}", "--lora-backend", "triton", env={"TRITON_INTERPRET": "1"})
+    triton_worker = worker_factory(
+        "--lora", f"tri={path}", "--lora-backend", "triton", env={"TRITON_INTERPRET": "1"}
+    )
     got = [gen_ids(triton_worker, p, a, n=3) for p, a in [(PROMPTS[0], "tri"), (PROMPTS[1], None)]]
     assert got == want

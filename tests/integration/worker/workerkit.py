@@ -46,11 +46,25 @@ class WorkerProcess:
                 self.proc.wait()
 
 
-def start_worker(model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> WorkerProcess:
+def start_worker(
+    model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> WorkerProcess:
     port = free_port()
     log_path = tmp / f"worker-{port}.log"
-    cmd = [str(LORAPLANE), "worker", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--device", "cpu", *args]
+    cmd = [
+        str(LORAPLANE),
+        "worker",
+        "serve",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        *args,
+    ]
     if "--lora-backend" not in args:
         cmd += ["--lora-backend", "torch"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
@@ -71,10 +85,16 @@ def start_worker(model: Path, tmp: Path, *args: str, env: dict[str, str] | None 
     raise RuntimeError(f"worker did not become healthy in {timeout}s:\n{worker.log()}")
 
 
-def generate(worker: WorkerProcess, prompt: str, adapter: str | None, max_tokens: int = 6, **sampling: object) -> dict:
-    body = {"model": f"tiny-llama:{adapter}" if adapter else "tiny-llama", "prompt": prompt,
-            "max_tokens": max_tokens, "temperature": 0, **sampling}
+def generate(
+    worker: WorkerProcess, prompt: str, adapter: str | None, max_tokens: int = 6, **sampling: object
+) -> dict:
+    body = {
+        "model": f"tiny-llama:{adapter}" if adapter else "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **sampling,
+    }
     r = worker.client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
-

@@ -44,7 +44,9 @@ def test_failure_without_message_is_still_a_failure() -> None:
 
 
 def test_empty_messages_are_skipped_when_others_exist() -> None:
-    merged = merge_lora_update_results([LoRAUpdateResult(False, ""), LoRAUpdateResult(False, "boom")])
+    merged = merge_lora_update_results(
+        [LoRAUpdateResult(False, ""), LoRAUpdateResult(False, "boom")]
+    )
     assert merged.error_message == "boom"
 
 

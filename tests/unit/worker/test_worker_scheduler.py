@@ -19,7 +19,13 @@ class Req:
     slot: int = -1
 
 
-def setup(k: int = 2, names: tuple[str, ...] = ("a", "b", "c"), dp: int = 1, rows: int = 8, max_running: int = 8):
+def setup(
+    k: int = 2,
+    names: tuple[str, ...] = ("a", "b", "c"),
+    dp: int = 1,
+    rows: int = 8,
+    max_running: int = 8,
+):
     r = Residency(k, max(k, len(names)))
     for n in names:
         r.add(n, n, f"/{n}", 1)
@@ -99,7 +105,12 @@ def test_kv_rows_bound_admission_and_spread_over_dp_groups() -> None:
         s.add(q)
     adm = s.schedule()
     assert len(adm.admitted) == 4
-    assert sorted((q.dp_group, q.cache_row) for q in adm.admitted) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sorted((q.dp_group, q.cache_row) for q in adm.admitted) == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     assert list(s.waiting) == [reqs[4]]
     s.finish(reqs[1])
     adm = s.schedule()

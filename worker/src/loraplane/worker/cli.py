@@ -90,7 +90,9 @@ def make_adapter_cmd(
     ] = False,
     init_scale: Annotated[
         float,
-        typer.Option(help="Size of the LoRA term relative to the base projection's output (0.08: moderate)"),
+        typer.Option(
+            help="Size of the LoRA term relative to the base projection's output (0.08: moderate)"
+        ),
     ] = 0.08,
 ) -> None:
     """Write a PEFT-format LoRA adapter with non-zero A and B for a base model."""

@@ -43,12 +43,20 @@ class EngineObserver(Protocol):
 
     def request_started(self, adapter: str | None, prompt_tokens: int) -> None: ...
     def tokens_generated(self, adapter: str | None, count: int) -> None: ...
-    def step(self, distinct_adapters: int, running_per_group: list[int], waiting: int, waiting_for_slot: int) -> None: ...
+    def step(
+        self,
+        distinct_adapters: int,
+        running_per_group: list[int],
+        waiting: int,
+        waiting_for_slot: int,
+    ) -> None: ...
     def idle(self) -> None: ...
     def evicted(self, adapter: str) -> None: ...
     def slot_loaded(self, adapter: str) -> None: ...
     def adapter_loaded(self, adapter: str) -> None: ...
-    def residency_changed(self, slots_used: int, loaded: int, pinned: int, inconsistent: int) -> None: ...
+    def residency_changed(
+        self, slots_used: int, loaded: int, pinned: int, inconsistent: int
+    ) -> None: ...
     def adapter_op(self, op: str, seconds: float, success: bool) -> None: ...
 
 
@@ -193,7 +201,11 @@ class Engine:
 
     def _results(self, errors: Seq[str | None]) -> list[LoRAUpdateResult]:
         return [
-            LoRAUpdateResult(success=err is None, error_message=err or "", loaded_adapters=dict(self.group_adapters[g]))
+            LoRAUpdateResult(
+                success=err is None,
+                error_message=err or "",
+                loaded_adapters=dict(self.group_adapters[g]),
+            )
             for g, err in enumerate(errors)
         ]
 
@@ -208,7 +220,11 @@ class Engine:
                 )
             fingerprint = _fingerprint(path)
             current = self.residency.current(name)
-            if current is not None and current.path == path and self.fingerprints.get(current.key) == fingerprint:
+            if (
+                current is not None
+                and current.path == path
+                and self.fingerprints.get(current.key) == fingerprint
+            ):
                 try:
                     self.residency.set_pinned(name, pinned)
                 except ResidencyError as exc:
@@ -238,7 +254,9 @@ class Engine:
                 self.executor.drop_adapter(key)
                 merged = merge_lora_update_results(self._results(errors))
                 self.observer.adapter_op("load", time.perf_counter() - t0, False)
-                log.warning("load %s from %s failed: %s", name, path, merged.error_message or "(no message)")
+                log.warning(
+                    "load %s from %s failed: %s", name, path, merged.error_message or "(no message)"
+                )
                 return merged
             self.versions[name] = version
             self.fingerprints[key] = fingerprint
@@ -250,7 +268,13 @@ class Engine:
             self._publish_residency()
             self.observer.adapter_op("load", time.perf_counter() - t0, True)
             self.observer.adapter_loaded(name)
-            log.info("loaded adapter %s (version %d%s) from %s", name, version, ", pinned" if pinned else "", path)
+            log.info(
+                "loaded adapter %s (version %d%s) from %s",
+                name,
+                version,
+                ", pinned" if pinned else "",
+                path,
+            )
             return merge_lora_update_results(self._results([None] * self.dp_size))
 
     def _unload(self, name: str) -> LoRAUpdateResult:
@@ -270,7 +294,9 @@ class Engine:
                     del self.group_adapters[group][name]
                     errors.append(None)
                 elif name in self.inconsistent:
-                    errors.append(None)  # already unloaded there by an earlier, partially failed unload
+                    errors.append(
+                        None
+                    )  # already unloaded there by an earlier, partially failed unload
                 else:
                     errors.append(f"adapter {name!r} is not loaded on dp group {group}")
             current = self.residency.current(name)
@@ -289,7 +315,11 @@ class Engine:
             if ok:
                 log.info("unloaded adapter %s", name)
             else:
-                log.warning("unload %s failed on some dp group, marked inconsistent: %s", name, merged.error_message)
+                log.warning(
+                    "unload %s failed on some dp group, marked inconsistent: %s",
+                    name,
+                    merged.error_message,
+                )
             return merged
 
     def _failed(self, message: str) -> LoRAUpdateResult:
@@ -305,7 +335,9 @@ class Engine:
 
     def _publish_residency(self) -> None:
         r = self.residency
-        self.observer.residency_changed(r.slots_used, len(r.loaded_names), len(r.pinned_names), len(self.inconsistent))
+        self.observer.residency_changed(
+            r.slots_used, len(r.loaded_names), len(r.pinned_names), len(self.inconsistent)
+        )
 
     # --- views ---------------------------------------------------------------------------
 
@@ -316,8 +348,15 @@ class Engine:
             for a in sorted(r.adapters.values(), key=lambda a: a.key):
                 adapters.append(
                     {
-                        "name": a.name, "key": a.key, "version": a.version, "path": a.path, "pinned": a.pinned,
-                        "slot": a.slot, "retired": a.retired, "running": a.running, "last_used": a.last_used,
+                        "name": a.name,
+                        "key": a.key,
+                        "version": a.version,
+                        "path": a.path,
+                        "pinned": a.pinned,
+                        "slot": a.slot,
+                        "retired": a.retired,
+                        "running": a.running,
+                        "last_used": a.last_used,
                     }
                 )
             return {
@@ -339,9 +378,7 @@ class Engine:
                     for g in range(self.dp_size)
                 ],
                 "adapters": adapters,
-                "evictions": [
-                    {"adapter": e.adapter, "at": e.at} for e in self.evictions[-256:]
-                ],
+                "evictions": [{"adapter": e.adapter, "at": e.at} for e in self.evictions[-256:]],
                 "waiting": len(self.scheduler.waiting) + len(self._incoming),
                 "running": len(self.scheduler.running),
             }
@@ -355,7 +392,12 @@ class Engine:
                     names.setdefault(n, p)
             pinned = set(self.residency.pinned_names)
             return [
-                {"name": n, "path": p, "pinned": n in pinned, "inconsistent": n in self.inconsistent}
+                {
+                    "name": n,
+                    "path": p,
+                    "pinned": n in pinned,
+                    "inconsistent": n in self.inconsistent,
+                }
                 for n, p in sorted(names.items())
             ]
 
@@ -365,8 +407,13 @@ class Engine:
         try:
             while True:
                 with self._wake:
-                    while not (self._stop or self._commands or self._incoming or self.scheduler.running
-                               or self.scheduler.waiting):
+                    while not (
+                        self._stop
+                        or self._commands
+                        or self._incoming
+                        or self.scheduler.running
+                        or self.scheduler.waiting
+                    ):
                         self._wake.wait(timeout=0.5)
                     if self._stop:
                         break
@@ -383,8 +430,18 @@ class Engine:
             self.error = exc
             log.exception("engine loop died")
             with self._lock:
-                for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + self._incoming:
-                    seq.sink(SeqEvent("", (), finished=True, finish_reason="abort", error=f"engine failed: {exc}"))
+                for seq in (
+                    list(self.scheduler.running) + list(self.scheduler.waiting) + self._incoming
+                ):
+                    seq.sink(
+                        SeqEvent(
+                            "",
+                            (),
+                            finished=True,
+                            finish_reason="abort",
+                            error=f"engine failed: {exc}",
+                        )
+                    )
                 for _fn, future in self._commands:
                     future.set_exception(RuntimeError(f"engine failed: {exc}"))
                 self._commands = []
@@ -407,13 +464,18 @@ class Engine:
             while end > seq.emitted and seq.text[end - 1] == "\ufffd":
                 end -= 1
         end = max(end, seq.emitted)
-        delta = seq.text[seq.emitted:end]
+        delta = seq.text[seq.emitted : end]
         seq.emitted = end
         if delta or new_tokens or finished:
             seq.sink(
                 SeqEvent(
-                    delta, new_tokens, finished, seq.finish_reason, seq.matched_stop,
-                    prompt_tokens=len(seq.prompt_ids), completion_tokens=seq.generated,
+                    delta,
+                    new_tokens,
+                    finished,
+                    seq.finish_reason,
+                    seq.matched_stop,
+                    prompt_tokens=len(seq.prompt_ids),
+                    completion_tokens=seq.generated,
                 )
             )
 
@@ -463,7 +525,10 @@ class Engine:
             work[seq.dp_group].append(SeqWork(seq.cache_row, seq.cached, tokens, seq.slot))
             order[seq.dp_group].append(seq)
         self.observer.step(
-            self.scheduler.distinct_adapters(), [len(o) for o in order], waiting, admission.waiting_for_slot
+            self.scheduler.distinct_adapters(),
+            [len(o) for o in order],
+            waiting,
+            admission.waiting_for_slot,
         )
         logits = self.executor.step(work)
         self.steps += 1
@@ -502,5 +567,8 @@ class Engine:
                 seq.text = seq.text[:index]
                 self._finish(seq, "stop", stop)
                 return
-        if seq.generated >= params.max_new_tokens or len(seq.prompt_ids) + seq.generated >= self.max_model_len:
+        if (
+            seq.generated >= params.max_new_tokens
+            or len(seq.prompt_ids) + seq.generated >= self.max_model_len
+        ):
             self._finish(seq, "length")

@@ -96,7 +96,9 @@ class Residency:
         old = self.current(name)
         if old is not None:
             removable = self.retire(old.key)
-        self.adapters[key] = ResidentAdapter(key, name, path, version, pinned=pinned, last_used=self._tick())
+        self.adapters[key] = ResidentAdapter(
+            key, name, path, version, pinned=pinned, last_used=self._tick()
+        )
         return removable
 
     def set_pinned(self, name: str, pinned: bool) -> None:
@@ -189,4 +191,8 @@ class Residency:
 
     def lru_order(self) -> list[str]:
         """Keys holding a slot, least recently used first."""
-        return [a.key for a in sorted(self.adapters.values(), key=lambda a: a.last_used) if a.slot is not None]
+        return [
+            a.key
+            for a in sorted(self.adapters.values(), key=lambda a: a.last_used)
+            if a.slot is not None
+        ]

@@ -27,13 +27,17 @@ class Schedulable(Protocol):
 @dataclass(slots=True)
 class Admission:
     admitted: list[Schedulable] = field(default_factory=list)
-    slot_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, key) to fill before the step
+    slot_loads: list[tuple[int, str]] = field(
+        default_factory=list
+    )  # (slot, key) to fill before the step
     evicted: list[str] = field(default_factory=list)
     waiting_for_slot: int = 0
 
 
 class Scheduler:
-    def __init__(self, dp_size: int, rows_per_group: int, max_running: int, residency: Residency) -> None:
+    def __init__(
+        self, dp_size: int, rows_per_group: int, max_running: int, residency: Residency
+    ) -> None:
         if dp_size < 1 or rows_per_group < 1 or max_running < 1:
             raise ValueError(
                 f"dp_size ({dp_size}), rows_per_group ({rows_per_group}) and max_running ({max_running}) must be >= 1"
@@ -41,7 +45,9 @@ class Scheduler:
         self.dp_size = dp_size
         self.max_running = min(max_running, dp_size * rows_per_group)
         self.residency = residency
-        self.free_rows: list[list[int]] = [list(range(rows_per_group - 1, -1, -1)) for _ in range(dp_size)]
+        self.free_rows: list[list[int]] = [
+            list(range(rows_per_group - 1, -1, -1)) for _ in range(dp_size)
+        ]
         self.waiting: deque[Schedulable] = deque()
         self.running: list[Schedulable] = []
 

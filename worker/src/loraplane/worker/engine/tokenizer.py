@@ -35,7 +35,9 @@ class TextTokenizer:
         self.eos_token = _token_text(self.config.get("eos_token"))
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+            template = next(
+                (t.get("template") for t in template if t.get("name") == "default"), None
+            )
         self.chat_template: jinja2.Template | None = None
         if isinstance(template, str):
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -67,7 +69,9 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         if self.chat_template is None:
-            raise TokenizerError("messages: this model's tokenizer_config.json has no chat_template")
+            raise TokenizerError(
+                "messages: this model's tokenizer_config.json has no chat_template"
+            )
         try:
             text = self.chat_template.render(
                 messages=messages,

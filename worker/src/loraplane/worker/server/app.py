@@ -25,7 +25,13 @@ from loraplane.worker.server.metrics import WorkerMetrics
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -80,7 +86,12 @@ class WorkerServer:
         base, sep, rest = model.partition(":")
         if sep:
             if base != self.served_model:
-                raise ApiError(404, f"model: {model!r} names base {base!r}, but this worker serves {self.served_model!r}", "model", "not_found")
+                raise ApiError(
+                    404,
+                    f"model: {model!r} names base {base!r}, but this worker serves {self.served_model!r}",
+                    "model",
+                    "not_found",
+                )
             name = rest
         self._check_adapter(name, "model")
         return name
@@ -93,11 +104,13 @@ class WorkerServer:
 
     async def load(self, body: p.LoadLoRAAdapterRequest) -> JSONResponse:
         if not _allowed(body.lora_path, self.allowed_lora_roots):
-            message = (
-                f"lora_path: {body.lora_path!r} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
+            message = f"lora_path: {body.lora_path!r} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
+            return self._update_response(
+                LoRAUpdateResult(False, message, self._first_group_adapters())
             )
-            return self._update_response(LoRAUpdateResult(False, message, self._first_group_adapters()))
-        result = await asyncio.wrap_future(self.engine.load_adapter(body.lora_name, body.lora_path, body.pinned))
+        result = await asyncio.wrap_future(
+            self.engine.load_adapter(body.lora_name, body.lora_path, body.pinned)
+        )
         return self._update_response(result)
 
     async def unload(self, body: p.UnloadLoRAAdapterRequest) -> JSONResponse:
@@ -110,7 +123,9 @@ class WorkerServer:
     @staticmethod
     def _update_response(result: LoRAUpdateResult) -> JSONResponse:
         body = p.LoRAUpdateResponse(
-            success=result.success, error_message=result.error_message, loaded_adapters=result.loaded_adapters
+            success=result.success,
+            error_message=result.error_message,
+            loaded_adapters=result.loaded_adapters,
         )
         return JSONResponse(body.model_dump(), status_code=200 if result.success else 400)
 
@@ -120,7 +135,9 @@ class WorkerServer:
         stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
         try:
             return SamplingParams(
-                max_new_tokens=max_new_tokens if max_new_tokens is not None else self.engine.max_model_len,
+                max_new_tokens=max_new_tokens
+                if max_new_tokens is not None
+                else self.engine.max_model_len,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k,  # type: ignore[arg-type]
@@ -137,7 +154,11 @@ class WorkerServer:
             vocab = self.engine.executor.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ApiError(400, f"{field}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}", field)
+                raise ApiError(
+                    400,
+                    f"{field}: token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}",
+                    field,
+                )
             prompt = list(ids)
         elif text is not None:
             prompt = self.engine.tokenizer.encode(text)
@@ -151,11 +172,15 @@ class WorkerServer:
         limit = self.engine.max_model_len
         if len(prompt) >= limit:
             raise ApiError(
-                400, f"{field}: the prompt has {len(prompt)} tokens; this worker's max_model_len is {limit}", field
+                400,
+                f"{field}: the prompt has {len(prompt)} tokens; this worker's max_model_len is {limit}",
+                field,
             )
         return prompt
 
-    def start(self, prompt: list[int], params: SamplingParams, adapter: str | None, rid: str) -> tuple[Sequence, asyncio.Queue[SeqEvent]]:
+    def start(
+        self, prompt: list[int], params: SamplingParams, adapter: str | None, rid: str
+    ) -> tuple[Sequence, asyncio.Queue[SeqEvent]]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -170,7 +195,9 @@ class WorkerServer:
             raise ApiError(404, str(exc), "model", "not_found") from exc
         return seq, queue
 
-    async def events(self, seq: Sequence, queue: asyncio.Queue[SeqEvent]) -> AsyncIterator[SeqEvent]:
+    async def events(
+        self, seq: Sequence, queue: asyncio.Queue[SeqEvent]
+    ) -> AsyncIterator[SeqEvent]:
         finished = False
         try:
             while not finished:
@@ -183,7 +210,9 @@ class WorkerServer:
             if not finished:
                 self.engine.abort(seq)
 
-    async def collect(self, seq: Sequence, queue: asyncio.Queue[SeqEvent]) -> tuple[str, list[int], SeqEvent]:
+    async def collect(
+        self, seq: Sequence, queue: asyncio.Queue[SeqEvent]
+    ) -> tuple[str, list[int], SeqEvent]:
         text: list[str] = []
         ids: list[int] = []
         last: SeqEvent | None = None
@@ -216,20 +245,32 @@ def create_app(server: WorkerServer) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        body = p.ErrorResponse(error=p.ErrorDetail(message=exc.message, type=exc.kind, param=exc.param, code=exc.status))
+        body = p.ErrorResponse(
+            error=p.ErrorDetail(
+                message=exc.message, type=exc.kind, param=exc.param, code=exc.status
+            )
+        )
         return JSONResponse(body.model_dump(), status_code=exc.status)
 
     def streaming(gen: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     # --- generation ----------------------------------------------------------------------
 
-    @app.post("/generate", response_model=p.GenerateResponse, responses=_ERRORS, tags=["generation"])
+    @app.post(
+        "/generate", response_model=p.GenerateResponse, responses=_ERRORS, tags=["generation"]
+    )
     async def generate(body: p.GenerateRequest) -> Any:
         """SGLang native generation; `stream: true` answers SSE with the cumulative text."""
         adapter = server.adapter_for(None, body.lora_path)
-        prompt = server.prompt_ids(body.text, body.input_ids, "text" if body.input_ids is None else "input_ids")
-        params = server.sampling(body.sampling_params, body.sampling_params.max_new_tokens, "sampling_params")
+        prompt = server.prompt_ids(
+            body.text, body.input_ids, "text" if body.input_ids is None else "input_ids"
+        )
+        params = server.sampling(
+            body.sampling_params, body.sampling_params.max_new_tokens, "sampling_params"
+        )
         rid = body.rid or uuid.uuid4().hex
         seq, queue = server.start(prompt, params, adapter, rid)
 
@@ -237,10 +278,15 @@ def create_app(server: WorkerServer) -> FastAPI:
             finish = None
             if event.finished:
                 finish = {"type": event.finish_reason, "matched": event.matched_stop}
-            return {"id": rid, "prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-                    "finish_reason": finish}
+            return {
+                "id": rid,
+                "prompt_tokens": event.prompt_tokens,
+                "completion_tokens": event.completion_tokens,
+                "finish_reason": finish,
+            }
 
         if body.stream:
+
             async def gen() -> AsyncIterator[str]:
                 text, ids = "", []
                 async for event in server.events(seq, queue):
@@ -253,7 +299,9 @@ def create_app(server: WorkerServer) -> FastAPI:
         text, ids, last = await server.collect(seq, queue)
         return {"text": text, "output_ids": ids, "meta_info": meta(last)}
 
-    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=_ERRORS, tags=["openai"])
+    @app.post(
+        "/v1/completions", response_model=p.CompletionResponse, responses=_ERRORS, tags=["openai"]
+    )
     async def completions(body: p.CompletionRequest) -> Any:
         """OpenAI completions; the adapter is `model: "<base>:<adapter>"`, `model: "<adapter>"` or `lora_path`."""
         adapter = server.adapter_for(body.model, body.lora_path)
@@ -267,13 +315,25 @@ def create_app(server: WorkerServer) -> FastAPI:
         seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
         if body.stream:
+
             async def gen() -> AsyncIterator[str]:
                 async for event in server.events(seq, queue):
                     if event.text_delta or event.finished:
                         chunk: dict[str, Any] = {
-                            "id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": event.text_delta, "logprobs": None,
-                                         "finish_reason": event.finish_reason if event.finished else None}],
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "text": event.text_delta,
+                                    "logprobs": None,
+                                    "finish_reason": event.finish_reason
+                                    if event.finished
+                                    else None,
+                                }
+                            ],
                         }
                         if event.finished:
                             chunk["usage"] = _usage(event).model_dump()
@@ -283,36 +343,80 @@ def create_app(server: WorkerServer) -> FastAPI:
             return streaming(gen)
         text, _ids, last = await server.collect(seq, queue)
         return p.CompletionResponse(
-            id=rid, created=created, model=model,
-            choices=[p.CompletionChoice(text=text, finish_reason=last.finish_reason, matched_stop=last.matched_stop)],  # type: ignore[arg-type]
+            id=rid,
+            created=created,
+            model=model,
+            choices=[
+                p.CompletionChoice(
+                    text=text, finish_reason=last.finish_reason, matched_stop=last.matched_stop
+                )
+            ],  # type: ignore[arg-type]
             usage=_usage(last),
         )
 
-    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=_ERRORS, tags=["openai"])
+    @app.post(
+        "/v1/chat/completions",
+        response_model=p.ChatCompletionResponse,
+        responses=_ERRORS,
+        tags=["openai"],
+    )
     async def chat_completions(body: p.ChatCompletionRequest) -> Any:
         """OpenAI chat completions; the prompt is the model's chat template over `messages`."""
         adapter = server.adapter_for(body.model, body.lora_path)
         try:
-            prompt = server.engine.tokenizer.apply_chat_template([m.model_dump() for m in body.messages])
+            prompt = server.engine.tokenizer.apply_chat_template(
+                [m.model_dump() for m in body.messages]
+            )
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from exc
         prompt = server._check_length(prompt, "messages")
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
         params = server.sampling(body, max_tokens, "max_tokens")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
         seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
         if body.stream:
+
             async def gen() -> AsyncIterator[str]:
-                base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-                yield _sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                 "finish_reason": None}]})
+                base = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                }
+                yield _sse(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
                 async for event in server.events(seq, queue):
                     if event.text_delta or event.finished:
-                        chunk: dict[str, Any] = {**base, "choices": [{
-                            "index": 0, "delta": {"content": event.text_delta} if event.text_delta else {},
-                            "finish_reason": event.finish_reason if event.finished else None}]}
+                        chunk: dict[str, Any] = {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"content": event.text_delta}
+                                    if event.text_delta
+                                    else {},
+                                    "finish_reason": event.finish_reason
+                                    if event.finished
+                                    else None,
+                                }
+                            ],
+                        }
                         if event.finished:
                             chunk["usage"] = _usage(event).model_dump()
                         yield _sse(chunk)
@@ -321,35 +425,69 @@ def create_app(server: WorkerServer) -> FastAPI:
             return streaming(gen)
         text, _ids, last = await server.collect(seq, queue)
         return p.ChatCompletionResponse(
-            id=rid, created=created, model=model,
-            choices=[p.ChatChoice(message=p.ChatResponseMessage(content=text), finish_reason=last.finish_reason,  # type: ignore[arg-type]
-                                  matched_stop=last.matched_stop)],
+            id=rid,
+            created=created,
+            model=model,
+            choices=[
+                p.ChatChoice(
+                    message=p.ChatResponseMessage(content=text),
+                    finish_reason=last.finish_reason,  # type: ignore[arg-type]
+                    matched_stop=last.matched_stop,
+                )
+            ],
             usage=_usage(last),
         )
 
     # --- adapters ------------------------------------------------------------------------
 
     update_responses: dict[int | str, dict[str, Any]] = {
-        400: {"model": p.LoRAUpdateResponse, "description": "failed (merged fail-first over DP groups)"}
+        400: {
+            "model": p.LoRAUpdateResponse,
+            "description": "failed (merged fail-first over DP groups)",
+        }
     }
 
-    @app.post("/load_lora_adapter", response_model=p.LoRAUpdateResponse, responses=update_responses, tags=["adapters"])
+    @app.post(
+        "/load_lora_adapter",
+        response_model=p.LoRAUpdateResponse,
+        responses=update_responses,
+        tags=["adapters"],
+    )
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest) -> Any:
         """Load (or replace with a new version) an adapter on every DP group; fail-first merge."""
         return await server.load(body)
 
-    @app.post("/unload_lora_adapter", response_model=p.LoRAUpdateResponse, responses=update_responses, tags=["adapters"])
+    @app.post(
+        "/unload_lora_adapter",
+        response_model=p.LoRAUpdateResponse,
+        responses=update_responses,
+        tags=["adapters"],
+    )
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> Any:
         """Unload an adapter from every DP group; a partial failure leaves it inconsistent."""
         return await server.unload(body)
 
     @app.get("/v1/models", response_model=p.ModelList, tags=["openai"])
     async def models() -> p.ModelList:
-        cards = [p.ModelCard(id=server.served_model, created=server.created, root=server.model_root,
-                             max_model_len=server.engine.max_model_len)]
+        cards = [
+            p.ModelCard(
+                id=server.served_model,
+                created=server.created,
+                root=server.model_root,
+                max_model_len=server.engine.max_model_len,
+            )
+        ]
         for a in server.engine.listed_adapters():
-            cards.append(p.ModelCard(id=a["name"], created=server.created, root=a["path"], parent=server.served_model,
-                                     pinned=a["pinned"], inconsistent=a["inconsistent"]))
+            cards.append(
+                p.ModelCard(
+                    id=a["name"],
+                    created=server.created,
+                    root=a["path"],
+                    parent=server.served_model,
+                    pinned=a["pinned"],
+                    inconsistent=a["inconsistent"],
+                )
+            )
         return p.ModelList(data=cards)
 
     @app.get("/lora_state", response_model=p.LoRAStateResponse, tags=["adapters"])
@@ -357,15 +495,24 @@ def create_app(server: WorkerServer) -> FastAPI:
         """Slots, pins, LRU order and per-DP-group adapters of this worker."""
         return server.engine.lora_state()
 
-    @app.get("/health", response_model=p.HealthResponse, responses={503: {"model": p.ErrorResponse}}, tags=["ops"])
+    @app.get(
+        "/health",
+        response_model=p.HealthResponse,
+        responses={503: {"model": p.ErrorResponse}},
+        tags=["ops"],
+    )
     async def health() -> Any:
         if not server.engine.alive:
-            raise ApiError(503, f"the engine is not running: {server.engine.error}", None, "server_error")
+            raise ApiError(
+                503, f"the engine is not running: {server.engine.error}", None, "server_error"
+            )
         return {"status": "ok"}
 
     @app.get("/metrics", response_class=PlainTextResponse, tags=["ops"])
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(server.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(
+            generate_latest(server.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST
+        )
 
     if server.faults is not None:
         faults = server.faults

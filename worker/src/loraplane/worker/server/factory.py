@@ -38,11 +38,15 @@ class ServeConfig:
         if self.tp % self.dp:
             raise ConfigError(f"--tp ({self.tp}) must be divisible by --dp ({self.dp})")
         if self.dp > 1 and not self.dp_attention:
-            raise ConfigError(f"--dp {self.dp} needs --dp-attention (data parallelism is DP attention inside one TP group)")
+            raise ConfigError(
+                f"--dp {self.dp} needs --dp-attention (data parallelism is DP attention inside one TP group)"
+            )
         if self.device not in ("cpu", "cuda"):
             raise ConfigError(f"--device {self.device!r} is not supported; expected cpu or cuda")
         if self.lora_backend not in ("triton", "torch"):
-            raise ConfigError(f"--lora-backend {self.lora_backend!r} is not supported; expected triton or torch")
+            raise ConfigError(
+                f"--lora-backend {self.lora_backend!r} is not supported; expected triton or torch"
+            )
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -50,7 +54,9 @@ class ServeConfig:
         names = [n for n, _ in self.loras]
         unknown = [p for p in self.pinned if p not in names]
         if unknown:
-            raise ConfigError(f"--pinned {unknown} name no --lora NAME=PATH; pinned adapters must be loaded at start")
+            raise ConfigError(
+                f"--pinned {unknown} name no --lora NAME=PATH; pinned adapters must be loaded at start"
+            )
 
     @property
     def lora_config(self) -> LoRARuntimeConfig:

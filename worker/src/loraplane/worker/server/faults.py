@@ -40,4 +40,6 @@ class FaultInjector:
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         with self._lock:
-            return {f"{op}/{g}": {"count": c, "message": m} for (op, g), (c, m) in self._armed.items()}
+            return {
+                f"{op}/{g}": {"count": c, "message": m} for (op, g), (c, m) in self._armed.items()
+            }

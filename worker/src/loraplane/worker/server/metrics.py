@@ -20,25 +20,96 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.dp_size = dp_size
         r = self.registry
-        self.slots_used = Gauge("loraplane_worker_lora_slots_used", "GPU LoRA slots holding an adapter", ["dp_group"], registry=r)
-        self.slots_total = Gauge("loraplane_worker_lora_slots_total", "GPU LoRA slots (max_loras_per_batch)", ["dp_group"], registry=r)
-        self.max_loaded = Gauge("loraplane_worker_adapters_max_loaded", "Host-memory adapter capacity (max_loaded_loras)", registry=r)
-        self.loaded = Gauge("loraplane_worker_adapters_loaded", "Adapters loaded (routable or inconsistent)", registry=r)
+        self.slots_used = Gauge(
+            "loraplane_worker_lora_slots_used",
+            "GPU LoRA slots holding an adapter",
+            ["dp_group"],
+            registry=r,
+        )
+        self.slots_total = Gauge(
+            "loraplane_worker_lora_slots_total",
+            "GPU LoRA slots (max_loras_per_batch)",
+            ["dp_group"],
+            registry=r,
+        )
+        self.max_loaded = Gauge(
+            "loraplane_worker_adapters_max_loaded",
+            "Host-memory adapter capacity (max_loaded_loras)",
+            registry=r,
+        )
+        self.loaded = Gauge(
+            "loraplane_worker_adapters_loaded",
+            "Adapters loaded (routable or inconsistent)",
+            registry=r,
+        )
         self.pinned = Gauge("loraplane_worker_adapters_pinned", "Pinned adapters", registry=r)
-        self.inconsistent = Gauge("loraplane_worker_adapters_inconsistent", "Adapters left inconsistent by a partially failed unload", registry=r)
-        self.requests = Counter("loraplane_worker_requests", "Generation requests accepted", ["adapter"], registry=r)
-        self.prompt_tokens = Counter("loraplane_worker_prompt_tokens", "Prompt tokens of accepted requests", ["adapter"], registry=r)
-        self.generated_tokens = Counter("loraplane_worker_generated_tokens", "Tokens generated", ["adapter"], registry=r)
-        self.load_seconds = Histogram("loraplane_worker_adapter_load_seconds", "Latency of adapter loads (all DP groups)", ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.unload_seconds = Histogram("loraplane_worker_adapter_unload_seconds", "Latency of adapter unloads (all DP groups)", ["outcome"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.evictions = Counter("loraplane_worker_adapter_evictions", "Adapters evicted from a GPU slot (LRU)", ["adapter"], registry=r)
-        self.waiting_for_slot = Gauge("loraplane_worker_requests_waiting_for_slot", "Requests waiting because their adapter has no GPU slot", registry=r)
-        self.waiting = Gauge("loraplane_worker_requests_waiting", "Requests waiting to start", registry=r)
-        self.running = Gauge("loraplane_worker_requests_running", "Requests running", ["dp_group"], registry=r)
-        self.distinct_adapters = Histogram("loraplane_worker_step_distinct_adapters", "Distinct adapters in one forward step", buckets=tuple(range(0, max_loras_per_batch + 1)), registry=r)
+        self.inconsistent = Gauge(
+            "loraplane_worker_adapters_inconsistent",
+            "Adapters left inconsistent by a partially failed unload",
+            registry=r,
+        )
+        self.requests = Counter(
+            "loraplane_worker_requests", "Generation requests accepted", ["adapter"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "loraplane_worker_prompt_tokens",
+            "Prompt tokens of accepted requests",
+            ["adapter"],
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "loraplane_worker_generated_tokens", "Tokens generated", ["adapter"], registry=r
+        )
+        self.load_seconds = Histogram(
+            "loraplane_worker_adapter_load_seconds",
+            "Latency of adapter loads (all DP groups)",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.unload_seconds = Histogram(
+            "loraplane_worker_adapter_unload_seconds",
+            "Latency of adapter unloads (all DP groups)",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.evictions = Counter(
+            "loraplane_worker_adapter_evictions",
+            "Adapters evicted from a GPU slot (LRU)",
+            ["adapter"],
+            registry=r,
+        )
+        self.waiting_for_slot = Gauge(
+            "loraplane_worker_requests_waiting_for_slot",
+            "Requests waiting because their adapter has no GPU slot",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "loraplane_worker_requests_waiting", "Requests waiting to start", registry=r
+        )
+        self.running = Gauge(
+            "loraplane_worker_requests_running", "Requests running", ["dp_group"], registry=r
+        )
+        self.distinct_adapters = Histogram(
+            "loraplane_worker_step_distinct_adapters",
+            "Distinct adapters in one forward step",
+            buckets=tuple(range(0, max_loras_per_batch + 1)),
+            registry=r,
+        )
         self.steps = Counter("loraplane_worker_steps", "Forward steps run", registry=r)
-        self.slot_loads = Counter("loraplane_worker_slot_loads", "Adapters copied from host memory into a GPU LoRA slot (slot-level cold starts)", ["adapter"], registry=r)
-        self.info = Gauge("loraplane_worker_info", "Always 1: the served base model and the topology (tp, dp)", ["model", "tp", "dp"], registry=r)
+        self.slot_loads = Counter(
+            "loraplane_worker_slot_loads",
+            "Adapters copied from host memory into a GPU LoRA slot (slot-level cold starts)",
+            ["adapter"],
+            registry=r,
+        )
+        self.info = Gauge(
+            "loraplane_worker_info",
+            "Always 1: the served base model and the topology (tp, dp)",
+            ["model", "tp", "dp"],
+            registry=r,
+        )
         for g in range(dp_size):
             self.slots_total.labels(str(g)).set(max_loras_per_batch)
             self.slots_used.labels(str(g)).set(0)
@@ -63,7 +134,13 @@ class WorkerMetrics:
     def tokens_generated(self, adapter: str | None, count: int) -> None:
         self.generated_tokens.labels(_label(adapter)).inc(count)
 
-    def step(self, distinct_adapters: int, running_per_group: list[int], waiting: int, waiting_for_slot: int) -> None:
+    def step(
+        self,
+        distinct_adapters: int,
+        running_per_group: list[int],
+        waiting: int,
+        waiting_for_slot: int,
+    ) -> None:
         self.steps.inc()
         self.distinct_adapters.observe(distinct_adapters)
         for g, n in enumerate(running_per_group):
@@ -82,13 +159,21 @@ class WorkerMetrics:
 
     def adapter_loaded(self, adapter: str) -> None:
         """A newly loaded adapter's counters start at 0, so rate() sees its first requests."""
-        for counter in (self.requests, self.prompt_tokens, self.generated_tokens, self.evictions, self.slot_loads):
+        for counter in (
+            self.requests,
+            self.prompt_tokens,
+            self.generated_tokens,
+            self.evictions,
+            self.slot_loads,
+        ):
             counter.labels(adapter)
 
     def slot_loaded(self, adapter: str) -> None:
         self.slot_loads.labels(adapter).inc()
 
-    def residency_changed(self, slots_used: int, loaded: int, pinned: int, inconsistent: int) -> None:
+    def residency_changed(
+        self, slots_used: int, loaded: int, pinned: int, inconsistent: int
+    ) -> None:
         for g in range(self.dp_size):
             self.slots_used.labels(str(g)).set(slots_used)
         self.loaded.set(loaded + inconsistent)

@@ -31,7 +31,9 @@ class GenerateRequest(BaseModel):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    lora_path: str | None = Field(default=None, description="adapter name (SGLang calls it lora_path)")
+    lora_path: str | None = Field(
+        default=None, description="adapter name (SGLang calls it lora_path)"
+    )
     stream: bool = False
     rid: str | None = None
 
@@ -144,7 +146,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class LoRAUpdateResponse(BaseModel):
     success: bool
     error_message: str = ""
-    loaded_adapters: dict[str, str] = Field(default_factory=dict, description="adapter name -> path")
+    loaded_adapters: dict[str, str] = Field(
+        default_factory=dict, description="adapter name -> path"
+    )
 
 
 class ModelCard(BaseModel):

@@ -50,7 +50,9 @@ def build_server(config: ServeConfig) -> WorkerServer:
     for name, path in config.loras:
         if not _allowed(path, config.allowed_lora_roots):
             engine.stop()
-            raise ConfigError(f"--lora {name}={path}: outside the allowed adapter roots {list(config.allowed_lora_roots)}")
+            raise ConfigError(
+                f"--lora {name}={path}: outside the allowed adapter roots {list(config.allowed_lora_roots)}"
+            )
         result = engine.load_adapter(name, path, pinned=name in config.pinned).result()
         if not result.success:
             engine.stop()
@@ -65,11 +67,21 @@ def serve(config: ServeConfig) -> None:
     server = build_server(config)
     log.info(
         "serving %s on http://%s:%d (tp=%d dp=%d, K=%d slots, M=%d adapters, rank<=%d, backend=%s, device=%s)",
-        server.served_model, config.host, config.port, config.tp, config.dp, config.max_loras_per_batch,
-        config.max_loaded_loras, config.max_lora_rank, config.lora_backend, config.device,
+        server.served_model,
+        config.host,
+        config.port,
+        config.tp,
+        config.dp,
+        config.max_loras_per_batch,
+        config.max_loaded_loras,
+        config.max_lora_rank,
+        config.lora_backend,
+        config.device,
     )
     app = create_app(server)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level, log_config=None)
+        uvicorn.run(
+            app, host=config.host, port=config.port, log_level=config.log_level, log_config=None
+        )
     finally:
         server.engine.stop()
