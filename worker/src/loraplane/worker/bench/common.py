@@ -24,7 +24,7 @@ import torch
 
 
 def is_cuda(device: str | torch.device) -> bool:
-    return torch.device(device).type == "cuda"
+    return bool(torch.device(device).type == "cuda")
 
 
 def sync(device: str | torch.device) -> None:

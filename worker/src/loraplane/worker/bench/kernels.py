@@ -160,6 +160,7 @@ def run_case(
         b = _randn((adapters, N, rank), 0.1 * rank**-0.5, dtype, device, gen)
         w_base = _randn((N, K), K**-0.5, dtype, device, gen)
         info = LoRABatchInfo.build(token_slots, slot_ranks, slot_scalings, device)
+        assert info is not None, "every case has adapter tokens"
         assert info is not None
         seg = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.row_order)
         seg3 = (info.seg_indptr, info.seg_slots, info.slot_ranks)
@@ -332,7 +333,14 @@ def run_case(
                 )  # type: ignore[arg-type]
             else:
                 tk.lora_expand(
-                    yy, b, *seg3, info.slot_scalings, ro, slice_offsets, out, info.max_seg_len
+                    yy,
+                    b,
+                    *seg3,
+                    info.slot_scalings,  # type: ignore[union-attr]
+                    ro,
+                    slice_offsets,
+                    out,
+                    info.max_seg_len,  # type: ignore[union-attr]
                 )  # type: ignore[arg-type]
 
         row["host_us"] = host_launch_us(pair_call, device, calls=30)

@@ -20,7 +20,7 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from loraplane.worker.engine.executor import Executor, SeqWork
 from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
@@ -430,9 +430,11 @@ class Engine:
             self.error = exc
             log.exception("engine loop died")
             with self._lock:
-                for seq in (
-                    list(self.scheduler.running) + list(self.scheduler.waiting) + self._incoming
-                ):
+                everyone = cast(
+                    list[Sequence],
+                    list(self.scheduler.running) + list(self.scheduler.waiting) + self._incoming,
+                )
+                for seq in everyone:
                     seq.sink(
                         SeqEvent(
                             "",
@@ -489,12 +491,12 @@ class Engine:
                 else:
                     self.scheduler.add(seq)
             self._incoming = []
-            for seq in [s for s in self.scheduler.waiting if s.aborted]:
+            for seq in [s for s in cast(list[Sequence], list(self.scheduler.waiting)) if s.aborted]:
                 self.scheduler.drop_waiting(seq)
                 self._finish(seq, "abort")
                 self._release(seq)
                 self._emit(seq, ())
-            for seq in [s for s in self.scheduler.running if s.aborted]:
+            for seq in [s for s in cast(list[Sequence], list(self.scheduler.running)) if s.aborted]:
                 self.scheduler.finish(seq)
                 self._finish(seq, "abort")
                 self._release(seq)
@@ -520,7 +522,7 @@ class Engine:
             return
         work: list[list[SeqWork]] = [[] for _ in range(self.dp_size)]
         order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
-        for seq in running:
+        for seq in cast(list[Sequence], list(running)):
             tokens = seq.next_tokens()
             work[seq.dp_group].append(SeqWork(seq.cache_row, seq.cached, tokens, seq.slot))
             order[seq.dp_group].append(seq)

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -288,7 +288,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         if body.stream:
 
             async def gen() -> AsyncIterator[str]:
-                text, ids = "", []
+                text, ids = "", cast(list[int], [])
                 async for event in server.events(seq, queue):
                     text += event.text_delta
                     ids.extend(event.token_ids)
@@ -348,7 +348,9 @@ def create_app(server: WorkerServer) -> FastAPI:
             model=model,
             choices=[
                 p.CompletionChoice(
-                    text=text, finish_reason=last.finish_reason, matched_stop=last.matched_stop
+                    text=text,
+                    finish_reason=cast(Any, last.finish_reason),
+                    matched_stop=last.matched_stop,
                 )
             ],  # type: ignore[arg-type]
             usage=_usage(last),
