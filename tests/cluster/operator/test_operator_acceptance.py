@@ -539,9 +539,17 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
         return {k: v for k, v in (peering.get("status") or {}).items() if isinstance(v, dict)}
 
     wait_for(lambda: len(peers()) >= 2, what="both operators in the peering object", timeout_s=120)
+
+    def paused(pod: dict[str, Any]) -> bool:
+        # kopf logs each transition; a replica is paused if its last one was a pause (mandatory
+        # peering also pauses every replica briefly at start, before it sees its peers).
+        log = _log(stack, pod)
+        last_pause = max(log.rfind("Pausing operations"), log.rfind("Pausing all operators"))
+        return last_pause > log.rfind("Resuming operations")
+
     wait_for(
-        lambda: sum("Pausing operations" in _log(stack, p) for p in _operator_pods(stack)) == 1,
-        what="exactly one operator paused", timeout_s=120,
+        lambda: sorted(paused(p) for p in _operator_pods(stack) if _ready(p)) == [False, True],
+        what="exactly one operator acting and one paused", timeout_s=120,
     )  # fmt: skip
     stack.cluster.apply(_adapter_manifest(stack, "after-ha", stack.adapters["spare"]))
     _wait_ready(stack, ["after-ha"], 3)
