@@ -188,21 +188,28 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
     )
     completion(http, "tiny:od2", "cold start", ADMIN)
 
-    # Load failures: w0 fails its next four loads; each load then is rolled back on w1.
-    r = workers["w0"].client.post(
-        "/debug/fault",
-        json={
-            "op": "load",
-            "dp_group": 0,
-            "count": 4,
-            "message": "injected by the observability test",
-        },
-    )
-    assert r.status_code == 200, r.text
-    for name in ("f1", "f2", "f3", "f4"):
-        r = register(cp, adapters, name)
-        assert r.status_code == 502, r.text
-        assert r.json()["operation"]["state"] == "rolled_back", r.json()["operation"]
+    # Load failures: every load on w0 fails while the fault is armed (the reconciler may load
+    # something in between, so no fixed count); each load then is rolled back on w1.
+    def arm_w0(count: int) -> None:
+        r = workers["w0"].client.post(
+            "/debug/fault",
+            json={
+                "op": "load",
+                "dp_group": 0,
+                "count": count,
+                "message": "injected by the observability test",
+            },
+        )
+        assert r.status_code == 200, r.text
+
+    arm_w0(1000)
+    try:
+        for name in ("f1", "f2", "f3", "f4"):
+            r = register(cp, adapters, name)
+            assert r.status_code == 502, r.text
+            assert r.json()["operation"]["state"] == "rolled_back", r.json()["operation"]
+    finally:
+        arm_w0(0)  # disarm
 
     # Drift: unload an adapter behind the control plane's back; the reconciler restores it.
     loaded = {
