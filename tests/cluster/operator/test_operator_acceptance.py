@@ -533,6 +533,22 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
         what="2 operators",
         timeout_s=120,
     )
+    # The local cluster's kwok can hand a new pod the IP it freed moments ago (the operator
+    # killed in the previous test) while another live pod holds it too; two processes on one
+    # IP cannot both bind their health and metrics ports. Replace the newer pod until the
+    # two replicas have their own addresses, as they would on a real cluster.
+    for _ in range(3):
+        pods = sorted(_operator_pods(stack), key=lambda p: p["metadata"]["creationTimestamp"])
+        if len({p.get("status", {}).get("podIP") for p in pods}) == len(pods):
+            break
+        stack.cluster.kubectl(
+            "delete", "pod", pods[-1]["metadata"]["name"], "-n", stack.release_ns, "--wait=true"
+        )
+        wait_for(
+            lambda: len([p for p in _operator_pods(stack) if _ready(p)]) == 2,
+            what="2 operators",
+            timeout_s=120,
+        )
 
     def peers() -> dict[str, Any]:
         peering = stack.cluster.get("clusterkopfpeering", stack.release_ns)
@@ -549,7 +565,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
 
     wait_for(
         lambda: sorted(paused(p) for p in _operator_pods(stack) if _ready(p)) == [False, True],
-        what="exactly one operator acting and one paused", timeout_s=120,
+        what="exactly one operator acting and one paused", timeout_s=180,
     )  # fmt: skip
     stack.cluster.apply(_adapter_manifest(stack, "after-ha", stack.adapters["spare"]))
     _wait_ready(stack, ["after-ha"], 3)
