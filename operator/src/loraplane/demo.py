@@ -275,6 +275,18 @@ def run(
                 ),
                 f"register worker {name}",
             )
+        # Placement "all" means every ready worker: wait until the registry has seen both.
+        deadline = time.time() + 120
+        while True:
+            states = {
+                w["name"]: w["state"]
+                for w in _check(client.get("/v1/workers"), "list workers")["items"]
+            }
+            if len(states) == len(worker_urls) and set(states.values()) == {"ready"}:
+                break
+            if time.time() > deadline:
+                raise RuntimeError(f"workers not ready in the registry after 120 s: {states}")
+            time.sleep(0.5)
         for i, (name, _, _, _) in enumerate(ADAPTERS):
             pinned = i == 0
             _say(
