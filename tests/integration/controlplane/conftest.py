@@ -22,7 +22,7 @@ from loraplane.controlplane.settings import Settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cp_kit import ADMIN, ADMIN_TOKEN, POOL, START_HINT, required_env
-from peft_files import write_adapter
+from tests.peft_files import write_adapter
 
 
 @pytest.fixture(scope="session")
