@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from loraplane.devcluster.processes import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
     "The quick brown fox",
@@ -27,12 +28,6 @@ PROMPTS = [
     "What is the capital",
     "for i in range(10):",
 ]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(
@@ -95,7 +90,7 @@ def main() -> None:
         )
         names.append(f"a{i}")
         lora_args += ["--lora", f"a{i}={out}"]
-    port = _port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp / "worker.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(

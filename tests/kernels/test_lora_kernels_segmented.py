@@ -167,6 +167,22 @@ def run_expand(impl: object, case: Case, y: torch.Tensor, out: torch.Tensor) -> 
     )
 
 
+def run_apply(case: Case, out: torch.Tensor) -> None:
+    expand.lora_apply(
+        case.x,
+        case.lora_a,
+        case.lora_b,
+        case.seg_indptr,
+        case.seg_slots,
+        case.slot_ranks,
+        case.slot_scalings,
+        case.row_order,
+        case.slice_offsets,
+        out,
+        case.max_seg_len,
+    )
+
+
 def base_output(case: Case, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     n_total = int(case.slice_offsets[-1])
@@ -195,9 +211,15 @@ def check_case(case: Case) -> None:
     )
     assert torch.isfinite(out_tri).all()
 
+    # The runtime's path: shrink and expand in two launches, split-K partials summed by expand.
+    out_app = out0.clone()
+    run_apply(case, out_app)
+    torch.testing.assert_close(out_app, out_ref, atol=tol, rtol=tol)
+
     base = (case.row_slot < 0).nonzero().flatten().to(DEVICE)
     assert base.numel() > 0
     assert torch.equal(out_tri[base], out0[base]), "rows with no adapter must be untouched"
+    assert torch.equal(out_app[base], out0[base]), "rows with no adapter must be untouched"
     assert torch.equal(out_ref[base], out0[base])
 
 
@@ -229,6 +251,22 @@ def test_decode_one_token_per_segment_and_long_hidden() -> None:
         offsets=SLICES["qkv_gqa"],
         permute=True,
     )
+    check_case(case)
+
+
+def test_decode_with_k_split_in_many_parts() -> None:
+    # hidden 1000 at one token per segment: the shrink splits K over 4 programs per segment
+    # and slice, and lora_apply's expand sums those fp32 partials itself. A rank-0 slot's
+    # segment and the base rows are never written by the shrink nor read by the expand.
+    case = make_case(
+        seg_lens=[1, 1, 1, 1, 1],
+        seg_slots=[0, 2, 1, 2, 3],
+        slot_ranks=[16, 5, 9, 0],
+        hidden=1000,
+        offsets=SLICES["gate_up"],
+        permute=True,
+    )
+    assert shrink.shrink_config(1, 16, 1000).block_k * 3 < 1000  # more than 3 K steps to split
     check_case(case)
 
 

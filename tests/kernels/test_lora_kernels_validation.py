@@ -44,6 +44,12 @@ def expand_args() -> dict[str, Any]:
     )
 
 
+def apply_args() -> dict[str, Any]:
+    args = expand_args()
+    del args["y"]
+    return dict(args, x=torch.randn(T, K), lora_a=torch.randn(SLOTS, 2 * R, K))
+
+
 def moe_shrink_args() -> dict[str, Any]:
     return dict(
         x=torch.randn(T, K),
@@ -224,6 +230,34 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[], dict[str, Any]], dict[st
         {"out": torch.zeros(T, K)},
         "moe_lora_expand: out.shape[0] must be 12",
     ),
+    (
+        "apply_b_rank",
+        expand.lora_apply,
+        apply_args,
+        {"lora_b": torch.randn(SLOTS, N, 2 * R)},
+        "lora_apply: lora_b.shape[2] must be 8 (the max rank of lora_a per slice)",
+    ),
+    (
+        "apply_b_dtype",
+        expand.lora_apply,
+        apply_args,
+        {"lora_b": torch.randn(SLOTS, N, R, dtype=torch.float16)},
+        "lora_apply: lora_b must have dtype torch.float32 (same as x)",
+    ),
+    (
+        "apply_out_rows",
+        expand.lora_apply,
+        apply_args,
+        {"out": torch.zeros(T + 1, N)},
+        "lora_apply: out.shape[0] must be 6 (one row per row of x)",
+    ),
+    (
+        "apply_slices",
+        expand.lora_apply,
+        apply_args,
+        {"slice_offsets": torch.tensor([0, 16, 32, 48], dtype=torch.int32)},
+        "lora_apply: lora_a.shape[1] must be num_slices * max_rank",
+    ),
 ]
 
 
@@ -250,6 +284,7 @@ def test_wrapper_rejects_with_named_argument(
         (expand.lora_expand, expand_args),
         (moe.moe_lora_shrink, moe_shrink_args),
         (moe.moe_lora_expand, moe_expand_args),
+        (expand.lora_apply, apply_args),
     ],
 )
 def test_valid_arguments_are_accepted(

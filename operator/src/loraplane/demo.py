@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from typing import Annotated, Any
 
 import typer
 
+from loraplane.devcluster.processes import free_port
+
 demo_app = typer.Typer(no_args_is_help=True, help="Run the whole stack on this machine.")
 
 ADAPTERS = (
@@ -36,12 +37,6 @@ ADAPTERS = (
     ("pirate", 4, 8.0, 3),
 )  # name, rank, alpha, seed
 POOL = "demo"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _say(console: Any, text: str) -> None:
@@ -173,7 +168,7 @@ def run(
 
     env = dict(os.environ)
     env.setdefault("TRITON_INTERPRET", "1")
-    cp_port = _free_port()
+    cp_port = free_port()
     cp = f"http://127.0.0.1:{cp_port}"
     with _processes(logs) as procs:
         _say(console, f"control plane on {cp} (SQLite {workdir / 'registry.db'})")
@@ -199,7 +194,7 @@ def run(
         )
         worker_urls: list[tuple[str, str, subprocess.Popen[bytes]]] = []
         for i in range(workers):
-            port = _free_port()
+            port = free_port()
             name = f"{POOL}-{i}"
             _say(
                 console,

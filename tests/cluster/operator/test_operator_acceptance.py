@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from typing import Any
 import httpx
 import pytest
 from clusterkit import Cluster, wait_for
+
+from loraplane.devcluster.processes import free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -62,9 +63,7 @@ def _missing_prerequisites() -> list[str]:
 
 def _multirank_worker_problem(model: Path) -> str | None:
     """Start a tp=2 dp=2 worker for a few seconds: None if it starts serving, else why not."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     process = subprocess.Popen(
         [LORAPLANE, "worker", "serve", "--model", str(model), "--tp", "2", "--dp", "2", "--dp-attention",
          "--device", "cpu", "--lora-backend", "torch", "--host", "127.0.0.1", "--port", str(port)],
@@ -556,17 +555,28 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
 
     wait_for(lambda: len(peers()) >= 2, what="both operators in the peering object", timeout_s=120)
 
-    def paused(pod: dict[str, Any]) -> bool:
-        # kopf logs each transition; a replica is paused if its last one was a pause (mandatory
-        # peering also pauses every replica briefly at start, before it sees its peers).
-        log = _log(stack, pod)
-        last_pause = max(log.rfind("Pausing operations"), log.rfind("Pausing all operators"))
-        return last_pause > log.rfind("Resuming operations")
+    def leader(pod: dict[str, Any]) -> float | None:
+        # The operator's own signal: `loraplane_operator_leader` on its metrics port is 1 while
+        # the replica acts and 0 while kopf's peering pauses it (a replica of lower priority
+        # than a live peer stays paused from its start, so its log shows no transition).
+        try:
+            text = httpx.get(f"http://{pod['status']['podIP']}:9090/metrics", timeout=5).text
+        except (httpx.HTTPError, KeyError):
+            return None
+        for line in text.splitlines():
+            if line.startswith("loraplane_operator_leader "):
+                return float(line.split()[1])
+        return None
+
+    def one_leader() -> bool:
+        values = [leader(p) for p in _operator_pods(stack) if _ready(p)]
+        return None not in values and sorted(v or 0.0 for v in values) == [0.0, 1.0]
 
     wait_for(
-        lambda: sorted(paused(p) for p in _operator_pods(stack) if _ready(p)) == [False, True],
-        what="exactly one operator acting and one paused", timeout_s=180,
-    )  # fmt: skip
+        one_leader,
+        what="exactly one operator leading (loraplane_operator_leader 1) and one standing by (0)",
+        timeout_s=180,
+    )
     stack.cluster.apply(_adapter_manifest(stack, "after-ha", stack.adapters["spare"]))
     _wait_ready(stack, ["after-ha"], 3)
     assert len(_load_operations(stack, "after-ha")) == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
+
+from loraplane.devcluster.processes import free_port
 
 ADMIN_TOKEN = "integration-admin-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -32,12 +33,6 @@ def required_env(name: str) -> str:
             pytrace=False,
         )
     return value
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def snapshot(url: str) -> dict[str, list[tuple[Any, ...]]]:

@@ -9,7 +9,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+
+from loraplane.devcluster.processes import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 LORAPLANE = REPO / ".venv" / "bin" / "loraplane"
@@ -49,12 +50,6 @@ NEW_METRICS = (
     "loraplane_worker_slot_loads_total > 0",
     'loraplane_worker_info{model="tiny-llama", tp="1", dp="1"} == 1',
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(

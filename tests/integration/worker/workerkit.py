@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -11,15 +10,11 @@ from pathlib import Path
 
 import httpx
 
+from loraplane.devcluster.processes import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 LORAPLANE = REPO / ".venv" / "bin" / "loraplane"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

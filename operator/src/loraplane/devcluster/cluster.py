@@ -76,7 +76,7 @@ def up(
     deadline = started + timeout_s
 
     pki.write_pki(state / "pki")
-    etcd_client, etcd_peer, apiserver_port = _distinct_free_ports(3)
+    etcd_client, etcd_peer, apiserver_port = (processes.free_port() for _ in range(3))
     cluster = ClusterState(
         state_dir=str(state),
         bin_dir=str(bin_dir),
@@ -268,15 +268,6 @@ def _reset_state_dir(state: Path) -> None:
             else:
                 entry.unlink()
     state.mkdir(parents=True, exist_ok=True)
-
-
-def _distinct_free_ports(count: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < count:
-        port = processes.free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 def _admin_tls(pki_dir: Path) -> ssl.SSLContext:

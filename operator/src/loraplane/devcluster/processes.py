@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -103,11 +104,41 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+# Ports handed out by free_port: below the kernel's ephemeral range (32768-60999 by
+# default), from a per-process random start, never the same one twice in a process.
+_PORT_FLOOR = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that nothing listens on now, for a server started right after.
+
+    `bind(0)` would answer from the ephemeral range, where any outgoing connection (a gloo or
+    NCCL bootstrap, an HTTP client) can take the port before the server meant to get it binds
+    ("address already in use"). A port below that range is only ever taken by an explicit bind.
+    """
+    ceiling = max(_ephemeral_floor(), _PORT_FLOOR + 1000)
+    span = ceiling - _PORT_FLOOR
+    start = random.Random(os.getpid() ^ time.time_ns()).randrange(span)
+    for step in range(span):
+        port = _PORT_FLOOR + (start + step) % span
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port on {host} between {_PORT_FLOOR} and {ceiling}")
 
 
 def is_listening(port: int, host: str = "127.0.0.1") -> bool:

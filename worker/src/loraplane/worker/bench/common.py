@@ -89,6 +89,51 @@ def time_device(
     return time_host(fn, device, reps=cpu_reps, warmup=1)
 
 
+def time_graph(
+    fn: Callable[[], object], device: str, *, inner: int = 20, replays: int = 15
+) -> float | None:
+    """GPU time (us) of ``fn`` without its host launch cost, from cold L2; CUDA only.
+
+    ``inner`` repetitions of (a 128 MiB write that evicts L2, ``fn``) are captured in one CUDA
+    graph, and the same repetitions of the write alone in another; each graph is replayed
+    ``replays`` times between CUDA events, and the difference of the median replays, over
+    ``inner``, is the time of one ``fn`` as it runs inside a captured decode step (where a
+    layer's weights were last read one whole step earlier). Returns None off CUDA.
+    """
+    if not is_cuda(device):
+        return None
+    scratch = torch.empty(128 << 20, dtype=torch.int8, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = []
+    for with_fn in (True, False):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                scratch.zero_()
+                if with_fn:
+                    fn()
+        graphs.append(graph)
+    medians = []
+    for graph in graphs:
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        medians.append(statistics.median(times))
+    del graphs
+    return max(0.0, float(medians[0] - medians[1]) / inner)
+
+
 def time_host(fn: Callable[[], object], device: str, *, reps: int = 3, warmup: int = 1) -> float:
     """Median wall time (us) of ``fn`` with a device sync after each call (for host-heavy
     references such as the torch kernels, which read device tensors back anyway)."""

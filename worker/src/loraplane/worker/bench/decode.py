@@ -28,6 +28,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
   experts); dense adapters are random per adapter, expert LoRA tensors are shared between
   adapters (same cost: each slot is its own buffer).
+* Before the timed rows of a batch size, every variant runs once untimed, so one-time costs
+  (cuBLAS/SDPA plans, allocator growth, Triton compiles) land on no variant's row.
 * ``head`` rows time the step with no decoder layer (embedding, final norm, LM head, sampling)
   so ``projected_ratio_full_depth`` extrapolates each ratio to the real depth (32 / 48 layers):
   ``(H + L b) / (H + L (b + d))`` with ``b``, ``d`` the measured per-layer base and LoRA cost.
@@ -452,6 +454,13 @@ def run_decode_bench(
     with torch.inference_mode():
         for bs in batch_sizes:
             for mode in modes:
+                # One untimed pass over every variant first: the first forward at a batch size
+                # pays one-time costs (cuBLAS/SDPA plans, allocator growth, Triton compiles)
+                # that would otherwise land on whichever variant is measured first ("off").
+                for variant, _ in [("head", None), *variants]:
+                    sink.guarded(
+                        f"decode bs={bs} {variant} {mode} warm-up", measure, bs, variant, mode
+                    )
                 base: dict[str, Any] | None = None
                 head = sink.guarded(f"decode bs={bs} head {mode}", measure, bs, "head", mode)
                 if head:

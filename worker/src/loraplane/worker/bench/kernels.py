@@ -52,6 +52,7 @@ from loraplane.worker.bench.common import (
     is_cuda,
     sync,
     time_device,
+    time_graph,
     time_host,
 )
 
@@ -187,6 +188,13 @@ def run_case(
                 yy, b, *seg3, info.slot_scalings, ro, slice_offsets, o, info.max_seg_len
             )
 
+        def apply_tri(o: torch.Tensor) -> None:
+            # the runtime's path: two launches, split-K partials summed inside the expand
+            tk.lora_apply(
+                x, a, b, *seg3, info.slot_scalings, ro, slice_offsets, o, info.max_seg_len
+            )
+
+        apply_fn: Callable[[torch.Tensor], None] | None = apply_tri
         routing_fn: Callable[[], object] | None = None
         x_rows, lora_rows = tokens, tokens
         used_weights = adapters
@@ -277,6 +285,7 @@ def run_case(
             return Experts.grouped(ns, dense_x, w_base_e, pe64)  # type: ignore[arg-type]
 
         ref_ok = P <= REF_MAX_MOE_PAIRS
+        apply_fn = None
         row.update(experts=E, topk=topk, pairs=P, used_slot_experts=used_weights)
 
     # Bytes (floor): x rows once, used A/B once at the real rank, y out/in, out read+write.
@@ -295,6 +304,13 @@ def run_case(
         both_tri(o_tri)
         both_ref(o_ref)
         row["rel_err"] = _rel_err(o_tri.float() - out0.float(), o_ref.float() - out0.float())
+        if apply_fn is not None:
+            o_app = out0.clone()
+            apply_fn(o_app)
+            row["apply_rel_err"] = _rel_err(
+                o_app.float() - out0.float(), o_ref.float() - out0.float()
+            )
+            del o_app
         del o_tri, o_ref
 
     row["shrink_us"] = time_device(shrink, device, rep_ms=rep_ms)
@@ -305,6 +321,23 @@ def run_case(
         lora_us += row["routing_us"]
     row["lora_us"] = lora_us
     row["dense_us"] = time_device(lambda: F.linear(dense_x, w_base), device, rep_ms=rep_ms)
+    if apply_fn is not None:
+        row["apply_us"] = time_device(lambda: apply_fn(out), device, rep_ms=rep_ms)
+    if t_cuda:
+        # GPU time alone (graph replays from cold L2): what a captured decode step pays.
+        graph_fns: dict[str, Callable[[], object]] = {
+            "shrink": shrink,
+            "expand": expand,
+            "dense": lambda: F.linear(dense_x, w_base),
+        }
+        if apply_fn is not None:
+            graph_fns["apply"] = lambda: apply_fn(out)
+        for name, fn in graph_fns.items():
+            try:
+                row[f"{name}_graph_us"] = time_graph(fn, device)
+            except Exception as exc:  # a wrapper that syncs with the host cannot be captured
+                row[f"{name}_graph_us"] = None
+                row[f"{name}_graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
     if grouped_fn is not None:
         row["base_grouped_us"] = time_host(grouped_fn, device, reps=3)
     if ref_ok:
@@ -359,6 +392,15 @@ def _add_bandwidth(row: dict[str, Any], peak_gbs: float) -> None:
     gbs = total / row["lora_us"] / 1e3 if row.get("lora_us") else None
     row["lora_gbs"] = gbs
     row["lora_pct_peak"] = 100.0 * gbs / peak_gbs if gbs and peak_gbs else None
+    for k, nbytes in (
+        ("shrink", row["shrink_bytes"]),
+        ("expand", row["expand_bytes"]),
+        ("apply", total),
+    ):
+        us = row.get(f"{k}_graph_us")
+        row[f"{k}_graph_pct_peak"] = (
+            100.0 * nbytes / us / 1e3 / peak_gbs if us and peak_gbs else None
+        )
 
 
 def run_kernels_bench(
@@ -434,18 +476,23 @@ def run_kernels_bench(
 
 
 def summary_table(result: dict[str, Any]) -> str:
+    """Eager times (host launch included) and, on CUDA, GPU times from graph replays (g ...)."""
     lines = [
         f"peak copy {fmt((result.get('peak') or {}).get('gbytes_per_s'), 0)} GB/s",
-        f"{'shape/module':26} {'T':>5} {'r':>3} {'n':>3} {'shr us':>7} {'exp us':>7} {'%peak':>6} "
-        f"{'dense us':>8} {'lora/dense':>10} {'ref/lora':>8} {'host us':>7} {'err':>8}",
+        f"{'shape/module':26} {'T':>5} {'r':>3} {'n':>3} {'shr us':>7} {'exp us':>7} "
+        f"{'dense us':>8} {'g shr':>6} {'g exp':>6} {'g app':>6} {'g dense':>7} {'app%pk':>6} "
+        f"{'app/dense':>9} {'err':>8}",
     ]
     for c in result.get("cases", []):
         err = c.get("rel_err")
+        g_app, g_dense = c.get("apply_graph_us"), c.get("dense_graph_us")
+        ratio = g_app / g_dense if g_app and g_dense else None
         lines.append(
             f"{c['shape'][:12] + '/' + c['module']:26} {c['tokens']:>5} {c['rank']:>3} {c['adapters']:>3} "
-            f"{fmt(c.get('shrink_us')):>7} {fmt(c.get('expand_us')):>7} {fmt(c.get('lora_pct_peak'), 0):>6} "
-            f"{fmt(c.get('dense_us')):>8} {fmt(c.get('lora_over_dense'), 2):>10} {fmt(c.get('ref_over_lora'), 1):>8} "
-            f"{fmt(c.get('host_us')):>7} {'-' if err is None else f'{err:.1e}':>8}"
+            f"{fmt(c.get('shrink_us')):>7} {fmt(c.get('expand_us')):>7} {fmt(c.get('dense_us')):>8} "
+            f"{fmt(c.get('shrink_graph_us')):>6} {fmt(c.get('expand_graph_us')):>6} {fmt(g_app):>6} "
+            f"{fmt(g_dense):>7} {fmt(c.get('apply_graph_pct_peak'), 0):>6} {fmt(ratio, 2):>9} "
+            f"{'-' if err is None else f'{err:.1e}':>8}"
         )
     for e in result.get("errors", []):
         lines.append(f"ERROR {e['what']}: {e['error'][:160]}")

@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "MoeLoraRouting",
+    "lora_apply",
     "lora_expand",
     "lora_shrink",
     "moe_lora_expand",
@@ -24,6 +25,7 @@ __all__ = [
 _TRITON_EXPORTS = {
     "lora_shrink": "loraplane.worker.kernels.shrink",
     "lora_expand": "loraplane.worker.kernels.expand",
+    "lora_apply": "loraplane.worker.kernels.expand",
     "MoeLoraRouting": "loraplane.worker.kernels.moe",
     "moe_lora_routing": "loraplane.worker.kernels.moe",
     "moe_lora_shrink": "loraplane.worker.kernels.moe",

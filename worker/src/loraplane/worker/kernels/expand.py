@@ -24,14 +24,14 @@ from loraplane.worker.kernels._triton_utils import (
     dot_precision,
     expand_config,
 )
-from loraplane.worker.kernels.shrink import check_segments
+from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, launch_shrink
 
-__all__ = ["lora_expand"]
+__all__ = ["lora_apply", "lora_expand"]
 
 
 @triton.jit
 def _lora_expand_kernel(
-    y_ptr,  # [positions, num_slices * R]
+    y_ptr,  # [positions, num_slices * R], or fp32 partials [Y_SPLIT, positions, num_slices * R]
     b_ptr,  # [weight_slots, N_total, R]
     out_ptr,  # [T, N_total]
     seg_indptr_ptr,  # int32 [S + 1]
@@ -45,6 +45,7 @@ def _lora_expand_kernel(
     n_total,
     rank_max,
     y_stride_row,
+    y_stride_split,  # between the Y_SPLIT partials of y (0 when Y_SPLIT == 1)
     out_stride_row,
     b_stride_slot,
     b_stride_row,
@@ -54,6 +55,7 @@ def _lora_expand_kernel(
     USE_TILE_MAP: tl.constexpr,
     Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
     DOT_PRECISION: tl.constexpr,
+    Y_SPLIT: tl.constexpr,  # > 1: y is the shrink's split-K partials, summed here in fp32
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,9 +104,16 @@ def _lora_expand_kernel(
         if (col_lo < n0 + BLOCK_N) & (col_hi > n0):
             n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
             y_ptrs = y_ptr + y_rows[:, None] * y_stride_row + i * rank_max + offs_r[None, :]
-            y_tile = tl.load(
-                y_ptrs, mask=s_mask[:, None] & r_mask[None, :], other=0.0
-            )  # [BLOCK_S, BLOCK_R]
+            y_mask = s_mask[:, None] & r_mask[None, :]
+            if Y_SPLIT == 1:
+                y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
+            else:
+                # Splits summed in a fixed order, then rounded to the weights' dtype as a
+                # separate shrink would have returned them.
+                y_sum = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
+                for sp in tl.static_range(Y_SPLIT):
+                    y_sum += tl.load(y_ptrs + sp * y_stride_split, mask=y_mask, other=0.0)
+                y_tile = y_sum.to(b_ptr.dtype.element_ty)
             b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
             b_tile = tl.load(
                 b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0
@@ -137,7 +146,12 @@ def launch_expand(
     weights_per_slot: int = 1,
     y_by_row: bool = False,
 ) -> None:
-    """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``."""
+    """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``.
+
+    ``y`` is ``[positions, slices*R]``, or the fp32 split-K partials of
+    ``launch_shrink(partials=True)``, ``[splits, positions, slices*R]``, summed in the kernel.
+    """
+    y_split = y.shape[0] if y.dim() == 3 else 1
     n_total = weights.shape[1]
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
@@ -157,7 +171,8 @@ def launch_expand(
         tile_blk,
         n_total,
         weights.shape[2],
-        y.stride(0),
+        y.stride(-2),
+        y.stride(0) if y_split > 1 else 0,
         out.stride(0),
         weights.stride(0),
         weights.stride(1),
@@ -166,7 +181,8 @@ def launch_expand(
         HAS_ROW_ORDER=row_order is not None,
         USE_TILE_MAP=tile_map is not None,
         Y_BY_ROW=y_by_row,
-        DOT_PRECISION=dot_precision(y.dtype),
+        DOT_PRECISION=dot_precision(weights.dtype),
+        Y_SPLIT=y_split,
         BLOCK_S=config.block_s,
         BLOCK_R=config.block_r,
         BLOCK_N=config.block_n,
@@ -186,36 +202,50 @@ def check_expand_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks shared by ``lora_expand`` and ``moe_lora_expand``; returns the typed tensors."""
     y = check_tensor(fn, "y", y_arg, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
-    b = check_tensor(
-        fn,
-        "lora_b",
-        lora_b,
-        ndim=weight_ndim,
-        dtypes=FLOAT_DTYPES,
-        device=y.device,
-        contiguous=True,
+    b, o, offsets = check_expand_weights(
+        fn, lora_b, slot_scalings, slice_offsets, out, y.device, y.dtype, "y",
+        weight_ndim=weight_ndim,
+    )  # fmt: skip
+    num_slices = offsets.shape[0] - 1
+    rank_max = b.shape[-1]
+    check_dim(
+        fn, "y", y, 1, num_slices * rank_max, f"num_slices * max_rank = {num_slices} * {rank_max}"
     )
-    check_same_dtype(fn, "lora_b", b, "y", y.dtype)
+    return y, b, o, offsets
+
+
+def check_expand_weights(
+    fn: str,
+    lora_b: object,
+    slot_scalings: object,
+    slice_offsets: object,
+    out: object,
+    device: torch.device,
+    dtype: torch.dtype,
+    dtype_of: str,
+    *,
+    weight_ndim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks of B, the scalings, the slice offsets and ``out``; returns them typed."""
+    b = check_tensor(
+        fn, "lora_b", lora_b, ndim=weight_ndim, dtypes=FLOAT_DTYPES, device=device, contiguous=True
+    )
+    check_same_dtype(fn, "lora_b", b, dtype_of, dtype)
     offsets = check_tensor(
         fn,
         "slice_offsets",
         slice_offsets,
         ndim=1,
         dtypes=(torch.int32,),
-        device=y.device,
+        device=device,
         contiguous=True,
     )
     if offsets.shape[0] < 2:
         raise ValueError(
             f"{fn}: slice_offsets must have num_slices + 1 >= 2 entries, got shape {tuple(offsets.shape)}"
         )
-    num_slices = offsets.shape[0] - 1
-    rank_max = b.shape[-1]
-    check_dim(
-        fn, "y", y, 1, num_slices * rank_max, f"num_slices * max_rank = {num_slices} * {rank_max}"
-    )
     o = check_tensor(
-        fn, "out", out, ndim=2, dtypes=FLOAT_DTYPES, device=y.device, unit_last_stride=True
+        fn, "out", out, ndim=2, dtypes=FLOAT_DTYPES, device=device, unit_last_stride=True
     )
     check_dim(fn, "out", o, 1, b.shape[-2], "N_total, lora_b.shape[-2]")
     scalings = check_tensor(
@@ -224,13 +254,13 @@ def check_expand_operands(
         slot_scalings,
         ndim=1,
         dtypes=(torch.float32,),
-        device=y.device,
+        device=device,
         contiguous=True,
     )
     check_dim(
         fn, "slot_scalings", scalings, 0, b.shape[0], "one scaling per slot of the weight buffer"
     )
-    return y, b, o, offsets
+    return b, o, offsets
 
 
 def lora_expand(
@@ -269,5 +299,68 @@ def lora_expand(
         offsets,
         config,
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
+        grid_segments=seg_slots.shape[0],
+    )
+
+
+def lora_apply(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    out: torch.Tensor,
+    max_seg_len: int,
+) -> None:
+    """``lora_expand(lora_shrink(x, lora_a, ...), lora_b, ..., out)`` in two launches, no more.
+
+    The same result, in place into ``out``; what it saves is the work between the two: the
+    shrink's output is not zeroed first and, when K is split (decode), its fp32 partials are
+    summed by the expand kernel instead of by a ``sum`` kernel and a cast. ``num_slices`` is
+    ``len(slice_offsets) - 1``.
+    """
+    fn = "lora_apply"
+    b, out, offsets = check_expand_weights(
+        fn, lora_b, slot_scalings, slice_offsets, out, x.device, x.dtype, "x", weight_ndim=3
+    )
+    num_slices = offsets.shape[0] - 1
+    positions, shrink_cfg = check_shrink_operands(
+        fn, x, lora_a, seg_indptr, seg_slots, slot_ranks, row_order, num_slices, max_seg_len
+    )
+    check_same_dtype(fn, "lora_a", lora_a, "x", x.dtype)
+    check_dim(fn, "lora_b", b, 2, lora_a.shape[1] // num_slices, "the max rank of lora_a per slice")
+    check_dim(fn, "lora_b", b, 0, lora_a.shape[0], "one weight slot per slot of lora_a")
+    check_dim(fn, "out", out, 0, x.shape[0], "one row per row of x")
+    y = launch_shrink(
+        x,
+        lora_a,
+        positions,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        row_order,
+        num_slices,
+        shrink_cfg,
+        grid_blocks=triton.cdiv(max_seg_len, shrink_cfg.block_s),
+        grid_segments=seg_slots.shape[0],
+        partials=True,
+    )
+    expand_cfg = expand_config(max_seg_len, b.shape[2], b.shape[1])
+    launch_expand(
+        y,
+        b,
+        out,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        slot_scalings,
+        row_order,
+        offsets,
+        expand_cfg,
+        grid_blocks=triton.cdiv(max_seg_len, expand_cfg.block_s),
         grid_segments=seg_slots.shape[0],
     )

@@ -132,12 +132,18 @@ def launch_shrink(
     weights_per_slot: int = 1,
     x_row_div: int = 1,
     y_by_row: bool = False,
+    partials: bool = False,
 ) -> torch.Tensor:
     """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
 
     ``weights [weight_slots, slices*R, K]``. When the grid is too small to fill the GPU
     (decode), K is split over ``split_k`` programs writing fp32 partials, summed afterwards in
     a fixed order (deterministic, no atomics).
+
+    With ``partials=True`` nothing is zeroed or summed: the result is the raw buffer, fp32
+    ``[split_k, positions, slices*R]`` when K was split, else ``[positions, slices*R]``, written
+    only at the positions of segments whose slot has a rank > 0. ``launch_expand`` reads exactly
+    those and sums the splits itself, which saves the ``zeros`` and ``sum`` kernels at decode.
     """
     rank_max = weights.shape[1] // num_slices
     hidden = x.shape[1]
@@ -145,12 +151,13 @@ def launch_shrink(
     split_k = split_k_for(grid_blocks * grid_segments * num_slices, hidden, config.block_k)
     k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(hidden, k_per_split) if hidden > 0 else 1
+    alloc = torch.empty if partials else torch.zeros
     if split_k > 1:
-        y = torch.zeros((split_k, positions, width), dtype=torch.float32, device=x.device)
+        y = alloc((split_k, positions, width), dtype=torch.float32, device=x.device)
     else:
-        y = torch.zeros((positions, width), dtype=x.dtype, device=x.device)
+        y = alloc((positions, width), dtype=x.dtype, device=x.device)
     if grid_blocks == 0 or grid_segments == 0 or positions == 0:
-        return y if split_k == 1 else y.sum(0).to(x.dtype)
+        return y if split_k == 1 or partials else y.sum(0).to(x.dtype)
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
     _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
         x,
@@ -182,7 +189,7 @@ def launch_shrink(
         K_PER_SPLIT=k_per_split,
         num_warps=config.num_warps,
     )
-    if split_k == 1:
+    if split_k == 1 or partials:
         return y
     return y.sum(0).to(x.dtype)  # [positions, slices*R], partials summed in fp32
 
@@ -242,25 +249,9 @@ def lora_shrink(
     Positions in no segment, and columns at or beyond a slot's rank, are zero.
     """
     fn = "lora_shrink"
-    check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
-    check_tensor(
-        fn, "lora_a", lora_a, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True
+    positions, config = check_shrink_operands(
+        fn, x, lora_a, seg_indptr, seg_slots, slot_ranks, row_order, num_slices, max_seg_len
     )
-    check_same_dtype(fn, "lora_a", lora_a, "x", x.dtype)
-    check_dim(fn, "lora_a", lora_a, 2, x.shape[1], "the hidden size of x")
-    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-        raise ValueError(f"{fn}: num_slices must be an int >= 1, got {num_slices!r}")
-    if lora_a.shape[1] % num_slices != 0:
-        raise ValueError(
-            f"{fn}: lora_a.shape[1] must be num_slices * max_rank, got {lora_a.shape[1]} "
-            f"which is not a multiple of num_slices={num_slices}"
-        )
-    check_segments(fn, x.device, seg_indptr, seg_slots, slot_ranks, row_order, lora_a.shape[0])
-    max_seg_len = check_max_seg_len(fn, max_seg_len)
-
-    positions = row_order.shape[0] if row_order is not None else x.shape[0]
-    rank_max = lora_a.shape[1] // num_slices
-    config = shrink_config(max_seg_len, rank_max, x.shape[1])
     return launch_shrink(
         x,
         lora_a,
@@ -274,3 +265,34 @@ def lora_shrink(
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
     )
+
+
+def check_shrink_operands(
+    fn: str,
+    x_arg: object,
+    lora_a_arg: object,
+    seg_indptr: object,
+    seg_slots: object,
+    slot_ranks: object,
+    row_order: object,
+    num_slices: object,
+    max_seg_len: object,
+) -> tuple[int, ShrinkConfig]:
+    """Checks of ``lora_shrink``'s operands; returns (positions, the launch config)."""
+    x = check_tensor(fn, "x", x_arg, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    lora_a = check_tensor(
+        fn, "lora_a", lora_a_arg, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True
+    )
+    check_same_dtype(fn, "lora_a", lora_a, "x", x.dtype)
+    check_dim(fn, "lora_a", lora_a, 2, x.shape[1], "the hidden size of x")
+    if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+        raise ValueError(f"{fn}: num_slices must be an int >= 1, got {num_slices!r}")
+    if lora_a.shape[1] % num_slices != 0:
+        raise ValueError(
+            f"{fn}: lora_a.shape[1] must be num_slices * max_rank, got {lora_a.shape[1]} "
+            f"which is not a multiple of num_slices={num_slices}"
+        )
+    check_segments(fn, x.device, seg_indptr, seg_slots, slot_ranks, row_order, lora_a.shape[0])
+    seg_len = check_max_seg_len(fn, max_seg_len)
+    positions = row_order.shape[0] if isinstance(row_order, torch.Tensor) else x.shape[0]
+    return positions, shrink_config(seg_len, lora_a.shape[1] // num_slices, x.shape[1])

@@ -67,6 +67,34 @@ class LoRABackend:
             info.max_seg_len,
         )
 
+    def apply(
+        self,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """``out += s * (x A) B`` per token's own slot: ``expand(shrink(x))``, fused where it pays."""
+        if self.name == "torch":
+            y = self.shrink(x, lora_a, info, slice_offsets.shape[0] - 1)
+            self.expand(y, lora_b, info, slice_offsets, out)
+            return
+        self._kernels.lora_apply(
+            x,
+            lora_a,
+            lora_b,
+            info.seg_indptr,
+            info.seg_slots,
+            info.slot_ranks,
+            info.slot_scalings,
+            info.row_order,
+            slice_offsets,
+            out,
+            info.max_seg_len,
+        )
+
     def moe_routing(
         self, pair_expert: torch.Tensor, pair_slot: torch.Tensor, num_slots: int, num_experts: int
     ) -> Any:

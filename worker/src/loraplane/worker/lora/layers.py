@@ -115,8 +115,7 @@ class ColumnLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         if info is not None:
             backend = self.ctx.backend
-            y = backend.shrink(x, self.lora_a, info, len(self.module_names))  # [rows, n*R]
-            backend.expand(y, self.lora_b, info, self.slice_offsets, out)
+            backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, out)
         return out
 
 
@@ -164,8 +163,8 @@ class RowLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         if info is not None:
             backend = self.ctx.backend
-            y = backend.shrink(x, self.lora_a, info, 1)  # partial x_shard A_shard
-            backend.expand(y, self.lora_b, info, self.slice_offsets, out)
+            # x_shard A_shard: a partial shrink, expanded onto the partial base output
+            backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, out)
         return self.base_layer.reduce(out)
 
 

@@ -22,7 +22,7 @@ from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.executor import AdapterInfo, SeqWork, build_batch
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.lora.adapter import AdapterError, AdapterWeights
-from loraplane.worker.parallel.launch import free_port, init_rank
+from loraplane.worker.parallel.launch import init_rank, rendezvous_store
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 _REPLY_TIMEOUT_S = 600.0
@@ -125,7 +125,8 @@ class MultiRankExecutor:
                 f"--tp {pconf.tp} needs {pconf.tp} GPUs; this machine has {torch.cuda.device_count()}"
             )
         ctx = mp.get_context("spawn")
-        port = free_port()
+        self._store = rendezvous_store()  # kept while the ranks run
+        port = self._store.port
         self._inboxes = [ctx.Queue() for _ in range(pconf.tp)]
         self._outbox: std_mp.Queue[Any] = ctx.Queue()
         self._procs = [

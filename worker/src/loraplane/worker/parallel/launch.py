@@ -7,7 +7,6 @@ same verdict and no rank is left waiting in a collective (seed 001).
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -18,25 +17,28 @@ import torch.multiprocessing as mp
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous_store() -> dist.TCPStore:
+    """The ranks' rendezvous store, served by the calling (parent) process.
+
+    The kernel picks its port as the store binds, so no other process can take the port between
+    choosing and binding it (as it could with a port probed free first). Keep the returned
+    store alive until every rank has joined; pass its `.port` to `init_rank`.
+    """
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 def init_rank(rank: int, world: int, device: str, port: int) -> torch.device:
-    """Join the worker's process group; returns this rank's device."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    """Join the worker's process group through the parent's store at `port`; returns the device."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
     if device == "cuda":
         torch.cuda.set_device(rank)
         dist.init_process_group(
-            "nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank)
+            "nccl", store=store, rank=rank, world_size=world, device_id=torch.device("cuda", rank)
         )
         return torch.device("cuda", rank)
     # One thread per rank: the ranks share the CPU cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     return torch.device("cpu")
 
 
@@ -63,9 +65,10 @@ def spawn_ranks(fn: Callable[..., Any], config: ParallelConfig, device: str, *ar
         raise RuntimeError(
             f"tp={config.tp} needs {config.tp} GPUs, this machine has {torch.cuda.device_count()}"
         )
+    store = rendezvous_store()
     mp.start_processes(
         _entry,
-        args=(fn, config.tp, device, free_port(), config, args),
+        args=(fn, config.tp, device, store.port, config, args),
         nprocs=config.tp,
         join=True,
         start_method="spawn",
