@@ -211,10 +211,13 @@ def check_case(case: Case) -> None:
     )
     assert torch.isfinite(out_tri).all()
 
-    # The runtime's path: shrink and expand in two launches, split-K partials summed by expand.
+    # The runtime's path: shrink and expand in two launches, split-K partials summed by expand;
+    # against the independent float64 delta (its own shrink rounds differently from y_ref).
     out_app = out0.clone()
     run_apply(case, out_app)
-    torch.testing.assert_close(out_app, out_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        (out_app.cpu().double() - out0.cpu().double()), delta, atol=dense_tol, rtol=dense_tol
+    )
 
     base = (case.row_slot < 0).nonzero().flatten().to(DEVICE)
     assert base.numel() > 0

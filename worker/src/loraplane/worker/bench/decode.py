@@ -22,7 +22,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   Steps advance the position by one. tokens/s = batch size x timed steps / wall time.
 * Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
   attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
-  adapters (token ``i`` uses slot ``i % n``: mixed traffic, gathered through ``row_order``).
+  adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
+  engine orders them, and ``4i``: 4 adapters left interleaved (gathered through ``row_order``).
   The manager is attached once and swapped in and out of the model (``_LoRASwitch``), so every
   variant runs on the same weights. Adapters: rank ``rank``, every linear target (q, k, v, o,
   gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
@@ -422,6 +423,8 @@ def run_decode_bench(
 
     variants: list[tuple[str, list[int] | None]] = [("off", None), ("none", None)]
     variants += [(str(n), None) for n in adapters]
+    if 4 in adapters:
+        variants.append(("4i", None))
 
     def measure(bs: int, variant: str, mode: str) -> dict[str, Any]:
         if variant in ("off", "head"):
@@ -429,8 +432,12 @@ def run_decode_bench(
             slots = [-1] * bs
         else:
             switch.on()
-            n = 0 if variant == "none" else int(variant)
+            n = 0 if variant == "none" else int(variant.rstrip("i"))
+            # The engine orders a batch by slot (engine.py), so each adapter's rows are
+            # contiguous; "4i" keeps them interleaved (i % 4), gathered through row_order.
             slots = [i % n for i in range(bs)] if n else [-1] * bs
+            if not variant.endswith("i"):
+                slots.sort()
         saved_layers = runner.model.layers
         if variant == "head":
             runner.model.layers = nn.ModuleList()
@@ -520,7 +527,7 @@ def _profile(
     n = 4 if 4 in adapters else max(adapters)
     result: dict[str, Any] = {"bs": bs}
     for variant in ("off", str(n)):
-        slots = [-1] * bs if variant == "off" else [i % n for i in range(bs)]
+        slots = [-1] * bs if variant == "off" else sorted(i % n for i in range(bs))
         (switch.off if variant == "off" else switch.on)()
         try:
             with torch.inference_mode():

@@ -522,7 +522,9 @@ class Engine:
             return
         work: list[list[SeqWork]] = [[] for _ in range(self.dp_size)]
         order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
-        for seq in cast(list[Sequence], list(running)):
+        # Rows ordered by adapter slot (stable; no adapter first): each slot's tokens are then
+        # contiguous, so the LoRA kernels read them in place, with no gather (`row_order`).
+        for seq in sorted(cast(list[Sequence], list(running)), key=lambda s: s.slot):
             tokens = seq.next_tokens()
             work[seq.dp_group].append(SeqWork(seq.cache_row, seq.cached, tokens, seq.slot))
             order[seq.dp_group].append(seq)

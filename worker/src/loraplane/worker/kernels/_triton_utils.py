@@ -125,6 +125,11 @@ def shrink_config(max_seg_len: int, rank_max: int, hidden: int) -> ShrinkConfig:
 
 # Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 264
+# At most this many K splits: each split is a partial that every reader of y sums again (the
+# expand of lora_apply, in every column block). Measured on an H200, Llama-3-8B-shaped decode
+# with CUDA graphs, 4 adapters (bench/probes/split_cap.py): cap 16 -> 0.890/0.895/0.883 of
+# LoRA-off at bs 16/64/128, cap 8 -> 0.886/0.906/0.912, cap 4 -> 0.883/0.902/0.908.
+MAX_SPLIT_K = 8
 
 
 def split_k_for(programs: int, hidden: int, block_k: int) -> int:
@@ -134,7 +139,7 @@ def split_k_for(programs: int, hidden: int, block_k: int) -> int:
     # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
     if programs <= 0 or programs >= TARGET_PROGRAMS // 4:
         return 1
-    return max(1, min(k_blocks, -(-TARGET_PROGRAMS // programs)))
+    return max(1, min(k_blocks, MAX_SPLIT_K, -(-TARGET_PROGRAMS // programs)))
 
 
 def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:
