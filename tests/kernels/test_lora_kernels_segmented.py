@@ -167,7 +167,15 @@ def run_expand(impl: object, case: Case, y: torch.Tensor, out: torch.Tensor) -> 
     )
 
 
-def run_apply(case: Case, out: torch.Tensor) -> None:
+def run_apply(case: Case, out: torch.Tensor, per_segment: bool = False) -> None:
+    seg_meta = (
+        {
+            "seg_ranks": case.slot_ranks.index_select(0, case.seg_slots),
+            "seg_scalings": case.slot_scalings.index_select(0, case.seg_slots),
+        }
+        if per_segment
+        else {}
+    )
     expand.lora_apply(
         case.x,
         case.lora_a,
@@ -180,6 +188,7 @@ def run_apply(case: Case, out: torch.Tensor) -> None:
         case.slice_offsets,
         out,
         case.max_seg_len,
+        **seg_meta,
     )
 
 
@@ -218,6 +227,11 @@ def check_case(case: Case) -> None:
     torch.testing.assert_close(
         (out_app.cpu().double() - out0.cpu().double()), delta, atol=dense_tol, rtol=dense_tol
     )
+    # With rank and scaling resolved per segment ahead (the batch info's seg_ranks): the same
+    # arithmetic, so the same bits.
+    out_seg = out0.clone()
+    run_apply(case, out_seg, per_segment=True)
+    assert torch.equal(out_seg, out_app)
 
     base = (case.row_slot < 0).nonzero().flatten().to(DEVICE)
     assert base.numel() > 0

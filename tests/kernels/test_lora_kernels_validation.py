@@ -252,6 +252,23 @@ CASES: list[tuple[str, Callable[..., Any], Callable[[], dict[str, Any]], dict[st
         "lora_apply: out.shape[0] must be 6 (one row per row of x)",
     ),
     (
+        "apply_seg_ranks_alone",
+        expand.lora_apply,
+        apply_args,
+        {"seg_ranks": torch.tensor([8, 2], dtype=torch.int32)},
+        "lora_apply: give seg_ranks and seg_scalings together, or neither",
+    ),
+    (
+        "apply_seg_ranks_length",
+        expand.lora_apply,
+        apply_args,
+        {
+            "seg_ranks": torch.tensor([8, 2, 4], dtype=torch.int32),
+            "seg_scalings": torch.tensor([1.0, 0.5, 2.0]),
+        },
+        "lora_apply: seg_ranks.shape[0] must be 2 (one per segment: len(seg_slots))",
+    ),
+    (
         "apply_slices",
         expand.lora_apply,
         apply_args,

@@ -36,8 +36,8 @@ def _lora_expand_kernel(
     out_ptr,  # [T, N_total]
     seg_indptr_ptr,  # int32 [S + 1]
     seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
-    slot_ranks_ptr,  # int32 [num_slots]
-    slot_scalings_ptr,  # float32 [num_slots]
+    slot_ranks_ptr,  # int32 [num_slots], or [S] when RANK_BY_SEG
+    slot_scalings_ptr,  # float32 [num_slots], or [S] when RANK_BY_SEG
     row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
     slice_offsets_ptr,  # int32 [NUM_SLICES + 1]
     tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
@@ -59,6 +59,7 @@ def _lora_expand_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
 ):
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
@@ -74,11 +75,15 @@ def _lora_expand_kernel(
     if pos0 >= seg_end:
         return
     weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    slot = weight_slot // weights_per_slot
-    rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
+    if RANK_BY_SEG:
+        rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
+        scaling = tl.load(slot_scalings_ptr + seg)
+    else:
+        slot = weight_slot // weights_per_slot
+        rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
+        scaling = tl.load(slot_scalings_ptr + slot)
     if rank <= 0:
         return
-    scaling = tl.load(slot_scalings_ptr + slot)
 
     offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
     s_mask = offs_s < seg_end
@@ -145,6 +150,7 @@ def launch_expand(
     tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
     weights_per_slot: int = 1,
     y_by_row: bool = False,
+    rank_by_seg: bool = False,
 ) -> None:
     """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``.
 
@@ -186,6 +192,7 @@ def launch_expand(
         BLOCK_S=config.block_s,
         BLOCK_R=config.block_r,
         BLOCK_N=config.block_n,
+        RANK_BY_SEG=rank_by_seg,
         num_warps=config.num_warps,
     )
 
@@ -315,13 +322,18 @@ def lora_apply(
     slice_offsets: torch.Tensor,
     out: torch.Tensor,
     max_seg_len: int,
+    *,
+    seg_ranks: torch.Tensor | None = None,
+    seg_scalings: torch.Tensor | None = None,
 ) -> None:
     """``lora_expand(lora_shrink(x, lora_a, ...), lora_b, ..., out)`` in two launches, no more.
 
     The same result, in place into ``out``; what it saves is the work between the two: the
     shrink's output is not zeroed first and, when K is split (decode), its fp32 partials are
     summed by the expand kernel instead of by a ``sum`` kernel and a cast. ``num_slices`` is
-    ``len(slice_offsets) - 1``.
+    ``len(slice_offsets) - 1``. ``seg_ranks``/``seg_scalings`` (int32/float32 ``[S]``, both or
+    neither): ``slot_ranks[seg_slots]`` and ``slot_scalings[seg_slots]`` gathered ahead (the
+    batch info does it once per forward), so no load in the kernels waits on the slot's.
     """
     fn = "lora_apply"
     b, out, offsets = check_expand_weights(
@@ -335,6 +347,20 @@ def lora_apply(
     check_dim(fn, "lora_b", b, 2, lora_a.shape[1] // num_slices, "the max rank of lora_a per slice")
     check_dim(fn, "lora_b", b, 0, lora_a.shape[0], "one weight slot per slot of lora_a")
     check_dim(fn, "out", out, 0, x.shape[0], "one row per row of x")
+    if (seg_ranks is None) != (seg_scalings is None):
+        raise ValueError(f"{fn}: give seg_ranks and seg_scalings together, or neither")
+    if seg_ranks is not None and seg_scalings is not None:
+        num_segs = seg_slots.shape[0]
+        for name, value, dtype in (
+            ("seg_ranks", seg_ranks, torch.int32),
+            ("seg_scalings", seg_scalings, torch.float32),
+        ):
+            t = check_tensor(
+                fn, name, value, ndim=1, dtypes=(dtype,), device=x.device, contiguous=True
+            )
+            check_dim(fn, name, t, 0, num_segs, "one per segment: len(seg_slots)")
+        slot_ranks, slot_scalings = seg_ranks, seg_scalings
+    by_seg = seg_ranks is not None
     y = launch_shrink(
         x,
         lora_a,
@@ -348,6 +374,7 @@ def lora_apply(
         grid_blocks=triton.cdiv(max_seg_len, shrink_cfg.block_s),
         grid_segments=seg_slots.shape[0],
         partials=True,
+        rank_by_seg=by_seg,
     )
     expand_cfg = expand_config(max_seg_len, b.shape[2], b.shape[1])
     launch_expand(
@@ -363,4 +390,5 @@ def lora_apply(
         expand_cfg,
         grid_blocks=triton.cdiv(max_seg_len, expand_cfg.block_s),
         grid_segments=seg_slots.shape[0],
+        rank_by_seg=by_seg,
     )

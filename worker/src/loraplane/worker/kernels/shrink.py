@@ -36,7 +36,7 @@ def _lora_shrink_kernel(
     y_ptr,  # [positions, num_slices * R], or fp32 [SPLIT_K, positions, num_slices * R]
     seg_indptr_ptr,  # int32 [S + 1]
     seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
-    slot_ranks_ptr,  # int32 [num_slots]
+    slot_ranks_ptr,  # int32 [num_slots], or [S] when RANK_BY_SEG
     row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
     tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
     tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
@@ -59,6 +59,7 @@ def _lora_shrink_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,  # > 1: each program sums K_PER_SPLIT columns into an fp32 partial
     K_PER_SPLIT: tl.constexpr,
+    RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
 ):
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
@@ -76,7 +77,10 @@ def _lora_shrink_kernel(
     if pos0 >= seg_end:
         return
     weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
+    if RANK_BY_SEG:
+        rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
+    else:
+        rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
     if rank <= 0:
         return
 
@@ -133,6 +137,7 @@ def launch_shrink(
     x_row_div: int = 1,
     y_by_row: bool = False,
     partials: bool = False,
+    rank_by_seg: bool = False,
 ) -> torch.Tensor:
     """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
 
@@ -187,6 +192,7 @@ def launch_shrink(
         BLOCK_K=config.block_k,
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
+        RANK_BY_SEG=rank_by_seg,
         num_warps=config.num_warps,
     )
     if split_k == 1 or partials:

@@ -93,6 +93,8 @@ class LoRABackend:
             slice_offsets,
             out,
             info.max_seg_len,
+            seg_ranks=info.seg_ranks,
+            seg_scalings=info.seg_scalings,
         )
 
     def moe_routing(

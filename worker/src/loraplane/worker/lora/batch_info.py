@@ -25,6 +25,8 @@ class LoRABatchInfo:
     row_order: torch.Tensor | None  # int64 [rows in segments]; None = rows are 0..n-1 in order
     slot_ranks: torch.Tensor  # int32 [K]
     slot_scalings: torch.Tensor  # float32 [K]
+    seg_ranks: torch.Tensor  # int32 [S]: slot_ranks[seg_slots], gathered once per forward
+    seg_scalings: torch.Tensor  # float32 [S]: slot_scalings[seg_slots]
     max_seg_len: int
     num_rows: int
     num_lora_rows: int
@@ -53,13 +55,16 @@ class LoRABatchInfo:
         indptr.append(len(order))
         identity = order == list(range(len(order)))
         lens = [b - a for a, b in pairwise(indptr)]
+        seg_slots = torch.tensor(slots, dtype=torch.int32, device=device)
         return cls(
             token_slots=torch.tensor(list(token_slots), dtype=torch.int32, device=device),
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
-            seg_slots=torch.tensor(slots, dtype=torch.int32, device=device),
+            seg_slots=seg_slots,
             row_order=None if identity else torch.tensor(order, dtype=torch.int64, device=device),
             slot_ranks=slot_ranks,
             slot_scalings=slot_scalings,
+            seg_ranks=slot_ranks.index_select(0, seg_slots),
+            seg_scalings=slot_scalings.index_select(0, seg_slots),
             max_seg_len=max(lens),
             num_rows=len(token_slots),
             num_lora_rows=len(order),
