@@ -24,7 +24,7 @@ from loraplane.worker.kernels._triton_utils import (
     dot_precision,
     expand_config,
 )
-from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, launch_shrink
+from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, shrink_segments
 
 __all__ = ["lora_apply", "lora_expand"]
 
@@ -293,20 +293,41 @@ def lora_expand(
         fn, "y", y, 0, positions, "one row per segment position: len(row_order), or out.shape[0]"
     )
     max_seg_len = check_max_seg_len(fn, max_seg_len)
-    config = expand_config(max_seg_len, b.shape[2], b.shape[1])
+    expand_segments(
+        y, b, out, seg_indptr, seg_slots, slot_ranks, slot_scalings, row_order, offsets, max_seg_len
+    )
+
+
+def expand_segments(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    out: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    max_seg_len: int,
+    *,
+    rank_by_seg: bool = False,
+) -> None:
+    """``launch_expand`` over the ``(segment blocks, segments, column blocks)`` grid (checked args)."""
+    config = expand_config(max_seg_len, lora_b.shape[2], lora_b.shape[1])
     launch_expand(
         y,
-        b,
+        lora_b,
         out,
         seg_indptr,
         seg_slots,
         slot_ranks,
         slot_scalings,
         row_order,
-        offsets,
+        slice_offsets,
         config,
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
+        rank_by_seg=rank_by_seg,
     )
 
 
@@ -343,7 +364,6 @@ def lora_apply(
     positions, shrink_cfg = check_shrink_operands(
         fn, x, lora_a, seg_indptr, seg_slots, slot_ranks, row_order, num_slices, max_seg_len
     )
-    check_same_dtype(fn, "lora_a", lora_a, "x", x.dtype)
     check_dim(fn, "lora_b", b, 2, lora_a.shape[1] // num_slices, "the max rank of lora_a per slice")
     check_dim(fn, "lora_b", b, 0, lora_a.shape[0], "one weight slot per slot of lora_a")
     check_dim(fn, "out", out, 0, x.shape[0], "one row per row of x")
@@ -361,7 +381,7 @@ def lora_apply(
             check_dim(fn, name, t, 0, num_segs, "one per segment: len(seg_slots)")
         slot_ranks, slot_scalings = seg_ranks, seg_scalings
     by_seg = seg_ranks is not None
-    y = launch_shrink(
+    y = shrink_segments(
         x,
         lora_a,
         positions,
@@ -371,13 +391,11 @@ def lora_apply(
         row_order,
         num_slices,
         shrink_cfg,
-        grid_blocks=triton.cdiv(max_seg_len, shrink_cfg.block_s),
-        grid_segments=seg_slots.shape[0],
+        max_seg_len,
         partials=True,
         rank_by_seg=by_seg,
     )
-    expand_cfg = expand_config(max_seg_len, b.shape[2], b.shape[1])
-    launch_expand(
+    expand_segments(
         y,
         b,
         out,
@@ -387,8 +405,6 @@ def lora_apply(
         slot_scalings,
         row_order,
         offsets,
-        expand_cfg,
-        grid_blocks=triton.cdiv(max_seg_len, expand_cfg.block_s),
-        grid_segments=seg_slots.shape[0],
+        max_seg_len,
         rank_by_seg=by_seg,
     )

@@ -258,6 +258,36 @@ def lora_shrink(
     positions, config = check_shrink_operands(
         fn, x, lora_a, seg_indptr, seg_slots, slot_ranks, row_order, num_slices, max_seg_len
     )
+    return shrink_segments(
+        x,
+        lora_a,
+        positions,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        row_order,
+        num_slices,
+        config,
+        max_seg_len,
+    )
+
+
+def shrink_segments(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    positions: int,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    row_order: torch.Tensor | None,
+    num_slices: int,
+    config: ShrinkConfig,
+    max_seg_len: int,
+    *,
+    partials: bool = False,
+    rank_by_seg: bool = False,
+) -> torch.Tensor:
+    """``launch_shrink`` over the ``(segment blocks, segments, slices)`` grid (checked args)."""
     return launch_shrink(
         x,
         lora_a,
@@ -270,6 +300,8 @@ def lora_shrink(
         config,
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
+        partials=partials,
+        rank_by_seg=rank_by_seg,
     )
 
 
