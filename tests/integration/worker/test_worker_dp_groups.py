@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -92,3 +93,46 @@ def test_mixed_concurrent_requests_equal_one_at_a_time_dp2(
     sequential = [gen_ids(worker, p, a) for p, a in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
         assert list(pool.map(lambda job: gen_ids(worker, *job), jobs)) == sequential
+
+
+def _children(pid: int) -> set[int]:
+    """PIDs whose parent is `pid` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2 :].split()[0] != "Z"
+
+
+@needs_multirank
+def test_killed_worker_leaves_no_rank_process_behind(
+    worker_factory: Callable[..., WorkerProcess],
+) -> None:
+    # A worker that dies without stopping its ranks (SIGKILL, a crash, a killed pod) must not
+    # leave them running: each holds a copy of the model and would never exit on its own.
+    worker = worker_factory(*DP_ARGS)
+    ranks = {
+        pid
+        for pid in _children(worker.proc.pid)
+        if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    }
+    assert len(ranks) == 2, f"expected the worker's 2 rank processes, found {sorted(ranks)}"
+    worker.proc.kill()
+    worker.proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+        time.sleep(0.2)
+    assert not [pid for pid in ranks if _alive(pid)], "rank processes outlived their worker"

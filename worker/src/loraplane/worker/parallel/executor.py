@@ -22,7 +22,7 @@ from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.executor import AdapterInfo, SeqWork, build_batch
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.lora.adapter import AdapterError, AdapterWeights
-from loraplane.worker.parallel.launch import init_rank, rendezvous_store
+from loraplane.worker.parallel.launch import exit_with_parent, init_rank, rendezvous_store
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 _REPLY_TIMEOUT_S = 600.0
@@ -41,6 +41,7 @@ def _rank_loop(
     inbox: Any,
     outbox: Any,
 ) -> None:
+    exit_with_parent()
     try:
         device = init_rank(rank, pconf.tp, runner_config.device, port)
         ps = ParallelState(pconf, rank)

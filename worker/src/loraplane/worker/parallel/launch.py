@@ -7,6 +7,8 @@ same verdict and no rank is left waiting in a collective (seed 001).
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this rank process as soon as the process that started it is gone.
+
+    A rank waits on its inbox queue, whose write end it holds itself, so a parent that dies
+    without stopping it (SIGKILL, a crash, a pod killed) would leave it blocked forever with
+    the model in memory. A daemon thread watches the parent's PID and exits the process.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="loraplane-parent-watch", daemon=True).start()
 
 
 def rendezvous_store() -> dist.TCPStore:
@@ -51,6 +70,7 @@ def _entry(
     config: ParallelConfig,
     args: tuple[Any, ...],
 ) -> None:
+    exit_with_parent()
     dev = init_rank(rank, world, device, port)
     try:
         ps = ParallelState(config, rank)
