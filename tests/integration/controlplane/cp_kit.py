@@ -16,6 +16,7 @@ import httpx
 import pytest
 import redis
 import sqlalchemy as sa
+from tests.procs import stop_process
 
 from loraplane.devcluster.processes import free_port
 
@@ -190,13 +191,8 @@ class WorkerProc:
             self.process.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
 
     def models(self) -> set[str] | None:
         """Adapter names /v1/models lists, or None if the worker does not answer."""

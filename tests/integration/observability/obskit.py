@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from tests.procs import stop_process, worker_serve_command
 
 from loraplane.devcluster.processes import free_port
 
@@ -94,13 +95,7 @@ class Proc:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def spawn(
@@ -121,18 +116,10 @@ def start_worker(name: str, model: Path, tmp: Path, adapter_root: Path, *, k: in
     port = free_port()
     return spawn(
         name,
-        [
-            str(LORAPLANE),
-            "worker",
-            "serve",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
+        worker_serve_command(
+            LORAPLANE,
+            model,
+            port,
             "--lora-backend",
             "torch",
             "--max-loras-per-batch",
@@ -146,7 +133,7 @@ def start_worker(name: str, model: Path, tmp: Path, adapter_root: Path, *, k: in
             "--enable-fault-injection",
             "--log-level",
             "warning",
-        ],
+        ),
         tmp,
         port,
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from tests.procs import stop_process, worker_serve_command
 
 from loraplane.devcluster.processes import free_port
 
@@ -32,13 +33,7 @@ class WorkerProcess:
 
     def stop(self) -> None:
         self.client.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=15)
 
 
 def start_worker(
@@ -46,20 +41,7 @@ def start_worker(
 ) -> WorkerProcess:
     port = free_port()
     log_path = tmp / f"worker-{port}.log"
-    cmd = [
-        str(LORAPLANE),
-        "worker",
-        "serve",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        *args,
-    ]
+    cmd = worker_serve_command(LORAPLANE, model, port, *args)
     if "--lora-backend" not in args:
         cmd += ["--lora-backend", "torch"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
