@@ -174,6 +174,14 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         jobs.append((workers["w0"].client, "tiny-llama", None))
     with ThreadPoolExecutor(6) as pool_:
         list(pool_.map(lambda j: completion(j[0], j[1], f"hello {j[1]}", j[2]), jobs))
+    # A routed-requests series is born at its first request, and the whole wave above can fit
+    # in one scrape, leaving rate() nothing to see: one more request once a scrape has seen it.
+    wait_for(
+        lambda: prom.has_data('loraplane_routed_requests_total{adapter="a1"}'),
+        15,
+        "the routed requests scraped",
+    )
+    completion(http, "tiny:a1", "hello again", ADMIN)
 
     # A fourth adapter on workers that hold M already: the control plane evicts the LRU one.
     assert register(cp, adapters, "a4").status_code == 201
