@@ -39,6 +39,31 @@ print("fixtures ready")
 PY
 fi
 ADAPTERS=(a4="$big/a4" a8="$big/a8" a16="$big/a16" a32="$big/a32")
+if [ "$MODE" = all ] || [ "$MODE" = parity ] || [ "$MODE" = moe ]; then
+  echo "== check parity: qwen3-moe (64 experts, top-8), bf16, triton experts + expert LoRA, one GPU"
+  $PY - "$OUT/parity_moe_bf16.json" <<'PY'
+import json, sys
+from pathlib import Path
+from loraplane.worker.check.parity import check_parity
+from loraplane.worker.fixtures.models import make_model
+from loraplane.worker.fixtures.adapters import make_adapter
+root = Path("/tmp/loraplane-moe")
+if not (root / "model" / "config.json").exists():
+    make_model(root / "model", "qwen3-moe", seed=5, dtype="bfloat16", hidden_size=1024, num_layers=4, num_heads=16,
+               num_kv_heads=4, intermediate_size=2048, vocab_size=32000, num_experts=64, num_experts_per_tok=8,
+               moe_intermediate_size=384, head_dim=64)
+adapters = []
+for i, r in enumerate((8, 16)):
+    p = root / f"a{r}"
+    if not (p / "adapter_config.json").exists():
+        make_adapter(root / "model", p, rank=r, alpha=2.0 * r, seed=70 + i, dtype="bfloat16", experts=True,
+                     targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    adapters.append((f"a{r}", str(p)))
+rep = check_parity(root / "model", adapters, prompts=12, max_new_tokens=8, backend="triton", device="cuda", dtype="bfloat16")
+json.dump(rep.as_dict(), open(sys.argv[1], "w"), indent=2)
+print(json.dumps(rep.as_dict(), indent=1))
+PY
+fi
 if [ "$MODE" = all ] || [ "$MODE" = parity ]; then
   echo "== check parity: 1.1B bf16, triton, one GPU"
   $PY - "$OUT/parity_1b_bf16.json" <<'PY'

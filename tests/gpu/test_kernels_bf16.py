@@ -128,6 +128,72 @@ def test_moe_kernels_bf16(tokens: int) -> None:
     assert s_rel < 1e-2 and e_rel < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [16, 128, 2048])
+def test_expert_grouped_matmul_bf16(tokens: int) -> None:
+    """The base experts' device-routed grouped GEMM (Qwen3-30B-A3B gate_up and down shapes)."""
+    from loraplane.worker.kernels import experts
+
+    dev, e, topk, h, inter = "cuda", 128, 8, 2048, 768
+    g = torch.Generator().manual_seed(tokens + 1)
+    pair_expert = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
+    pair_expert = pair_expert.flatten().to(torch.int32).to(dev)
+    x = torch.randn(tokens, h, device=dev, dtype=torch.bfloat16)
+    w_gate_up = torch.randn(e, 2 * inter, h, device=dev, dtype=torch.bfloat16) / h**0.5
+    w_down = torch.randn(e, h, inter, device=dev, dtype=torch.bfloat16) / inter**0.5
+    routing = experts.moe_expert_routing(pair_expert, e)
+    gu = experts.moe_grouped_matmul(x, w_gate_up, routing, x_row_div=topk)
+    act = gu[:, :inter]
+    d = experts.moe_grouped_matmul(act.contiguous(), w_down, routing)
+    xp = x.float().repeat_interleave(topk, dim=0)
+    gu_ref = torch.einsum("pk,pnk->pn", xp, w_gate_up.float()[pair_expert.long()])
+    d_ref = torch.einsum("pk,pnk->pn", act.float(), w_down.float()[pair_expert.long()])
+    g_max, g_rel = _rel(gu, gu_ref)
+    d_max, d_rel = _rel(d, d_ref)
+    RESULTS[f"experts-T{tokens}"] = {
+        "gate_up_max_abs": g_max,
+        "gate_up_rel": g_rel,
+        "down_max_abs": d_max,
+        "down_rel": d_rel,
+    }
+    assert g_rel < 1e-2 and d_rel < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [16, 128])
+def test_overlapped_lora_matches_serial_eager_and_in_a_graph(tokens: int) -> None:
+    """The shrink on a side stream during the base GEMM gives the serial result bit for bit."""
+    from loraplane.worker.lora.backend import LoRABackend
+
+    dev, k, sizes, ranks = "cuda", 4096, [4096, 1024, 1024], [16, 16, 8, 16]
+    info = _batch(tokens, len(ranks), ranks, dev)
+    assert info is not None
+    offsets = torch.tensor([0, 4096, 5120, 6144], dtype=torch.int32, device=dev)
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(sum(sizes), k, device=dev, dtype=torch.bfloat16) / k**0.5
+    a = torch.randn(len(ranks), 3 * 16, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    b = torch.randn(len(ranks), sum(sizes), 16, device=dev, dtype=torch.bfloat16) / 4
+
+    def base(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(t, w)
+
+    serial = LoRABackend("triton", overlap="off").apply_around(x, base, a, b, info, offsets)
+    eager = LoRABackend("triton", overlap="on").apply_around(x, base, a, b, info, offsets)
+    auto = LoRABackend("triton")  # "auto": overlaps while a graph is captured
+    auto.apply_around(x, base, a, b, info, offsets)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = auto.apply_around(x, base, a, b, info, offsets)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    replayed_serial = LoRABackend("triton", overlap="off").apply_around(
+        x, base, a, b, info, offsets
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(eager, serial)
+    assert torch.equal(captured, replayed_serial)
+    assert not torch.equal(serial, replayed_serial)  # the replay saw the new x
+
+
 def teardown_module() -> None:
     path = os.environ.get("LORAPLANE_GPU_REPORT")
     if path and RESULTS:

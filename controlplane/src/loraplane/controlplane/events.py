@@ -116,7 +116,7 @@ class RedisEventBus(EventBus):
 
     async def start(self) -> None:
         try:
-            await self._redis.ping()
+            await self._redis.ping()  # type: ignore[misc]  # redis>=7 types ping() as "Awaitable[bool] | bool"
             self._set_up(True)
         except Exception:
             self._set_up(False)

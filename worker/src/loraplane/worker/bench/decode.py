@@ -23,7 +23,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
 * Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
   attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
   adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
-  engine orders them, and ``4i``: 4 adapters left interleaved (gathered through ``row_order``).
+  engine orders them, and ``4s``: 4 adapters with the LoRA shrink serial after the base
+  projection (``LoRABackend.overlap="off"``; the other variants overlap it on a side stream
+  whenever a graph is captured, the backend's default).
   The manager is attached once and swapped in and out of the model (``_LoRASwitch``), so every
   variant runs on the same weights. Adapters: rank ``rank``, every linear target (q, k, v, o,
   gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
@@ -34,12 +36,12 @@ What runs (the same engine and settings on both sides of every ratio, all in one
 * ``head`` rows time the step with no decoder layer (embedding, final norm, LM head, sampling)
   so ``projected_ratio_full_depth`` extrapolates each ratio to the real depth (32 / 48 layers):
   ``(H + L b) / (H + L (b + d))`` with ``b``, ``d`` the measured per-layer base and LoRA cost.
-* ``--cuda-graphs`` (dense only): the model forward of one fixed decode batch is captured once
-  per (batch size, variant) with its LoRA batch info held static, then replayed; a step is
-  replay + argmax + next tokens copied into the static input + ``tolist``. Positions do not
-  advance (the same context every replay). This is what graphs could give; the runtime does
-  not capture graphs yet (docs/performance.md). MoE cannot be captured: ``Experts.grouped``
-  reads expert counts back to the host.
+* ``--cuda-graphs``: the model forward of one fixed decode batch is captured once per (batch
+  size, variant) with its LoRA batch info held static, then replayed; a step is replay +
+  argmax + next tokens copied into the static input + ``tolist``. Positions do not advance
+  (the same context every replay). This is what graphs could give; the runtime does not
+  capture graphs yet (docs/performance.md). MoE layers on CUDA route their experts on the
+  device (``kernels/experts.py``), so MoE steps are captured too.
 """
 
 from __future__ import annotations
@@ -294,7 +296,7 @@ def random_adapters(
 
 def _eager_steps(
     runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
-) -> list[float]:
+) -> tuple[list[float], dict[str, Any]]:
     from loraplane.worker.engine.runner import decode_batch
 
     rows = list(range(bs))
@@ -307,12 +309,17 @@ def _eager_steps(
         tokens = logits.argmax(-1).tolist()  # the real step's host sync
         if s >= warmup:
             times.append(time.perf_counter() - t0)
-    return times
+    return times, {}
 
 
 def _graph_steps(
     runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
-) -> list[float]:
+) -> tuple[list[float], dict[str, Any]]:
+    """Replayed steps, and how far the graph's logits are from an eager forward's.
+
+    The check runs before the timed replays, on the captured batch: the graph overlaps the
+    LoRA shrink with the base projections (``LoRABackend.overlap="auto"``), the eager forward
+    does not, so a stream-ordering mistake shows up here as a difference."""
     from loraplane.worker.engine.runner import decode_batch
 
     rows = list(range(bs))
@@ -330,6 +337,13 @@ def _graph_steps(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             logits = runner.model(batch, runner.kv)
+        graph.replay()
+        eager = runner.model(batch, runner.kv)
+        check = {
+            "graph_vs_eager_max_abs": float((logits.float() - eager.float()).abs().max()),
+            "graph_vs_eager_same_argmax": bool(torch.equal(logits.argmax(-1), eager.argmax(-1))),
+        }
+        del eager
         times = []
         for s in range(warmup + steps):
             t0 = time.perf_counter()
@@ -340,7 +354,7 @@ def _graph_steps(
             if s >= warmup:
                 times.append(time.perf_counter() - t0)
         del graph
-        return times
+        return times, check
     finally:
         if runner.lora is not None:
             runner.lora.reset_batch_state()
@@ -373,7 +387,7 @@ def run_decode_bench(
         dtype or ("bfloat16" if dev_type == "cuda" else "float32")
     ]
     config = model_config(shape, layers, tdtype)
-    graphs = cuda_graphs and dev_type == "cuda" and not config.is_moe
+    graphs = cuda_graphs and dev_type == "cuda"
     modes = ["eager"] + (["graph"] if graphs else [])
     sink = JsonSink(
         out,
@@ -424,7 +438,7 @@ def run_decode_bench(
     variants: list[tuple[str, list[int] | None]] = [("off", None), ("none", None)]
     variants += [(str(n), None) for n in adapters]
     if 4 in adapters:
-        variants.append(("4i", None))
+        variants.append(("4s", None))
 
     def measure(bs: int, variant: str, mode: str) -> dict[str, Any]:
         if variant in ("off", "head"):
@@ -432,21 +446,21 @@ def run_decode_bench(
             slots = [-1] * bs
         else:
             switch.on()
-            n = 0 if variant == "none" else int(variant.rstrip("i"))
+            n = 0 if variant == "none" else int(variant.rstrip("s"))
             # The engine orders a batch by slot (engine.py), so each adapter's rows are
-            # contiguous; "4i" keeps them interleaved (i % 4), gathered through row_order.
-            slots = [i % n for i in range(bs)] if n else [-1] * bs
-            if not variant.endswith("i"):
-                slots.sort()
+            # contiguous.
+            slots = sorted(i % n for i in range(bs)) if n else [-1] * bs
+            switch.manager.ctx.backend.overlap = "off" if variant.endswith("s") else "auto"
         saved_layers = runner.model.layers
         if variant == "head":
             runner.model.layers = nn.ModuleList()
         try:
             with torch.inference_mode():
                 fn = _graph_steps if mode == "graph" else _eager_steps
-                times = fn(runner, bs, slots, context, warmup, steps)
+                times, check = fn(runner, bs, slots, context, warmup, steps)
         finally:
             runner.model.layers = saved_layers
+            switch.manager.ctx.backend.overlap = "auto"
             switch.off()
         step_s = statistics.median(times)
         return {
@@ -456,6 +470,7 @@ def run_decode_bench(
             "step_ms": step_s * 1e3,
             "tok_s": bs * len(times) / sum(times),
             "step_ms_min": min(times) * 1e3,
+            **check,
         }
 
     with torch.inference_mode():

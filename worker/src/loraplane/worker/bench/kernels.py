@@ -18,7 +18,9 @@ flushed before each repetition):
   tensors back by design);
 * ``dense_us``: the base projection of the same size through cuBLAS, ``x @ W^T`` with
   ``x [tokens, K]``, ``W [N_total, K]`` (MoE: all pairs through one ``[N, K]`` matrix, the
-  ideal grouped GEMM), and for MoE ``base_grouped_us``, the runtime's ``Experts.grouped``;
+  ideal grouped GEMM), and for MoE ``base_grouped_us``, the runtime's base experts: on CUDA
+  the device-routed grouped GEMM (``moe_expert_routing`` + ``moe_grouped_matmul``, timed like
+  the kernels), on CPU ``Experts.grouped`` (host clock);
 * ``host_us``: host time per shrink + expand call pair without syncs (launch overhead).
 
 Bytes counted (the floor): x rows read once (MoE gate_up: token rows, not pairs), each distinct
@@ -282,6 +284,9 @@ def run_case(
         pe64 = pair_expert.long()
 
         def grouped_fn() -> object:
+            if t_cuda:
+                routing = tk.moe_expert_routing(pair_expert, E)
+                return tk.moe_grouped_matmul(dense_x, w_base_e, routing)
             return Experts.grouped(ns, dense_x, w_base_e, pe64)  # type: ignore[arg-type]
 
         ref_ok = P <= REF_MAX_MOE_PAIRS
@@ -339,7 +344,11 @@ def run_case(
                 row[f"{name}_graph_us"] = None
                 row[f"{name}_graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
     if grouped_fn is not None:
-        row["base_grouped_us"] = time_host(grouped_fn, device, reps=3)
+        row["base_grouped_us"] = (
+            time_device(grouped_fn, device, rep_ms=rep_ms)
+            if t_cuda
+            else time_host(grouped_fn, device, reps=3)
+        )
     if ref_ok:
         scratch = out0.clone()
         row["ref_us"] = time_host(lambda: both_ref(scratch), device, reps=3)

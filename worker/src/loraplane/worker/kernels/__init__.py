@@ -14,9 +14,13 @@ from typing import Any
 
 __all__ = [
     "MoeLoraRouting",
+    "PendingLoRA",
     "lora_apply",
+    "lora_apply_shrink",
     "lora_expand",
     "lora_shrink",
+    "moe_expert_routing",
+    "moe_grouped_matmul",
     "moe_lora_expand",
     "moe_lora_routing",
     "moe_lora_shrink",
@@ -26,10 +30,14 @@ _TRITON_EXPORTS = {
     "lora_shrink": "loraplane.worker.kernels.shrink",
     "lora_expand": "loraplane.worker.kernels.expand",
     "lora_apply": "loraplane.worker.kernels.expand",
+    "lora_apply_shrink": "loraplane.worker.kernels.expand",
+    "PendingLoRA": "loraplane.worker.kernels.expand",
     "MoeLoraRouting": "loraplane.worker.kernels.moe",
     "moe_lora_routing": "loraplane.worker.kernels.moe",
     "moe_lora_shrink": "loraplane.worker.kernels.moe",
     "moe_lora_expand": "loraplane.worker.kernels.moe",
+    "moe_expert_routing": "loraplane.worker.kernels.experts",
+    "moe_grouped_matmul": "loraplane.worker.kernels.experts",
 }
 
 

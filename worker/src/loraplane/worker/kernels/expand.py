@@ -10,6 +10,8 @@ part of ``y`` with that slice's rows of B, so slice widths never have to be know
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,7 @@ from loraplane.worker.kernels._triton_utils import (
 )
 from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, shrink_segments
 
-__all__ = ["lora_apply", "lora_expand"]
+__all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
 
 
 @triton.jit
@@ -209,10 +211,10 @@ def check_expand_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks shared by ``lora_expand`` and ``moe_lora_expand``; returns the typed tensors."""
     y = check_tensor(fn, "y", y_arg, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
-    b, o, offsets = check_expand_weights(
-        fn, lora_b, slot_scalings, slice_offsets, out, y.device, y.dtype, "y",
-        weight_ndim=weight_ndim,
-    )  # fmt: skip
+    b, offsets = check_expand_weights(
+        fn, lora_b, slot_scalings, slice_offsets, y.device, y.dtype, "y", weight_ndim=weight_ndim
+    )
+    o = check_out(fn, out, b, y.device)
     num_slices = offsets.shape[0] - 1
     rank_max = b.shape[-1]
     check_dim(
@@ -226,14 +228,13 @@ def check_expand_weights(
     lora_b: object,
     slot_scalings: object,
     slice_offsets: object,
-    out: object,
     device: torch.device,
     dtype: torch.dtype,
     dtype_of: str,
     *,
     weight_ndim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checks of B, the scalings, the slice offsets and ``out``; returns them typed."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks of B, the scalings and the slice offsets; returns (B, offsets) typed."""
     b = check_tensor(
         fn, "lora_b", lora_b, ndim=weight_ndim, dtypes=FLOAT_DTYPES, device=device, contiguous=True
     )
@@ -251,10 +252,6 @@ def check_expand_weights(
         raise ValueError(
             f"{fn}: slice_offsets must have num_slices + 1 >= 2 entries, got shape {tuple(offsets.shape)}"
         )
-    o = check_tensor(
-        fn, "out", out, ndim=2, dtypes=FLOAT_DTYPES, device=device, unit_last_stride=True
-    )
-    check_dim(fn, "out", o, 1, b.shape[-2], "N_total, lora_b.shape[-2]")
     scalings = check_tensor(
         fn,
         "slot_scalings",
@@ -267,7 +264,16 @@ def check_expand_weights(
     check_dim(
         fn, "slot_scalings", scalings, 0, b.shape[0], "one scaling per slot of the weight buffer"
     )
-    return b, o, offsets
+    return b, offsets
+
+
+def check_out(fn: str, out: object, lora_b: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``out [rows, N_total]``: floating, on ``device``, unit column stride, N_total of B."""
+    o = check_tensor(
+        fn, "out", out, ndim=2, dtypes=FLOAT_DTYPES, device=device, unit_last_stride=True
+    )
+    check_dim(fn, "out", o, 1, lora_b.shape[-2], "N_total, lora_b.shape[-2]")
+    return o
 
 
 def lora_expand(
@@ -356,9 +362,89 @@ def lora_apply(
     neither): ``slot_ranks[seg_slots]`` and ``slot_scalings[seg_slots]`` gathered ahead (the
     batch info does it once per forward), so no load in the kernels waits on the slot's.
     """
+    lora_apply_shrink(
+        x,
+        lora_a,
+        lora_b,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        slot_scalings,
+        row_order,
+        slice_offsets,
+        max_seg_len,
+        seg_ranks=seg_ranks,
+        seg_scalings=seg_scalings,
+        out=out,
+    ).expand_into(out)
+
+
+@dataclass(slots=True)
+class PendingLoRA:
+    """The shrink of a ``lora_apply`` has been launched; ``expand_into`` launches the expand.
+
+    Between the two, the caller may run other work on the stream of ``expand_into`` (the base
+    projection): the shrink reads only ``x``. Its partials live in ``y`` until the expand.
+    """
+
+    fn: str
+    rows: int
+    y: torch.Tensor
+    lora_b: torch.Tensor
+    seg_indptr: torch.Tensor
+    seg_slots: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    row_order: torch.Tensor | None
+    slice_offsets: torch.Tensor
+    max_seg_len: int
+    rank_by_seg: bool
+    checked_out: torch.Tensor | None = None
+
+    def expand_into(self, out: torch.Tensor) -> None:
+        """``out [rows, N_total] += s * y B`` per segment (checks ``out``, then one launch)."""
+        if out is not self.checked_out:
+            check_apply_out(self.fn, out, self.lora_b, self.rows, self.y.device)
+        expand_segments(
+            self.y,
+            self.lora_b,
+            out,
+            self.seg_indptr,
+            self.seg_slots,
+            self.ranks,
+            self.scalings,
+            self.row_order,
+            self.slice_offsets,
+            self.max_seg_len,
+            rank_by_seg=self.rank_by_seg,
+        )
+
+
+def lora_apply_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    max_seg_len: int,
+    *,
+    seg_ranks: torch.Tensor | None = None,
+    seg_scalings: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> PendingLoRA:
+    """The first half of ``lora_apply``: its checks (``out``'s too when given), then the shrink.
+
+    Runs on the current stream; ``PendingLoRA.expand_into(out)`` finishes on its own current
+    stream, which must be ordered after this one (the runtime overlaps the base projection with
+    the shrink on a side stream this way, see ``LoRABackend.apply_around``).
+    """
     fn = "lora_apply"
-    b, out, offsets = check_expand_weights(
-        fn, lora_b, slot_scalings, slice_offsets, out, x.device, x.dtype, "x", weight_ndim=3
+    b, offsets = check_expand_weights(
+        fn, lora_b, slot_scalings, slice_offsets, x.device, x.dtype, "x", weight_ndim=3
     )
     num_slices = offsets.shape[0] - 1
     positions, shrink_cfg = check_shrink_operands(
@@ -366,7 +452,6 @@ def lora_apply(
     )
     check_dim(fn, "lora_b", b, 2, lora_a.shape[1] // num_slices, "the max rank of lora_a per slice")
     check_dim(fn, "lora_b", b, 0, lora_a.shape[0], "one weight slot per slot of lora_a")
-    check_dim(fn, "out", out, 0, x.shape[0], "one row per row of x")
     if (seg_ranks is None) != (seg_scalings is None):
         raise ValueError(f"{fn}: give seg_ranks and seg_scalings together, or neither")
     if seg_ranks is not None and seg_scalings is not None:
@@ -380,6 +465,8 @@ def lora_apply(
             )
             check_dim(fn, name, t, 0, num_segs, "one per segment: len(seg_slots)")
         slot_ranks, slot_scalings = seg_ranks, seg_scalings
+    if out is not None:
+        check_apply_out(fn, out, b, x.shape[0], x.device)
     by_seg = seg_ranks is not None
     y = shrink_segments(
         x,
@@ -395,16 +482,25 @@ def lora_apply(
         partials=True,
         rank_by_seg=by_seg,
     )
-    expand_segments(
-        y,
-        b,
-        out,
-        seg_indptr,
-        seg_slots,
-        slot_ranks,
-        slot_scalings,
-        row_order,
-        offsets,
-        max_seg_len,
+    return PendingLoRA(
+        fn=fn,
+        rows=x.shape[0],
+        y=y,
+        lora_b=b,
+        seg_indptr=seg_indptr,
+        seg_slots=seg_slots,
+        ranks=slot_ranks,
+        scalings=slot_scalings,
+        row_order=row_order,
+        slice_offsets=offsets,
+        max_seg_len=max_seg_len,
         rank_by_seg=by_seg,
+        checked_out=out,
     )
+
+
+def check_apply_out(
+    fn: str, out: object, lora_b: torch.Tensor, rows: int, device: torch.device
+) -> None:
+    o = check_out(fn, out, lora_b, device)
+    check_dim(fn, "out", o, 0, rows, "one row per row of x")

@@ -1,21 +1,38 @@
 """Backends that run the LoRA kernels: `triton` (default) or `torch` (the references).
 
 Both expose the same calls over a `LoRABatchInfo`; the wrappers never know which runs.
+
+Overlap (`apply_around`): the shrink reads only the projection's input, so on CUDA it can run
+on a side stream while the base projection runs, and only the expand waits for both. At
+decode the shrink is a few-program kernel bound by load latency and the base GEMM streams
+the weights, so the shrink's time leaves the step's critical path. The fork and join cost two
+events of host time per projection, which an eager step (host-bound) cannot afford; a
+captured CUDA graph pays them once at capture. `overlap="auto"` (the default) therefore
+overlaps only while a graph is being captured; "on" and "off" force it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
 
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
+Overlap = Literal["auto", "on", "off"]
+
 
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, overlap: Overlap = "auto") -> None:
+        if overlap not in ("auto", "on", "off"):
+            raise ValueError(
+                f"LoRA overlap {overlap!r} is not supported; expected 'auto', 'on' or 'off'"
+            )
+        self.overlap: Overlap = overlap
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         if name == "torch":
             from loraplane.worker.kernels import reference
 
@@ -81,7 +98,46 @@ class LoRABackend:
             y = self.shrink(x, lora_a, info, slice_offsets.shape[0] - 1)
             self.expand(y, lora_b, info, slice_offsets, out)
             return
-        self._kernels.lora_apply(
+        self._shrink_for_apply(x, lora_a, lora_b, info, slice_offsets, out).expand_into(out)
+
+    def apply_around(
+        self,
+        x: torch.Tensor,
+        base: Callable[[torch.Tensor], torch.Tensor],
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """``base(x)`` plus the LoRA of ``apply``; the shrink overlaps ``base`` when it pays."""
+        if not self._overlaps(x):
+            out = base(x)
+            self.apply(x, lora_a, lora_b, info, slice_offsets, out)
+            return out
+        main = torch.cuda.current_stream(x.device)
+        side = self._side_stream(x.device)
+        side.wait_stream(main)  # x is ready
+        with torch.cuda.stream(side):
+            pending = self._shrink_for_apply(x, lora_a, lora_b, info, slice_offsets)
+        out = base(x)
+        main.wait_stream(side)  # the partials are ready
+        # The partials were allocated on the side stream and are freed after the expand is
+        # queued on the main one; the side stream's next use waits on main first (above), so
+        # their memory is never reused before the expand has read it.
+        pending.expand_into(out)
+        return out
+
+    def _shrink_for_apply(
+        self,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> Any:
+        """``kernels.lora_apply_shrink`` over ``info``: the shrink launched, the expand pending."""
+        return self._kernels.lora_apply_shrink(
             x,
             lora_a,
             lora_b,
@@ -91,11 +147,22 @@ class LoRABackend:
             info.slot_scalings,
             info.row_order,
             slice_offsets,
-            out,
             info.max_seg_len,
             seg_ranks=info.seg_ranks,
             seg_scalings=info.seg_scalings,
+            out=out,
         )
+
+    def _overlaps(self, x: torch.Tensor) -> bool:
+        if self.name != "triton" or x.device.type != "cuda" or self.overlap == "off":
+            return False
+        return self.overlap == "on" or torch.cuda.is_current_stream_capturing()
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._side_streams.get(device)
+        if stream is None:
+            stream = self._side_streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def moe_routing(
         self, pair_expert: torch.Tensor, pair_slot: torch.Tensor, num_slots: int, num_experts: int
@@ -151,5 +218,5 @@ class LoRABackend:
         )
 
 
-def make_backend(name: str) -> LoRABackend:
-    return LoRABackend(name)
+def make_backend(name: str, overlap: Overlap = "auto") -> LoRABackend:
+    return LoRABackend(name, overlap)

@@ -111,12 +111,12 @@ class ColumnLoRA(LoRALayer):
         self.lora_b[slot].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer(x)  # [T, out_local]
         info = self.ctx.info(self.section)
-        if info is not None:
-            backend = self.ctx.backend
-            backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, out)
-        return out
+        if info is None:
+            return self.base_layer(x)  # type: ignore[no-any-return]
+        return self.ctx.backend.apply_around(
+            x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
+        )  # [T, out_local]
 
 
 class RowLoRA(LoRALayer):
@@ -159,12 +159,19 @@ class RowLoRA(LoRALayer):
         self.lora_b[slot].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_layer.forward_partial(x)  # [T, out] partial over the base layer's group
         info = self.ctx.info(self.section)
-        if info is not None:
-            backend = self.ctx.backend
+        if info is None:
+            out = self.base_layer.forward_partial(x)  # [T, out] partial over the group
+        else:
             # x_shard A_shard: a partial shrink, expanded onto the partial base output
-            backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, out)
+            out = self.ctx.backend.apply_around(
+                x,
+                self.base_layer.forward_partial,
+                self.lora_a,
+                self.lora_b,
+                info,
+                self.slice_offsets,
+            )
         return self.base_layer.reduce(out)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplane.worker import kernels
 from loraplane.worker.config import ModelConfig
 from loraplane.worker.models.batch import ForwardBatch
 from loraplane.worker.models.kv_cache import KVCache
@@ -223,19 +224,26 @@ class Experts(nn.Module):
         t, k = topk_ids.shape
         pair_token = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
         pair_expert = topk_ids.reshape(-1)  # [P]
-        xp = x[pair_token]  # [P, H]
-        gu = self.grouped(xp, self.w_gate_up, pair_expert)  # [P, 2I]
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
+        if x.device.type == "cuda":
+            # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable.
+            routing = kernels.moe_expert_routing(pair_expert.to(torch.int32), self.num_experts)
+            gu = kernels.moe_grouped_matmul(x, self.w_gate_up, routing, x_row_div=k)
+        else:
+            gu = self.grouped(x[pair_token], self.w_gate_up, pair_expert)  # [P, 2I]
         if lora is not None:
             lora.add_gate_up(x, gu, pair_expert, pair_token, k)
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up  # [P, I]
-        d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
+        if x.device.type == "cuda":
+            d = kernels.moe_grouped_matmul(act, self.w_down, routing)
+        else:
+            d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
         if lora is not None:
             lora.add_down(act, d)
-        out = torch.zeros_like(x)
-        out.index_add_(0, pair_token, d * topk_weights.reshape(-1, 1).to(d.dtype))
-        return self.reduce(out)
+        # Each token's k pairs are adjacent (pair = token * k + j): a weighted sum over j.
+        weighted = d.view(t, k, -1) * topk_weights.to(d.dtype).unsqueeze(-1)
+        return self.reduce(weighted.sum(dim=1))
 
 
 class SparseMoE(nn.Module):

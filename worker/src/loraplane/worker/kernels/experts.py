@@ -1,0 +1,172 @@
+"""The base routed experts on the device: one grouped GEMM per projection, no host sync.
+
+``out[p] = x[p // x_row_div] @ w[expert(p)]^T`` for every ``(token, k)`` pair ``p``. The pairs
+are grouped by expert on the device by the same counting sort the expert LoRA uses
+(``moe_lora_routing`` with one slot), and the kernel runs over its tile map: tile ``t`` is
+block ``tile_blk[t]`` of expert ``tile_seg[t]`` (``-1`` = padding, the program returns).
+Because the number of tiles has a host-known bound, nothing is read back to the host, so a
+decode step of an MoE model can be captured in a CUDA graph.
+
+Reference: ``Experts.grouped`` (one torch matmul per expert present), which the CPU path
+keeps (docs/adr/0001-batch-invariant-experts.md).
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels are untyped JIT functions; their wrappers are typed.)
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplane.worker.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    MIN_DOT_BLOCK,
+    check_dim,
+    check_same_dtype,
+    check_tensor,
+    dot_precision,
+    next_power_of_2,
+)
+from loraplane.worker.kernels.moe import MoeLoraRouting, moe_lora_routing
+
+__all__ = ["expert_block_m", "moe_expert_routing", "moe_grouped_matmul"]
+
+
+@triton.jit
+def _grouped_matmul_kernel(
+    x_ptr,  # [rows of x, K]
+    w_ptr,  # [E, N, K]
+    out_ptr,  # [P, N]
+    seg_indptr_ptr,  # int32 [E + 1]: pairs of expert e at sorted positions [e], [e + 1])
+    row_order_ptr,  # int64 [P]: pair at each sorted position
+    tile_seg_ptr,  # int32 [tiles]: expert of the tile, -1 = padding
+    tile_blk_ptr,  # int32 [tiles]: block of the expert's pairs
+    n_out,
+    x_stride_row,
+    w_stride_expert,
+    w_stride_row,
+    out_stride_row,
+    x_row_div,  # x row = pair // x_row_div (top-k: the pair's token)
+    DOT_PRECISION: tl.constexpr,
+    HIDDEN: tl.constexpr,  # K; constexpr (a runtime loop bound breaks the 3.6 interpreter)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    expert = tl.load(tile_seg_ptr + tl.program_id(0))
+    if expert < 0:
+        return
+    blk = tl.load(tile_blk_ptr + tl.program_id(0))
+    start = tl.load(seg_indptr_ptr + expert) + blk * BLOCK_M
+    end = tl.load(seg_indptr_ptr + expert + 1)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    pairs = tl.load(row_order_ptr + offs_m, mask=m_mask, other=0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (pairs // x_row_div)[:, None] * x_stride_row + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * w_stride_expert
+    w_ptrs = w_base + offs_n[None, :].to(tl.int64) * w_stride_row + offs_k[:, None]  # [BK, BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k_mask = (k0 + offs_k) < HIDDEN
+        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    out_ptrs = out_ptr + pairs[:, None] * out_stride_row + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def expert_block_m(num_pairs: int, num_experts: int) -> int:
+    """Pairs per tile: 16 at decode (a few pairs per expert), up to 64 when experts fill up."""
+    per_expert = -(-num_pairs // max(1, num_experts))
+    return min(64, max(MIN_DOT_BLOCK, next_power_of_2(per_expert)))
+
+
+def moe_expert_routing(
+    pair_expert: torch.Tensor, num_experts: int, block_m: int | None = None
+) -> MoeLoraRouting:
+    """Pairs grouped by expert on the device (one launch); reuse it for gate_up and down."""
+    fn = "moe_expert_routing"
+    check_tensor(fn, "pair_expert", pair_expert, ndim=1, dtypes=(torch.int32,), contiguous=True)
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{fn}: num_experts must be an int >= 1, got {num_experts!r}")
+    if block_m is None:
+        block_m = expert_block_m(pair_expert.shape[0], num_experts)
+    one_slot = torch.zeros_like(pair_expert)
+    return moe_lora_routing(pair_expert, one_slot, 1, num_experts, block_s=block_m)
+
+
+def moe_grouped_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    routing: MoeLoraRouting,
+    x_row_div: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out [P, N]``: pair ``p`` times the weight of its expert, ``x[p // x_row_div] @ w[e]^T``.
+
+    ``w [E, N, K]``; ``routing`` from ``moe_expert_routing`` over the ``P`` pairs; ``x`` has
+    ``P // x_row_div`` rows (``x_row_div`` = top-k reads each token once per pair, with no
+    gathered copy of ``x``). Every pair's row of ``out`` is written.
+    """
+    fn = "moe_grouped_matmul"
+    x = check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    w = check_tensor(fn, "w", w, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
+    check_same_dtype(fn, "w", w, "x", x.dtype)
+    check_dim(fn, "w", w, 2, x.shape[1], "the hidden size of x")
+    if not isinstance(routing, MoeLoraRouting) or routing.num_slots != 1:
+        raise ValueError(f"{fn}: routing must come from moe_expert_routing, got {routing!r}")
+    if routing.num_experts != w.shape[0]:
+        raise ValueError(
+            f"{fn}: routing was built for {routing.num_experts} experts, w has {w.shape[0]}"
+        )
+    if isinstance(x_row_div, bool) or not isinstance(x_row_div, int) or x_row_div < 1:
+        raise ValueError(f"{fn}: x_row_div must be an int >= 1, got {x_row_div!r}")
+    num_pairs = routing.row_order.shape[0]
+    if x.shape[0] * x_row_div != num_pairs:
+        raise ValueError(
+            f"{fn}: x.shape[0] * x_row_div must equal the routed pairs, got "
+            f"{x.shape[0]} * {x_row_div} != {num_pairs}"
+        )
+    n_out, hidden = w.shape[1], w.shape[2]
+    if out is None:
+        out = x.new_empty(num_pairs, n_out)
+    else:
+        check_tensor(fn, "out", out, ndim=2, dtypes=(x.dtype,), device=x.device, contiguous=True)
+        check_dim(fn, "out", out, 0, num_pairs, "one row per routed pair")
+        check_dim(fn, "out", out, 1, n_out, "w.shape[1]")
+    tiles = routing.tile_seg.shape[0]
+    if num_pairs == 0 or tiles == 0:
+        return out
+    block_m = routing.block_s
+    block_n = min(64 if block_m <= 16 else 128, max(MIN_DOT_BLOCK, next_power_of_2(n_out)))
+    block_k = min(128, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
+    _grouped_matmul_kernel[(tiles, triton.cdiv(n_out, block_n))](
+        x,
+        w,
+        out,
+        routing.seg_indptr,
+        routing.row_order,
+        routing.tile_seg,
+        routing.tile_blk,
+        n_out,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        x_row_div,
+        DOT_PRECISION=dot_precision(x.dtype),
+        HIDDEN=hidden,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
