@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU numerics (issues 2 and 3), run on an H200 through the device tool:
-#   kernels vs torch references in bf16, and `check parity` on a bf16 model of ~1.1B
+#   kernels vs torch references in bf16, CUDA-graph decode vs eager, and `check parity` on a bf16 model of ~1.1B
 #   parameters' shape against HF + PEFT and merged weights.
 #   With 2 GPUs (kind nvidia-h200-x2) it also runs tp=2 dp=2 DP attention over NCCL.
 # Results: $OUT/*.json (or ./out/ when OUT is unset).
@@ -16,8 +16,8 @@ $PY -c 'import torch, triton, transformers, peft; print("torch", torch.__version
 
 MODE="${1:-all}"
 if [ "$MODE" = all ] || [ "$MODE" = kernels ]; then
-  echo "== kernels bf16 vs torch reference"
-  LORAPLANE_GPU_REPORT="$OUT/kernels_bf16.json" $PY -m pytest -p no:cacheprovider -q tests/gpu/test_kernels_bf16.py -o addopts="" 2>&1 | tail -5
+  echo "== kernels bf16 vs torch reference; runtime decode graphs vs eager"
+  LORAPLANE_GPU_REPORT="$OUT/kernels_bf16.json" $PY -m pytest -p no:cacheprovider -q tests/gpu -o addopts="" 2>&1 | tail -8
 fi
 
 big=/tmp/loraplane-1b

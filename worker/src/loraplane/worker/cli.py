@@ -232,6 +232,12 @@ def serve_cmd(
     host: Annotated[str, typer.Option(help="Address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on")] = 30000,
     lora_backend: Annotated[str, typer.Option(help="LoRA kernels: triton | torch")] = "triton",
+    cuda_graphs: Annotated[
+        bool,
+        typer.Option(
+            help="Replay decode steps from CUDA graphs (CUDA with tp = dp = 1; else ignored)"
+        ),
+    ] = True,
     allowed_lora_root: Annotated[
         list[str], typer.Option(help="Adapter paths must lie under one of these; repeat")
     ] = [],  # noqa: B006
@@ -271,6 +277,7 @@ def serve_cmd(
             max_loaded_loras=max_loaded_loras,
             max_lora_rank=max_lora_rank,
             lora_backend=lora_backend,
+            cuda_graphs=cuda_graphs,
             max_running=max_running,
             max_model_len=max_model_len,
             loras=tuple(loras),

@@ -36,12 +36,12 @@ What runs (the same engine and settings on both sides of every ratio, all in one
 * ``head`` rows time the step with no decoder layer (embedding, final norm, LM head, sampling)
   so ``projected_ratio_full_depth`` extrapolates each ratio to the real depth (32 / 48 layers):
   ``(H + L b) / (H + L (b + d))`` with ``b``, ``d`` the measured per-layer base and LoRA cost.
-* ``--cuda-graphs``: the model forward of one fixed decode batch is captured once per (batch
-  size, variant) with its LoRA batch info held static, then replayed; a step is replay +
-  argmax + next tokens copied into the static input + ``tolist``. Positions do not advance
-  (the same context every replay). This is what graphs could give; the runtime does not
-  capture graphs yet (docs/performance.md). MoE layers on CUDA route their experts on the
-  device (``kernels/experts.py``), so MoE steps are captured too.
+* ``--cuda-graphs``: the same steps through the runtime's own decode graphs
+  (``engine/graphs.py``: one graph per batch-size bucket and LoRA on/off, static inputs and
+  LoRA metadata, decode attention reading lengths on the device). Each variant gets its own
+  ``DecodeGraphs``, captured at its first step, so no variant replays another's graph.
+  Positions advance as in eager mode. MoE layers on CUDA route their experts on the device
+  (``kernels/experts.py``), so MoE steps are captured too.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _make_runner(model: nn.Module, device: str, max_seqs: int, max_len: int) -> 
             attn = model.layers[0].self_attn
             self.kv = KVCache(
                 self.model_config.num_layers,
-                max_seqs,
+                max_seqs + 1,  # the spare row that graph steps pad into
                 max_len,
                 attn.num_kv_heads,
                 self.model_config.head_dim,
@@ -184,6 +184,7 @@ def _make_runner(model: nn.Module, device: str, max_seqs: int, max_len: int) -> 
             )
             self.lora_config = None
             self.lora = None
+            self.graphs = None  # set per measured variant (run_decode_bench)
 
     del ParallelState
     return _InMemoryRunner()
@@ -315,49 +316,30 @@ def _eager_steps(
 def _graph_steps(
     runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
 ) -> tuple[list[float], dict[str, Any]]:
-    """Replayed steps, and how far the graph's logits are from an eager forward's.
+    """The runtime's CUDA-graph decode (``runner.graphs`` set), and how far it is from eager.
 
-    The check runs before the timed replays, on the captured batch: the graph overlaps the
-    LoRA shrink with the base projections (``LoRABackend.overlap="auto"``), the eager forward
-    does not, so a stream-ordering mistake shows up here as a difference."""
+    The check runs first, on one batch: the graph step (LoRA shrink overlapped with the base
+    projections, in-place decode attention, static LoRA metadata) against the same batch run
+    eagerly, so a capture or stream-ordering mistake shows up as a difference."""
     from loraplane.worker.engine.runner import decode_batch
 
     rows = list(range(bs))
     tokens = [(7 * j + 3) % runner.model_config.vocab_size for j in rows]
     batch = decode_batch(tokens, rows, [context] * bs, runner.device)
-    if runner.lora is not None:
-        runner.lora.prepare_batch(slots)
+    graphs, replays = runner.graphs, runner.graphs.replays
+    logits = runner.forward(batch, slots).float()
+    runner.graphs = None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                runner.model(batch, runner.kv)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = runner.model(batch, runner.kv)
-        graph.replay()
-        eager = runner.model(batch, runner.kv)
-        check = {
-            "graph_vs_eager_max_abs": float((logits.float() - eager.float()).abs().max()),
-            "graph_vs_eager_same_argmax": bool(torch.equal(logits.argmax(-1), eager.argmax(-1))),
-        }
-        del eager
-        times = []
-        for s in range(warmup + steps):
-            t0 = time.perf_counter()
-            graph.replay()
-            nxt = logits.argmax(-1)
-            batch.input_ids.copy_(nxt)
-            nxt.tolist()
-            if s >= warmup:
-                times.append(time.perf_counter() - t0)
-        del graph
-        return times, check
+        eager = runner.forward(batch, slots).float()
     finally:
-        if runner.lora is not None:
-            runner.lora.reset_batch_state()
+        runner.graphs = graphs
+    check = {
+        "graph_replayed": runner.graphs.replays > replays,
+        "graph_vs_eager_max_abs": float((logits - eager).abs().max()),
+        "graph_vs_eager_same_argmax": bool(torch.equal(logits.argmax(-1), eager.argmax(-1))),
+    }
+    times, _ = _eager_steps(runner, bs, slots, context, warmup, steps)
+    return times, check
 
 
 def run_decode_bench(
@@ -379,6 +361,7 @@ def run_decode_bench(
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row."""
     from loraplane.worker.config import LoRARuntimeConfig
+    from loraplane.worker.engine.graphs import DecodeGraphs
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
@@ -440,6 +423,8 @@ def run_decode_bench(
     if 4 in adapters:
         variants.append(("4s", None))
 
+    graphs_by_variant: dict[str, Any] = {}
+
     def measure(bs: int, variant: str, mode: str) -> dict[str, Any]:
         if variant in ("off", "head"):
             switch.off()
@@ -454,11 +439,16 @@ def run_decode_bench(
         saved_layers = runner.model.layers
         if variant == "head":
             runner.model.layers = nn.ModuleList()
+        if mode == "graph":
+            if variant not in graphs_by_variant:
+                graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
+            runner.graphs = graphs_by_variant[variant]
         try:
             with torch.inference_mode():
                 fn = _graph_steps if mode == "graph" else _eager_steps
                 times, check = fn(runner, bs, slots, context, warmup, steps)
         finally:
+            runner.graphs = None
             runner.model.layers = saved_layers
             switch.manager.ctx.backend.overlap = "auto"
             switch.off()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
+from loraplane.worker.engine.graphs import DecodeGraphs
 from loraplane.worker.lora.adapter import AdapterWeights, load_adapter
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager
@@ -27,6 +28,9 @@ class RunnerConfig:
     max_seqs: int = 64
     max_len: int = 1024
     lora_backend: str = "triton"
+    # Replay decode steps from CUDA graphs (engine/graphs.py): CUDA, single rank only.
+    cuda_graphs: bool = True
+    graph_max_batch: int | None = None  # the largest decode batch with a graph; None: max_seqs
 
 
 class ModelRunner:
@@ -43,10 +47,11 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=dtype, device=self.device, ps=self.ps)
         self.model_config = self.model.config
         self.dtype = self.model.embed_tokens.weight.dtype
+        graphs = config.cuda_graphs and self.device.type == "cuda" and self.ps.is_single
         attn = self.model.layers[0].self_attn
         self.kv = KVCache(
             self.model_config.num_layers,
-            config.max_seqs,
+            config.max_seqs + (1 if graphs else 0),  # graphs pad their batches into a spare row
             config.max_len,
             attn.num_kv_heads,
             self.model_config.head_dim,
@@ -58,6 +63,11 @@ class ModelRunner:
             # Triton runs on the CPU only through its interpreter, chosen at import time.
             os.environ.setdefault("TRITON_INTERPRET", "1")
         self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
+        self.graphs = (
+            DecodeGraphs(self, config.graph_max_batch or config.max_seqs, config.max_seqs)
+            if graphs
+            else None
+        )
 
     def read_adapter(self, name: str, path: str | Path) -> AdapterWeights:
         """Validate an adapter against this model (host memory only; no slot is touched)."""
@@ -83,6 +93,8 @@ class ModelRunner:
         """
         ps = self.ps
         slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
+        if self.graphs is not None and self.graphs.supports(batch):
+            return self.graphs.run(batch, slots)
         global_slots: list[int] | None = None
         if ps.dp_attention and ps.dp_size > 1:
             mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots)

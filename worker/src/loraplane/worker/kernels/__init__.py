@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "MoeLoraRouting",
     "PendingLoRA",
+    "decode_attention",
     "lora_apply",
     "lora_apply_shrink",
     "lora_expand",
@@ -27,6 +28,7 @@ __all__ = [
 ]
 
 _TRITON_EXPORTS = {
+    "decode_attention": "loraplane.worker.kernels.attention",
     "lora_shrink": "loraplane.worker.kernels.shrink",
     "lora_expand": "loraplane.worker.kernels.expand",
     "lora_apply": "loraplane.worker.kernels.expand",

@@ -17,6 +17,23 @@ import torch
 NO_ADAPTER = -1
 
 
+def segments_of(token_slots: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """Rows with an adapter sorted by slot (stable), segment bounds into them, segment slots."""
+    order = sorted(
+        (i for i, s in enumerate(token_slots) if s != NO_ADAPTER), key=lambda i: token_slots[i]
+    )
+    indptr = [0]
+    slots: list[int] = []
+    for j, i in enumerate(order):
+        if not slots or token_slots[i] != slots[-1]:
+            if slots:
+                indptr.append(j)
+            slots.append(token_slots[i])
+    if order:
+        indptr.append(len(order))
+    return order, indptr, slots
+
+
 @dataclass(slots=True)
 class LoRABatchInfo:
     token_slots: torch.Tensor  # int32 [T]: slot per row, -1 = no adapter
@@ -27,7 +44,7 @@ class LoRABatchInfo:
     slot_scalings: torch.Tensor  # float32 [K]
     seg_ranks: torch.Tensor  # int32 [S]: slot_ranks[seg_slots], gathered once per forward
     seg_scalings: torch.Tensor  # float32 [S]: slot_scalings[seg_slots]
-    max_seg_len: int
+    max_seg_len: int  # a bound on the rows of any segment (the launch grids use it)
     num_rows: int
     num_lora_rows: int
 
@@ -40,19 +57,9 @@ class LoRABatchInfo:
         device: torch.device | str,
     ) -> LoRABatchInfo | None:
         """Segments for `token_slots`, or None when no row has an adapter (base path)."""
-        order = sorted(
-            (i for i, s in enumerate(token_slots) if s != NO_ADAPTER), key=lambda i: token_slots[i]
-        )
+        order, indptr, slots = segments_of(token_slots)
         if not order:
             return None
-        indptr = [0]
-        slots: list[int] = []
-        for j, i in enumerate(order):
-            if not slots or token_slots[i] != slots[-1]:
-                if slots:
-                    indptr.append(j)
-                slots.append(token_slots[i])
-        indptr.append(len(order))
         identity = order == list(range(len(order)))
         lens = [b - a for a, b in pairwise(indptr)]
         seg_slots = torch.tensor(slots, dtype=torch.int32, device=device)
@@ -73,3 +80,74 @@ class LoRABatchInfo:
     @property
     def num_segments(self) -> int:
         return int(self.seg_slots.numel())
+
+
+class StaticLoRABatch:
+    """LoRA batch info in fixed device buffers, refilled in place: what a CUDA graph captures.
+
+    A captured decode step cannot take new tensors or new launch grids, so every shape here is
+    fixed by the graph's batch size ``rows``: ``rows`` token slots, ``segments = min(num_slots,
+    rows)`` segments (unused ones are empty: their ``seg_indptr`` bounds are equal, so the
+    kernels' programs for them return at once) and a ``row_order`` of ``rows`` positions
+    (always given, so the kernels gather rows whatever the batch order). ``max_seg_len`` is
+    ``rows``, the bound every batch meets. ``fill`` writes one step's values with two
+    host-to-device copies from pinned memory; ``info`` must be called inside the capture,
+    since it gathers each segment's rank and scaling on the device.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        num_slots: int,
+        slot_ranks: torch.Tensor,
+        slot_scalings: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        self.rows = rows
+        self.segments = max(1, min(num_slots, rows))
+        self.slot_ranks = slot_ranks
+        self.slot_scalings = slot_scalings
+        pin = device.type == "cuda"
+        n_ints = rows + 2 * self.segments + 1  # token_slots | seg_indptr | seg_slots
+        self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
+        self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
+        self.row_order = torch.zeros(rows, dtype=torch.int64, device=device)
+        self._order_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        s = self.segments
+        self.token_slots = self._ints[:rows]
+        self.seg_indptr = self._ints[rows : rows + s + 1]
+        self.seg_slots = self._ints[rows + s + 1 :]
+
+    def fill(self, token_slots: Sequence[int]) -> None:
+        """This step's slots (``len <= rows``; rows past the batch get no adapter)."""
+        n = len(token_slots)
+        if n > self.rows:
+            raise ValueError(f"a batch of {n} rows does not fit a graph of {self.rows} rows")
+        order, indptr, slots = segments_of(token_slots)
+        if len(slots) > self.segments:
+            raise ValueError(
+                f"{len(slots)} adapters in a batch of {n} rows; the graph has {self.segments} segments"
+            )
+        pad = self.segments - len(slots)
+        ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
+        ints += [*slots, *[0] * pad]
+        self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
+        self._order_host.copy_(torch.tensor(order + [0] * (self.rows - len(order))))
+        self._ints.copy_(self._ints_host, non_blocking=True)
+        self.row_order.copy_(self._order_host, non_blocking=True)
+
+    def info(self) -> LoRABatchInfo:
+        """The batch info over these buffers (device gathers of ranks and scalings)."""
+        return LoRABatchInfo(
+            token_slots=self.token_slots,
+            seg_indptr=self.seg_indptr,
+            seg_slots=self.seg_slots,
+            row_order=self.row_order,
+            slot_ranks=self.slot_ranks,
+            slot_scalings=self.slot_scalings,
+            seg_ranks=self.slot_ranks.index_select(0, self.seg_slots),
+            seg_scalings=self.slot_scalings.index_select(0, self.seg_slots),
+            max_seg_len=self.rows,
+            num_rows=self.rows,
+            num_lora_rows=self.rows,  # an upper bound: the count lives on the device
+        )

@@ -108,6 +108,12 @@ class LoRAManager:
 
     # --- per batch ---------------------------------------------------------------------
 
+    def check_slots(self, slots: Sequence[int]) -> None:
+        """Every slot a token uses holds an adapter."""
+        for s in slots:
+            if s != NO_ADAPTER and self.slot_adapters[s] is None:
+                raise RuntimeError(f"a token uses slot {s}, which holds no adapter")
+
     def prepare_batch(
         self, local_slots: Sequence[int], global_slots: Sequence[int] | None = None
     ) -> None:
@@ -116,9 +122,7 @@ class LoRAManager:
         `global_slots` is the per-token slot ids all-gathered from every DP group, in
         group order; every rank must pass the same list.
         """
-        for s in list(local_slots) + list(global_slots or []):
-            if s != NO_ADAPTER and self.slot_adapters[s] is None:
-                raise RuntimeError(f"a token uses slot {s}, which holds no adapter")
+        self.check_slots([*local_slots, *(global_slots or [])])
         self.ctx.local = LoRABatchInfo.build(
             local_slots, self.slot_ranks, self.slot_scalings, self.device
         )

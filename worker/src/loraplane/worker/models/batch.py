@@ -27,6 +27,9 @@ class ForwardBatch:
     # DP-attention layout: local token and logit-row counts of every DP group, in group order.
     dp_token_counts: list[int] = field(default_factory=list)
     dp_logit_counts: list[int] = field(default_factory=list)
+    # input_ids, positions and cache_rows as host lists, when the batch was built from them
+    # (a CUDA-graph step copies these into its static buffers instead of reading the device).
+    host_inputs: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,4 +72,5 @@ class ForwardBatch:
             cache_rows=as_long(rows),
             chunks=chunks,
             logit_rows=as_long(logit_rows),
+            host_inputs=(flat_ids, positions, rows),
         )

@@ -86,10 +86,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if not batch.chunks:
             return q
+        if batch.is_decode and q.device.type == "cuda":
+            # One new token per sequence, attending in place over its cache row; lengths are
+            # read on the device, so the step can be captured (engine/graphs.py).
+            return kernels.decode_attention(  # type: ignore[no-any-return]
+                q, k_cache, v_cache, batch.cache_rows, batch.positions + 1, self.scale
+            )
         if batch.is_decode:
             # One new token per sequence: one batched call over each row's cached prefix.
             ctx = batch.positions + 1  # [B]
-            length = int(max(c.start for c in batch.chunks)) + 1
+            length = int(batch.positions.max()) + 1
             keys = k_cache[batch.cache_rows, :length].transpose(1, 2)  # [B, kv, L, d]
             values = v_cache[batch.cache_rows, :length].transpose(1, 2)
             mask = torch.arange(length, device=q.device)[None, :] < ctx[:, None]  # [B, L]

@@ -76,6 +76,11 @@ class ParallelState:
     def single(cls) -> ParallelState:
         return cls(ParallelConfig())
 
+    @property
+    def is_single(self) -> bool:
+        """One rank: no collective runs in a forward."""
+        return self.tp_size == 1 and self.dp_size == 1
+
     # --- collectives -------------------------------------------------------------------
 
     def all_reduce_tp(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ class ServeConfig:
     max_loaded_loras: int = 8
     max_lora_rank: int = 64
     lora_backend: str = "triton"
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
     max_running: int = 32
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
     loras: tuple[tuple[str, str], ...] = ()
@@ -101,6 +102,7 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
         max_seqs=config.rows_per_group,
         max_len=max_len,
         lora_backend=config.lora_backend,
+        cuda_graphs=config.cuda_graphs,
     )
     if config.tp == 1 and config.dp == 1:
         return LocalExecutor(runner, config.lora_config)

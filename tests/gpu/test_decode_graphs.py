@@ -1,0 +1,78 @@
+"""GPU tier: the runtime's CUDA-graph decode (engine/graphs.py) against its eager decode.
+
+Same runner, same batches: prefill, then decode steps replayed from graphs vs run eagerly,
+for a dense and an MoE fixture, mixed batches (adapters and base rows), a batch size that
+pads into its bucket, and an adapter loaded after the graphs were captured. fp32, so any
+difference beyond the kernels' summation order is a bug. Runs through the device tool
+(scripts/gpu-numerics.sh); there is no GPU on the CI machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU: run scripts/gpu-numerics.sh through the device tool",
+    ),
+]
+
+PROMPTS = [[5, 9, 200, 31], [44, 2, 2], [7, 7, 7, 7, 8], [90, 1], [3, 4, 5]]
+
+
+def _runner(suite, arch: str, graphs: bool):  # type: ignore[no-untyped-def]
+    from loraplane.worker.config import LoRARuntimeConfig
+    from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
+
+    model_dir, adapters = suite[arch]
+    cfg = RunnerConfig(
+        str(model_dir), device="cuda", dtype="float32", max_seqs=8, max_len=48, cuda_graphs=graphs
+    )
+    lora = LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32)
+    runner = ModelRunner(cfg, lora)
+    for slot, (name, path) in enumerate(adapters[:2]):
+        runner.lora.load_slot(slot, runner.read_adapter(name, path))
+    return runner, adapters
+
+
+def _decode(runner, slots_per_row: list[int], steps: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    from loraplane.worker.engine.runner import decode_batch, prefill_batch
+
+    n = len(slots_per_row)
+    prompts = PROMPTS[:n]
+    rows = list(range(n))
+    slots = [s for p, s in zip(prompts, slots_per_row, strict=True) for _ in p]
+    logits = runner.forward(prefill_batch(prompts, rows, all_logits=False, device="cuda"), slots)
+    out = [logits.float().cpu()]
+    tokens = logits.argmax(-1).tolist()
+    lengths = [len(p) for p in prompts]
+    for _ in range(steps):
+        logits = runner.forward(decode_batch(tokens, rows, lengths, "cuda"), slots_per_row)
+        out.append(logits.float().cpu())
+        tokens = logits.argmax(-1).tolist()
+        lengths = [x + 1 for x in lengths]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_graph_decode_matches_eager_decode(suite, arch: str) -> None:  # type: ignore[no-untyped-def]
+    graph_runner, adapters = _runner(suite, arch, graphs=True)
+    eager_runner, _ = _runner(suite, arch, graphs=False)
+    assert graph_runner.graphs is not None and eager_runner.graphs is None
+    for slots in ([0, -1, 1, 0], [1, 1, -1], [-1, -1, -1, -1, -1]):  # 3 rows pad into 4
+        want = _decode(eager_runner, slots, steps=6)
+        got = _decode(graph_runner, slots, steps=6)
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"{slots} step {step}")
+    assert graph_runner.graphs.replays == 18
+    # An adapter loaded after capture: the graphs read the slot buffers in place.
+    for r in (graph_runner, eager_runner):
+        name, path = adapters[2]
+        r.lora.load_slot(0, r.read_adapter(name, path))
+    want = _decode(eager_runner, [0, 1, 0, -1], steps=3)
+    got = _decode(graph_runner, [0, 1, 0, -1], steps=3)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

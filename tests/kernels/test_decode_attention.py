@@ -1,0 +1,102 @@
+"""Decode attention in place over the KV cache (kernels/attention.py) against SDPA."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraplane.worker.kernels import attention
+
+pytestmark = pytest.mark.kernels
+
+ON_GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def sdpa_reference(q, k_cache, v_cache, cache_rows, seq_lens, scale):  # type: ignore[no-untyped-def]
+    """fp64, one sequence at a time: SDPA over the row's first seq_lens[t] positions."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for t in range(q.shape[0]):
+        n = int(seq_lens[t])
+        keys = k_cache[cache_rows[t], :n].double().transpose(0, 1)[None]  # [1, kv, n, d]
+        values = v_cache[cache_rows[t], :n].double().transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q[t].double()[None, :, None, :], keys, values, scale=scale, enable_gqa=True
+        )
+        out[t] = o[0, :, 0, :]
+    return out
+
+
+def make_case(tokens, heads, kv_heads, head_dim, positions, lens, dtype, seed=0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    rows = tokens + 2
+    k_cache = torch.randn(rows, positions, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(rows, positions, kv_heads, head_dim, generator=gen)
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    cache_rows = torch.randperm(rows, generator=gen)[:tokens]
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    return [t.to(DEVICE) for t in (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype))] + [
+        cache_rows.to(DEVICE),
+        seq_lens.to(DEVICE),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "lens"),
+    [
+        (4, 2, 16, [1, 7, 64, 65]),  # GQA 2; lengths at and across the 64-position blocks
+        (8, 1, 32, [130, 3]),  # MQA: eight query heads on one KV head
+        (3, 3, 24, [5, 100, 1]),  # MHA, head_dim not a power of two
+        (32, 8, 64, [33]),  # Llama-3-8B's grouping (4), one token
+    ],
+)
+def test_matches_sdpa_over_each_rows_prefix(heads, kv_heads, head_dim, lens, dtype) -> None:  # type: ignore[no-untyped-def]
+    q, k_cache, v_cache, rows, seq_lens = make_case(
+        len(lens), heads, kv_heads, head_dim, 160, lens, dtype
+    )
+    scale = head_dim**-0.5
+    out = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, scale)
+    want = sdpa_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), rows.cpu(), seq_lens.cpu(), scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_positions_past_the_length_are_never_read() -> None:
+    """NaN beyond each row's length (a stale or unwritten cache) must not reach the output."""
+    q, k_cache, v_cache, rows, seq_lens = make_case(2, 4, 2, 16, 96, [10, 70], torch.float32)
+    want = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.25)
+    for t, n in enumerate([10, 70]):
+        k_cache[rows[t], n:] = float("nan")
+        v_cache[rows[t], n:] = float("nan")
+    out = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.25)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ("heads", "q's 5 heads must be a multiple of the cache's 2 KV heads"),
+        ("lens", "seq_lens must have dtype in (torch.int64), got torch.int32"),
+        ("rows", "cache_rows.shape[0] must be 2 (one per token of q)"),
+        ("v", "v_cache must have k_cache's shape and strides"),
+    ],
+)
+def test_bad_arguments_name_the_field(field: str, message: str) -> None:
+    q, k_cache, v_cache, rows, seq_lens = make_case(2, 4, 2, 16, 32, [3, 4], torch.float32)
+    if field == "heads":
+        q = torch.zeros(2, 5, 16, device=DEVICE)
+    elif field == "lens":
+        seq_lens = seq_lens.to(torch.int32)
+    elif field == "rows":
+        rows = rows[:1]
+    else:
+        v_cache = v_cache[:, :16]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 1.0)

@@ -1,0 +1,96 @@
+"""What a captured decode step reads: static, padded inputs and LoRA metadata (engine/graphs.py).
+
+Graph capture itself needs a GPU (tests/gpu); here `DecodeGraphs(capture=False)` runs the
+same static-buffer steps eagerly on the CPU, with the Triton LoRA kernels interpreted, and
+must give every real row the logits of the ordinary eager step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane.worker.config import LoRARuntimeConfig
+from loraplane.worker.engine.graphs import DecodeGraphs, graph_buckets
+from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, decode_batch, prefill_batch
+from loraplane.worker.lora.batch_info import NO_ADAPTER, StaticLoRABatch
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [[5, 9, 200, 31], [44, 2, 2], [7, 7, 7, 7, 8], [90, 1]]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3-moe"])
+def runner(request, suite) -> ModelRunner:  # type: ignore[no-untyped-def]
+    model_dir, adapters = suite[request.param]
+    cfg = RunnerConfig(str(model_dir), lora_backend="triton", max_seqs=6, max_len=32)
+    r = ModelRunner(
+        cfg, LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32)
+    )
+    for slot, (name, path) in enumerate(adapters[:3]):
+        r.lora.load_slot(slot, r.read_adapter(name, path))  # type: ignore[union-attr]
+    return r
+
+
+def decode_step(r: ModelRunner, tokens: list[int]) -> object:
+    """Prefill every prompt into rows 0..3, then one decode batch of those rows."""
+    r.forward(prefill_batch(PROMPTS, [0, 1, 2, 3], all_logits=False, device="cpu"))
+    return decode_batch(tokens, [0, 1, 2, 3], [len(p) for p in PROMPTS], "cpu")
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [NO_ADAPTER, 1, 0, 1],  # adapters interleaved with a base row
+        [2, 2, 2, 2],  # one adapter
+        [NO_ADAPTER] * 4,  # no adapter: the LoRA-off step
+    ],
+    ids=["mixed", "one", "none"],
+)
+def test_static_padded_step_matches_the_eager_step(runner: ModelRunner, slots: list[int]) -> None:
+    tokens = [11, 12, 13, 14]
+    want = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+    # max_batch 8: the 4-row batch replays the bucket of 4 and a 3-row prefix the bucket of 4
+    # with one padding row in the spare cache row 5.
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    runner.graphs = graphs
+    try:
+        got = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+        got3 = runner.forward(first_rows(runner, tokens, 3), slots[:3])  # type: ignore[arg-type]
+    finally:
+        runner.graphs = None
+    assert graphs.replays == 2
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got3, want[:3], rtol=0, atol=2e-5)
+
+
+def first_rows(r: ModelRunner, tokens: list[int], n: int) -> object:
+    decode_step(r, tokens)  # the same cache contents as the 4-row step
+    return decode_batch(tokens[:n], list(range(n)), [len(p) for p in PROMPTS[:n]], "cpu")
+
+
+def test_buckets_cover_every_batch_size_up_to_the_largest() -> None:
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert graph_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    with pytest.raises(ValueError, match="the largest graph batch must be >= 1, got 0"):
+        graph_buckets(0)
+
+
+def test_static_lora_batch_pads_segments_and_rows() -> None:
+    ranks = torch.tensor([8, 16, 4], dtype=torch.int32)
+    scalings = torch.tensor([1.0, 2.0, 0.5])
+    static = StaticLoRABatch(8, 3, ranks, scalings, torch.device("cpu"))
+    static.fill([2, NO_ADAPTER, 0, 2, 0])
+    assert static.token_slots.tolist() == [2, -1, 0, 2, 0, -1, -1, -1]
+    assert static.seg_indptr.tolist() == [0, 2, 4, 4]  # slot 0: rows 2, 4; slot 2: rows 0, 3
+    assert static.seg_slots.tolist() == [0, 2, 0]  # the padding segment is empty
+    assert static.row_order[:4].tolist() == [2, 4, 0, 3]
+    info = static.info()
+    assert info.seg_ranks.tolist() == [8, 4, 8] and info.max_seg_len == 8
+    with pytest.raises(ValueError, match="a batch of 9 rows does not fit a graph of 8 rows"):
+        static.fill([0] * 9)
+    few = StaticLoRABatch(4, 2, ranks, scalings, torch.device("cpu"))  # 2 segments
+    with pytest.raises(ValueError, match="3 adapters in a batch of 4 rows; the graph has 2"):
+        few.fill([0, 1, 2, 2])

@@ -1,0 +1,184 @@
+"""CUDA graphs of the decode step: one per (batch-size bucket, LoRA on or off), captured lazily.
+
+A decode step of a small batch is a few hundred short kernels; launched one by one from Python,
+the host sets the pace (docs/performance.md: eager steps run at 0.4-0.6 of the graph rate with
+LoRA). A graph replays the whole forward in one launch. What makes the forward capturable:
+
+* Inputs live in static buffers of the bucket's size. A batch of ``n`` rows fills the first
+  ``n``; the rest are padding rows that decode token 0 at position 0 of a spare KV-cache row
+  (row ``max_seqs``, never given to a sequence), with no adapter. Their logits are dropped.
+* Decode attention reads each row's length on the device (``kernels.decode_attention``).
+* LoRA batch info sits in ``StaticLoRABatch`` buffers sized by the bucket; the LoRA wrappers
+  overlap their shrink with the base projection on a side stream while capturing
+  (``LoRABackend.overlap``).
+* The base MoE experts are routed on the device (``kernels/experts.py``).
+
+A batch with no adapter replays the bucket's LoRA-off graph, which has no LoRA work at all.
+Graphs run only on a single-rank CUDA worker (no TP, no DP attention: their collectives and
+per-step host exchange are not captured here) and only for pure decode batches of at most
+the largest bucket; everything else runs eagerly, unchanged. Adapter loads copy into the slot
+buffers in place, so captured graphs see new adapters without a recapture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from loraplane.worker.lora.batch_info import NO_ADAPTER, StaticLoRABatch
+from loraplane.worker.models.batch import ForwardBatch, SeqChunk
+
+if TYPE_CHECKING:
+    from loraplane.worker.engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def graph_buckets(max_batch: int) -> list[int]:
+    """Batch sizes that get a graph: powers of two to 8, then steps of 8..64, up to ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"the largest graph batch must be >= 1, got {max_batch}")
+    return [b for b in _BUCKETS if b < max_batch] + [max_batch]
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: not captured, each replay runs `forward`
+    forward: Callable[[], torch.Tensor]
+    logits: torch.Tensor  # [bucket, vocab], rewritten by every replay
+
+    def replay(self) -> None:
+        if self.graph is None:
+            self.logits = self.forward()
+        else:
+            self.graph.replay()
+
+
+class DecodeGraphs:
+    """Replays captured decode steps for ``ModelRunner.forward`` (see the module docstring)."""
+
+    def __init__(
+        self, runner: ModelRunner, max_batch: int, spare_row: int, *, capture: bool = True
+    ) -> None:
+        """``capture=False`` runs the same static-buffer steps without graphs (any device):
+        how the CPU tests check padding and static LoRA metadata against the eager path."""
+        self.runner = runner
+        self.buckets = graph_buckets(max_batch)
+        self.spare_row = spare_row
+        self.capture = capture
+        device = runner.device
+        top = self.buckets[-1]
+        # input_ids | positions | cache_rows, one row each; a bucket's batch is a prefix view.
+        self._inputs = torch.zeros(3, top, dtype=torch.int64, device=device)
+        self._inputs_host = torch.zeros(3, top, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._logit_rows = torch.arange(top, dtype=torch.int64, device=device)
+        self._lora: dict[int, StaticLoRABatch] = {}
+        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0
+
+    def supports(self, batch: ForwardBatch) -> bool:
+        n = batch.num_tokens
+        return 0 < n <= self.buckets[-1] and batch.is_decode and not batch.dp_token_counts
+
+    def bucket_for(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def run(self, batch: ForwardBatch, slots: Sequence[int]) -> torch.Tensor:
+        """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay."""
+        n = batch.num_tokens
+        bucket = self.bucket_for(n)
+        lora = self.runner.lora is not None and any(s != NO_ADAPTER for s in slots)
+        if lora:
+            assert self.runner.lora is not None
+            self.runner.lora.check_slots(slots)
+        self._fill(batch, bucket)
+        if lora:
+            self._lora_batch(bucket).fill(slots)
+        graph = self._graphs.get((bucket, lora))
+        if graph is None:
+            graph = self._graphs[(bucket, lora)] = self._capture(bucket, lora)
+        graph.replay()
+        self.replays += 1
+        return graph.logits[:n]
+
+    def _fill(self, batch: ForwardBatch, bucket: int) -> None:
+        pad = bucket - batch.num_tokens
+        if batch.host_inputs is not None:
+            ids, positions, rows = batch.host_inputs
+            values = torch.tensor(
+                [[*ids, *[0] * pad], [*positions, *[0] * pad], [*rows, *[self.spare_row] * pad]]
+            )
+        else:  # built on the device: one read back
+            values = torch.stack([batch.input_ids, batch.positions, batch.cache_rows]).cpu()
+            values = torch.cat(
+                [values, torch.tensor([[0], [0], [self.spare_row]]).expand(3, pad)], 1
+            )
+        host = self._inputs_host[:, :bucket]
+        host.copy_(values)
+        self._inputs[:, :bucket].copy_(host, non_blocking=True)
+
+    def _lora_batch(self, bucket: int) -> StaticLoRABatch:
+        static = self._lora.get(bucket)
+        if static is None:
+            manager = self.runner.lora
+            assert manager is not None
+            static = self._lora[bucket] = StaticLoRABatch(
+                bucket,
+                manager.num_slots,
+                manager.slot_ranks,
+                manager.slot_scalings,
+                self.runner.device,
+            )
+        return static
+
+    def _static_batch(self, bucket: int) -> ForwardBatch:
+        ids, positions, rows = self._inputs[:, :bucket]
+        return ForwardBatch(
+            input_ids=ids,
+            positions=positions,
+            cache_rows=rows,
+            chunks=[
+                SeqChunk(cache_row=0, start=0, length=1, token_offset=i) for i in range(bucket)
+            ],
+            logit_rows=self._logit_rows[:bucket],
+        )
+
+    def _capture(self, bucket: int, lora: bool) -> _Graph:
+        runner = self.runner
+        batch = self._static_batch(bucket)
+        static = self._lora_batch(bucket) if lora else None
+
+        def forward() -> torch.Tensor:
+            if static is not None:
+                assert runner.lora is not None
+                info = static.info()
+                runner.lora.ctx.local = info
+                runner.lora.ctx.global_ = info
+            try:
+                return runner.model(batch, runner.kv)  # type: ignore[no-any-return]
+            finally:
+                if runner.lora is not None:
+                    runner.lora.reset_batch_state()
+
+        if not self.capture:
+            return _Graph(graph=None, forward=forward, logits=torch.empty(0))
+        # The buffers hold this step's values: the warm-up runs and the capture compute this
+        # step (KV writes included) and the first replay recomputes it with the same inputs.
+        side = torch.cuda.Stream(runner.device)
+        side.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile kernels and settle the allocator outside the capture
+                forward()
+        torch.cuda.current_stream(runner.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = forward()
+        log.info("captured a decode graph: %d rows, LoRA %s", bucket, "on" if lora else "off")
+        return _Graph(graph=graph, forward=forward, logits=logits)
