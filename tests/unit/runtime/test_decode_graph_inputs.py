@@ -13,7 +13,12 @@ import torch
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graph_buckets
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, decode_batch, prefill_batch
-from loraplane.worker.lora.batch_info import NO_ADAPTER, StaticLoRABatch
+from loraplane.worker.lora.batch_info import (
+    NO_ADAPTER,
+    StaticLoRABatch,
+    segments_of,
+    static_shape,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -94,3 +99,20 @@ def test_static_lora_batch_pads_segments_and_rows() -> None:
     few = StaticLoRABatch(4, 2, ranks, scalings, torch.device("cpu"))  # 2 segments
     with pytest.raises(ValueError, match="3 adapters in a batch of 4 rows; the graph has 2"):
         few.fill([0, 1, 2, 2])
+
+
+def test_lora_graphs_are_keyed_by_adapter_count_and_longest_segment() -> None:
+    """One adapter launches one segment's programs; 3 adapters get 4 segments; a 40-row
+    segment needs the bucket's row bound."""
+    assert static_shape(segments_of([0] * 16), 16) == (1, 16)
+    assert static_shape(segments_of([0, 1, 2, -1] * 4), 16) == (4, 16)
+    assert static_shape(segments_of([0] * 20 + [1] * 4), 32) == (2, 32)
+    assert static_shape(segments_of([0] * 40 + [-1] * 24), 64) == (1, 64)
+    assert static_shape(segments_of([0, 1, 2]), 4) == (4, 4)  # never more rows than the bucket
+    static = StaticLoRABatch(
+        64, 2, torch.zeros(2, dtype=torch.int32), torch.zeros(2), torch.device("cpu"), 16
+    )
+    with pytest.raises(
+        ValueError, match="a segment of 20 rows; the graph's segments hold at most 16"
+    ):
+        static.fill([0] * 20)

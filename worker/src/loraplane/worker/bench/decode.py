@@ -19,7 +19,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
 * One decode step = what the engine does per step: ``decode_batch`` (host lists -> device
   tensors), ``ModelRunner.forward`` (which builds ``LoRABatchInfo`` on the host), greedy
   ``argmax`` and ``tolist`` of the next tokens (the host sync that ends every real step).
-  Steps advance the position by one. tokens/s = batch size x timed steps / wall time.
+  Steps advance the position by one. Input tokens are a fixed sequence per step, the same
+  for every variant (an MoE routes by token, so each variant runs the same expert work).
+  tokens/s = batch size x timed steps / wall time.
 * Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
   attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
   adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
@@ -301,13 +303,16 @@ def _eager_steps(
     from loraplane.worker.engine.runner import decode_batch
 
     rows = list(range(bs))
-    tokens = [(7 * j + 3) % runner.model_config.vocab_size for j in rows]
+    vocab = runner.model_config.vocab_size
     times = []
     for s in range(warmup + steps):
         t0 = time.perf_counter()
+        # The same input tokens for every variant (not the argmax fed back): with MoE, the
+        # tokens pick the experts, and each variant must route the same work.
+        tokens = [(7 * j + 3 + 11 * s) % vocab for j in rows]
         batch = decode_batch(tokens, rows, [context + s] * bs, runner.device)
         logits = runner.forward(batch, slots)
-        tokens = logits.argmax(-1).tolist()  # the real step's host sync
+        logits.argmax(-1).tolist()  # the real step's sampling and host sync
         if s >= warmup:
             times.append(time.perf_counter() - t0)
     return times, {}

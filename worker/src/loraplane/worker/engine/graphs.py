@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step: one per (batch-size bucket, LoRA on or off), captured lazily.
+"""CUDA graphs of the decode step, captured lazily: one per batch-size bucket and LoRA shape.
 
 A decode step of a small batch is a few hundred short kernels; launched one by one from Python,
 the host sets the pace (docs/performance.md: eager steps run at 0.4-0.6 of the graph rate with
@@ -8,9 +8,12 @@ LoRA). A graph replays the whole forward in one launch. What makes the forward c
   ``n``; the rest are padding rows that decode token 0 at position 0 of a spare KV-cache row
   (row ``max_seqs``, never given to a sequence), with no adapter. Their logits are dropped.
 * Decode attention reads each row's length on the device (``kernels.decode_attention``).
-* LoRA batch info sits in ``StaticLoRABatch`` buffers sized by the bucket; the LoRA wrappers
-  overlap their shrink with the base projection on a side stream while capturing
-  (``LoRABackend.overlap``).
+* LoRA batch info sits in ``StaticLoRABatch`` buffers. Launch grids follow the number of
+  segments and the longest one, so LoRA graphs are keyed by ``static_shape``: the distinct
+  adapters rounded up to a power of two and the longest segment's row-block class (16, 32,
+  or the bucket). A batch of one adapter thus launches one segment's programs, not
+  ``max_loras_per_batch``'s. The LoRA wrappers overlap their shrink with the base projection
+  on a side stream while capturing (``LoRABackend.overlap``).
 * The base MoE experts are routed on the device (``kernels/experts.py``).
 
 A batch with no adapter replays the bucket's LoRA-off graph, which has no LoRA work at all.
@@ -29,7 +32,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplane.worker.lora.batch_info import NO_ADAPTER, StaticLoRABatch
+from loraplane.worker.lora.batch_info import (
+    NO_ADAPTER,
+    StaticLoRABatch,
+    segments_of,
+    static_shape,
+)
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 
 if TYPE_CHECKING:
@@ -78,8 +86,8 @@ class DecodeGraphs:
         self._inputs = torch.zeros(3, top, dtype=torch.int64, device=device)
         self._inputs_host = torch.zeros(3, top, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._logit_rows = torch.arange(top, dtype=torch.int64, device=device)
-        self._lora: dict[int, StaticLoRABatch] = {}
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._lora: dict[tuple[int, tuple[int, int]], StaticLoRABatch] = {}
+        self._graphs: dict[tuple[int, tuple[int, int] | None], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = 0
 
@@ -94,16 +102,16 @@ class DecodeGraphs:
         """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay."""
         n = batch.num_tokens
         bucket = self.bucket_for(n)
-        lora = self.runner.lora is not None and any(s != NO_ADAPTER for s in slots)
-        if lora:
-            assert self.runner.lora is not None
+        shape: tuple[int, int] | None = None  # LoRA on: (segments, max segment length)
+        if self.runner.lora is not None and any(s != NO_ADAPTER for s in slots):
             self.runner.lora.check_slots(slots)
+            segments = segments_of(slots)
+            shape = static_shape(segments, bucket)
+            self._lora_batch(bucket, shape).fill(slots, segments)
         self._fill(batch, bucket)
-        if lora:
-            self._lora_batch(bucket).fill(slots)
-        graph = self._graphs.get((bucket, lora))
+        graph = self._graphs.get((bucket, shape))
         if graph is None:
-            graph = self._graphs[(bucket, lora)] = self._capture(bucket, lora)
+            graph = self._graphs[(bucket, shape)] = self._capture(bucket, shape)
         graph.replay()
         self.replays += 1
         return graph.logits[:n]
@@ -124,17 +132,18 @@ class DecodeGraphs:
         host.copy_(values)
         self._inputs[:, :bucket].copy_(host, non_blocking=True)
 
-    def _lora_batch(self, bucket: int) -> StaticLoRABatch:
-        static = self._lora.get(bucket)
+    def _lora_batch(self, bucket: int, shape: tuple[int, int]) -> StaticLoRABatch:
+        static = self._lora.get((bucket, shape))
         if static is None:
             manager = self.runner.lora
             assert manager is not None
-            static = self._lora[bucket] = StaticLoRABatch(
+            static = self._lora[(bucket, shape)] = StaticLoRABatch(
                 bucket,
-                manager.num_slots,
+                shape[0],
                 manager.slot_ranks,
                 manager.slot_scalings,
                 self.runner.device,
+                max_seg_len=shape[1],
             )
         return static
 
@@ -150,10 +159,10 @@ class DecodeGraphs:
             logit_rows=self._logit_rows[:bucket],
         )
 
-    def _capture(self, bucket: int, lora: bool) -> _Graph:
+    def _capture(self, bucket: int, shape: tuple[int, int] | None) -> _Graph:
         runner = self.runner
         batch = self._static_batch(bucket)
-        static = self._lora_batch(bucket) if lora else None
+        static = self._lora_batch(bucket, shape) if shape is not None else None
 
         def forward() -> torch.Tensor:
             if static is not None:
@@ -180,5 +189,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits = forward()
-        log.info("captured a decode graph: %d rows, LoRA %s", bucket, "on" if lora else "off")
+        log.info(
+            "captured a decode graph: %d rows, LoRA %s",
+            bucket,
+            f"on (<= {shape[0]} adapters, <= {shape[1]} rows each)" if shape else "off",
+        )
         return _Graph(graph=graph, forward=forward, logits=logits)

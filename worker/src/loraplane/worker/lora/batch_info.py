@@ -82,29 +82,48 @@ class LoRABatchInfo:
         return int(self.seg_slots.numel())
 
 
+Segments = tuple[list[int], list[int], list[int]]  # segments_of's (order, indptr, slots)
+
+
+def static_shape(segments: Segments, rows: int) -> tuple[int, int]:
+    """(segment count, max segment length) bounds of a graph that can run ``segments``.
+
+    Powers of two of the distinct adapters (1, 2, 4, ...), and the kernels' row-block classes
+    of the longest segment (16, 32, else ``rows``): few graphs per batch size, and grids close
+    to what the eager step would launch for the same batch.
+    """
+    _, indptr, slots = segments
+    count = 1 << max(0, len(slots) - 1).bit_length()
+    longest = max((b - a for a, b in pairwise(indptr)), default=1)
+    seg_len = 16 if longest <= 16 else 32 if longest <= 32 else rows
+    return min(count, rows), min(seg_len, rows)
+
+
 class StaticLoRABatch:
     """LoRA batch info in fixed device buffers, refilled in place: what a CUDA graph captures.
 
     A captured decode step cannot take new tensors or new launch grids, so every shape here is
-    fixed by the graph's batch size ``rows``: ``rows`` token slots, ``segments = min(num_slots,
-    rows)`` segments (unused ones are empty: their ``seg_indptr`` bounds are equal, so the
-    kernels' programs for them return at once) and a ``row_order`` of ``rows`` positions
-    (always given, so the kernels gather rows whatever the batch order). ``max_seg_len`` is
-    ``rows``, the bound every batch meets. ``fill`` writes one step's values with two
-    host-to-device copies from pinned memory; ``info`` must be called inside the capture,
-    since it gathers each segment's rank and scaling on the device.
+    fixed: ``rows`` token slots, ``segments`` segments (unused ones are empty: their
+    ``seg_indptr`` bounds are equal, so the kernels' programs for them return at once), a
+    ``row_order`` of ``rows`` positions (always given, so the kernels gather rows whatever the
+    batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the launch
+    grids. ``fill`` writes one step's values with two host-to-device copies (pinned memory on
+    CUDA); ``info`` must be called inside the capture, since it gathers each segment's rank
+    and scaling on the device.
     """
 
     def __init__(
         self,
         rows: int,
-        num_slots: int,
+        segments: int,
         slot_ranks: torch.Tensor,
         slot_scalings: torch.Tensor,
         device: torch.device,
+        max_seg_len: int | None = None,
     ) -> None:
         self.rows = rows
-        self.segments = max(1, min(num_slots, rows))
+        self.segments = max(1, segments)
+        self.max_seg_len = max_seg_len or rows
         self.slot_ranks = slot_ranks
         self.slot_scalings = slot_scalings
         pin = device.type == "cuda"
@@ -118,15 +137,22 @@ class StaticLoRABatch:
         self.seg_indptr = self._ints[rows : rows + s + 1]
         self.seg_slots = self._ints[rows + s + 1 :]
 
-    def fill(self, token_slots: Sequence[int]) -> None:
-        """This step's slots (``len <= rows``; rows past the batch get no adapter)."""
+    def fill(self, token_slots: Sequence[int], segments: Segments | None = None) -> None:
+        """This step's slots (``len <= rows``; rows past the batch get no adapter).
+
+        ``segments``: ``segments_of(token_slots)`` when the caller has it already."""
         n = len(token_slots)
         if n > self.rows:
             raise ValueError(f"a batch of {n} rows does not fit a graph of {self.rows} rows")
-        order, indptr, slots = segments_of(token_slots)
+        order, indptr, slots = segments or segments_of(token_slots)
         if len(slots) > self.segments:
             raise ValueError(
                 f"{len(slots)} adapters in a batch of {n} rows; the graph has {self.segments} segments"
+            )
+        longest = max(b - a for a, b in pairwise(indptr)) if slots else 0
+        if longest > self.max_seg_len:
+            raise ValueError(
+                f"a segment of {longest} rows; the graph's segments hold at most {self.max_seg_len}"
             )
         pad = self.segments - len(slots)
         ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
@@ -147,7 +173,7 @@ class StaticLoRABatch:
             slot_scalings=self.slot_scalings,
             seg_ranks=self.slot_ranks.index_select(0, self.seg_slots),
             seg_scalings=self.slot_scalings.index_select(0, self.seg_slots),
-            max_seg_len=self.rows,
+            max_seg_len=self.max_seg_len,
             num_rows=self.rows,
             num_lora_rows=self.rows,  # an upper bound: the count lives on the device
         )
