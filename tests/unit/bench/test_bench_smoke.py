@@ -57,6 +57,7 @@ def test_decode_bench_tiny(tmp_path, shape):
     rows = {r["variant"]: r for r in res["rows"]}
     assert set(rows) == {"head", "off", "none", "2"}
     assert rows["off"]["ratio_vs_off"] == 1.0
+    assert all(r["timed_steps"] == 3 for r in rows.values())  # 3 rounds x 1 step, pooled
     for v in ("none", "2"):
         r = rows[v]
         assert r["tok_s"] > 0 and r["step_ms"] > 0

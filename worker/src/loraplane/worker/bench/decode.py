@@ -310,7 +310,7 @@ def _eager_steps(
         # The same input tokens for every variant (not the argmax fed back): with MoE, the
         # tokens pick the experts, and each variant must route the same work.
         tokens = [(7 * j + 3 + 11 * s) % vocab for j in rows]
-        batch = decode_batch(tokens, rows, [context + s] * bs, runner.device)
+        batch = decode_batch(tokens, rows, [context + s] * bs, "cpu")  # as the executor builds it
         logits = runner.forward(batch, slots)
         logits.argmax(-1).tolist()  # the real step's sampling and host sync
         if s >= warmup:
@@ -330,7 +330,7 @@ def _graph_steps(
 
     rows = list(range(bs))
     tokens = [(7 * j + 3) % runner.model_config.vocab_size for j in rows]
-    batch = decode_batch(tokens, rows, [context] * bs, runner.device)
+    batch = decode_batch(tokens, rows, [context] * bs, "cpu")
     graphs, replays = runner.graphs, runner.graphs.replays
     logits = runner.forward(batch, slots).float()
     runner.graphs = None
@@ -361,6 +361,7 @@ def run_decode_bench(
     steps: int = 10,
     warmup: int = 3,
     profile: bool = False,
+    rounds: int = 3,
     dtype: str | None = None,
     backend: str = "triton",
 ) -> dict[str, Any]:
@@ -391,6 +392,7 @@ def run_decode_bench(
                 "rank": rank,
                 "context": context,
                 "steps": steps,
+                "rounds": rounds,
                 "warmup": warmup,
                 "dtype": str(tdtype),
                 "modes": modes,
@@ -430,7 +432,9 @@ def run_decode_bench(
 
     graphs_by_variant: dict[str, Any] = {}
 
-    def measure(bs: int, variant: str, mode: str) -> dict[str, Any]:
+    def measure(
+        bs: int, variant: str, mode: str, check: bool
+    ) -> tuple[list[float], dict[str, Any]]:
         if variant in ("off", "head"):
             switch.off()
             slots = [-1] * bs
@@ -450,47 +454,64 @@ def run_decode_bench(
             runner.graphs = graphs_by_variant[variant]
         try:
             with torch.inference_mode():
-                fn = _graph_steps if mode == "graph" else _eager_steps
-                times, check = fn(runner, bs, slots, context, warmup, steps)
+                if mode == "graph" and check:
+                    return _graph_steps(runner, bs, slots, context, warmup, steps)
+                return _eager_steps(runner, bs, slots, context, warmup, steps)
         finally:
             runner.graphs = None
             runner.model.layers = saved_layers
             switch.manager.ctx.backend.overlap = "auto"
             switch.off()
+
+    def row_of(bs: int, variant: str, mode: str, times: list[float]) -> dict[str, Any]:
         step_s = statistics.median(times)
         return {
             "bs": bs,
             "variant": variant,
             "mode": mode,
             "step_ms": step_s * 1e3,
-            "tok_s": bs * len(times) / sum(times),
+            "tok_s": bs / step_s,  # median step: robust to a stray slow step
+            "tok_s_mean": bs * len(times) / sum(times),
             "step_ms_min": min(times) * 1e3,
-            **check,
+            "timed_steps": len(times),
         }
 
+    names = ["head", *(v for v, _ in variants)]
     with torch.inference_mode():
         for bs in batch_sizes:
             for mode in modes:
                 # One untimed pass over every variant first: the first forward at a batch size
-                # pays one-time costs (cuBLAS/SDPA plans, allocator growth, Triton compiles)
-                # that would otherwise land on whichever variant is measured first ("off").
-                for variant, _ in [("head", None), *variants]:
+                # pays one-time costs (cuBLAS/SDPA plans, allocator growth, Triton compiles,
+                # graph captures) that would otherwise land on whichever variant is first.
+                for variant in names:
                     sink.guarded(
-                        f"decode bs={bs} {variant} {mode} warm-up", measure, bs, variant, mode
-                    )
-                base: dict[str, Any] | None = None
-                head = sink.guarded(f"decode bs={bs} head {mode}", measure, bs, "head", mode)
-                if head:
-                    sink.append("rows", head)
-                for variant, _ in variants:
-                    row = sink.guarded(
-                        f"decode bs={bs} {variant} {mode}", measure, bs, variant, mode
-                    )
+                        f"decode bs={bs} {variant} {mode} warm-up",
+                        measure, bs, variant, mode, False,
+                    )  # fmt: skip
+                # Rounds over all variants, steps pooled per variant: a drift of the clock or
+                # the host during the run spreads over every variant instead of one.
+                pooled: dict[str, list[float]] = {v: [] for v in names}
+                checks: dict[str, dict[str, Any]] = {}
+                for r in range(rounds):
+                    for variant in names:
+                        got = sink.guarded(
+                            f"decode bs={bs} {variant} {mode} round {r}",
+                            measure, bs, variant, mode, r == 0,
+                        )  # fmt: skip
+                        if got is not None:
+                            pooled[variant] += got[0]
+                            checks.setdefault(variant, got[1])
+                rows = {
+                    v: {**row_of(bs, v, mode, pooled[v]), **checks.get(v, {})}
+                    for v in names
+                    if pooled[v]
+                }
+                head, base = rows.get("head"), rows.get("off")
+                for variant in names:
+                    row = rows.get(variant)
                     if row is None:
                         continue
-                    if variant == "off":
-                        base = row
-                    if base is not None:
+                    if base is not None and variant != "head":
                         row["ratio_vs_off"] = row["tok_s"] / base["tok_s"]
                         if head is not None and variant != "off":
                             row["projected_ratio_full_depth"] = _project(
@@ -594,7 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", default="1,4,16")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=None)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant per round")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="rounds over all variants (steps pooled per variant)"
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--profile", action="store_true")
@@ -624,6 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         context=context,
         steps=args.steps,
         warmup=args.warmup,
+        rounds=args.rounds,
         profile=args.profile,
         dtype=args.dtype,
         backend=args.backend,

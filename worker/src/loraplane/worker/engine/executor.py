@@ -97,7 +97,7 @@ class LocalExecutor:
 
     def step(self, work: list[list[SeqWork]]) -> list[torch.Tensor]:
         assert len(work) == 1, "LocalExecutor has one DP group"
-        batch, slots = build_batch(work[0], self.runner.device)
+        batch, slots = build_batch(work[0], "cpu")  # the runner moves it, or replays a graph
         if not work[0]:
             return [torch.empty(0, self.model_config.vocab_size)]
         logits = self.runner.forward(batch, slots)

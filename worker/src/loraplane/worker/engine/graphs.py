@@ -117,19 +117,12 @@ class DecodeGraphs:
         return graph.logits[:n]
 
     def _fill(self, batch: ForwardBatch, bucket: int) -> None:
-        pad = bucket - batch.num_tokens
-        if batch.host_inputs is not None:
-            ids, positions, rows = batch.host_inputs
-            values = torch.tensor(
-                [[*ids, *[0] * pad], [*positions, *[0] * pad], [*rows, *[self.spare_row] * pad]]
-            )
-        else:  # built on the device: one read back
-            values = torch.stack([batch.input_ids, batch.positions, batch.cache_rows]).cpu()
-            values = torch.cat(
-                [values, torch.tensor([[0], [0], [self.spare_row]]).expand(3, pad)], 1
-            )
+        n = batch.num_tokens
         host = self._inputs_host[:, :bucket]
-        host.copy_(values)
+        for i, t in enumerate((batch.input_ids, batch.positions, batch.cache_rows)):
+            host[i, :n].copy_(t)  # host to pinned host when the executor built it on the host
+        host[:, n:] = 0
+        host[2, n:] = self.spare_row
         self._inputs[:, :bucket].copy_(host, non_blocking=True)
 
     def _lora_batch(self, bucket: int, shape: tuple[int, int]) -> StaticLoRABatch:

@@ -87,6 +87,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the LoRA slot per token.
 
+        `batch` may be on the host (cheapest: a decode step replayed from a CUDA graph copies
+        it into the graph's buffers) or on the runner's device.
+
         Under DP attention every rank calls this once per step, idle or not: the ranks
         exchange their token counts and per-token adapter slots here, so the TP-global
         sections see every DP group's tokens with their own adapters.
@@ -95,6 +98,7 @@ class ModelRunner:
         slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
         if self.graphs is not None and self.graphs.supports(batch):
             return self.graphs.run(batch, slots)
+        batch = batch.to(self.device)
         global_slots: list[int] | None = None
         if ps.dp_attention and ps.dp_size > 1:
             mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots)

@@ -14,13 +14,29 @@ overlaps only while a graph is being captured; "on" and "off" force it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 Overlap = Literal["auto", "on", "off"]
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class Aside(Generic[T]):
+    """A value computed on a side stream (``stream``), or on the current one (``None``)."""
+
+    value: T
+    stream: torch.cuda.Stream | None
+
+    def result(self) -> T:
+        """The value, once the current stream has waited for the side stream's work."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        return self.value
 
 
 class LoRABackend:
@@ -114,18 +130,29 @@ class LoRABackend:
             out = base(x)
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
-        main = torch.cuda.current_stream(x.device)
-        side = self._side_stream(x.device)
-        side.wait_stream(main)  # x is ready
-        with torch.cuda.stream(side):
-            pending = self._shrink_for_apply(x, lora_a, lora_b, info, slice_offsets)
+        pending = self.run_aside(
+            x, lambda: self._shrink_for_apply(x, lora_a, lora_b, info, slice_offsets)
+        )
         out = base(x)
-        main.wait_stream(side)  # the partials are ready
-        # The partials were allocated on the side stream and are freed after the expand is
-        # queued on the main one; the side stream's next use waits on main first (above), so
-        # their memory is never reused before the expand has read it.
-        pending.expand_into(out)
+        pending.result().expand_into(out)
         return out
+
+    def run_aside(self, x: torch.Tensor, work: Callable[[], T]) -> Aside[T]:
+        """``work()`` on the side stream when overlapping (else now, on the current stream).
+
+        The side stream first waits for the current one (``work``'s inputs are ready), and
+        ``Aside.result()`` makes the current stream wait for the side one. Memory ``work``
+        allocates belongs to the side stream; it is freed after ``result()``'s consumer is
+        queued, and the side stream's next use waits on the current stream first, so it is
+        never reused before that consumer has read it.
+        """
+        if not self._overlaps(x):
+            return Aside(work(), None)
+        side = self._side_stream(x.device)
+        side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side):
+            value = work()
+        return Aside(value, side)
 
     def _shrink_for_apply(
         self,

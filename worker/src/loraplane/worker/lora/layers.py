@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from loraplane.worker.lora.backend import LoRABackend
+from loraplane.worker.lora.backend import Aside, LoRABackend
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear
 from loraplane.worker.models.model import Experts
@@ -218,27 +218,37 @@ class ExpertsLoRA(LoRALayer):
         for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
             buf[slot].zero_()
 
-    def add_gate_up(
-        self,
-        x: torch.Tensor,
-        gu: torch.Tensor,
-        pair_expert: torch.Tensor,
-        pair_token: torch.Tensor,
-        topk: int,
-    ) -> None:
-        """gu [P, 2I] += per-pair LoRA of gate/up; pair p reads token row p // topk of x [T, H]."""
+    def begin_gate_up(
+        self, x: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor, topk: int
+    ) -> Aside[torch.Tensor]:
+        """Routing by (slot, expert) and the gate/up shrink; overlaps the base gate_up GEMM.
+
+        Pair p reads token row ``pair_token[p]`` (``p // topk``) of ``x [T, H]``."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
-        self._pair_slots = info.token_slots[pair_token]  # [P] int32, -1 = none
-        self._pair_expert = pair_expert.to(torch.int32)
-        self._routing = backend.moe_routing(
-            self._pair_expert, self._pair_slots, self.a_gate_up.shape[0], self.a_gate_up.shape[1]
-        )
-        y = backend.moe_shrink(
-            x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing
-        )
-        backend.moe_expand(
+
+        def shrink() -> torch.Tensor:
+            self._pair_slots = info.token_slots[pair_token]  # [P] int32, -1 = none
+            self._pair_expert = pair_expert.to(torch.int32)
+            self._routing = backend.moe_routing(
+                self._pair_expert,
+                self._pair_slots,
+                self.a_gate_up.shape[0],
+                self.a_gate_up.shape[1],
+            )
+            return backend.moe_shrink(
+                x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing
+            )
+
+        return backend.run_aside(x, shrink)
+
+    def end_gate_up(self, pending: Aside[torch.Tensor], gu: torch.Tensor) -> None:
+        """``gu [P, 2I] +=`` the per-pair LoRA of gate/up (after the base GEMM wrote ``gu``)."""
+        info = self.ctx.info(self.section)
+        assert info is not None
+        y = pending.result()
+        self.ctx.backend.moe_expand(
             y,
             self.b_gate_up,
             self._pair_expert,
@@ -249,16 +259,24 @@ class ExpertsLoRA(LoRALayer):
             self._routing,
         )
 
-    def add_down(self, act: torch.Tensor, d: torch.Tensor) -> None:
-        """d [P, H] += per-pair LoRA of down; same pairs and routing as the gate_up call."""
+    def begin_down(self, act: torch.Tensor) -> Aside[torch.Tensor]:
+        """The down shrink over the gate_up call's pairs and routing; overlaps the base GEMM."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
-        y = backend.moe_shrink(
-            act, self.a_down, self._pair_expert, self._pair_slots, info, 1, 1, self._routing
+        return backend.run_aside(
+            act,
+            lambda: backend.moe_shrink(
+                act, self.a_down, self._pair_expert, self._pair_slots, info, 1, 1, self._routing
+            ),
         )
-        backend.moe_expand(
-            y,
+
+    def end_down(self, pending: Aside[torch.Tensor], d: torch.Tensor) -> None:
+        """``d [P, H] +=`` the per-pair LoRA of down."""
+        info = self.ctx.info(self.section)
+        assert info is not None
+        self.ctx.backend.moe_expand(
+            pending.result(),
             self.b_down,
             self._pair_expert,
             self._pair_slots,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -27,9 +27,6 @@ class ForwardBatch:
     # DP-attention layout: local token and logit-row counts of every DP group, in group order.
     dp_token_counts: list[int] = field(default_factory=list)
     dp_logit_counts: list[int] = field(default_factory=list)
-    # input_ids, positions and cache_rows as host lists, when the batch was built from them
-    # (a CUDA-graph step copies these into its static buffers instead of reading the device).
-    host_inputs: tuple[list[int], list[int], list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,5 +69,19 @@ class ForwardBatch:
             cache_rows=as_long(rows),
             chunks=chunks,
             logit_rows=as_long(logit_rows),
-            host_inputs=(flat_ids, positions, rows),
+        )
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """This batch with its tensors on ``device`` (itself when they are there already).
+
+        Executors build batches on the host; the runner moves them only for an eager forward,
+        since a CUDA-graph step copies the host values into its own static buffers."""
+        if self.input_ids.device == device:
+            return self
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            cache_rows=self.cache_rows.to(device),
+            logit_rows=self.logit_rows.to(device),
         )

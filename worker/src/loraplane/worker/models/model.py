@@ -231,6 +231,9 @@ class Experts(nn.Module):
         pair_token = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
         pair_expert = topk_ids.reshape(-1)  # [P]
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
+        # The LoRA's routing and shrinks only read x / act: begun before each base GEMM (on a
+        # side stream while a CUDA graph is captured), ended by adding into its output.
+        pending = lora.begin_gate_up(x, pair_expert, pair_token, k) if lora is not None else None
         if x.device.type == "cuda":
             # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable.
             routing = kernels.moe_expert_routing(pair_expert.to(torch.int32), self.num_experts)
@@ -238,15 +241,16 @@ class Experts(nn.Module):
         else:
             gu = self.grouped(x[pair_token], self.w_gate_up, pair_expert)  # [P, 2I]
         if lora is not None:
-            lora.add_gate_up(x, gu, pair_expert, pair_token, k)
+            lora.end_gate_up(pending, gu)
         gate, up = gu.chunk(2, dim=-1)
         act = F.silu(gate) * up  # [P, I]
+        pending = lora.begin_down(act) if lora is not None else None
         if x.device.type == "cuda":
             d = kernels.moe_grouped_matmul(act, self.w_down, routing)
         else:
             d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
         if lora is not None:
-            lora.add_down(act, d)
+            lora.end_down(pending, d)
         # Each token's k pairs are adjacent (pair = token * k + j): a weighted sum over j.
         weighted = d.view(t, k, -1) * topk_weights.to(d.dtype).unsqueeze(-1)
         return self.reduce(weighted.sum(dim=1))
