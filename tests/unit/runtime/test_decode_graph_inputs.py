@@ -70,6 +70,24 @@ def test_static_padded_step_matches_the_eager_step(runner: ModelRunner, slots: l
     torch.testing.assert_close(got3, want[:3], rtol=0, atol=2e-5)
 
 
+def test_repeated_and_alternating_batches_reuse_metadata_correctly(runner: ModelRunner) -> None:
+    """Steady decode repeats the last step's adapters (the metadata copy is skipped); a batch
+    that changes them, then changes back, must still see its own adapters."""
+    tokens = [11, 12, 13, 14]
+    mixed, other = [NO_ADAPTER, 1, 0, 1], [0, 0, 1, 1]  # the same graph shape (2 adapters)
+    want = {
+        name: runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+        for name, slots in (("mixed", mixed), ("other", other))
+    }
+    runner.graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    try:
+        for name, slots in (("mixed", mixed), ("mixed", mixed), ("other", other), ("mixed", mixed)):
+            got = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+            torch.testing.assert_close(got, want[name], rtol=0, atol=2e-5, msg=name)
+    finally:
+        runner.graphs = None
+
+
 def first_rows(r: ModelRunner, tokens: list[int], n: int) -> object:
     decode_step(r, tokens)  # the same cache contents as the 4-row step
     return decode_batch(tokens[:n], list(range(n)), [len(p) for p in PROMPTS[:n]], "cpu")

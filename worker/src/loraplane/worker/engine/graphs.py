@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplane.worker.lora.batch_info import (
-    NO_ADAPTER,
     StaticLoRABatch,
     segments_of,
     static_shape,
@@ -89,6 +88,9 @@ class DecodeGraphs:
         self._lora: dict[tuple[int, tuple[int, int]], StaticLoRABatch] = {}
         self._graphs: dict[tuple[int, tuple[int, int] | None], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._last_slots: tuple[int, tuple[int, ...]] | None = None  # see _lora_shape
+        self._last_shape: tuple[int, int] | None = None
+        self._last_adapters: list[int] = []
         self.replays = 0
 
     def supports(self, batch: ForwardBatch) -> bool:
@@ -102,12 +104,7 @@ class DecodeGraphs:
         """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay."""
         n = batch.num_tokens
         bucket = self.bucket_for(n)
-        shape: tuple[int, int] | None = None  # LoRA on: (segments, max segment length)
-        if self.runner.lora is not None and any(s != NO_ADAPTER for s in slots):
-            self.runner.lora.check_slots(slots)
-            segments = segments_of(slots)
-            shape = static_shape(segments, bucket)
-            self._lora_batch(bucket, shape).fill(slots, segments)
+        shape = self._lora_shape(slots, bucket)  # None: no adapter in the batch
         self._fill(batch, bucket)
         graph = self._graphs.get((bucket, shape))
         if graph is None:
@@ -115,6 +112,27 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return graph.logits[:n]
+
+    def _lora_shape(self, slots: Sequence[int], bucket: int) -> tuple[int, int] | None:
+        """The LoRA graph shape of ``slots``, with its metadata filled in (None: no adapter).
+
+        Decode batches keep their rows and adapters for many steps in a row, so when ``slots``
+        equal the last step's (same bucket) the static metadata already holds them and the
+        step skips the host work and the copy."""
+        manager = self.runner.lora
+        if manager is None:
+            return None
+        key = (bucket, tuple(slots))
+        if key == self._last_slots:
+            manager.check_slots(self._last_adapters)
+            return self._last_shape
+        segments = segments_of(slots)
+        manager.check_slots(segments[2])
+        shape = static_shape(segments, bucket) if segments[2] else None
+        if shape is not None:
+            self._lora_batch(bucket, shape).fill(slots, segments)
+        self._last_slots, self._last_shape, self._last_adapters = key, shape, segments[2]
+        return shape
 
     def _fill(self, batch: ForwardBatch, bucket: int) -> None:
         n = batch.num_tokens
