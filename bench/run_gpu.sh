@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue 9 measures on one H200, in one call (budget: well under 9 minutes).
 #   OUT=/some/dir bash bench/run_gpu.sh     (the device tool sets $OUT)
+#   The device's copy of the tree may report a stale git HEAD: pass LORAPLANE_COMMIT=<hash>.
 # Writes $OUT/kernels.json, $OUT/decode_dense.json, $OUT/decode_moe.json, $OUT/run.log and
 # prints a short table last. Each step is time-capped and guarded: one failure keeps the rest;
 # every JSON is rewritten after each measured row, so a timeout keeps what was done.
@@ -29,11 +30,11 @@ step kernels 200 "$PY" -m loraplane.worker.bench.kernels --device cuda \
 # 2. dense decode (8 of 32 layers, real vocab), eager + CUDA graphs, with a short profile.
 step decode_dense 170 "$PY" -m loraplane.worker.bench.decode --device cuda --shape llama3-8b \
   --layers 8 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
-  --steps 20 --warmup 3 --cuda-graphs --profile --out "$OUT/decode_dense.json"
+  --steps 10 --rounds 3 --warmup 3 --cuda-graphs --profile --out "$OUT/decode_dense.json"
 # 3. MoE decode (4 of 48 layers), eager + CUDA graphs (experts are routed on the device).
 step decode_moe 150 "$PY" -m loraplane.worker.bench.decode --device cuda --shape qwen3-30b-a3b \
   --layers 4 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
-  --steps 20 --warmup 3 --cuda-graphs --out "$OUT/decode_moe.json"
+  --steps 10 --rounds 3 --warmup 3 --cuda-graphs --out "$OUT/decode_moe.json"
 
 "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
 import json, sys, pathlib

@@ -2,7 +2,8 @@
 
     python -m loraplane.worker.bench.decode --device cuda --json [--out FILE]
         [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
-        [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--cuda-graphs] [--profile]
+        [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--rounds 3] [--cuda-graphs]
+        [--profile]
 
 Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
 *, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None) -> dict``.
