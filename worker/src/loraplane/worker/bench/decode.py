@@ -28,7 +28,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
   engine orders them, and ``4s``: 4 adapters with the LoRA shrink serial after the base
   projection (``LoRABackend.overlap="off"``; the other variants overlap it on a side stream
-  whenever a graph is captured, the backend's default).
+  whenever a graph is captured, the backend's default); ``--split-variants 4k1,...``: N
+  adapters with the overlapped shrink's K splits capped at C (``overlap_split_k``).
   The manager is attached once and swapped in and out of the model (``_LoRASwitch``), so every
   variant runs on the same weights. Adapters: rank ``rank``, every linear target (q, k, v, o,
   gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
@@ -363,6 +364,7 @@ def run_decode_bench(
     warmup: int = 3,
     profile: bool = False,
     rounds: int = 3,
+    split_variants: tuple[str, ...] = (),
     dtype: str | None = None,
     backend: str = "triton",
 ) -> dict[str, Any]:
@@ -394,6 +396,7 @@ def run_decode_bench(
                 "context": context,
                 "steps": steps,
                 "rounds": rounds,
+                "split_variants": list(split_variants),
                 "warmup": warmup,
                 "dtype": str(tdtype),
                 "modes": modes,
@@ -430,6 +433,7 @@ def run_decode_bench(
     variants += [(str(n), None) for n in adapters]
     if 4 in adapters:
         variants.append(("4s", None))
+    variants += [(v, None) for v in split_variants]
 
     graphs_by_variant: dict[str, Any] = {}
 
@@ -441,11 +445,13 @@ def run_decode_bench(
             slots = [-1] * bs
         else:
             switch.on()
-            n = 0 if variant == "none" else int(variant.rstrip("s"))
+            n = 0 if variant == "none" else int(variant.split("k")[0].rstrip("s"))
             # The engine orders a batch by slot (engine.py), so each adapter's rows are
             # contiguous.
             slots = sorted(i % n for i in range(bs)) if n else [-1] * bs
-            switch.manager.ctx.backend.overlap = "off" if variant.endswith("s") else "auto"
+            backend = switch.manager.ctx.backend
+            backend.overlap = "off" if variant.endswith("s") else "auto"
+            backend.overlap_split_k = int(variant.split("k")[1]) if "k" in variant else None
         saved_layers = runner.model.layers
         if variant == "head":
             runner.model.layers = nn.ModuleList()
@@ -462,6 +468,7 @@ def run_decode_bench(
             runner.graphs = None
             runner.model.layers = saved_layers
             switch.manager.ctx.backend.overlap = "auto"
+            switch.manager.ctx.backend.overlap_split_k = None
             switch.off()
 
     def row_of(bs: int, variant: str, mode: str, times: list[float]) -> dict[str, Any]:
@@ -620,6 +627,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rounds", type=int, default=3, help="rounds over all variants (steps pooled per variant)"
     )
+    p.add_argument(
+        "--split-variants",
+        default="",
+        help="extra variants NkC: N adapters, the overlapped shrink's K splits capped at C",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument("--profile", action="store_true")
@@ -650,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         warmup=args.warmup,
         rounds=args.rounds,
+        split_variants=tuple(v for v in args.split_variants.split(",") if v),
         profile=args.profile,
         dtype=args.dtype,
         backend=args.backend,

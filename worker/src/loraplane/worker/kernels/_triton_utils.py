@@ -132,14 +132,18 @@ TARGET_PROGRAMS = 264
 MAX_SPLIT_K = 8
 
 
-def split_k_for(programs: int, hidden: int, block_k: int) -> int:
-    """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU."""
+def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None) -> int:
+    """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU.
+
+    ``cap`` (default ``MAX_SPLIT_K``) bounds the splits; 1 keeps the shrink on few programs,
+    which is what a shrink overlapped with the base GEMM wants (it should not need SMs)."""
     k_blocks = max(1, -(-hidden // block_k))
     # Past a quarter of the target the extra partial buffer and reduction cost more than the
     # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
     if programs <= 0 or programs >= TARGET_PROGRAMS // 4:
         return 1
-    return max(1, min(k_blocks, MAX_SPLIT_K, -(-TARGET_PROGRAMS // programs)))
+    cap = MAX_SPLIT_K if cap is None else cap
+    return max(1, min(k_blocks, cap, -(-TARGET_PROGRAMS // programs)))
 
 
 def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:

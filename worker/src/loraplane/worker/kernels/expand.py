@@ -435,12 +435,14 @@ def lora_apply_shrink(
     seg_ranks: torch.Tensor | None = None,
     seg_scalings: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    max_split_k: int | None = None,
 ) -> PendingLoRA:
     """The first half of ``lora_apply``: its checks (``out``'s too when given), then the shrink.
 
     Runs on the current stream; ``PendingLoRA.expand_into(out)`` finishes on its own current
     stream, which must be ordered after this one (the runtime overlaps the base projection with
-    the shrink on a side stream this way, see ``LoRABackend.apply_around``).
+    the shrink on a side stream this way, see ``LoRABackend.apply_around``). ``max_split_k``
+    caps the shrink's K splits (default ``MAX_SPLIT_K``).
     """
     fn = "lora_apply"
     b, offsets = check_expand_weights(
@@ -481,6 +483,7 @@ def lora_apply_shrink(
         max_seg_len,
         partials=True,
         rank_by_seg=by_seg,
+        split_cap=max_split_k,
     )
     return PendingLoRA(
         fn=fn,

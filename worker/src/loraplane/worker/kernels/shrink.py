@@ -138,6 +138,7 @@ def launch_shrink(
     y_by_row: bool = False,
     partials: bool = False,
     rank_by_seg: bool = False,
+    split_cap: int | None = None,
 ) -> torch.Tensor:
     """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
 
@@ -153,7 +154,9 @@ def launch_shrink(
     rank_max = weights.shape[1] // num_slices
     hidden = x.shape[1]
     width = weights.shape[1]
-    split_k = split_k_for(grid_blocks * grid_segments * num_slices, hidden, config.block_k)
+    split_k = split_k_for(
+        grid_blocks * grid_segments * num_slices, hidden, config.block_k, split_cap
+    )
     k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(hidden, k_per_split) if hidden > 0 else 1
     alloc = torch.empty if partials else torch.zeros
@@ -286,6 +289,7 @@ def shrink_segments(
     *,
     partials: bool = False,
     rank_by_seg: bool = False,
+    split_cap: int | None = None,
 ) -> torch.Tensor:
     """``launch_shrink`` over the ``(segment blocks, segments, slices)`` grid (checked args)."""
     return launch_shrink(
@@ -302,6 +306,7 @@ def shrink_segments(
         grid_segments=seg_slots.shape[0],
         partials=partials,
         rank_by_seg=rank_by_seg,
+        split_cap=split_cap,
     )
 
 

@@ -48,6 +48,8 @@ class LoRABackend:
                 f"LoRA overlap {overlap!r} is not supported; expected 'auto', 'on' or 'off'"
             )
         self.overlap: Overlap = overlap
+        # K splits of an overlapped shrink (None: the kernels' default cap); see apply_around.
+        self.overlap_split_k: int | None = None
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         if name == "torch":
             from loraplane.worker.kernels import reference
@@ -131,7 +133,10 @@ class LoRABackend:
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
         pending = self.run_aside(
-            x, lambda: self._shrink_for_apply(x, lora_a, lora_b, info, slice_offsets)
+            x,
+            lambda: self._shrink_for_apply(
+                x, lora_a, lora_b, info, slice_offsets, max_split_k=self.overlap_split_k
+            ),
         )
         out = base(x)
         pending.result().expand_into(out)
@@ -162,6 +167,7 @@ class LoRABackend:
         info: LoRABatchInfo,
         slice_offsets: torch.Tensor,
         out: torch.Tensor | None = None,
+        max_split_k: int | None = None,
     ) -> Any:
         """``kernels.lora_apply_shrink`` over ``info``: the shrink launched, the expand pending."""
         return self._kernels.lora_apply_shrink(
@@ -178,6 +184,7 @@ class LoRABackend:
             seg_ranks=info.seg_ranks,
             seg_scalings=info.seg_scalings,
             out=out,
+            max_split_k=max_split_k,
         )
 
     def _overlaps(self, x: torch.Tensor) -> bool:
