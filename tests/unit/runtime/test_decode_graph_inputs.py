@@ -134,3 +134,15 @@ def test_lora_graphs_are_keyed_by_adapter_count_and_longest_segment() -> None:
         ValueError, match="a segment of 20 rows; the graph's segments hold at most 16"
     ):
         static.fill([0] * 20)
+
+
+def test_backend_names_a_bad_kernel_family_or_overlap_mode() -> None:
+    from loraplane.worker.lora.backend import LoRABackend
+
+    with pytest.raises(ValueError, match="LoRA backend 'cuda' is not supported; expected 'triton'"):
+        LoRABackend("cuda")
+    with pytest.raises(ValueError, match="LoRA overlap 'always' is not supported; expected 'auto'"):
+        LoRABackend("triton", overlap="always")  # type: ignore[arg-type]
+    # On the CPU nothing overlaps, whatever the mode: the work runs at once, in order.
+    aside = LoRABackend("torch", overlap="on").run_aside(torch.zeros(1), lambda: 7)
+    assert aside.stream is None and aside.result() == 7
