@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
-from loraplane.worker.engine.graphs import DecodeGraphs, graph_buckets
+from loraplane.worker.engine.graphs import DecodeGraphs, graph_buckets, graphs_enabled
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, decode_batch, prefill_batch
 from loraplane.worker.lora.batch_info import (
     NO_ADAPTER,
@@ -60,8 +60,9 @@ def test_static_padded_step_matches_the_eager_step(runner: ModelRunner, slots: l
     graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
     runner.graphs = graphs
     try:
-        got = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
-        got3 = runner.forward(first_rows(runner, tokens, 3), slots[:3])  # type: ignore[arg-type]
+        # A graph step's logits are a view the next step rewrites: keep copies.
+        got = runner.forward(decode_step(runner, tokens), slots).clone()  # type: ignore[arg-type]
+        got3 = runner.forward(first_rows(runner, tokens, 3), slots[:3]).clone()  # type: ignore[arg-type]
     finally:
         runner.graphs = None
     assert graphs.replays == 2
@@ -83,7 +84,7 @@ def test_repeated_and_alternating_batches_reuse_metadata_correctly(runner: Model
     try:
         for name, slots in (("mixed", mixed), ("mixed", mixed), ("other", other), ("mixed", mixed)):
             got = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
-            torch.testing.assert_close(got, want[name], rtol=0, atol=2e-5, msg=name)
+            torch.testing.assert_close(got, want[name], rtol=0, atol=2e-5, msg=name)  # read now
     finally:
         runner.graphs = None
 
@@ -144,5 +145,43 @@ def test_backend_names_a_bad_kernel_family_or_overlap_mode() -> None:
     with pytest.raises(ValueError, match="LoRA overlap 'always' is not supported; expected 'auto'"):
         LoRABackend("triton", overlap="always")  # type: ignore[arg-type]
     # On the CPU nothing overlaps, whatever the mode: the work runs at once, in order.
-    aside = LoRABackend("torch", overlap="on").run_aside(torch.zeros(1), lambda: 7)
+    aside = LoRABackend("triton", overlap="on").run_aside(torch.zeros(1), lambda: 7)
     assert aside.stream is None and aside.result() == 7
+
+
+def test_graphs_only_where_a_capture_can_hold_the_step() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert graphs_enabled(True, cuda, True, "triton")
+    assert graphs_enabled(True, cuda, True, None)  # no LoRA at all
+    assert not graphs_enabled(False, cuda, True, "triton")  # --no-cuda-graphs
+    assert not graphs_enabled(True, cpu, True, "triton")
+    assert not graphs_enabled(True, cuda, False, "triton")  # TP / DP attention
+    # The torch reference kernels read segment bounds back to the host: never captured.
+    assert not graphs_enabled(True, cuda, True, "torch")
+
+
+def test_a_cpu_runner_never_replays_graphs(runner: ModelRunner) -> None:
+    assert runner.graphs is None
+
+
+def test_a_shape_whose_capture_fails_runs_eagerly_from_then_on(
+    runner: ModelRunner, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    tokens, slots = [11, 12, 13, 14], [0, 1, NO_ADAPTER, 0]
+    want = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    attempts = []
+
+    def broken_capture(bucket, shape):  # type: ignore[no-untyped-def]
+        attempts.append((bucket, shape))
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", broken_capture)
+    runner.graphs = graphs
+    try:
+        for _ in range(2):
+            got = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+            torch.testing.assert_close(got, want, rtol=0, atol=0)  # the eager step, exactly
+    finally:
+        runner.graphs = None
+    assert len(attempts) == 1 and graphs.replays == 0  # tried once, then remembered

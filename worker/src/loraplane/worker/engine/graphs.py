@@ -26,7 +26,8 @@ buffers in place, so captured graphs see new adapters without a recapture.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,11 +55,20 @@ def graph_buckets(max_batch: int) -> list[int]:
     return [b for b in _BUCKETS if b < max_batch] + [max_batch]
 
 
+def graphs_enabled(
+    requested: bool, device: torch.device, single_rank: bool, lora_backend: str | None
+) -> bool:
+    """Whether a runner replays decode steps from graphs: CUDA, one rank, and LoRA (if any)
+    through the Triton kernels. The torch reference kernels read segment bounds back to the
+    host, which a capture cannot do (and would freeze one step's adapter layout)."""
+    return requested and device.type == "cuda" and single_rank and lora_backend in (None, "triton")
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: not captured, each replay runs `forward`
     forward: Callable[[], torch.Tensor]
-    logits: torch.Tensor  # [bucket, vocab], rewritten by every replay
+    logits: torch.Tensor  # [bucket, vocab]: the shared output rows, rewritten by every replay
 
     def replay(self) -> None:
         if self.graph is None:
@@ -85,6 +95,14 @@ class DecodeGraphs:
         self._inputs = torch.zeros(3, top, dtype=torch.int64, device=device)
         self._inputs_host = torch.zeros(3, top, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._logit_rows = torch.arange(top, dtype=torch.int64, device=device)
+        # One output buffer for every graph (outside the pool): a captured step copies its
+        # logits here, so no graph keeps its own [bucket, vocab] block alive in the pool.
+        self._logits = torch.empty(
+            top, runner.model_config.vocab_size, dtype=runner.dtype, device=device
+        )
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device copies
+        self._failed: set[tuple[int, tuple[int, int] | None]] = set()
+        self._stream = torch.cuda.Stream(device) if capture else None  # warm-ups
         self._lora: dict[tuple[int, tuple[int, int]], StaticLoRABatch] = {}
         self._graphs: dict[tuple[int, tuple[int, int] | None], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
@@ -94,24 +112,57 @@ class DecodeGraphs:
         self.replays = 0
 
     def supports(self, batch: ForwardBatch) -> bool:
+        """A pure decode batch (logits of every row, in order) that fits the largest bucket."""
         n = batch.num_tokens
-        return 0 < n <= self.buckets[-1] and batch.is_decode and not batch.dp_token_counts
+        return (
+            0 < n <= self.buckets[-1]
+            and batch.is_decode
+            and not batch.dp_token_counts
+            and batch.logit_rows.numel() == n  # decode batches want every row's logits
+        )
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, batch: ForwardBatch, slots: Sequence[int]) -> torch.Tensor:
-        """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay."""
+    def run(self, batch: ForwardBatch, slots: Sequence[int]) -> torch.Tensor | None:
+        """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay.
+
+        The logits are a view of a buffer that the next step rewrites: read them first. None
+        when this batch's graph could not be captured (the caller runs the step eagerly).
+        """
         n = batch.num_tokens
         bucket = self.bucket_for(n)
+        self._wait_for_last_copies()
         shape = self._lora_shape(slots, bucket)  # None: no adapter in the batch
+        key = (bucket, shape)
+        if key in self._failed:
+            return None
         self._fill(batch, bucket)
-        graph = self._graphs.get((bucket, shape))
+        graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[(bucket, shape)] = self._capture(bucket, shape)
+            try:
+                graph = self._graphs[key] = self._capture(bucket, shape)
+            except Exception:
+                log.exception(
+                    "could not capture a decode graph of %d rows (LoRA shape %s); "
+                    "these steps run eagerly",
+                    bucket,
+                    shape,
+                )
+                self._failed.add(key)
+                return None
         graph.replay()
         self.replays += 1
         return graph.logits[:n]
+
+    def _wait_for_last_copies(self) -> None:
+        """The pinned host buffers are rewritten below: the last step's copies must be done.
+
+        (They always are when the caller read the last logits back; this keeps them safe for a
+        caller that does not.)"""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def _lora_shape(self, slots: Sequence[int], bucket: int) -> tuple[int, int] | None:
         """The LoRA graph shape of ``slots``, with its metadata filled in (None: no adapter).
@@ -142,6 +193,9 @@ class DecodeGraphs:
         host[:, n:] = 0
         host[2, n:] = self.spare_row
         self._inputs[:, :bucket].copy_(host, non_blocking=True)
+        if self.capture:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def _lora_batch(self, bucket: int, shape: tuple[int, int]) -> StaticLoRABatch:
         static = self._lora.get((bucket, shape))
@@ -157,6 +211,19 @@ class DecodeGraphs:
                 max_seg_len=shape[1],
             )
         return static
+
+    @contextmanager
+    def _as_captured(self) -> Iterator[None]:
+        """Overlap the LoRA as a capture would ("auto" overlaps only while capturing)."""
+        backend = self.runner.lora.ctx.backend if self.runner.lora is not None else None
+        if backend is None or backend.overlap != "auto":
+            yield
+            return
+        backend.overlap = "on"
+        try:
+            yield
+        finally:
+            backend.overlap = "auto"
 
     def _static_batch(self, bucket: int) -> ForwardBatch:
         ids, positions, rows = self._inputs[:, :bucket]
@@ -175,25 +242,33 @@ class DecodeGraphs:
         batch = self._static_batch(bucket)
         static = self._lora_batch(bucket, shape) if shape is not None else None
 
+        out = self._logits[:bucket]
+
         def forward() -> torch.Tensor:
+            if runner.lora is not None:
+                runner.lora.reset_batch_state()  # a LoRA-off graph must capture no LoRA work
             if static is not None:
                 assert runner.lora is not None
                 info = static.info()
                 runner.lora.ctx.local = info
                 runner.lora.ctx.global_ = info
             try:
-                return runner.model(batch, runner.kv)  # type: ignore[no-any-return]
+                out.copy_(runner.model(batch, runner.kv))
+                return out
             finally:
                 if runner.lora is not None:
                     runner.lora.reset_batch_state()
 
         if not self.capture:
-            return _Graph(graph=None, forward=forward, logits=torch.empty(0))
+            return _Graph(graph=None, forward=forward, logits=out)
         # The buffers hold this step's values: the warm-up runs and the capture compute this
         # step (KV writes included) and the first replay recomputes it with the same inputs.
-        side = torch.cuda.Stream(runner.device)
+        # Warm-ups take the overlapped LoRA path the capture takes, so every kernel variant
+        # is compiled and loaded before the capture starts.
+        side = self._stream
+        assert side is not None
         side.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self._as_captured():
             for _ in range(2):  # compile kernels and settle the allocator outside the capture
                 forward()
         torch.cuda.current_stream(runner.device).wait_stream(side)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
-from loraplane.worker.engine.graphs import DecodeGraphs
+from loraplane.worker.engine.graphs import DecodeGraphs, graphs_enabled
 from loraplane.worker.lora.adapter import AdapterWeights, load_adapter
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager
@@ -47,7 +47,12 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=dtype, device=self.device, ps=self.ps)
         self.model_config = self.model.config
         self.dtype = self.model.embed_tokens.weight.dtype
-        graphs = config.cuda_graphs and self.device.type == "cuda" and self.ps.is_single
+        graphs = graphs_enabled(
+            config.cuda_graphs,
+            self.device,
+            self.ps.is_single,
+            config.lora_backend if lora is not None else None,
+        )
         attn = self.model.layers[0].self_attn
         self.kv = KVCache(
             self.model_config.num_layers,
@@ -88,7 +93,8 @@ class ModelRunner:
         """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the LoRA slot per token.
 
         `batch` may be on the host (cheapest: a decode step replayed from a CUDA graph copies
-        it into the graph's buffers) or on the runner's device.
+        it into the graph's buffers) or on the runner's device. The logits of a graph step are
+        a view of a buffer the next forward rewrites: read them (`.cpu()`) before that.
 
         Under DP attention every rank calls this once per step, idle or not: the ranks
         exchange their token counts and per-token adapter slots here, so the TP-global
@@ -97,7 +103,9 @@ class ModelRunner:
         ps = self.ps
         slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
         if self.graphs is not None and self.graphs.supports(batch):
-            return self.graphs.run(batch, slots)
+            logits = self.graphs.run(batch, slots)
+            if logits is not None:
+                return logits
         batch = batch.to(self.device)
         global_slots: list[int] | None = None
         if ps.dp_attention and ps.dp_size > 1:

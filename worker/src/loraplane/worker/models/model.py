@@ -252,7 +252,7 @@ class Experts(nn.Module):
         if lora is not None:
             lora.end_down(pending, d)
         # Each token's k pairs are adjacent (pair = token * k + j): a weighted sum over j.
-        weighted = d.view(t, k, -1) * topk_weights.to(d.dtype).unsqueeze(-1)
+        weighted = d.view(t, k, d.shape[-1]) * topk_weights.to(d.dtype).unsqueeze(-1)
         return self.reduce(weighted.sum(dim=1))
 
 
