@@ -185,3 +185,28 @@ def test_a_shape_whose_capture_fails_runs_eagerly_from_then_on(
     finally:
         runner.graphs = None
     assert len(attempts) == 1 and graphs.replays == 0  # tried once, then remembered
+
+
+def test_an_adapter_loaded_between_repeated_steps_is_used(runner: ModelRunner, suite) -> None:  # type: ignore[no-untyped-def]
+    """The metadata cache keeps slots, not weights: a new adapter copied into slot 0 between
+    two steps with the same slots must change the next step like the eager path."""
+    _, adapters = suite["qwen3-moe" if runner.model_config.num_experts else "llama"]
+    manager = runner.lora
+    assert manager is not None
+    tokens, slots = [11, 12, 13, 14], [0, 0, NO_ADAPTER, 1]
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    try:
+        runner.graphs = graphs
+        before = runner.forward(decode_step(runner, tokens), slots).clone()  # type: ignore[arg-type]
+        name, path = adapters[3]
+        manager.load_slot(0, runner.read_adapter(name, path))  # same slots, new weights
+        after = runner.forward(decode_step(runner, tokens), slots).clone()  # type: ignore[arg-type]
+        runner.graphs = None
+        want = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+    finally:
+        runner.graphs = None
+        first_name, first_path = adapters[0]
+        manager.load_slot(0, runner.read_adapter(first_name, first_path))  # restore the fixture
+    torch.testing.assert_close(after, want, rtol=0, atol=2e-5)
+    assert (after[:2] - before[:2]).abs().max() > 1e-3  # slot 0's rows changed
+    torch.testing.assert_close(after[2:], before[2:], rtol=0, atol=2e-5)  # the others did not
