@@ -229,14 +229,15 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         t, k = topk_ids.shape
         pair_token = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
-        pair_expert = topk_ids.reshape(-1)  # [P]
+        # [P] int32: what the routing kernels take (one conversion, shared with the LoRA's).
+        pair_expert = topk_ids.reshape(-1).to(torch.int32)
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
         # The LoRA's routing and shrinks only read x / act: begun before each base GEMM (on a
         # side stream while a CUDA graph is captured), ended by adding into its output.
         pending = lora.begin_gate_up(x, pair_expert, pair_token, k) if lora is not None else None
         if x.device.type == "cuda":
             # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable.
-            routing = kernels.moe_expert_routing(pair_expert.to(torch.int32), self.num_experts)
+            routing = kernels.moe_expert_routing(pair_expert, self.num_experts)
             gu = kernels.moe_grouped_matmul(x, self.w_gate_up, routing, x_row_div=k)
         else:
             gu = self.grouped(x[pair_token], self.w_gate_up, pair_expert)  # [P, 2I]
