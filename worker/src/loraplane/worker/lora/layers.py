@@ -122,6 +122,10 @@ class ColumnLoRA(LoRALayer):
 class RowLoRA(LoRALayer):
     """o_proj or down_proj: A split by input columns; partial output reduced with the base."""
 
+    # Add the LoRA into the residual on one rank (forward_add). A class switch so that one
+    # bench run can compare it on and off (bench/probes/switches.py); on by default.
+    fold_residual = True
+
     def __init__(
         self,
         base: RowParallelLinear,
@@ -173,6 +177,27 @@ class RowLoRA(LoRALayer):
                 self.slice_offsets,
             )
         return self.base_layer.reduce(out)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``; on one rank the LoRA is added into ``residual`` in place.
+
+        The LoRA term then does not wait for the base projection: it runs beside it on the
+        side stream when the backend overlaps (``run_aside``), and only the residual add
+        waits for both. The sum is ``(residual + lora) + base`` on every path (eager, graph,
+        either backend), so graph and eager steps stay bitwise equal. With the layer split
+        over ranks the LoRA term is partial and is reduced with the base output instead.
+        """
+        info = self.ctx.info(self.section)
+        if info is None or self.base_layer.tp_size > 1 or not self.fold_residual:
+            return residual + self(x)
+        backend = self.ctx.backend
+        aside = backend.run_aside(
+            x,
+            lambda: backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, residual),
+        )
+        out = self.base_layer.forward_partial(x)
+        aside.result()
+        return residual + out
 
 
 class ExpertsLoRA(LoRALayer):

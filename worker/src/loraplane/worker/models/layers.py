@@ -150,3 +150,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.forward_partial(x))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``, the residual add that follows o_proj and down_proj.
+
+        A wrapper may first add its own term into ``residual`` in place (the LoRA does, see
+        ``RowLoRA.forward_add``): callers pass a residual that nothing reads again.
+        """
+        return residual + self(x)

@@ -63,7 +63,15 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
         self.scale = config.head_dim**-0.5
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """o_proj's output for the normed ``h``, or ``residual`` plus it when given (see
+        ``RowParallelLinear.forward_add``: ``residual`` may be updated in place)."""
         t = h.shape[0]
         qkv = self.qkv_proj(h)  # [T, (heads + 2 kv_heads) * d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -79,6 +87,8 @@ class Attention(nn.Module):
             k_cache[batch.cache_rows, batch.positions] = k
             v_cache[batch.cache_rows, batch.positions] = v
         out = self._attend(q, batch, k_cache, v_cache)  # [T, heads, d]
+        if residual is not None:
+            return self.o_proj.forward_add(out.reshape(t, q_size), residual)  # type: ignore[no-any-return]
         return self.o_proj(out.reshape(t, q_size))
 
     def _attend(
@@ -156,9 +166,13 @@ class MLP(nn.Module):
             name=f"layers.{layer}.mlp.down_proj",
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """down_proj's output, or ``residual`` plus it (as in ``Attention.forward``)."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.silu(gate) * up
+        if residual is not None:
+            return self.down_proj.forward_add(act, residual)  # type: ignore[no-any-return]
+        return self.down_proj(act)
 
 
 class Experts(nn.Module):
@@ -339,9 +353,12 @@ class CausalLM(nn.Module):
         counts = batch.dp_token_counts or [batch.num_tokens]
         h = self.embed_tokens(batch.input_ids)  # [T_local, H]
         for layer in self.layers:
-            a = layer.self_attn(layer.input_layernorm(h), batch, kv)
-            h = h + a
+            # h is fresh each step (embedding or an add), so the residual adds may update it.
+            h = layer.self_attn(layer.input_layernorm(h), batch, kv, residual=h)
             g = self._dp_gather(h, counts)  # [T_global, H]
+            if g is h and isinstance(layer.mlp, MLP):
+                h = layer.mlp(layer.post_attention_layernorm(h), residual=h)
+                continue
             m = layer.mlp(layer.post_attention_layernorm(g))
             h = h + self._dp_local(m, counts)
         h = self.norm(h[batch.logit_rows])  # [L_local, H]

@@ -1,0 +1,35 @@
+"""Probe: the decode bench with the runtime's performance switches set (CUDA).
+
+    python bench/probes/switches.py pdl=0,fold=1,split=8 OUT.json [decode bench args...]
+
+``pdl``: programmatic dependent launch of the dense LoRA kernels
+(``_triton_utils.PDL_ENABLED``); ``fold``: o/down LoRA added into the residual
+(``RowLoRA.fold_residual``); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``). Unset
+switches keep their defaults, so one device call can compare settings (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from loraplane.worker.bench import decode
+from loraplane.worker.kernels import _triton_utils
+from loraplane.worker.lora.layers import RowLoRA
+
+
+def apply_switches(spec: str) -> None:
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key == "pdl":
+            _triton_utils.PDL_ENABLED = value == "1"
+        elif key == "fold":
+            RowLoRA.fold_residual = value == "1"
+        elif key == "split":
+            _triton_utils.MAX_SPLIT_K = int(value)
+        else:
+            raise SystemExit(f"unknown switch {key!r}: expected pdl, fold or split")
+
+
+if __name__ == "__main__":
+    apply_switches(sys.argv[1])
+    sys.exit(decode.main(["--out", sys.argv[2], *sys.argv[3:]]))
