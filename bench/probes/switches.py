@@ -1,9 +1,8 @@
 """Probe: the decode bench with the runtime's performance switches set (CUDA).
 
-    python bench/probes/switches.py pdl=0,fold=1,split=8 OUT.json [decode bench args...]
+    python bench/probes/switches.py fold=1,split=8 OUT.json [decode bench args...]
 
-``pdl``: programmatic dependent launch of the dense LoRA kernels
-(``_triton_utils.PDL_ENABLED``); ``fold``: o/down LoRA added into the residual
+``fold``: o/down LoRA added into the residual
 (``RowLoRA.fold_residual``); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``). Unset
 switches keep their defaults, so one device call can compare settings (docs/performance.md).
 """
@@ -20,14 +19,12 @@ from loraplane.worker.lora.layers import RowLoRA
 def apply_switches(spec: str) -> None:
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
-        if key == "pdl":
-            _triton_utils.PDL_ENABLED = value == "1"
-        elif key == "fold":
+        if key == "fold":
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected pdl, fold or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ syncs, so they can run inside CUDA-graph capture.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,25 +130,6 @@ TARGET_PROGRAMS = 264
 # with CUDA graphs, 4 adapters (bench/probes/switches.py split=N): cap 16 -> 0.890/0.895/0.883 of
 # LoRA-off at bs 16/64/128, cap 8 -> 0.886/0.906/0.912, cap 4 -> 0.883/0.902/0.908.
 MAX_SPLIT_K = 8
-
-
-# Programmatic dependent launch (sm90+) for the dense decode LoRA kernels; see ``pdl_for``.
-# A module switch, like MAX_SPLIT_K, so that one bench run can compare it on and off.
-PDL_ENABLED = True
-
-
-def pdl_for(device: torch.device) -> bool:
-    """Launch with programmatic dependent launch on ``device``?
-
-    With it, a kernel may start while the kernel before it on its stream is still running:
-    it reads its segment metadata and LoRA weights (written long before the forward's
-    projections) and waits (``griddepcontrol.wait``) before it reads activations or writes
-    anything, and it lets the next kernel start the same way. Needs a CUDA device of compute
-    capability 9.0 or newer and compiled Triton (the interpreter has no ``griddepcontrol``).
-    """
-    if not PDL_ENABLED or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return bool(torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None) -> int:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
@@ -63,10 +62,7 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_for)
 ):
-    if PDL:
-        gdc_launch_dependents()
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
         blk = tl.load(tile_blk_ptr + tl.program_id(0))
@@ -107,8 +103,6 @@ def _lora_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_mask = offs_r < rank  # columns of B at or beyond the rank are never read
     b_base = b_ptr + weight_slot * b_stride_slot
-    if PDL:
-        gdc_wait()  # the metadata is older than the kernel before; y and out may not be
 
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
     for i in tl.static_range(NUM_SLICES):
@@ -159,7 +153,6 @@ def launch_expand(
     weights_per_slot: int = 1,
     y_by_row: bool = False,
     rank_by_seg: bool = False,
-    pdl: bool = False,
 ) -> None:
     """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``.
 
@@ -202,9 +195,7 @@ def launch_expand(
         BLOCK_R=config.block_r,
         BLOCK_N=config.block_n,
         RANK_BY_SEG=rank_by_seg,
-        PDL=pdl,
         num_warps=config.num_warps,
-        **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -326,7 +317,6 @@ def expand_segments(
     max_seg_len: int,
     *,
     rank_by_seg: bool = False,
-    pdl: bool = False,
 ) -> None:
     """``launch_expand`` over the ``(segment blocks, segments, column blocks)`` grid (checked args)."""
     config = expand_config(max_seg_len, lora_b.shape[2], lora_b.shape[1])
@@ -344,7 +334,6 @@ def expand_segments(
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
         rank_by_seg=rank_by_seg,
-        pdl=pdl,
     )
 
 
@@ -411,7 +400,6 @@ class PendingLoRA:
     max_seg_len: int
     rank_by_seg: bool
     checked_out: torch.Tensor | None = None
-    pdl: bool = False
 
     def expand_into(self, out: torch.Tensor) -> None:
         """``out [rows, N_total] += s * y B`` per segment (checks ``out``, then one launch)."""
@@ -429,7 +417,6 @@ class PendingLoRA:
             self.slice_offsets,
             self.max_seg_len,
             rank_by_seg=self.rank_by_seg,
-            pdl=self.pdl,
         )
 
 
@@ -449,16 +436,13 @@ def lora_apply_shrink(
     seg_scalings: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     max_split_k: int | None = None,
-    pdl: bool = False,
 ) -> PendingLoRA:
     """The first half of ``lora_apply``: its checks (``out``'s too when given), then the shrink.
 
     Runs on the current stream; ``PendingLoRA.expand_into(out)`` finishes on its own current
     stream, which must be ordered after this one (the runtime overlaps the base projection with
     the shrink on a side stream this way, see ``LoRABackend.apply_around``). ``max_split_k``
-    caps the shrink's K splits (default ``MAX_SPLIT_K``). ``pdl=True`` launches both kernels
-    with programmatic dependent launch (``_triton_utils.pdl_for``): only for segment
-    metadata and weights written before the kernel preceding the shrink on its stream.
+    caps the shrink's K splits (default ``MAX_SPLIT_K``).
     """
     fn = "lora_apply"
     b, offsets = check_expand_weights(
@@ -500,7 +484,6 @@ def lora_apply_shrink(
         partials=True,
         rank_by_seg=by_seg,
         split_cap=max_split_k,
-        pdl=pdl,
     )
     return PendingLoRA(
         fn=fn,
@@ -516,7 +499,6 @@ def lora_apply_shrink(
         max_seg_len=max_seg_len,
         rank_by_seg=by_seg,
         checked_out=out,
-        pdl=pdl,
     )
 
 

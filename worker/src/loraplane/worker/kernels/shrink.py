@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
@@ -61,10 +60,7 @@ def _lora_shrink_kernel(
     SPLIT_K: tl.constexpr,  # > 1: each program sums K_PER_SPLIT columns into an fp32 partial
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (see pdl_for)
 ):
-    if PDL:
-        gdc_launch_dependents()
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
         blk = tl.load(tile_blk_ptr + tl.program_id(0))
@@ -87,8 +83,6 @@ def _lora_shrink_kernel(
         rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
     if rank <= 0:
         return
-    if PDL:
-        gdc_wait()  # the metadata is older than the kernel before; x and y may not be
 
     offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
     s_mask = offs_s < seg_end
@@ -145,7 +139,6 @@ def launch_shrink(
     partials: bool = False,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
 
@@ -203,9 +196,7 @@ def launch_shrink(
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
-        PDL=pdl,
         num_warps=config.num_warps,
-        **({"launch_pdl": True} if pdl else {}),
     )
     if split_k == 1 or partials:
         return y
@@ -299,7 +290,6 @@ def shrink_segments(
     partials: bool = False,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """``launch_shrink`` over the ``(segment blocks, segments, slices)`` grid (checked args)."""
     return launch_shrink(
@@ -317,7 +307,6 @@ def shrink_segments(
         partials=partials,
         rank_by_seg=rank_by_seg,
         split_cap=split_cap,
-        pdl=pdl,
     )
 
 

@@ -19,7 +19,6 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from loraplane.worker.kernels._triton_utils import pdl_for
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 Overlap = Literal["auto", "on", "off"]
@@ -186,7 +185,6 @@ class LoRABackend:
             seg_scalings=info.seg_scalings,
             out=out,
             max_split_k=max_split_k,
-            pdl=pdl_for(x.device),
         )
 
     def _overlaps(self, x: torch.Tensor) -> bool:
