@@ -1,10 +1,9 @@
 """Probe: the decode bench with the runtime's performance switches set (CUDA).
 
-    python bench/probes/switches.py fold=1,fused=aside,split=8 OUT.json [decode bench args...]
+    python bench/probes/switches.py fold=1,split=8 OUT.json [decode bench args...]
 
 ``fold``: o/down LoRA added into the residual
-(``RowLoRA.fold_residual``); ``fused``: where the single-launch LoRA kernel runs, off, aside
-or all (``LoRABackend.fused``, set on every backend the bench makes); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``). Unset
+(``RowLoRA.fold_residual``); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``). Unset
 switches keep their defaults, so one device call can compare settings (docs/performance.md).
 """
 
@@ -14,7 +13,6 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils
-from loraplane.worker.lora.backend import LoRABackend
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -23,12 +21,10 @@ def apply_switches(spec: str) -> None:
         key, _, value = item.partition("=")
         if key == "fold":
             RowLoRA.fold_residual = value == "1"
-        elif key == "fused":
-            LoRABackend.fused = value  # type: ignore[assignment]
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, fused or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

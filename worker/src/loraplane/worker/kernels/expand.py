@@ -19,7 +19,6 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ExpandConfig,
-    ShrinkConfig,
     check_dim,
     check_max_seg_len,
     check_same_dtype,
@@ -446,24 +445,30 @@ def lora_apply_shrink(
     caps the shrink's K splits (default ``MAX_SPLIT_K``).
     """
     fn = "lora_apply"
-    b, offsets, positions, shrink_cfg = check_apply_operands(
-        fn,
-        x,
-        lora_a,
-        lora_b,
-        seg_indptr,
-        seg_slots,
-        slot_ranks,
-        slot_scalings,
-        row_order,
-        slice_offsets,
-        out,
-        max_seg_len,
+    b, offsets = check_expand_weights(
+        fn, lora_b, slot_scalings, slice_offsets, x.device, x.dtype, "x", weight_ndim=3
     )
     num_slices = offsets.shape[0] - 1
-    check_seg_ranks(fn, x.device, seg_slots, seg_ranks, seg_scalings)
+    positions, shrink_cfg = check_shrink_operands(
+        fn, x, lora_a, seg_indptr, seg_slots, slot_ranks, row_order, num_slices, max_seg_len
+    )
+    check_dim(fn, "lora_b", b, 2, lora_a.shape[1] // num_slices, "the max rank of lora_a per slice")
+    check_dim(fn, "lora_b", b, 0, lora_a.shape[0], "one weight slot per slot of lora_a")
+    if (seg_ranks is None) != (seg_scalings is None):
+        raise ValueError(f"{fn}: give seg_ranks and seg_scalings together, or neither")
     if seg_ranks is not None and seg_scalings is not None:
+        num_segs = seg_slots.shape[0]
+        for name, value, dtype in (
+            ("seg_ranks", seg_ranks, torch.int32),
+            ("seg_scalings", seg_scalings, torch.float32),
+        ):
+            t = check_tensor(
+                fn, name, value, ndim=1, dtypes=(dtype,), device=x.device, contiguous=True
+            )
+            check_dim(fn, name, t, 0, num_segs, "one per segment: len(seg_slots)")
         slot_ranks, slot_scalings = seg_ranks, seg_scalings
+    if out is not None:
+        check_apply_out(fn, out, b, x.shape[0], x.device)
     by_seg = seg_ranks is not None
     y = shrink_segments(
         x,
@@ -495,57 +500,6 @@ def lora_apply_shrink(
         rank_by_seg=by_seg,
         checked_out=out,
     )
-
-
-def check_apply_operands(
-    fn: str,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    seg_indptr: torch.Tensor,
-    seg_slots: torch.Tensor,
-    ranks: torch.Tensor,
-    scalings: torch.Tensor,
-    row_order: torch.Tensor | None,
-    slice_offsets: torch.Tensor,
-    out: torch.Tensor | None,
-    max_seg_len: int,
-) -> tuple[torch.Tensor, torch.Tensor, int, ShrinkConfig]:
-    """Checks of ``lora_apply``'s operands (``out`` when given); returns
-    (B, slice offsets, positions, the shrink's config). ``ranks``/``scalings`` are checked
-    per slot of the weight buffer here; per-segment ones are checked by the caller."""
-    b, offsets = check_expand_weights(
-        fn, lora_b, scalings, slice_offsets, x.device, x.dtype, "x", weight_ndim=3
-    )
-    num_slices = offsets.shape[0] - 1
-    positions, shrink_cfg = check_shrink_operands(
-        fn, x, lora_a, seg_indptr, seg_slots, ranks, row_order, num_slices, max_seg_len
-    )
-    check_dim(fn, "lora_b", b, 2, lora_a.shape[1] // num_slices, "the max rank of lora_a per slice")
-    check_dim(fn, "lora_b", b, 0, lora_a.shape[0], "one weight slot per slot of lora_a")
-    if out is not None:
-        check_apply_out(fn, out, b, x.shape[0], x.device)
-    return b, offsets, positions, shrink_cfg
-
-
-def check_seg_ranks(
-    fn: str,
-    device: torch.device,
-    seg_slots: torch.Tensor,
-    seg_ranks: object,
-    seg_scalings: object,
-) -> None:
-    """``seg_ranks``/``seg_scalings``: both or neither; int32/float32 ``[S]`` on ``device``."""
-    if (seg_ranks is None) != (seg_scalings is None):
-        raise ValueError(f"{fn}: give seg_ranks and seg_scalings together, or neither")
-    if seg_ranks is None:
-        return
-    for name, value, dtype in (
-        ("seg_ranks", seg_ranks, torch.int32),
-        ("seg_scalings", seg_scalings, torch.float32),
-    ):
-        t = check_tensor(fn, name, value, ndim=1, dtypes=(dtype,), device=device, contiguous=True)
-        check_dim(fn, name, t, 0, seg_slots.shape[0], "one per segment: len(seg_slots)")
 
 
 def check_apply_out(

@@ -22,7 +22,6 @@ import torch
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 Overlap = Literal["auto", "on", "off"]
-Fused = Literal["off", "aside", "all"]
 T = TypeVar("T")
 
 
@@ -42,13 +41,6 @@ class Aside(Generic[T]):
 
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
-
-    # One cooperative launch for a decode LoRA (kernels/fused.py) where the layer gives a
-    # barrier buffer: "aside" only where the whole LoRA runs beside the base projection (o/down
-    # folded into the residual), "all" also after qkv/gate_up instead of overlapping their
-    # shrink, "off" never. A class default, so that a bench can switch it for every backend it
-    # makes (bench/probes/switches.py); docs/performance.md has the measurements.
-    fused: Fused = "aside"
 
     def __init__(self, name: str, overlap: Overlap = "auto") -> None:
         if overlap not in ("auto", "on", "off"):
@@ -118,40 +110,13 @@ class LoRABackend:
         info: LoRABatchInfo,
         slice_offsets: torch.Tensor,
         out: torch.Tensor,
-        barrier: torch.Tensor | None = None,
     ) -> None:
-        """``out += s * (x A) B`` per token's own slot: ``expand(shrink(x))``, fused where it pays.
-
-        ``barrier`` (int32 ``[2]`` zeros, owned by the calling layer) allows the single-launch
-        kernel at decode on CUDA (``kernels/fused.py``) unless ``fused`` is "off"."""
+        """``out += s * (x A) B`` per token's own slot: ``expand(shrink(x))``, fused where it pays."""
         if self.name == "torch":
             y = self.shrink(x, lora_a, info, slice_offsets.shape[0] - 1)
             self.expand(y, lora_b, info, slice_offsets, out)
             return
-        if barrier is not None and self._fuses(x, info):
-            self._kernels.lora_apply_fused(
-                x,
-                lora_a,
-                lora_b,
-                info.seg_indptr,
-                info.seg_slots,
-                info.slot_ranks,
-                info.slot_scalings,
-                info.row_order,
-                slice_offsets,
-                out,
-                info.max_seg_len,
-                seg_ranks=info.seg_ranks,
-                seg_scalings=info.seg_scalings,
-                barrier=barrier,
-            )
-            return
         self._shrink_for_apply(x, lora_a, lora_b, info, slice_offsets, out).expand_into(out)
-
-    def _fuses(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
-        if self.fused == "off" or info.seg_ranks is None:
-            return False
-        return bool(self._kernels.fused_apply_supported(x))
 
     def apply_around(
         self,
@@ -161,15 +126,11 @@ class LoRABackend:
         lora_b: torch.Tensor,
         info: LoRABatchInfo,
         slice_offsets: torch.Tensor,
-        barrier: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``base(x)`` plus the LoRA of ``apply``; the shrink overlaps ``base`` when it pays.
-
-        With ``fused == "all"`` a fusable LoRA runs in one launch after ``base`` instead."""
-        fuse_after = self.fused == "all" and barrier is not None and self._fuses(x, info)
-        if fuse_after or not self._overlaps(x):
+        """``base(x)`` plus the LoRA of ``apply``; the shrink overlaps ``base`` when it pays."""
+        if not self._overlaps(x):
             out = base(x)
-            self.apply(x, lora_a, lora_b, info, slice_offsets, out, barrier)
+            self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
         pending = self.run_aside(
             x,

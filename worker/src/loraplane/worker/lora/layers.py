@@ -25,11 +25,6 @@ from loraplane.worker.models.model import Experts
 Section = Literal["local", "global"]
 
 
-def fused_barrier(device: torch.device) -> torch.Tensor:
-    """The grid-barrier counters of a layer's single-launch LoRA kernel (kernels/fused.py)."""
-    return torch.zeros(2, dtype=torch.int32, device=device)
-
-
 class LoRAContext:
     """Per-forward LoRA state shared by every wrapper of one model."""
 
@@ -97,7 +92,6 @@ class ColumnLoRA(LoRALayer):
             num_slots, base.local_offsets[-1], max_rank, dtype=w.dtype, device=w.device
         )
         self.slice_offsets = torch.tensor(base.local_offsets, dtype=torch.int32, device=w.device)
-        self.barrier = fused_barrier(w.device)
 
     def set_slot(
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
@@ -121,7 +115,7 @@ class ColumnLoRA(LoRALayer):
         if info is None:
             return self.base_layer(x)  # type: ignore[no-any-return]
         return self.ctx.backend.apply_around(
-            x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets, self.barrier
+            x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
         )  # [T, out_local]
 
 
@@ -154,7 +148,6 @@ class RowLoRA(LoRALayer):
         self.slice_offsets = torch.tensor(
             [0, base.out_features], dtype=torch.int32, device=w.device
         )
-        self.barrier = fused_barrier(w.device)
 
     def set_slot(
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
@@ -182,7 +175,6 @@ class RowLoRA(LoRALayer):
                 self.lora_b,
                 info,
                 self.slice_offsets,
-                self.barrier,
             )
         return self.base_layer.reduce(out)
 
@@ -201,9 +193,7 @@ class RowLoRA(LoRALayer):
         backend = self.ctx.backend
         aside = backend.run_aside(
             x,
-            lambda: backend.apply(
-                x, self.lora_a, self.lora_b, info, self.slice_offsets, residual, self.barrier
-            ),
+            lambda: backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, residual),
         )
         out = self.base_layer.forward_partial(x)
         aside.result()
