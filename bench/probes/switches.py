@@ -3,7 +3,9 @@
     python bench/probes/switches.py fold=1,split=8 OUT.json [decode bench args...]
 
 ``fold``: o/down LoRA added into the residual
-(``RowLoRA.fold_residual``); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``). Unset
+(``RowLoRA.fold_residual``); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``); ``rows16``: segments up to this many
+rows get 16-row blocks (``SMALL_BLOCK_UPTO``); ``expn``: the expand's columns per program
+(``EXPAND_BLOCK_N``). Unset
 switches keep their defaults, so one device call can compare settings (docs/performance.md).
 """
 
@@ -21,10 +23,14 @@ def apply_switches(spec: str) -> None:
         key, _, value = item.partition("=")
         if key == "fold":
             RowLoRA.fold_residual = value == "1"
+        elif key == "rows16":
+            _triton_utils.SMALL_BLOCK_UPTO = int(value)
+        elif key == "expn":
+            _triton_utils.EXPAND_BLOCK_N = int(value)
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold, rows16, expn or split")
 
 
 if __name__ == "__main__":
