@@ -29,7 +29,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   engine orders them, and ``4s``: 4 adapters with the LoRA shrink serial after the base
   projection (``LoRABackend.overlap="off"``; the other variants overlap it on a side stream
   whenever a graph is captured, the backend's default); ``--split-variants 4k1,...``: N
-  adapters with the overlapped shrink's K splits capped at C (``overlap_split_k``).
+  adapters with the overlapped shrink's K splits capped at C (``overlap_split_k``: qkv and
+  gate_up; on one rank the o/down LoRA runs wholly aside, folded into the residual, at the
+  default cap).
   The manager is attached once and swapped in and out of the model (``_LoRASwitch``), so every
   variant runs on the same weights. Adapters: rank ``rank``, every linear target (q, k, v, o,
   gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
