@@ -29,7 +29,7 @@ from loraplane.controlplane.api import (
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.deps import Services
 from loraplane.controlplane.errors import ApiError
-from loraplane.controlplane.events import make_bus
+from loraplane.controlplane.events import close_within, make_bus
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
@@ -123,9 +123,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
+            # Each step is bounded (events.CLOSE_TIMEOUT_S): a stuck socket never hangs shutdown.
             await reconciler.close()
             await bus.close()
-            await http.aclose()
+            await close_within(http.aclose(), "worker HTTP client")
             db.close()
 
     app = FastAPI(

@@ -25,6 +25,40 @@ CHANNEL = "loraplane:events"
 log = logging.getLogger(__name__)
 
 
+# How long shutdown waits for a background task to stop or a connection to close; past it the
+# step is logged and skipped, so a stuck Redis or worker socket can never hang a shutdown.
+CLOSE_TIMEOUT_S = 5.0
+
+
+async def stop_tasks(tasks: list[asyncio.Task[None]], what: str) -> None:
+    """Cancel ``tasks`` and wait for them, at most ``CLOSE_TIMEOUT_S``; log the ones left."""
+    live = [t for t in tasks if not t.done()]
+    for task in live:
+        task.cancel()
+    if not live:
+        return
+    _, pending = await asyncio.wait(live, timeout=CLOSE_TIMEOUT_S)
+    for task in pending:
+        log.warning(
+            "%s: task %s did not stop within %.0f s of being cancelled; leaving it",
+            what,
+            task.get_name(),
+            CLOSE_TIMEOUT_S,
+        )
+
+
+async def close_within(step: Any, what: str) -> None:
+    """Await the closing coroutine ``step`` for at most ``CLOSE_TIMEOUT_S``; log a timeout or
+    an error instead of raising (shutdown goes on with the next step)."""
+    try:
+        async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            await step
+    except TimeoutError:
+        log.warning("%s did not close within %.0f s; going on", what, CLOSE_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("%s failed to close: %r", what, exc)
+
+
 def default_replica_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -126,13 +160,8 @@ class RedisEventBus(EventBus):
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        with contextlib.suppress(Exception):
-            await self._redis.aclose()
+        await stop_tasks(self._tasks, "event bus")
+        await close_within(self._redis.aclose(), "event bus redis client")
 
     async def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
         event = await super().publish(type_, **fields)
@@ -165,8 +194,9 @@ class RedisEventBus(EventBus):
         while True:
             if not self._pending:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self._retry_s * 4)
+                with contextlib.suppress(TimeoutError):  # asyncio.timeout: see Reconciler._loop
+                    async with asyncio.timeout(self._retry_s * 4):
+                        await self._wake.wait()
                 if not self._pending:
                     continue
             event = self._pending[0]
@@ -203,8 +233,7 @@ class RedisEventBus(EventBus):
                 self._set_up(False)
                 await asyncio.sleep(self._retry_s)
             finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await close_within(pubsub.aclose(), "event bus subscription")  # type: ignore[no-untyped-call]
 
 
 def make_bus(redis_url: str | None, metrics: Metrics | None, replica_id: str | None) -> EventBus:

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 
 from loraplane.controlplane.db import Database
-from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.events import EventBus, stop_tasks
 from loraplane.controlplane.metrics import (
     ADAPTER_PHASES,
     PLACEMENT_STATES,
@@ -67,11 +67,9 @@ class Reconciler:
         self._events_task = asyncio.create_task(self._listen(), name="reconciler-events")
 
     async def close(self) -> None:
-        for task in (self._task, self._events_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        await stop_tasks(
+            [t for t in (self._task, self._events_task) if t is not None], "reconciler"
+        )
 
     async def _listen(self) -> None:
         async with self.bus.subscribe() as queue:
@@ -95,8 +93,11 @@ class Reconciler:
                 self.metrics.reconcile_passes.labels("error").inc()
                 log.exception("reconcile pass failed")
             self._wake.clear()
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # lands as the wait ends, and the loop would outlive close() (a hung shutdown).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.interval_s)
+                async with asyncio.timeout(self.interval_s):
+                    await self._wake.wait()
 
     async def reconcile_all(self) -> None:
         # several replicas: one reconciles at a time (a Redis lock that outlives a few passes)

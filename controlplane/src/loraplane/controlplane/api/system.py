@@ -42,7 +42,8 @@ async def events(request: Request, services: ServicesDep, principal: Reader) -> 
             yield b": subscribed\n\n"
             while not await request.is_disconnected():
                 try:
-                    event = await asyncio.wait_for(queue.get(), timeout=1.0)
+                    async with asyncio.timeout(1.0):  # not wait_for: see Reconciler._loop
+                        event = await queue.get()
                 except TimeoutError:
                     yield b": keepalive\n\n"
                     continue
