@@ -37,7 +37,10 @@ async def stop_tasks(tasks: list[asyncio.Task[None]], what: str) -> None:
         task.cancel()
     if not live:
         return
-    _, pending = await asyncio.wait(live, timeout=CLOSE_TIMEOUT_S)
+    done, pending = await asyncio.wait(live, timeout=CLOSE_TIMEOUT_S)
+    for task in done:  # a loop that died of an error was logged by it; mark it retrieved
+        if not task.cancelled():
+            task.exception()
     for task in pending:
         log.warning(
             "%s: task %s did not stop within %.0f s of being cancelled; leaving it",
