@@ -2,11 +2,15 @@
 
     python bench/probes/switches.py fold=1,split=8 OUT.json [decode bench args...]
 
-``fold``: o/down LoRA added into the residual
-(``RowLoRA.fold_residual``); ``split``: the shrink's K-split cap (``MAX_SPLIT_K``); ``rows16``: segments up to this many
-rows get 16-row blocks (``SMALL_BLOCK_UPTO``); ``expn``: the expand's columns per program
-(``EXPAND_BLOCK_N``). Unset
-switches keep their defaults, so one device call can compare settings (docs/performance.md).
+Switches (unset ones keep their defaults, so one device call can compare settings; see
+docs/performance.md):
+
+- ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
+- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``);
+- ``rows16``: segments up to this many rows get 16-row blocks (``SMALL_BLOCK_UPTO``);
+- ``expn``: the expand's output columns per program (``EXPAND_BLOCK_N``).
+
+Name OUT without ``=`` or ``,``: the device tool does not bring such files back.
 """
 
 from __future__ import annotations
