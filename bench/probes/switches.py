@@ -6,9 +6,10 @@ Switches (unset ones keep their defaults, so one device call can compare setting
 docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
-- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``);
-- ``rows16``: segments up to this many rows get 16-row blocks (``SMALL_BLOCK_UPTO``);
-- ``expn``: the expand's output columns per program (``EXPAND_BLOCK_N``).
+- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``).
+
+(Session 4 also switched 16-row blocks up to 128-row segments and 64-column expands here, at
+70e3e2d: within noise of the defaults, so those switches were removed again.)
 
 Name OUT without ``=`` or ``,``: the device tool does not bring such files back.
 """
@@ -27,14 +28,10 @@ def apply_switches(spec: str) -> None:
         key, _, value = item.partition("=")
         if key == "fold":
             RowLoRA.fold_residual = value == "1"
-        elif key == "rows16":
-            _triton_utils.SMALL_BLOCK_UPTO = int(value)
-        elif key == "expn":
-            _triton_utils.EXPAND_BLOCK_N = int(value)
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, rows16, expn or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -50,7 +50,7 @@ async def stop_tasks(tasks: list[asyncio.Task[None]], what: str) -> None:
         )
 
 
-async def close_within(step: Any, what: str) -> None:
+async def close_within(step: Awaitable[Any], what: str) -> None:
     """Await the closing coroutine ``step`` for at most ``CLOSE_TIMEOUT_S``; log a timeout or
     an error instead of raising (shutdown goes on with the next step)."""
     try:

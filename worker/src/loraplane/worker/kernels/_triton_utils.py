@@ -100,14 +100,9 @@ class ExpandConfig:
     num_warps: int
 
 
-# Segments up to this many rows get 16-row blocks (more, shorter programs). A module switch,
-# like MAX_SPLIT_K, so that one bench run can compare values (bench/probes/switches.py).
-SMALL_BLOCK_UPTO = 16
-
-
 def segment_block(max_seg_len: int) -> int:
     """Rows per program: 16 covers decode (segments of a few tokens), larger for prefill."""
-    if max_seg_len <= max(16, SMALL_BLOCK_UPTO):
+    if max_seg_len <= 16:
         return 16
     if max_seg_len <= 32:
         return 32
@@ -151,14 +146,10 @@ def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None
     return max(1, min(k_blocks, cap, -(-TARGET_PROGRAMS // programs)))
 
 
-# Output columns per expand program at ranks <= 64 (a switch, as SMALL_BLOCK_UPTO).
-EXPAND_BLOCK_N = 128
-
-
 def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:
     """Fixed configs: one rank tile (whole rank), ``block_n`` output columns per program."""
     block_s = segment_block(max_seg_len)
     block_r = rank_block(rank_max)
-    block_n = EXPAND_BLOCK_N if block_r <= 64 else 64
+    block_n = 128 if block_r <= 64 else 64
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
     return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=4)
