@@ -25,6 +25,7 @@ __all__ = [
     "moe_lora_expand",
     "moe_lora_routing",
     "moe_lora_shrink",
+    "silu_and_mul",
 ]
 
 _TRITON_EXPORTS = {
@@ -40,6 +41,7 @@ _TRITON_EXPORTS = {
     "moe_lora_expand": "loraplane.worker.kernels.moe",
     "moe_expert_routing": "loraplane.worker.kernels.experts",
     "moe_grouped_matmul": "loraplane.worker.kernels.experts",
+    "silu_and_mul": "loraplane.worker.kernels.swiglu",
 }
 
 

@@ -21,12 +21,14 @@ Layouts (see ``docs/kernels.md``):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "lora_expand",
     "lora_shrink",
     "moe_lora_expand",
     "moe_lora_shrink",
+    "silu_and_mul",
 ]
 
 
@@ -198,3 +200,9 @@ def moe_lora_expand(
             b = lora_b[slot, expert, lo:hi, :rank].float()  # [hi - lo, rank]
             delta = scalings[slot] * (ys @ b.T)  # [group_len, hi - lo]
             out[pairs, lo:hi] = (out[pairs, lo:hi].float() + delta).to(out.dtype)
+
+
+def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu [T, 2I]`` (gate | up), in fp32 and rounded once: ``[T, I]``."""
+    gate, up = gu.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gu.dtype)

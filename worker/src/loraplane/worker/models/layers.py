@@ -57,6 +57,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of ``gu [T, 2I]`` (gate | up): one Triton kernel on CUDA (``kernels/swiglu.py``,
+    fp32 math, one rounding); torch's ``silu`` then ``mul`` on the CPU."""
+    if gu.is_cuda:
+        from loraplane.worker import kernels
+
+        return kernels.silu_and_mul(gu)  # type: ignore[no-any-return]
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def split_evenly(size: int, parts: int, what: str) -> int:
     if size % parts:
         raise ConfigError(
@@ -114,6 +125,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a (gate, up) stack such as gate_up_proj: ``[T, I_local]``."""
+        return silu_mul(self(x))
 
 
 class RowParallelLinear(nn.Module):

@@ -168,8 +168,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down_proj's output, or ``residual`` plus it (as in ``Attention.forward``)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        # With LoRA on CUDA, gate_up's expand is fused into the activation (kernels/swiglu.py).
+        act = self.gate_up_proj.forward_silu_mul(x)
         if residual is not None:
             return self.down_proj.forward_add(act, residual)  # type: ignore[no-any-return]
         return self.down_proj(act)
