@@ -6,8 +6,7 @@ Switches (unset ones keep their defaults, so one device call can compare setting
 docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
-- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``);
-- ``fuse``: gate_up's expand fused into SwiGLU (``LoRABackend.fuse_silu_mul``: auto, on, off).
+- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``).
 
 (Session 4 also switched 16-row blocks up to 128-row segments and 64-column expands here, at
 70e3e2d: within noise of the defaults, so those switches were removed again.)
@@ -21,7 +20,6 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils
-from loraplane.worker.lora.backend import LoRABackend
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -32,12 +30,8 @@ def apply_switches(spec: str) -> None:
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
-        elif key == "fuse" and value in ("auto", "on", "off"):
-            LoRABackend.fuse_silu_mul = value  # type: ignore[assignment]
         else:
-            raise SystemExit(
-                f"unknown switch {item!r}: expected fold=0|1, split=N or fuse=auto|on|off"
-            )
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ so segments are gathered through ``row_order``; MoE: uniform random top-k routin
 their token's adapter) and times, with CUDA events (``triton.testing.do_bench``, median, L2
 flushed before each repetition):
 
-* ``shrink_us``, ``expand_us`` (and ``routing_us`` for MoE): the Triton kernels;
+* ``shrink_us``, ``expand_us`` (and ``routing_us`` for MoE): the Triton kernels as the runtime
+  launches them. Dense: ``lora_apply_shrink`` (one launch, split-K partials in fp32) and
+  ``PendingLoRA.expand_into`` (one launch, sums the partials). Results before session 5 timed
+  the standalone ``lora_shrink`` instead, which adds a zero fill and a partial-sum kernel;
 * ``ref_us``: the torch reference (shrink + expand, host clock with a sync; it reads device
   tensors back by design);
 * ``dense_us``: the base projection of the same size through cuBLAS, ``x @ W^T`` with
@@ -173,15 +176,26 @@ def run_case(
         seg3 = (info.seg_indptr, info.seg_slots, info.slot_ranks)
         ro = info.row_order
         out = _randn((tokens, N), 1.0, dtype, device, gen)
-        y = tk.lora_shrink(x, a, *seg, n_slices, info.max_seg_len)
 
         def shrink() -> object:
-            return tk.lora_shrink(x, a, *seg, n_slices, info.max_seg_len)
+            # The runtime's shrink (one launch; split-K partials left for the expand to sum).
+            return tk.lora_apply_shrink(
+                x,
+                a,
+                b,
+                *seg3,
+                info.slot_scalings,
+                ro,
+                slice_offsets,
+                info.max_seg_len,
+                seg_ranks=info.seg_ranks,
+                seg_scalings=info.seg_scalings,
+            )
+
+        pending: Any = shrink()
 
         def expand() -> object:
-            tk.lora_expand(
-                y, b, *seg3, info.slot_scalings, ro, slice_offsets, out, info.max_seg_len
-            )
+            pending.expand_into(out)  # the runtime's expand: sums the partials, one launch
             return None
 
         def both_tri(o: torch.Tensor) -> None:
@@ -384,16 +398,7 @@ def run_case(
                     routing=routing,
                 )  # type: ignore[arg-type]
             else:
-                tk.lora_expand(
-                    yy,
-                    b,
-                    *seg3,
-                    info.slot_scalings,  # type: ignore[union-attr]
-                    ro,
-                    slice_offsets,
-                    out,
-                    info.max_seg_len,  # type: ignore[union-attr]
-                )  # type: ignore[arg-type]
+                yy.expand_into(out)  # type: ignore[attr-defined]
 
         row["host_us"] = host_launch_us(pair_call, device, calls=30)
     row["lora_over_dense"] = lora_us / row["dense_us"] if row["dense_us"] else None

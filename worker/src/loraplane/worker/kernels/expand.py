@@ -27,7 +27,6 @@ from loraplane.worker.kernels._triton_utils import (
     expand_config,
 )
 from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, shrink_segments
-from loraplane.worker.kernels.swiglu import check_gate_up, launch_silu_mul
 
 __all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
 
@@ -318,7 +317,6 @@ def expand_segments(
     max_seg_len: int,
     *,
     rank_by_seg: bool = False,
-    y_by_row: bool = False,
 ) -> None:
     """``launch_expand`` over the ``(segment blocks, segments, column blocks)`` grid (checked args)."""
     config = expand_config(max_seg_len, lora_b.shape[2], lora_b.shape[1])
@@ -336,7 +334,6 @@ def expand_segments(
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
         rank_by_seg=rank_by_seg,
-        y_by_row=y_by_row,
     )
 
 
@@ -387,9 +384,7 @@ class PendingLoRA:
     """The shrink of a ``lora_apply`` has been launched; ``expand_into`` launches the expand.
 
     Between the two, the caller may run other work on the stream of ``expand_into`` (the base
-    projection): the shrink reads only ``x``. Its partials live in ``y`` until the expand:
-    one row per segment position, or per row of ``x`` when ``by_row`` (what ``silu_mul``
-    reads).
+    projection): the shrink reads only ``x``. Its partials live in ``y`` until the expand.
     """
 
     fn: str
@@ -404,7 +399,6 @@ class PendingLoRA:
     slice_offsets: torch.Tensor
     max_seg_len: int
     rank_by_seg: bool
-    by_row: bool = False
     checked_out: torch.Tensor | None = None
 
     def expand_into(self, out: torch.Tensor) -> None:
@@ -423,47 +417,6 @@ class PendingLoRA:
             self.slice_offsets,
             self.max_seg_len,
             rank_by_seg=self.rank_by_seg,
-            y_by_row=self.by_row,
-        )
-
-    def silu_mul(
-        self,
-        gu: torch.Tensor,
-        token_slots: torch.Tensor,
-        slot_ranks: torch.Tensor,
-        slot_scalings: torch.Tensor,
-    ) -> torch.Tensor:
-        """``silu(gate) * up`` of ``gu [rows, 2I]`` plus this gate_up LoRA, as ``[rows, I]``.
-
-        The expand is fused into the activation (``kernels/swiglu.py``): ``gu`` is only read.
-        Needs the shrink run ``by_row`` over a two-slice (gate, up) stack of equal halves;
-        ``token_slots`` (int32 ``[rows]``, -1 = no adapter) and the per-slot ranks and
-        scalings say which slot each row uses.
-        """
-        fn = "lora_silu_mul"
-        if not self.by_row:
-            raise ValueError(
-                f"{fn}: the shrink must index y by row: lora_apply_shrink(by_row=True)"
-            )
-        if self.slice_offsets.shape[0] != 3:
-            raise ValueError(
-                f"{fn}: needs a two-slice (gate, up) stack, got "
-                f"{self.slice_offsets.shape[0] - 1} slices"
-            )
-        gu = check_gate_up(fn, gu)
-        check_apply_out(fn, gu, self.lora_b, self.rows, self.y.device)
-        slots = check_tensor(
-            fn, "token_slots", token_slots, ndim=1, dtypes=(torch.int32,), device=gu.device
-        )
-        check_dim(fn, "token_slots", slots, 0, self.rows, "one slot per row of x")
-        for name, value, dtype in (
-            ("slot_ranks", slot_ranks, torch.int32),
-            ("slot_scalings", slot_scalings, torch.float32),
-        ):
-            t = check_tensor(fn, name, value, ndim=1, dtypes=(dtype,), device=gu.device)
-            check_dim(fn, name, t, 0, self.lora_b.shape[0], "one per slot of the weight buffer")
-        return launch_silu_mul(
-            gu, (self.y, self.lora_b, slots, slot_ranks.contiguous(), slot_scalings.contiguous())
         )
 
 
@@ -483,15 +436,13 @@ def lora_apply_shrink(
     seg_scalings: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     max_split_k: int | None = None,
-    by_row: bool = False,
 ) -> PendingLoRA:
     """The first half of ``lora_apply``: its checks (``out``'s too when given), then the shrink.
 
     Runs on the current stream; ``PendingLoRA.expand_into(out)`` finishes on its own current
     stream, which must be ordered after this one (the runtime overlaps the base projection with
     the shrink on a side stream this way, see ``LoRABackend.apply_around``). ``max_split_k``
-    caps the shrink's K splits (default ``MAX_SPLIT_K``). ``by_row`` indexes the shrink's
-    output by row of ``x`` instead of by segment position (``PendingLoRA.silu_mul`` needs it).
+    caps the shrink's K splits (default ``MAX_SPLIT_K``).
     """
     fn = "lora_apply"
     b, offsets = check_expand_weights(
@@ -522,7 +473,7 @@ def lora_apply_shrink(
     y = shrink_segments(
         x,
         lora_a,
-        x.shape[0] if by_row else positions,
+        positions,
         seg_indptr,
         seg_slots,
         slot_ranks,
@@ -533,7 +484,6 @@ def lora_apply_shrink(
         partials=True,
         rank_by_seg=by_seg,
         split_cap=max_split_k,
-        y_by_row=by_row,
     )
     return PendingLoRA(
         fn=fn,
@@ -548,7 +498,6 @@ def lora_apply_shrink(
         slice_offsets=offsets,
         max_seg_len=max_seg_len,
         rank_by_seg=by_seg,
-        by_row=by_row,
         checked_out=out,
     )
 

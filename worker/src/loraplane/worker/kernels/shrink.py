@@ -290,7 +290,6 @@ def shrink_segments(
     partials: bool = False,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
-    y_by_row: bool = False,
 ) -> torch.Tensor:
     """``launch_shrink`` over the ``(segment blocks, segments, slices)`` grid (checked args)."""
     return launch_shrink(
@@ -308,7 +307,6 @@ def shrink_segments(
         partials=partials,
         rank_by_seg=rank_by_seg,
         split_cap=split_cap,
-        y_by_row=y_by_row,
     )
 
 

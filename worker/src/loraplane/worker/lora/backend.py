@@ -9,11 +9,6 @@ the weights, so the shrink's time leaves the step's critical path. The fork and 
 events of host time per projection, which an eager step (host-bound) cannot afford; a
 captured CUDA graph pays them once at capture. `overlap="auto"` (the default) therefore
 overlaps only while a graph is being captured; "on" and "off" force it.
-
-Fused SwiGLU (`apply_silu_mul`): gate_up's expand is folded into the activation kernel
-(`kernels/swiglu.py`), so the LoRA never rewrites the gate_up output. `fuse_silu_mul="auto"`
-(the default) fuses with the Triton kernels on CUDA; "on" also under the Triton interpreter
-(tests), "off" never (the bench's A/B).
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from loraplane.worker.lora.batch_info import LoRABatchInfo
-from loraplane.worker.models.layers import silu_mul
 
 Overlap = Literal["auto", "on", "off"]
 T = TypeVar("T")
@@ -47,10 +41,6 @@ class Aside(Generic[T]):
 
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
-
-    # gate_up's expand fused into SwiGLU (apply_silu_mul). A class default, so that one bench
-    # run can compare it on and off (bench/probes/switches.py); tests set it per instance.
-    fuse_silu_mul: Overlap = "auto"
 
     def __init__(self, name: str, overlap: Overlap = "auto") -> None:
         if overlap not in ("auto", "on", "off"):
@@ -152,49 +142,6 @@ class LoRABackend:
         pending.result().expand_into(out)
         return out
 
-    def apply_silu_mul(
-        self,
-        x: torch.Tensor,
-        base: Callable[[torch.Tensor], torch.Tensor],
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: torch.Tensor,
-    ) -> torch.Tensor:
-        """``silu(gate) * up`` of ``apply_around``'s (gate, up) output, ``[T, I]``.
-
-        Fused (see the module docstring): the shrink (by row) overlaps ``base`` as in
-        ``apply_around``, then one kernel adds each row's LoRA to its gate and up values and
-        applies the activation; ``base``'s output is only read. Unfused: ``apply_around``, then
-        ``models.layers.silu_mul``.
-        """
-        if not self._fuses_silu_mul(x):
-            return silu_mul(self.apply_around(x, base, lora_a, lora_b, info, slice_offsets))
-        split = self.overlap_split_k if self._overlaps(x) else None
-        pending = self.run_aside(
-            x,
-            lambda: self._kernels.lora_apply_shrink(
-                x,
-                lora_a,
-                lora_b,
-                info.seg_indptr,
-                info.seg_slots,
-                info.slot_ranks,
-                info.slot_scalings,
-                info.row_order,
-                slice_offsets,
-                info.max_seg_len,
-                seg_ranks=info.seg_ranks,
-                seg_scalings=info.seg_scalings,
-                max_split_k=split,
-                by_row=True,
-            ),
-        )
-        gu = base(x)
-        return pending.result().silu_mul(  # type: ignore[no-any-return]
-            gu, info.token_slots, info.slot_ranks, info.slot_scalings
-        )
-
     def run_aside(self, x: torch.Tensor, work: Callable[[], T]) -> Aside[T]:
         """``work()`` on the side stream when overlapping (else now, on the current stream).
 
@@ -239,11 +186,6 @@ class LoRABackend:
             out=out,
             max_split_k=max_split_k,
         )
-
-    def _fuses_silu_mul(self, x: torch.Tensor) -> bool:
-        if self.name != "triton" or self.fuse_silu_mul == "off":
-            return False
-        return self.fuse_silu_mul == "on" or x.device.type == "cuda"
 
     def _overlaps(self, x: torch.Tensor) -> bool:
         if self.name != "triton" or x.device.type != "cuda" or self.overlap == "off":

@@ -118,16 +118,6 @@ class ColumnLoRA(LoRALayer):
             x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
         )  # [T, out_local]
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of this (gate, up) stack with its LoRA (``ColumnParallelLinear``'s
-        twin); the backend fuses the expand into the activation where it can."""
-        info = self.ctx.info(self.section)
-        if info is None:
-            return self.base_layer.forward_silu_mul(x)
-        return self.ctx.backend.apply_silu_mul(
-            x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
-        )  # [T, I_local]
-
 
 class RowLoRA(LoRALayer):
     """o_proj or down_proj: A split by input columns; partial output reduced with the base."""

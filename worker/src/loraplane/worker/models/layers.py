@@ -126,10 +126,6 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of a (gate, up) stack such as gate_up_proj: ``[T, I_local]``."""
-        return silu_mul(self(x))
-
 
 class RowParallelLinear(nn.Module):
     """y = reduce(x_shard W_shard^T): input features split over the ranks of `reduce`'s group."""
