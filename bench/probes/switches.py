@@ -6,7 +6,9 @@ Switches (unset ones keep their defaults, so one device call can compare setting
 docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
-- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``).
+- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``);
+- ``presum``: an overlapped shrink sums its split-K partials on the side stream
+  (``LoRABackend.presum_overlapped``).
 
 (Session 4 also switched 16-row blocks up to 128-row segments and 64-column expands here, at
 70e3e2d: within noise of the defaults, so those switches were removed again.)
@@ -20,6 +22,7 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils
+from loraplane.worker.lora.backend import LoRABackend
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -30,8 +33,10 @@ def apply_switches(spec: str) -> None:
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
+        elif key == "presum":
+            LoRABackend.presum_overlapped = value == "1"
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold, split or presum")
 
 
 if __name__ == "__main__":

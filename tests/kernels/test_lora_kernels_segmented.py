@@ -378,3 +378,39 @@ def test_expand_into_strided_output_view() -> None:
     assert torch.equal(wide_tri[:, :10], wide0[:, :10]) and torch.equal(
         wide_tri[:, 90:], wide0[:, 90:]
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_summing_the_partials_first_changes_no_bit(dtype: torch.dtype) -> None:
+    """``PendingLoRA.summed`` (the overlapped path's side-stream sum) gives the bits of the
+    expand that sums the split-K partials itself (the eager path): graph and eager agree."""
+    case = make_case(
+        seg_lens=[3, 5, 1],
+        seg_slots=[1, 0, 2],
+        slot_ranks=[16, 7, 0],
+        hidden=1024,
+        offsets=SLICES["gate_up"],
+        permute=True,
+        dtype=dtype,
+    )
+    pending = expand.lora_apply_shrink(
+        case.x,
+        case.lora_a,
+        case.lora_b,
+        case.seg_indptr,
+        case.seg_slots,
+        case.slot_ranks,
+        case.slot_scalings,
+        case.row_order,
+        case.slice_offsets,
+        case.max_seg_len,
+    )
+    assert pending.y.dim() == 3, "hidden 1024 at decode must split K, or this tests nothing"
+    summed = pending.summed()
+    assert summed.y.dim() == 2 and summed.y.dtype == dtype
+    by_partials = base_output(case)
+    by_sum = by_partials.clone()
+    pending.expand_into(by_partials)
+    summed.expand_into(by_sum)
+    assert torch.equal(by_partials, by_sum)
+    assert summed.summed() is summed  # nothing left to sum

@@ -10,7 +10,7 @@ part of ``y`` with that slice's rows of B, so slice widths never have to be know
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -379,6 +379,24 @@ def lora_apply(
     ).expand_into(out)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    parts_ptr,  # fp32 [SPLITS, n] (contiguous)
+    y_ptr,  # [n], the weights' dtype
+    n,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    # The same fp32 sum, in the same order, and the same rounding as the expand kernel's
+    # Y_SPLIT path: an expand of the sum is bitwise the expand of the partials.
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        acc += tl.load(parts_ptr + sp * n + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @dataclass(slots=True)
 class PendingLoRA:
     """The shrink of a ``lora_apply`` has been launched; ``expand_into`` launches the expand.
@@ -400,6 +418,23 @@ class PendingLoRA:
     max_seg_len: int
     rank_by_seg: bool
     checked_out: torch.Tensor | None = None
+
+    def summed(self) -> PendingLoRA:
+        """This LoRA with the shrink's split-K partials summed now, in one small launch.
+
+        The expand otherwise sums them itself, in every column block: for a wide projection
+        (gate_up) that re-reads the partials a few hundred times. Where the shrink runs beside
+        the base projection (``LoRABackend.apply_around``), summing there too takes the work
+        off the expand, which waits for the base. Bitwise the same result.
+        """
+        if self.y.dim() != 3:
+            return self
+        splits, n = self.y.shape[0], self.y[0].numel()
+        y = torch.empty(self.y.shape[1:], dtype=self.lora_b.dtype, device=self.y.device)
+        if n:
+            block = 1024
+            _sum_partials_kernel[(triton.cdiv(n, block),)](self.y, y, n, SPLITS=splits, BLOCK=block)
+        return replace(self, y=y)
 
     def expand_into(self, out: torch.Tensor) -> None:
         """``out [rows, N_total] += s * y B`` per segment (checks ``out``, then one launch)."""

@@ -42,6 +42,11 @@ class Aside(Generic[T]):
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
 
+    # An overlapped shrink sums its split-K partials on the side stream, so the expand that
+    # waits for the base projection reads one ``y``. A class switch so that one bench run can
+    # compare it on and off (bench/probes/switches.py); on by default.
+    presum_overlapped = True
+
     def __init__(self, name: str, overlap: Overlap = "auto") -> None:
         if overlap not in ("auto", "on", "off"):
             raise ValueError(
@@ -133,14 +138,26 @@ class LoRABackend:
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
         pending = self.run_aside(
-            x,
-            lambda: self._shrink_for_apply(
-                x, lora_a, lora_b, info, slice_offsets, max_split_k=self.overlap_split_k
-            ),
+            x, lambda: self._overlapped_shrink(x, lora_a, lora_b, info, slice_offsets)
         )
         out = base(x)
         pending.result().expand_into(out)
         return out
+
+    def _overlapped_shrink(
+        self,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: torch.Tensor,
+    ) -> Any:
+        """The shrink of ``apply_around`` (on the side stream), its partials summed there too
+        (``PendingLoRA.summed``) unless ``presum_overlapped`` is off."""
+        pending = self._shrink_for_apply(
+            x, lora_a, lora_b, info, slice_offsets, max_split_k=self.overlap_split_k
+        )
+        return pending.summed() if self.presum_overlapped else pending
 
     def run_aside(self, x: torch.Tensor, work: Callable[[], T]) -> Aside[T]:
         """``work()`` on the side stream when overlapping (else now, on the current stream).
