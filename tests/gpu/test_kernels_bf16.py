@@ -86,6 +86,30 @@ def test_dense_kernels_bf16(tokens: int, name: str, k: int, sizes: list[int]) ->
     assert s_rel < 1e-2 and e_rel < 1e-2
 
 
+@pytest.mark.parametrize("tokens", [64, 2048])
+def test_fp32_lora_apply_fits_in_shared_memory(tokens: int) -> None:
+    """fp32 at rank 64 and K = 4096 once asked for 256 KB of shared memory (the H200 has
+    227 KB) and failed to launch; the shrink's K step now shrinks with the element size."""
+    from loraplane.worker.kernels import expand, reference
+
+    dev, r_max, ranks, k, n_out = "cuda", 64, [64, 16], 4096, 4096
+    info = _batch(tokens, len(ranks), ranks, dev)
+    assert info is not None
+    offsets = torch.tensor([0, n_out], dtype=torch.int32, device=dev)
+    x = torch.randn(tokens, k, device=dev)
+    a = torch.randn(len(ranks), r_max, k, device=dev) / k**0.5
+    b = torch.randn(len(ranks), n_out, r_max, device=dev) / r_max**0.5
+    out = torch.randn(tokens, n_out, device=dev)
+    out_ref = out.clone()
+    seg = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order)
+    expand.lora_apply(x, a, b, *seg, offsets, out, info.max_seg_len)
+    y = reference.lora_shrink(x, a, *seg[:3], info.row_order, 1, info.max_seg_len)
+    reference.lora_expand(y, b, *seg, offsets, out_ref, info.max_seg_len)
+    max_abs, rel = _rel(out, out_ref)
+    RESULTS[f"fp32-apply-T{tokens}"] = {"max_abs": max_abs, "rel": rel}
+    torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("tokens", [16, 512])
 def test_moe_kernels_bf16(tokens: int) -> None:
     from loraplane.worker.kernels import moe, reference

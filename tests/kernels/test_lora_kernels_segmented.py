@@ -383,7 +383,8 @@ def test_expand_into_strided_output_view() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_summing_the_partials_first_changes_no_bit(dtype: torch.dtype) -> None:
     """``PendingLoRA.summed`` (the overlapped path's side-stream sum) gives the bits of the
-    expand that sums the split-K partials itself (the eager path): graph and eager agree."""
+    expand that sums the split-K partials itself (the eager path). That graph and eager steps
+    then agree is checked on a GPU (tests/gpu, overlapped LoRA in a graph)."""
     case = make_case(
         seg_lens=[3, 5, 1],
         seg_slots=[1, 0, 2],

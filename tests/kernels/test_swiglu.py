@@ -41,3 +41,15 @@ def test_silu_and_mul_stays_finite_at_large_gates(dtype: torch.dtype) -> None:
     got = swiglu.silu_and_mul(gu)
     assert torch.isfinite(got.float()).all()
     _close(got, reference.silu_and_mul(gu), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_reads_a_row_strided_view(dtype: torch.dtype) -> None:
+    """``gu`` may be a view into a wider buffer (row stride > 2I): rows are read at their
+    stride, and the result is a new contiguous tensor."""
+    wide = (torch.randn(9, 2 * 40 + 24) * 3).to(dtype).to(DEVICE)
+    gu = wide[:, : 2 * 40]
+    assert gu.stride(0) == 2 * 40 + 24
+    got = swiglu.silu_and_mul(gu)
+    assert got.is_contiguous()
+    _close(got, reference.silu_and_mul(gu.contiguous()), dtype)

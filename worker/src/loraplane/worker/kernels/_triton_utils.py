@@ -113,12 +113,17 @@ def rank_block(rank_max: int) -> int:
     return max(MIN_DOT_BLOCK, next_power_of_2(rank_max))
 
 
-def shrink_config(max_seg_len: int, rank_max: int, hidden: int) -> ShrinkConfig:
+def shrink_config(
+    max_seg_len: int, rank_max: int, hidden: int, elem_bytes: int = 2
+) -> ShrinkConfig:
     """Fixed configs (no autotune): a K-loop over ``block_k`` columns of x and A."""
     block_s = segment_block(max_seg_len)
     block_r = rank_block(rank_max)
-    # Keep the x tile + A tile around 16K elements; wider K steps for thin (decode) tiles.
-    block_k = max(MIN_DOT_BLOCK, min(256, 16384 // max(block_s, block_r)))
+    # Keep the x tile + A tile around 32 KB; wider K steps for thin (decode) tiles. (fp32 at
+    # 64 x 64 with 256-wide K steps asked an H200 for 256 KB of shared memory over the
+    # software pipeline's stages, more than its 227 KB.)
+    budget = 16384 * 2 // max(1, elem_bytes)
+    block_k = max(MIN_DOT_BLOCK, min(256, budget // max(block_s, block_r)))
     block_k = min(block_k, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
     return ShrinkConfig(block_s=block_s, block_r=block_r, block_k=block_k, num_warps=4)
 

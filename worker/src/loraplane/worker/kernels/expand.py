@@ -429,6 +429,9 @@ class PendingLoRA:
         """
         if self.y.dim() != 3:
             return self
+        # launch_shrink's partial buffer: contiguous, split stride = positions * width. K is
+        # only split for grids under TARGET_PROGRAMS // 4 programs, so sp * n stays in int32.
+        assert self.y.is_contiguous(), "split-K partials are allocated contiguous"
         splits, n = self.y.shape[0], self.y[0].numel()
         y = torch.empty(self.y.shape[1:], dtype=self.lora_b.dtype, device=self.y.device)
         if n:

@@ -321,7 +321,7 @@ def moe_lora_shrink(
     routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
 
     rank_max = lora_a.shape[2] // num_slices
-    heuristic = shrink_config(routing.block_s, rank_max, x.shape[1])
+    heuristic = shrink_config(routing.block_s, rank_max, x.shape[1], x.element_size())
     config = ShrinkConfig(
         block_s=routing.block_s,
         block_r=rank_block(rank_max),

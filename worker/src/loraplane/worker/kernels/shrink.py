@@ -338,4 +338,6 @@ def check_shrink_operands(
     check_segments(fn, x.device, seg_indptr, seg_slots, slot_ranks, row_order, lora_a.shape[0])
     seg_len = check_max_seg_len(fn, max_seg_len)
     positions = row_order.shape[0] if isinstance(row_order, torch.Tensor) else x.shape[0]
-    return positions, shrink_config(seg_len, lora_a.shape[1] // num_slices, x.shape[1])
+    return positions, shrink_config(
+        seg_len, lora_a.shape[1] // num_slices, x.shape[1], x.element_size()
+    )

@@ -164,9 +164,11 @@ class LoRABackend:
 
         The side stream first waits for the current one (``work``'s inputs are ready), and
         ``Aside.result()`` makes the current stream wait for the side one. Memory ``work``
-        allocates belongs to the side stream; it is freed after ``result()``'s consumer is
-        queued, and the side stream's next use waits on the current stream first, so it is
-        never reused before that consumer has read it.
+        allocates belongs to the side stream; what the result holds is freed after
+        ``result()``'s consumer is queued, and the side stream's next use waits on the current
+        stream first, so it is never reused before that consumer has read it. Temporaries
+        that only the side stream used (a shrink's partials once summed) may be freed inside
+        ``work``: the caching allocator reuses them only in that stream's order.
         """
         if not self._overlaps(x):
             return Aside(work(), None)

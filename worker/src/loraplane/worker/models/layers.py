@@ -58,14 +58,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of ``gu [T, 2I]`` (gate | up): one Triton kernel on CUDA (``kernels/swiglu.py``,
-    fp32 math, one rounding); torch's ``silu`` then ``mul`` on the CPU."""
+    """SwiGLU of ``gu [T, 2I]`` (gate | up) in fp32, rounded once: one Triton kernel on CUDA
+    (``kernels/swiglu.py``), torch ops on the CPU (the same math as its reference)."""
     if gu.is_cuda:
         from loraplane.worker import kernels
 
         return kernels.silu_and_mul(gu)  # type: ignore[no-any-return]
-    gate, up = gu.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    gate, up = gu.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gu.dtype)
 
 
 def split_evenly(size: int, parts: int, what: str) -> int:
