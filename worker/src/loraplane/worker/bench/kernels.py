@@ -178,20 +178,12 @@ def run_case(
         ro = info.row_order
         out = _randn((tokens, N), 1.0, dtype, device, gen)
 
+        operands = (x, a, b, *seg3, info.slot_scalings, ro, slice_offsets)
+        per_seg = {"seg_ranks": info.seg_ranks, "seg_scalings": info.seg_scalings}
+
         def shrink() -> object:
             # The runtime's shrink (one launch; split-K partials left for the expand to sum).
-            return tk.lora_apply_shrink(
-                x,
-                a,
-                b,
-                *seg3,
-                info.slot_scalings,
-                ro,
-                slice_offsets,
-                info.max_seg_len,
-                seg_ranks=info.seg_ranks,
-                seg_scalings=info.seg_scalings,
-            )
+            return tk.lora_apply_shrink(*operands, info.max_seg_len, **per_seg)
 
         pending: Any = shrink()
 
@@ -209,20 +201,8 @@ def run_case(
             )
 
         def apply_tri(o: torch.Tensor) -> None:
-            # the runtime's path: two launches, split-K partials summed inside the expand
-            tk.lora_apply(
-                x,
-                a,
-                b,
-                *seg3,
-                info.slot_scalings,
-                ro,
-                slice_offsets,
-                o,
-                info.max_seg_len,
-                seg_ranks=info.seg_ranks,
-                seg_scalings=info.seg_scalings,
-            )
+            # lora_apply: the same two launches through the one-call API
+            tk.lora_apply(*operands, o, info.max_seg_len, **per_seg)
 
         apply_fn: Callable[[torch.Tensor], None] | None = apply_tri
         routing_fn: Callable[[], object] | None = None
