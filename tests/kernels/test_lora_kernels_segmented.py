@@ -176,7 +176,12 @@ def run_apply(case: Case, out: torch.Tensor, per_segment: bool = False) -> None:
         if per_segment
         else {}
     )
-    expand.lora_apply(
+    expand.lora_apply(*apply_operands(case), out, case.max_seg_len, **seg_meta)
+
+
+def apply_operands(case: Case) -> tuple[object, ...]:
+    """``lora_apply``'s (and ``lora_apply_shrink``'s) leading operands for ``case``."""
+    return (
         case.x,
         case.lora_a,
         case.lora_b,
@@ -186,9 +191,6 @@ def run_apply(case: Case, out: torch.Tensor, per_segment: bool = False) -> None:
         case.slot_scalings,
         case.row_order,
         case.slice_offsets,
-        out,
-        case.max_seg_len,
-        **seg_meta,
     )
 
 
@@ -394,18 +396,7 @@ def test_summing_the_partials_first_changes_no_bit(dtype: torch.dtype) -> None:
         permute=True,
         dtype=dtype,
     )
-    pending = expand.lora_apply_shrink(
-        case.x,
-        case.lora_a,
-        case.lora_b,
-        case.seg_indptr,
-        case.seg_slots,
-        case.slot_ranks,
-        case.slot_scalings,
-        case.row_order,
-        case.slice_offsets,
-        case.max_seg_len,
-    )
+    pending = expand.lora_apply_shrink(*apply_operands(case), case.max_seg_len)  # type: ignore[arg-type]
     assert pending.y.dim() == 3, "hidden 1024 at decode must split K, or this tests nothing"
     summed = pending.summed()
     assert summed.y.dim() == 2 and summed.y.dtype == dtype

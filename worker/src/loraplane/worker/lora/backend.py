@@ -137,27 +137,19 @@ class LoRABackend:
             out = base(x)
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
-        pending = self.run_aside(
-            x, lambda: self._overlapped_shrink(x, lora_a, lora_b, info, slice_offsets)
-        )
+
+        def shrink() -> Any:
+            # On the side stream; the partials are summed there too (PendingLoRA.summed), so
+            # the expand that waits for ``base`` reads one y (unless presum_overlapped is off).
+            pending = self._shrink_for_apply(
+                x, lora_a, lora_b, info, slice_offsets, max_split_k=self.overlap_split_k
+            )
+            return pending.summed() if self.presum_overlapped else pending
+
+        pending = self.run_aside(x, shrink)
         out = base(x)
         pending.result().expand_into(out)
         return out
-
-    def _overlapped_shrink(
-        self,
-        x: torch.Tensor,
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: torch.Tensor,
-    ) -> Any:
-        """The shrink of ``apply_around`` (on the side stream), its partials summed there too
-        (``PendingLoRA.summed``) unless ``presum_overlapped`` is off."""
-        pending = self._shrink_for_apply(
-            x, lora_a, lora_b, info, slice_offsets, max_split_k=self.overlap_split_k
-        )
-        return pending.summed() if self.presum_overlapped else pending
 
     def run_aside(self, x: torch.Tensor, work: Callable[[], T]) -> Aside[T]:
         """``work()`` on the side stream when overlapping (else now, on the current stream).
