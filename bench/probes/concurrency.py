@@ -1,6 +1,11 @@
 """Probe: how much of a decode layer's LoRA can leave the critical path (CUDA only).
 
-    python bench/probes/concurrency.py OUT.json
+    python bench/probes/concurrency.py OUT.json [CARVEOUTS]
+
+``CARVEOUTS`` (e.g. ``8,16,32``) also measures ``base``, ``residual`` and ``aside`` with the
+cuBLAS GEMMs told to leave that many SMs free (``torch._C._set_sm_carveout_experimental``,
+set while the graph is captured), keyed ``mode@N``: whether LoRA kernels on the side stream
+can run beside a GEMM that does not occupy every SM, and what the GEMMs lose.
 
 A Llama-3-8B-shaped decode layer stack (cuBLAS projections, torch norms and SwiGLU, our
 decode attention) is captured in one CUDA graph per variant and replayed:
@@ -67,8 +72,16 @@ class Layer:
         self.v_cache = torch.randn(130, CTX + 1, KV, D, **bf)
 
 
+MODES = ("base", "serial", "overlap", "residual", "delta", "aside")
+
+
 def measure(
-    layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int, n_ad: int
+    layers: list[Layer],
+    side: torch.cuda.Stream,
+    slots: int,
+    bs: int,
+    n_ad: int,
+    carveouts: tuple[int, ...] = (),
 ) -> dict[str, float]:
     dev = "cuda"
     x0 = torch.randn(bs, H, dtype=torch.bfloat16, device=dev)
@@ -152,7 +165,11 @@ def measure(
         return h
 
     times = {}
-    for mode in ("base", "serial", "overlap", "residual", "delta", "aside"):
+    runs = [(m, 0) for m in MODES] + [
+        (m, c) for c in carveouts for m in ("base", "residual", "aside")
+    ]
+    for mode, carve in runs:
+        torch._C._set_sm_carveout_experimental(carve or None)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -162,6 +179,7 @@ def measure(
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             step(mode)
+        torch._C._set_sm_carveout_experimental(None)
         g.replay()
         torch.cuda.synchronize()
         samples = []
@@ -176,14 +194,17 @@ def measure(
                 e1.record()
                 e1.synchronize()
                 samples.append(e0.elapsed_time(e1) * 1e3)
-        times[mode] = statistics.median(samples)
+        times[f"{mode}@{carve}" if carve else mode] = statistics.median(samples)
         del g
     row = {m: round(t, 1) for m, t in times.items()}
     row.update({f"ratio_{m}": round(times["base"] / t, 3) for m, t in times.items() if m != "base"})
+    for c in carveouts:  # against the same carveout's base: what the side stream now hides
+        for m in ("residual", "aside"):
+            row[f"ratio_{m}@{c}_vs_own_base"] = round(times[f"base@{c}"] / times[f"{m}@{c}"], 3)
     return row
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, carveouts: tuple[int, ...] = ()) -> None:
     dev = "cuda"
     torch.manual_seed(0)
     slots = 4
@@ -193,7 +214,7 @@ def main(out_path: str) -> None:
     for bs in (16, 64, 128):
         for n_ad in (1, 4):
             key = f"bs{bs}-a{n_ad}"
-            results[key] = measure(layers, side, slots, bs, n_ad)
+            results[key] = measure(layers, side, slots, bs, n_ad, carveouts)
             print(key, results[key], flush=True)
     out = {"probe": "concurrency", "gpu": torch.cuda.get_device_name(), "results": results}
     with open(out_path, "w") as f:
@@ -201,4 +222,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(int(c) for c in sys.argv[2].split(",")) if len(sys.argv) > 2 else ())

@@ -6,9 +6,11 @@ Switches (unset ones keep their defaults, so one device call can compare setting
 docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
-- ``split``: the shrink's K-split cap (``MAX_SPLIT_K``);
-- ``presum``: an overlapped shrink sums its split-K partials on the side stream
-  (``LoRABackend.presum_overlapped``).
+- ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: two K steps per
+  split at least, ``MIN_K_STEPS_PER_SPLIT``).
+
+(Session 5's ``presum`` switch, a side-stream sum of the shrink's split-K partials, went when
+the shrink came to sum its own partials in one launch.)
 
 (Session 4 also switched 16-row blocks up to 128-row segments and 64-column expands here, at
 70e3e2d: within noise of the defaults, so those switches were removed again.)
@@ -22,7 +24,6 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils
-from loraplane.worker.lora.backend import LoRABackend
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -33,10 +34,8 @@ def apply_switches(spec: str) -> None:
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
-        elif key == "presum":
-            LoRABackend.presum_overlapped = value == "1"
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, split or presum")
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,52 @@ def test_fp32_lora_apply_fits_in_shared_memory(tokens: int) -> None:
     torch.testing.assert_close(out, out_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(("tokens", "k"), [(16, 4096), (64, 14336)])
+def test_split_k_shrink_fix_up_is_exact_over_many_launches(tokens: int, k: int) -> None:
+    """At decode the shrink's last program per tile sums the other programs' fp32 partials.
+
+    If a partial were read before it is visible, or a count were left behind, some launch
+    would differ: 300 launches back to back, eager and replayed in a graph, give the bits of
+    the first, match the reference, and leave every count zero."""
+    from loraplane.worker.kernels import expand, reference, shrink
+
+    dev, ranks = "cuda", [16, 16, 8, 16]
+    info = _batch(tokens, len(ranks), ranks, dev)
+    assert info is not None
+    offsets = torch.tensor([0, 4096, 5120, 6144], dtype=torch.int32, device=dev)
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    a = torch.randn(len(ranks), 3 * 16, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    b = torch.randn(len(ranks), 6144, 16, device=dev, dtype=torch.bfloat16)
+    seg = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order)
+
+    def run() -> torch.Tensor:
+        return expand.lora_apply_shrink(x, a, b, *seg, offsets, info.max_seg_len).y
+
+    first = run()
+    eager = [run() for _ in range(200)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    replays = []
+    for _ in range(100):
+        graph.replay()
+        replays.append(captured.clone())
+    torch.cuda.synchronize()
+    rank_of = info.slot_ranks[info.seg_slots.long()].repeat_interleave(
+        info.seg_indptr.diff().long()
+    )  # [positions]: each segment position's rank
+    rows = (rank_of > 0).nonzero().flatten()
+    assert rows.numel() > 0
+    bad = sum(not torch.equal(y[rows], first[rows]) for y in eager + replays)
+    assert bad == 0, f"{bad} of 300 launches differ from the first"
+    for counts in shrink._counts.values():
+        assert not counts.any(), "a launch left fix-up counts behind"
+    y_ref = reference.lora_shrink(x, a, *seg[:3], info.row_order, 3, info.max_seg_len)
+    max_abs, rel = _rel(first[rows], y_ref[rows])
+    RESULTS[f"split-k-fixup-T{tokens}-K{k}"] = {"max_abs": max_abs, "rel": rel}
+    assert rel < 1e-2
+
+
 @pytest.mark.parametrize("tokens", [16, 512])
 def test_moe_kernels_bf16(tokens: int) -> None:
     from loraplane.worker.kernels import moe, reference

@@ -561,14 +561,15 @@ def _project(head_ms: float, off_ms: float, lora_ms: float, layers: int, full: i
 def _profile(
     runner: Any, switch: _LoRASwitch, bs: int, adapters: list[int], context: int
 ) -> dict[str, Any]:
-    """torch.profiler over 3 eager steps, LoRA off and with 4 (or the most) adapters: the top
-    kernels by device time and the number of kernel launches per step."""
+    """torch.profiler over 3 eager steps, LoRA off, with 1 adapter and with 4 (or the most)
+    adapters: the top kernels by device time and the number of kernel launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     n = 4 if 4 in adapters else max(adapters)
     result: dict[str, Any] = {"bs": bs}
-    for variant in ("off", str(n)):
-        slots = [-1] * bs if variant == "off" else sorted(i % n for i in range(bs))
+    for variant in dict.fromkeys(["off", *(["1"] if 1 in adapters else []), str(n)]):
+        k = 0 if variant == "off" else int(variant)
+        slots = [-1] * bs if variant == "off" else sorted(i % k for i in range(bs))
         (switch.off if variant == "off" else switch.on)()
         try:
             with torch.inference_mode():

@@ -14,8 +14,8 @@ their token's adapter) and times, with CUDA events (``triton.testing.do_bench``,
 flushed before each repetition):
 
 * ``shrink_us``, ``expand_us`` (and ``routing_us`` for MoE): the Triton kernels as the runtime
-  launches them. Dense: ``lora_apply_shrink`` (one launch, split-K partials in fp32) and
-  ``PendingLoRA.expand_into`` (one launch, sums the partials). Results before session 5 timed
+  launches them. Dense: ``lora_apply_shrink`` (one launch; at decode its K splits are summed by
+  the last program of each tile) and ``PendingLoRA.expand_into`` (one launch). Results before session 5 timed
   the standalone ``lora_shrink`` instead, which adds a zero fill and a partial-sum kernel;
 * ``ref_us``: the torch reference (shrink + expand, host clock with a sync; it reads device
   tensors back by design);
@@ -182,13 +182,13 @@ def run_case(
         per_seg = {"seg_ranks": info.seg_ranks, "seg_scalings": info.seg_scalings}
 
         def shrink() -> object:
-            # The runtime's shrink (one launch; split-K partials left for the expand to sum).
+            # The runtime's shrink (one launch, split-K partials summed in it).
             return tk.lora_apply_shrink(*operands, info.max_seg_len, **per_seg)
 
         pending: Any = shrink()
 
         def expand() -> object:
-            pending.expand_into(out)  # the runtime's expand: sums the partials, one launch
+            pending.expand_into(out)  # the runtime's expand, one launch
             return None
 
         def both_tri(o: torch.Tensor) -> None:

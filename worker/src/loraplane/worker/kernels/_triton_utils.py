@@ -130,24 +130,29 @@ def shrink_config(
 
 # Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 264
-# At most this many K splits: each split is a partial that every reader of y sums again (the
-# expand of lora_apply, in every column block). Measured on an H200, Llama-3-8B-shaped decode
-# with CUDA graphs, 4 adapters (bench/probes/switches.py split=N): cap 16 -> 0.890/0.895/0.883 of
-# LoRA-off at bs 16/64/128, cap 8 -> 0.886/0.906/0.912, cap 4 -> 0.883/0.902/0.908.
-MAX_SPLIT_K = 8
+# Each K split covers at least this many BLOCK_K steps. The shrink's last program per tile
+# sums the splits, so their number no longer costs every expand column block a re-read; what
+# is left is each program's fixed cost against its share of K. Measured on an H200 at decode
+# (bench/probes/shrink_split.py, session 6, rank 16, 1/4 adapters, 16-128 tokens), graph-timed
+# shrink: K 4096 best at 8 splits (one step each at 16: up to 1.9 us slower), K 14336 at 28
+# (8 splits: 7.7-9.6 us, 28: 5.9-8.4 us). Two steps per split picks both.
+MIN_K_STEPS_PER_SPLIT = 2
+# A fixed cap on the splits instead of the rule above when set (bench/probes/switches.py split=N).
+MAX_SPLIT_K: int | None = None
 
 
 def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None) -> int:
     """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU.
 
-    ``cap`` (default ``MAX_SPLIT_K``) bounds the splits; 1 keeps the shrink on few programs,
-    which is what a shrink overlapped with the base GEMM wants (it should not need SMs)."""
+    At most one split per ``MIN_K_STEPS_PER_SPLIT`` K steps, or ``cap`` (``MAX_SPLIT_K`` when
+    set) splits; 1 keeps the shrink on few programs."""
     k_blocks = max(1, -(-hidden // block_k))
     # Past a quarter of the target the extra partial buffer and reduction cost more than the
     # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
     if programs <= 0 or programs >= TARGET_PROGRAMS // 4:
         return 1
-    cap = MAX_SPLIT_K if cap is None else cap
+    if cap is None:
+        cap = MAX_SPLIT_K if MAX_SPLIT_K is not None else k_blocks // MIN_K_STEPS_PER_SPLIT
     return max(1, min(k_blocks, cap, -(-TARGET_PROGRAMS // programs)))
 
 

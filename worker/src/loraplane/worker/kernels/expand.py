@@ -10,7 +10,7 @@ part of ``y`` with that slice's rows of B, so slice widths never have to be know
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,7 +33,7 @@ __all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
 
 @triton.jit
 def _lora_expand_kernel(
-    y_ptr,  # [positions, num_slices * R], or fp32 partials [Y_SPLIT, positions, num_slices * R]
+    y_ptr,  # [positions, num_slices * R]
     b_ptr,  # [weight_slots, N_total, R]
     out_ptr,  # [T, N_total]
     seg_indptr_ptr,  # int32 [S + 1]
@@ -47,7 +47,6 @@ def _lora_expand_kernel(
     n_total,
     rank_max,
     y_stride_row,
-    y_stride_split,  # between the Y_SPLIT partials of y (0 when Y_SPLIT == 1)
     out_stride_row,
     b_stride_slot,
     b_stride_row,
@@ -57,7 +56,6 @@ def _lora_expand_kernel(
     USE_TILE_MAP: tl.constexpr,
     Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
     DOT_PRECISION: tl.constexpr,
-    Y_SPLIT: tl.constexpr,  # > 1: y is the shrink's split-K partials, summed here in fp32
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -112,15 +110,7 @@ def _lora_expand_kernel(
             n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
             y_ptrs = y_ptr + y_rows[:, None] * y_stride_row + i * rank_max + offs_r[None, :]
             y_mask = s_mask[:, None] & r_mask[None, :]
-            if Y_SPLIT == 1:
-                y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
-            else:
-                # Splits summed in a fixed order, then rounded to the weights' dtype as a
-                # separate shrink would have returned them.
-                y_sum = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
-                for sp in tl.static_range(Y_SPLIT):
-                    y_sum += tl.load(y_ptrs + sp * y_stride_split, mask=y_mask, other=0.0)
-                y_tile = y_sum.to(b_ptr.dtype.element_ty)
+            y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
             b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
             b_tile = tl.load(
                 b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0
@@ -154,12 +144,8 @@ def launch_expand(
     y_by_row: bool = False,
     rank_by_seg: bool = False,
 ) -> None:
-    """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``.
-
-    ``y`` is ``[positions, slices*R]``, or the fp32 split-K partials of
-    ``launch_shrink(partials=True)``, ``[splits, positions, slices*R]``, summed in the kernel.
-    """
-    y_split = y.shape[0] if y.dim() == 3 else 1
+    """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``,
+    ``y [positions, slices*R]``."""
     n_total = weights.shape[1]
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
@@ -179,8 +165,7 @@ def launch_expand(
         tile_blk,
         n_total,
         weights.shape[2],
-        y.stride(-2),
-        y.stride(0) if y_split > 1 else 0,
+        y.stride(0),
         out.stride(0),
         weights.stride(0),
         weights.stride(1),
@@ -190,7 +175,6 @@ def launch_expand(
         USE_TILE_MAP=tile_map is not None,
         Y_BY_ROW=y_by_row,
         DOT_PRECISION=dot_precision(weights.dtype),
-        Y_SPLIT=y_split,
         BLOCK_S=config.block_s,
         BLOCK_R=config.block_r,
         BLOCK_N=config.block_n,
@@ -356,8 +340,8 @@ def lora_apply(
     """``lora_expand(lora_shrink(x, lora_a, ...), lora_b, ..., out)`` in two launches, no more.
 
     The same result, in place into ``out``; what it saves is the work between the two: the
-    shrink's output is not zeroed first and, when K is split (decode), its fp32 partials are
-    summed by the expand kernel instead of by a ``sum`` kernel and a cast. ``num_slices`` is
+    shrink's output is not zeroed first, and when K is split (decode) the shrink's last
+    program of each tile sums the fp32 partials, not a ``sum`` kernel and a cast. ``num_slices`` is
     ``len(slice_offsets) - 1``. ``seg_ranks``/``seg_scalings`` (int32/float32 ``[S]``, both or
     neither): ``slot_ranks[seg_slots]`` and ``slot_scalings[seg_slots]`` gathered ahead (the
     batch info does it once per forward), so no load in the kernels waits on the slot's.
@@ -379,30 +363,12 @@ def lora_apply(
     ).expand_into(out)
 
 
-@triton.jit
-def _sum_partials_kernel(
-    parts_ptr,  # fp32 [SPLITS, n] (contiguous)
-    y_ptr,  # [n], the weights' dtype
-    n,
-    SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    # The same fp32 sum, in the same order, and the same rounding as the expand kernel's
-    # Y_SPLIT path: an expand of the sum is bitwise the expand of the partials.
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for sp in tl.static_range(SPLITS):
-        acc += tl.load(parts_ptr + sp * n + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 @dataclass(slots=True)
 class PendingLoRA:
     """The shrink of a ``lora_apply`` has been launched; ``expand_into`` launches the expand.
 
     Between the two, the caller may run other work on the stream of ``expand_into`` (the base
-    projection): the shrink reads only ``x``. Its partials live in ``y`` until the expand.
+    projection): the shrink reads only ``x``. Its result lives in ``y`` until the expand.
     """
 
     fn: str
@@ -418,26 +384,6 @@ class PendingLoRA:
     max_seg_len: int
     rank_by_seg: bool
     checked_out: torch.Tensor | None = None
-
-    def summed(self) -> PendingLoRA:
-        """This LoRA with the shrink's split-K partials summed now, in one small launch.
-
-        The expand otherwise sums them itself, in every column block: for a wide projection
-        (gate_up) that re-reads the partials a few hundred times. Where the shrink runs beside
-        the base projection (``LoRABackend.apply_around``), summing there too takes the work
-        off the expand, which waits for the base. Bitwise the same result.
-        """
-        if self.y.dim() != 3:
-            return self
-        # launch_shrink's partial buffer: contiguous, split stride = positions * width. K is
-        # only split for grids under TARGET_PROGRAMS // 4 programs, so sp * n stays in int32.
-        assert self.y.is_contiguous(), "split-K partials are allocated contiguous"
-        splits, n = self.y.shape[0], self.y[0].numel()
-        y = torch.empty(self.y.shape[1:], dtype=self.lora_b.dtype, device=self.y.device)
-        if n:
-            block = 1024
-            _sum_partials_kernel[(triton.cdiv(n, block),)](self.y, y, n, SPLITS=splits, BLOCK=block)
-        return replace(self, y=y)
 
     def expand_into(self, out: torch.Tensor) -> None:
         """``out [rows, N_total] += s * y B`` per segment (checks ``out``, then one launch)."""
@@ -480,7 +426,7 @@ def lora_apply_shrink(
     Runs on the current stream; ``PendingLoRA.expand_into(out)`` finishes on its own current
     stream, which must be ordered after this one (the runtime overlaps the base projection with
     the shrink on a side stream this way, see ``LoRABackend.apply_around``). ``max_split_k``
-    caps the shrink's K splits (default ``MAX_SPLIT_K``).
+    caps the shrink's K splits (default: ``split_k_for``'s rule).
     """
     fn = "lora_apply"
     b, offsets = check_expand_weights(
@@ -519,7 +465,7 @@ def lora_apply_shrink(
         num_slices,
         shrink_cfg,
         max_seg_len,
-        partials=True,
+        zeroed=False,
         rank_by_seg=by_seg,
         split_cap=max_split_k,
     )

@@ -33,7 +33,9 @@ __all__ = ["lora_shrink"]
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [weight_slots, num_slices * R, K]
-    y_ptr,  # [positions, num_slices * R], or fp32 [SPLIT_K, positions, num_slices * R]
+    y_ptr,  # [positions, num_slices * R]
+    part_ptr,  # fp32 [SPLIT_K, positions, num_slices * R] (when SPLIT_K > 1)
+    count_ptr,  # int32 [tiles], zero between launches (when SPLIT_K > 1)
     seg_indptr_ptr,  # int32 [S + 1]
     seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
     slot_ranks_ptr,  # int32 [num_slots], or [S] when RANK_BY_SEG
@@ -47,7 +49,7 @@ def _lora_shrink_kernel(
     a_stride_row,
     weights_per_slot,  # rank/scaling index = seg_slot // weights_per_slot (MoE: experts)
     x_row_div,  # x row = row // x_row_div (MoE: topk)
-    y_stride_split,  # between the SPLIT_K partial outputs
+    part_stride_split,  # between the SPLIT_K partials
     HAS_ROW_ORDER: tl.constexpr,
     USE_TILE_MAP: tl.constexpr,
     Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
@@ -57,7 +59,8 @@ def _lora_shrink_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # > 1: each program sums K_PER_SPLIT columns into an fp32 partial
+    SPLIT_K: tl.constexpr,  # > 1: each program sums K_PER_SPLIT columns into an fp32 partial;
+    # the last of a tile's SPLIT_K programs to finish sums the partials into y
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
 ):
@@ -113,10 +116,53 @@ def _lora_shrink_kernel(
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
 
-    y_ptrs = y_ptr + split * y_stride_split + y_rows[:, None] * y_stride_row
-    y_ptrs += slice_id * rank_max + offs_r[None, :]
+    y_offs = y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
     y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tl.store(part_ptr + split * part_stride_split + y_offs, acc, mask=y_mask)
+        # Serial fix-up: every program of the tile counts itself in once its partial is
+        # stored (release); the last one (acquire) sums all SPLIT_K partials in split order,
+        # which makes y the same bits whichever program arrives last, then zeroes the count
+        # for the next launch on this buffer.
+        tile = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (
+            tl.num_programs(2) // SPLIT_K
+        ) + slice_id
+        tl.debug_barrier()  # every thread's partial stores are issued before the release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()  # every thread's loads are ordered after the acquire
+            total = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + sp * part_stride_split + y_offs,
+                    mask=y_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+# Tiles (program groups that split K) a fix-up count buffer covers. K is split only for grids
+# under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that.
+_COUNT_SLOTS = 256
+_counts: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def split_counts(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 fix-up counts of the current stream on ``device``.
+
+    One buffer per stream: launches on one stream run one after another, and each launch
+    leaves its counts zero again, so the next one finds them so. Two streams never share one.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    counts = _counts.get(key)
+    if counts is None:
+        counts = _counts[key] = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
+    return counts
 
 
 def launch_shrink(
@@ -136,41 +182,44 @@ def launch_shrink(
     weights_per_slot: int = 1,
     x_row_div: int = 1,
     y_by_row: bool = False,
-    partials: bool = False,
+    zeroed: bool = True,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
 ) -> torch.Tensor:
     """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
 
     ``weights [weight_slots, slices*R, K]``. When the grid is too small to fill the GPU
-    (decode), K is split over ``split_k`` programs writing fp32 partials, summed afterwards in
-    a fixed order (deterministic, no atomics).
+    (decode), K is split over ``split_k`` programs per tile writing fp32 partials; the last
+    program of each tile sums them in a fixed order (deterministic) and writes ``y``, so it is
+    still one launch.
 
-    With ``partials=True`` nothing is zeroed or summed: the result is the raw buffer, fp32
-    ``[split_k, positions, slices*R]`` when K was split, else ``[positions, slices*R]``, written
-    only at the positions of segments whose slot has a rank > 0. ``launch_expand`` reads exactly
-    those and sums the splits itself, which saves the ``zeros`` and ``sum`` kernels at decode.
+    With ``zeroed=False`` ``y`` is not zeroed first: it is written only at the positions of
+    segments whose slot has a rank > 0, which are all that ``launch_expand`` reads. That saves
+    a fill kernel at decode.
     """
     rank_max = weights.shape[1] // num_slices
     hidden = x.shape[1]
     width = weights.shape[1]
-    split_k = split_k_for(
-        grid_blocks * grid_segments * num_slices, hidden, config.block_k, split_cap
-    )
+    tiles = grid_blocks * grid_segments * num_slices
+    split_k = split_k_for(tiles, hidden, config.block_k, split_cap)
     k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(hidden, k_per_split) if hidden > 0 else 1
-    alloc = torch.empty if partials else torch.zeros
+    y = (torch.zeros if zeroed else torch.empty)((positions, width), dtype=x.dtype, device=x.device)
+    if tiles == 0 or positions == 0:
+        return y
     if split_k > 1:
-        y = alloc((split_k, positions, width), dtype=torch.float32, device=x.device)
+        assert tiles <= _COUNT_SLOTS, f"split-K over {tiles} tiles, counts for {_COUNT_SLOTS}"
+        parts = torch.empty((split_k, positions, width), dtype=torch.float32, device=x.device)
+        counts = split_counts(x.device)
     else:
-        y = alloc((positions, width), dtype=x.dtype, device=x.device)
-    if grid_blocks == 0 or grid_segments == 0 or positions == 0:
-        return y if split_k == 1 or partials else y.sum(0).to(x.dtype)
+        parts = counts = y  # never read
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
     _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
         x,
         weights,
         y,
+        parts,
+        counts,
         seg_indptr,
         seg_slots,
         slot_ranks,
@@ -198,9 +247,7 @@ def launch_shrink(
         RANK_BY_SEG=rank_by_seg,
         num_warps=config.num_warps,
     )
-    if split_k == 1 or partials:
-        return y
-    return y.sum(0).to(x.dtype)  # [positions, slices*R], partials summed in fp32
+    return y
 
 
 def check_segments(
@@ -287,7 +334,7 @@ def shrink_segments(
     config: ShrinkConfig,
     max_seg_len: int,
     *,
-    partials: bool = False,
+    zeroed: bool = True,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
 ) -> torch.Tensor:
@@ -304,7 +351,7 @@ def shrink_segments(
         config,
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
-        partials=partials,
+        zeroed=zeroed,
         rank_by_seg=rank_by_seg,
         split_cap=split_cap,
     )

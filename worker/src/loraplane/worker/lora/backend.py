@@ -42,11 +42,6 @@ class Aside(Generic[T]):
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
 
-    # An overlapped shrink sums its split-K partials on the side stream, so the expand that
-    # waits for the base projection reads one ``y``. A class switch so that one bench run can
-    # compare it on and off (bench/probes/switches.py); on by default.
-    presum_overlapped = True
-
     def __init__(self, name: str, overlap: Overlap = "auto") -> None:
         if overlap not in ("auto", "on", "off"):
             raise ValueError(
@@ -138,15 +133,12 @@ class LoRABackend:
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
 
-        def shrink() -> Any:
-            # On the side stream; the partials are summed there too (PendingLoRA.summed), so
-            # the expand that waits for ``base`` reads one y (unless presum_overlapped is off).
-            pending = self._shrink_for_apply(
+        pending = self.run_aside(
+            x,
+            lambda: self._shrink_for_apply(
                 x, lora_a, lora_b, info, slice_offsets, max_split_k=self.overlap_split_k
-            )
-            return pending.summed() if self.presum_overlapped else pending
-
-        pending = self.run_aside(x, shrink)
+            ),
+        )
         out = base(x)
         pending.result().expand_into(out)
         return out
@@ -159,7 +151,7 @@ class LoRABackend:
         allocates belongs to the side stream; what the result holds is freed after
         ``result()``'s consumer is queued, and the side stream's next use waits on the current
         stream first, so it is never reused before that consumer has read it. Temporaries
-        that only the side stream used (a shrink's partials once summed) may be freed inside
+        that only the side stream used (a shrink's fp32 split-K partials) may be freed inside
         ``work``: the caching allocator reuses them only in that stream's order.
         """
         if not self._overlaps(x):
