@@ -38,9 +38,7 @@ def _runner(suite, arch: str, graphs: bool, dtype: str = "float32"):  # type: ig
     return runner, adapters
 
 
-def _decode(runner, slots_per_row: list[int], steps: int, forced=None) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-    """Prefill, then ``steps`` greedy decode steps: logits per step. ``forced``: another run's
-    logits, whose argmax tokens are fed instead (so two runs see the same inputs)."""
+def _decode(runner, slots_per_row: list[int], steps: int) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     from loraplane.worker.engine.runner import decode_batch, prefill_batch
 
     n = len(slots_per_row)
@@ -49,12 +47,12 @@ def _decode(runner, slots_per_row: list[int], steps: int, forced=None) -> list[t
     slots = [s for p, s in zip(prompts, slots_per_row, strict=True) for _ in p]
     logits = runner.forward(prefill_batch(prompts, rows, all_logits=False, device="cuda"), slots)
     out = [logits.float().cpu()]
-    tokens = (forced[0] if forced else logits).argmax(-1).tolist()
+    tokens = logits.argmax(-1).tolist()
     lengths = [len(p) for p in prompts]
-    for step in range(steps):
+    for _ in range(steps):
         logits = runner.forward(decode_batch(tokens, rows, lengths, "cuda"), slots_per_row)
         out.append(logits.float().cpu())
-        tokens = (forced[step + 1] if forced else logits).argmax(-1).tolist()
+        tokens = logits.argmax(-1).tolist()
         lengths = [x + 1 for x in lengths]
     return out
 
@@ -97,14 +95,14 @@ def test_fused_projection_matches_the_separate_kernels_in_bf16(suite, monkeypatc
     monkeypatch.setattr(linear_lora, "linear_lora", counted)
     runners = {g: _runner(suite, "llama", graphs=g, dtype="bfloat16")[0] for g in (False, True)}
     for slots in ([0, -1, 1, 0], [1, 1, -1]):
+        fused_eager = _decode(runners[False], slots, steps=4)
+        assert calls, "the fused kernel never ran: this would test nothing"
+        fused_graph = _decode(runners[True], slots, steps=4)
         monkeypatch.setattr(LoRABackend, "fuse_linear", False)
+        calls.clear()
         separate = _decode(runners[False], slots, steps=4)
         assert not calls
         monkeypatch.setattr(LoRABackend, "fuse_linear", True)
-        fused_eager = _decode(runners[False], slots, steps=4, forced=separate)
-        assert calls, "the fused kernel never ran: this would test nothing"
-        calls.clear()
-        fused_graph = _decode(runners[True], slots, steps=4, forced=separate)
         for step, (f, g, s) in enumerate(zip(fused_eager, fused_graph, separate, strict=True)):
             scale = s.abs().max().item()
             torch.testing.assert_close(f, s, atol=3e-2 * scale, rtol=3e-2, msg=f"{slots} {step}")

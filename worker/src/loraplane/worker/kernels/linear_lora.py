@@ -98,10 +98,8 @@ def _linear_lora_kernel(
     NUM_SLICES: tl.constexpr,
     HAS_ROW_ORDER: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    shrink_segs,
-    shrink_programs,
-    m_blocks,
-    programs,
+    SHRINK_SEGS: tl.constexpr,
+    SHRINK_PROGRAMS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     SHRINK_BLOCK_S: tl.constexpr,
@@ -111,12 +109,14 @@ def _linear_lora_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    M_BLOCKS: tl.constexpr,
+    PROGRAMS: tl.constexpr,
     TICKET: tl.constexpr,
     Y_DONE: tl.constexpr,
     EXIT: tl.constexpr,
 ):
     ticket = tl.atomic_add(count_ptr + TICKET, 1, sem="relaxed", scope="gpu")
-    if ticket < shrink_programs:
+    if ticket < SHRINK_PROGRAMS:
         tile = ticket // SPLIT_K
         shrink_tile(
             x_ptr,
@@ -128,8 +128,8 @@ def _linear_lora_kernel(
             seg_slots_ptr,
             seg_ranks_ptr,
             row_order_ptr,
-            tile // (NUM_SLICES * shrink_segs),
-            (tile // NUM_SLICES) % shrink_segs,
+            tile // (NUM_SLICES * SHRINK_SEGS),
+            (tile // NUM_SLICES) % SHRINK_SEGS,
             tile % NUM_SLICES,
             ticket % SPLIT_K,
             rank_max,
@@ -154,9 +154,9 @@ def _linear_lora_kernel(
         tl.debug_barrier()  # every thread's y (or partial) stores are issued before the release
         tl.atomic_add(count_ptr + Y_DONE, 1, sem="release", scope="gpu")
     else:
-        t = ticket - shrink_programs
-        offs_m = (t % m_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        n0 = (t // m_blocks) * BLOCK_N
+        t = ticket - SHRINK_PROGRAMS
+        offs_m = (t % M_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        n0 = (t // M_BLOCKS) * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
         m_mask = offs_m < M
@@ -193,7 +193,7 @@ def _linear_lora_kernel(
         scaling = tl.load(slot_scalings_ptr + row_slot, mask=row_slot >= 0, other=0.0)
         # Wait for the shrink programs (acquire), then read y past L1.
         done = tl.atomic_add(count_ptr + Y_DONE, 0, sem="acquire", scope="gpu")
-        while done < shrink_programs:
+        while done < SHRINK_PROGRAMS:
             done = tl.atomic_add(count_ptr + Y_DONE, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
         y_ptrs = (
@@ -209,7 +209,7 @@ def _linear_lora_kernel(
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * out_stride + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
     left = tl.atomic_add(count_ptr + EXIT, 1, sem="acq_rel", scope="gpu")
-    if left == programs - 1:  # the last to finish: every ticket is taken, every wait over
+    if left == PROGRAMS - 1:  # the last to finish: every ticket is taken, every wait over
         tl.atomic_xchg(count_ptr + TICKET, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(count_ptr + Y_DONE, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(count_ptr + EXIT, 0, sem="relaxed", scope="gpu")
@@ -360,10 +360,8 @@ def linear_lora(
         NUM_SLICES=num_slices,
         HAS_ROW_ORDER=row_order is not None,
         DOT_PRECISION=dot_precision(x.dtype),
-        shrink_segs=shrink_segs,
-        shrink_programs=shrink_programs,
-        m_blocks=m_blocks,
-        programs=programs,
+        SHRINK_SEGS=shrink_segs,
+        SHRINK_PROGRAMS=shrink_programs,
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         SHRINK_BLOCK_S=shrink.block_s,
@@ -373,6 +371,8 @@ def linear_lora(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        M_BLOCKS=m_blocks,
+        PROGRAMS=programs,
         TICKET=_TICKET,
         Y_DONE=_Y_DONE,
         EXIT=_EXIT,
