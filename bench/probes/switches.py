@@ -6,7 +6,6 @@ Switches (unset ones keep their defaults, so one device call can compare setting
 docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
-- ``fuse``: a decode projection with its LoRA in one launch (``LoRABackend.fuse_linear``);
 - ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: two K steps per
   split at least, ``MIN_K_STEPS_PER_SPLIT``).
 
@@ -25,7 +24,6 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils
-from loraplane.worker.lora.backend import LoRABackend
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -34,12 +32,10 @@ def apply_switches(spec: str) -> None:
         key, _, value = item.partition("=")
         if key == "fold":
             RowLoRA.fold_residual = value == "1"
-        elif key == "fuse":
-            LoRABackend.fuse_linear = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, fuse or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

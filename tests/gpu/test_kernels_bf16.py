@@ -156,67 +156,6 @@ def test_split_k_shrink_fix_up_is_exact_over_many_launches(tokens: int, k: int) 
     assert rel < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [16, 64])
-@pytest.mark.parametrize(
-    ("name", "k", "sizes"),
-    [("qkv", 4096, [4096, 1024, 1024]), ("gate_up", 4096, [14336, 14336]), ("down", 14336, [4096])],
-)
-def test_fused_projection_bf16(tokens: int, name: str, k: int, sizes: list[int]) -> None:
-    """``linear_lora`` (base GEMM, shrink and expand in one launch) against cuBLAS plus the
-    reference LoRA in fp32, and its graph replays bit for bit against its eager launch."""
-    from loraplane.worker.kernels import linear_lora, reference, shrink
-
-    dev, r_max, ranks = "cuda", 16, [16, 8, 16, 4]
-    info = _batch(tokens, len(ranks), ranks, dev)
-    assert info is not None
-    n, ns = sum(sizes), len(sizes)
-    offsets = torch.tensor(
-        [0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=dev
-    )
-    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    a = torch.randn(len(ranks), ns * r_max, k, device=dev, dtype=torch.bfloat16) / k**0.5
-    b = torch.randn(len(ranks), n, r_max, device=dev, dtype=torch.bfloat16) / r_max**0.5
-    seg = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order)
-
-    def run() -> torch.Tensor:
-        return linear_lora.linear_lora(
-            x,
-            w,
-            a,
-            b,
-            offsets,
-            sizes,
-            info.token_slots,
-            info.seg_indptr,
-            info.seg_slots,
-            info.seg_ranks,
-            info.slot_ranks,
-            info.slot_scalings,
-            info.row_order,
-            info.max_seg_len,
-        )
-
-    eager = run()
-    y = reference.lora_shrink(x.float(), a.float(), *seg[:3], info.row_order, ns, info.max_seg_len)
-    want = torch.nn.functional.linear(x.float(), w.float())
-    reference.lora_expand(y, b.float(), *seg, offsets, want, info.max_seg_len)
-    max_abs, rel = _rel(eager, want)
-    RESULTS[f"fused-{name}-T{tokens}"] = {"max_abs": max_abs, "rel": rel}
-    assert rel < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    same = 0
-    for _ in range(50):
-        graph.replay()
-        same += int(torch.equal(captured, eager))
-    torch.cuda.synchronize()
-    assert same == 50
-    for counts in shrink._counts.values():
-        assert not counts.any(), "a launch left its counters behind"
-
-
 @pytest.mark.parametrize("tokens", [16, 512])
 def test_moe_kernels_bf16(tokens: int) -> None:
     from loraplane.worker.kernels import moe, reference

@@ -16,7 +16,6 @@ __all__ = [
     "MoeLoraRouting",
     "PendingLoRA",
     "decode_attention",
-    "linear_lora",
     "lora_apply",
     "lora_apply_shrink",
     "lora_expand",
@@ -31,7 +30,6 @@ __all__ = [
 
 _TRITON_EXPORTS = {
     "decode_attention": "loraplane.worker.kernels.attention",
-    "linear_lora": "loraplane.worker.kernels.linear_lora",
     "lora_shrink": "loraplane.worker.kernels.shrink",
     "lora_expand": "loraplane.worker.kernels.expand",
     "lora_apply": "loraplane.worker.kernels.expand",

@@ -73,150 +73,81 @@ def _lora_shrink_kernel(
     if seg < 0:  # tile map padding
         return
     slice_id = tl.program_id(2) // SPLIT_K
-    tile = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (
-        tl.num_programs(2) // SPLIT_K
-    ) + slice_id
-    shrink_tile(
-        x_ptr,
-        a_ptr,
-        y_ptr,
-        part_ptr,
-        count_ptr + tile,
-        seg_indptr_ptr,
-        seg_slots_ptr,
-        slot_ranks_ptr,
-        row_order_ptr,
-        blk,
-        seg,
-        slice_id,
-        tl.program_id(2) % SPLIT_K,
-        rank_max,
-        x_stride_row,
-        y_stride_row,
-        a_stride_slot,
-        a_stride_row,
-        weights_per_slot,
-        x_row_div,
-        part_stride_split,
-        HAS_ROW_ORDER,
-        Y_BY_ROW,
-        DOT_PRECISION,
-        HIDDEN,
-        BLOCK_S,
-        BLOCK_R,
-        BLOCK_K,
-        SPLIT_K,
-        K_PER_SPLIT,
-        RANK_BY_SEG,
-    )
-
-
-@triton.jit
-def shrink_tile(
-    x_ptr,
-    a_ptr,
-    y_ptr,
-    part_ptr,
-    tile_count_ptr,  # int32, this tile's fix-up count (when SPLIT_K > 1)
-    seg_indptr_ptr,
-    seg_slots_ptr,
-    slot_ranks_ptr,
-    row_order_ptr,
-    blk,
-    seg,
-    slice_id,
-    split,
-    rank_max,
-    x_stride_row,
-    y_stride_row,
-    a_stride_slot,
-    a_stride_row,
-    weights_per_slot,
-    x_row_div,
-    part_stride_split,
-    HAS_ROW_ORDER: tl.constexpr,
-    Y_BY_ROW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    HIDDEN: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
-    RANK_BY_SEG: tl.constexpr,
-):
-    """One program's share of ``_lora_shrink_kernel``: rows ``blk * BLOCK_S ...`` of segment
-    ``seg``, slice ``slice_id``, K split ``split`` (also the shrink role of
-    ``linear_lora._linear_lora_kernel``). Does nothing past the segment's end or at rank 0."""
+    split = tl.program_id(2) % SPLIT_K
     seg_start = tl.load(seg_indptr_ptr + seg)
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
     pos0 = seg_start + blk * BLOCK_S
+    if pos0 >= seg_end:
+        return
     weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     if RANK_BY_SEG:
         rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
     else:
         rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
-    if (pos0 < seg_end) & (rank > 0):
-        offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
-        s_mask = offs_s < seg_end
-        if HAS_ROW_ORDER:
-            rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
-        else:
-            rows = offs_s.to(tl.int64)
-        x_rows = rows // x_row_div
-        if Y_BY_ROW:
-            y_rows = rows
-        else:
-            y_rows = offs_s.to(tl.int64)
+    if rank <= 0:
+        return
 
-        offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-        r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
-        k_first = split * K_PER_SPLIT
-        offs_k = k_first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
-        x_ptrs = x_ptr + x_rows[:, None] * x_stride_row + offs_k[None, :]  # [BLOCK_S, BLOCK_K]
-        a_base = (
-            a_ptr + weight_slot * a_stride_slot + (slice_id * rank_max).to(tl.int64) * a_stride_row
-        )
-        a_ptrs = a_base + offs_r[None, :] * a_stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_R]
+    offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+    s_mask = offs_s < seg_end
+    if HAS_ROW_ORDER:
+        rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
+    else:
+        rows = offs_s.to(tl.int64)
+    x_rows = rows // x_row_div
+    if Y_BY_ROW:
+        y_rows = rows
+    else:
+        y_rows = offs_s.to(tl.int64)
 
-        acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)  # [BLOCK_S, BLOCK_R]
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            k_mask = (k0 + offs_k) < HIDDEN
-            x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
-            a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
+    offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
+    k_first = split * K_PER_SPLIT
+    offs_k = k_first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    x_ptrs = x_ptr + x_rows[:, None] * x_stride_row + offs_k[None, :]  # [BLOCK_S, BLOCK_K]
+    a_base = a_ptr + weight_slot * a_stride_slot + (slice_id * rank_max).to(tl.int64) * a_stride_row
+    a_ptrs = a_base + offs_r[None, :] * a_stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_R]
 
-        y_offs = y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
-        y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
-        if SPLIT_K == 1:
-            tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-        else:
-            tl.store(part_ptr + split * part_stride_split + y_offs, acc, mask=y_mask)
-            # Serial fix-up: every program of the tile counts itself in once its partial is
-            # stored (release); the last one (acquire) sums all SPLIT_K partials in split
-            # order, which makes y the same bits whichever program arrives last, then zeroes
-            # the count for the next launch on this buffer.
-            tl.debug_barrier()  # every thread's partial stores are issued before the release
-            arrived = tl.atomic_add(tile_count_ptr, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                tl.debug_barrier()  # every thread's loads are ordered after the acquire
-                total = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
-                for sp in tl.static_range(SPLIT_K):
-                    total += tl.load(
-                        part_ptr + sp * part_stride_split + y_offs,
-                        mask=y_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-                tl.atomic_xchg(tile_count_ptr, 0, sem="relaxed", scope="gpu")
+    acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)  # [BLOCK_S, BLOCK_R]
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        k_mask = (k0 + offs_k) < HIDDEN
+        x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
+        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+
+    y_offs = y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
+    y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tl.store(part_ptr + split * part_stride_split + y_offs, acc, mask=y_mask)
+        # Serial fix-up: every program of the tile counts itself in once its partial is
+        # stored (release); the last one (acquire) sums all SPLIT_K partials in split order,
+        # which makes y the same bits whichever program arrives last, then zeroes the count
+        # for the next launch on this buffer.
+        tile = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (
+            tl.num_programs(2) // SPLIT_K
+        ) + slice_id
+        tl.debug_barrier()  # every thread's partial stores are issued before the release
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()  # every thread's loads are ordered after the acquire
+            total = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
+            for sp in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + sp * part_stride_split + y_offs,
+                    mask=y_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 # Tiles (program groups that split K) a fix-up count buffer covers. K is split only for grids
 # under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that.
-COUNT_SLOTS = 256
+_COUNT_SLOTS = 256
 _counts: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -230,7 +161,7 @@ def split_counts(device: torch.device) -> torch.Tensor:
     key = (device, stream)
     counts = _counts.get(key)
     if counts is None:
-        counts = _counts[key] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device)
+        counts = _counts[key] = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
     return counts
 
 
@@ -277,7 +208,7 @@ def launch_shrink(
     if tiles == 0 or positions == 0:
         return y
     if split_k > 1:
-        assert tiles <= COUNT_SLOTS, f"split-K over {tiles} tiles, counts for {COUNT_SLOTS}"
+        assert tiles <= _COUNT_SLOTS, f"split-K over {tiles} tiles, counts for {_COUNT_SLOTS}"
         parts = torch.empty((split_k, positions, width), dtype=torch.float32, device=x.device)
         counts = split_counts(x.device)
     else:

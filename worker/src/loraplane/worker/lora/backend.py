@@ -42,11 +42,6 @@ class Aside(Generic[T]):
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
 
-    # A decode projection with its LoRA in one launch (kernels/linear_lora.py) where the batch
-    # and shapes allow (``fused_linear``). A class switch so that one bench run can compare it
-    # on and off (bench/probes/switches.py fuse=0|1); on by default.
-    fuse_linear = True
-
     def __init__(self, name: str, overlap: Overlap = "auto") -> None:
         if overlap not in ("auto", "on", "off"):
             raise ValueError(
@@ -147,46 +142,6 @@ class LoRABackend:
         out = base(x)
         pending.result().expand_into(out)
         return out
-
-    def fused_linear(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: torch.Tensor,
-        slice_widths: list[int],
-    ) -> torch.Tensor | None:
-        """``x W^T`` plus the LoRA of ``apply`` in one launch, or None where that kernel does
-        not apply (not CUDA, fp32, more than ``linear_lora.MAX_ROWS`` rows, too many slots x
-        rank, column blocks straddling slices): the caller then runs ``apply_around``."""
-        if not self.fuse_linear or self.name != "triton" or not x.is_cuda:
-            return None
-        if x.dtype not in (torch.float16, torch.bfloat16):
-            return None
-        from loraplane.worker.kernels import linear_lora
-
-        if not linear_lora.linear_lora_supported(
-            x.shape[0], slice_widths, x.shape[1], lora_b.shape[0], lora_b.shape[2]
-        ):
-            return None
-        return linear_lora.linear_lora(
-            x,
-            weight,
-            lora_a,
-            lora_b,
-            slice_offsets,
-            slice_widths,
-            info.token_slots,
-            info.seg_indptr,
-            info.seg_slots,
-            info.seg_ranks,
-            info.slot_ranks,
-            info.slot_scalings,
-            info.row_order,
-            info.max_seg_len,
-        )
 
     def run_aside(self, x: torch.Tensor, work: Callable[[], T]) -> Aside[T]:
         """``work()`` on the side stream when overlapping (else now, on the current stream).

@@ -114,13 +114,6 @@ class ColumnLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         if info is None:
             return self.base_layer(x)  # type: ignore[no-any-return]
-        base = self.base_layer
-        if base.bias is None and base.tp_size == 1:
-            out = self.ctx.backend.fused_linear(
-                x, base.weight, self.lora_a, self.lora_b, info, self.slice_offsets, base.local_sizes
-            )
-            if out is not None:
-                return out
         return self.ctx.backend.apply_around(
             x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
         )  # [T, out_local]
@@ -186,29 +179,18 @@ class RowLoRA(LoRALayer):
         return self.base_layer.reduce(out)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)``; on one rank, with the LoRA inside the projection's own
-        kernel where the backend can (``fused_linear``: decode batches on CUDA), else added
-        into ``residual`` in place.
+        """``residual + self(x)``; on one rank the LoRA is added into ``residual`` in place.
 
-        Added into ``residual``, the LoRA term does not wait for the base projection: it runs
-        beside it on the side stream when the backend overlaps (``run_aside``), and only the
-        residual add waits for both. Each path gives one sum for a batch whichever way the
-        step runs (eager or graph): ``residual + (base + lora)`` fused, ``(residual + lora) +
-        base`` otherwise. With the layer split over ranks the LoRA term is partial and is
-        reduced with the base output instead.
+        The LoRA term then does not wait for the base projection: it runs beside it on the
+        side stream when the backend overlaps (``run_aside``), and only the residual add
+        waits for both. The sum is ``(residual + lora) + base`` on every path (eager, graph,
+        either backend), so graph and eager steps stay bitwise equal. With the layer split
+        over ranks the LoRA term is partial and is reduced with the base output instead.
         """
         info = self.ctx.info(self.section)
-        if info is None or self.base_layer.tp_size > 1:
+        if info is None or self.base_layer.tp_size > 1 or not self.fold_residual:
             return residual + self(x)
         backend = self.ctx.backend
-        base = self.base_layer
-        out = backend.fused_linear(
-            x, base.weight, self.lora_a, self.lora_b, info, self.slice_offsets, [base.out_features]
-        )
-        if out is not None:
-            return residual + out
-        if not self.fold_residual:
-            return residual + self(x)
         aside = backend.run_aside(
             x,
             lambda: backend.apply(x, self.lora_a, self.lora_b, info, self.slice_offsets, residual),
