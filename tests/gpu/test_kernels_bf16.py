@@ -115,43 +115,56 @@ def test_split_k_shrink_fix_up_is_exact_over_many_launches(tokens: int, k: int) 
     """At decode the shrink's last program per tile sums the other programs' fp32 partials.
 
     If a partial were read before it is visible, or a count were left behind, some launch
-    would differ: 300 launches back to back, eager and replayed in a graph, give the bits of
-    the first, match the reference, and leave every count zero."""
+    would differ. Two inputs alternate (so a stale partial or a stale ``y`` holds the other
+    input's values), the graph's output is filled with NaN before each replay, and 300
+    launches, eager and replayed, must each give the bits of their input's first launch,
+    match the reference, and leave every count zero."""
     from loraplane.worker.kernels import expand, reference, shrink
 
     dev, ranks = "cuda", [16, 16, 8, 16]
     info = _batch(tokens, len(ranks), ranks, dev)
     assert info is not None
+    config = shrink.shrink_config(info.max_seg_len, 16, k, 2)
+    tiles = -(-info.max_seg_len // config.block_s) * info.num_segments * 3
+    assert shrink.split_k_for(tiles, k, config.block_k) > 1, "K must split, or this tests nothing"
     offsets = torch.tensor([0, 4096, 5120, 6144], dtype=torch.int32, device=dev)
-    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    inputs = [torch.randn(tokens, k, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    x = inputs[0].clone()  # the static input the graph reads
     a = torch.randn(len(ranks), 3 * 16, k, device=dev, dtype=torch.bfloat16) / k**0.5
     b = torch.randn(len(ranks), 6144, 16, device=dev, dtype=torch.bfloat16)
     seg = (info.seg_indptr, info.seg_slots, info.slot_ranks, info.slot_scalings, info.row_order)
+    rank_of = info.slot_ranks[info.seg_slots.long()].repeat_interleave(
+        info.seg_indptr.diff().long()
+    )  # [positions]: each segment position's rank
+    rows = (rank_of > 0).nonzero().flatten()  # the positions the shrink writes
+    assert rows.numel() > 0
 
     def run() -> torch.Tensor:
         return expand.lora_apply_shrink(x, a, b, *seg, offsets, info.max_seg_len).y
 
-    first = run()
-    eager = [run() for _ in range(200)]
+    firsts = []
+    for xi in inputs:
+        x.copy_(xi)
+        firsts.append(run()[rows].clone())
+    assert not torch.equal(firsts[0], firsts[1])
+    bad = 0
+    for i in range(200):
+        x.copy_(inputs[i % 2])
+        bad += int(not torch.equal(run()[rows], firsts[i % 2]))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()
-    replays = []
-    for _ in range(100):
+    for i in range(100):
+        x.copy_(inputs[i % 2])
+        captured.fill_(float("nan"))
         graph.replay()
-        replays.append(captured.clone())
+        bad += int(not torch.equal(captured[rows], firsts[i % 2]))
     torch.cuda.synchronize()
-    rank_of = info.slot_ranks[info.seg_slots.long()].repeat_interleave(
-        info.seg_indptr.diff().long()
-    )  # [positions]: each segment position's rank
-    rows = (rank_of > 0).nonzero().flatten()
-    assert rows.numel() > 0
-    bad = sum(not torch.equal(y[rows], first[rows]) for y in eager + replays)
-    assert bad == 0, f"{bad} of 300 launches differ from the first"
+    assert bad == 0, f"{bad} of 300 launches differ from their input's first"
     for counts in shrink._counts.values():
         assert not counts.any(), "a launch left fix-up counts behind"
-    y_ref = reference.lora_shrink(x, a, *seg[:3], info.row_order, 3, info.max_seg_len)
-    max_abs, rel = _rel(first[rows], y_ref[rows])
+    y_ref = reference.lora_shrink(inputs[1], a, *seg[:3], info.row_order, 3, info.max_seg_len)
+    max_abs, rel = _rel(firsts[1], y_ref[rows])
     RESULTS[f"split-k-fixup-T{tokens}-K{k}"] = {"max_abs": max_abs, "rel": rel}
     assert rel < 1e-2
 

@@ -422,3 +422,25 @@ def test_split_k_shrink_is_one_launch_that_repeats_bit_for_bit(dtype: torch.dtyp
     y_ref = run_shrink(reference, case)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ys[0][rows].float(), y_ref[rows].float(), atol=tol, rtol=tol)
+
+
+def test_a_stream_first_met_in_a_graph_capture_gets_zeroed_counts(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A capture may allocate, but a fill it records runs only when that graph replays: a
+    stream first met while capturing takes a spare buffer zeroed earlier, outside any
+    capture, and with none made yet the shrink refuses rather than count on garbage."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(shrink, "_counts", {})
+    monkeypatch.setattr(shrink, "_spares", {})
+    monkeypatch.setattr(shrink, "_capturing", lambda _device: True)
+    with pytest.raises(RuntimeError, match="outside the capture first"):
+        shrink.split_counts(device)
+    assert not shrink._counts, "a failed call must record nothing"
+    monkeypatch.setattr(shrink, "_capturing", lambda _device: False)
+    eager = shrink.split_counts(device)  # a warm-up: its own buffer, and spares made
+    spares = list(shrink._spares[device])
+    assert len(spares) == shrink._SPARES and not any(t.any() for t in spares)
+    shrink._counts.clear()  # the next call is a stream not seen before...
+    monkeypatch.setattr(shrink, "_capturing", lambda _device: True)  # ...inside a capture
+    captured = shrink.split_counts(device)
+    assert captured is spares[-1] and captured is not eager and not captured.any()
+    assert len(shrink._spares[device]) == shrink._SPARES - 1  # nothing allocated in capture

@@ -148,20 +148,51 @@ def _lora_shrink_kernel(
 # Tiles (program groups that split K) a fix-up count buffer covers. K is split only for grids
 # under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that.
 _COUNT_SLOTS = 256
+# Zeroed buffers made outside any CUDA graph capture, kept ready for streams first met inside
+# one (a capture can allocate, but its fill would only run when that graph is replayed).
+_SPARES = 4
 _counts: dict[tuple[torch.device, int], torch.Tensor] = {}
+_spares: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and bool(torch.cuda.is_current_stream_capturing())
 
 
 def split_counts(device: torch.device) -> torch.Tensor:
     """The zeroed int32 fix-up counts of the current stream on ``device``.
 
     One buffer per stream: launches on one stream run one after another, and each launch
-    leaves its counts zero again, so the next one finds them so. Two streams never share one.
+    leaves its counts zero again, so the next one finds them so. A CUDA graph keeps the buffer
+    of the stream it was captured on, so graphs captured on one stream must not be replayed
+    concurrently (the runtime replays one step at a time).
+
+    A buffer is zeroed when it is made, outside any capture: a stream first met while a graph
+    is being captured takes one of the spares made by an earlier call (every caller runs its
+    kernels eagerly before capturing them: warm-ups compile them). With none left, this
+    raises rather than hand a capture memory that only its own replay would zero.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     counts = _counts.get(key)
+    capturing = _capturing(device)
     if counts is None:
-        counts = _counts[key] = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
+        spares = _spares.get(device, [])
+        if capturing:
+            if not spares:
+                raise RuntimeError(
+                    "split-K shrink: no zeroed fix-up counts for a stream first used inside a "
+                    "CUDA graph capture; run the shrink once on this device outside the "
+                    "capture first (a warm-up), which makes spare buffers"
+                )
+            counts = spares.pop()
+        else:
+            counts = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
+        _counts[key] = counts
+    if not capturing:
+        spares = _spares.setdefault(device, [])
+        while len(spares) < _SPARES:
+            spares.append(torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device))
     return counts
 
 
@@ -208,7 +239,8 @@ def launch_shrink(
     if tiles == 0 or positions == 0:
         return y
     if split_k > 1:
-        assert tiles <= _COUNT_SLOTS, f"split-K over {tiles} tiles, counts for {_COUNT_SLOTS}"
+        if tiles > _COUNT_SLOTS:  # split_k_for never splits this many; a guard, not a path
+            raise RuntimeError(f"split-K over {tiles} tiles, fix-up counts for {_COUNT_SLOTS}")
         parts = torch.empty((split_k, positions, width), dtype=torch.float32, device=x.device)
         counts = split_counts(x.device)
     else:
