@@ -168,31 +168,29 @@ def split_counts(device: torch.device) -> torch.Tensor:
     concurrently (the runtime replays one step at a time).
 
     A buffer is zeroed when it is made, outside any capture: a stream first met while a graph
-    is being captured takes one of the spares made by an earlier call (every caller runs its
-    kernels eagerly before capturing them: warm-ups compile them). With none left, this
-    raises rather than hand a capture memory that only its own replay would zero.
+    is being captured takes one of the spares made when an earlier stream was first met
+    outside one (every caller runs its kernels eagerly before capturing them: warm-ups
+    compile them). With none left, this raises rather than hand a capture memory that only
+    its own replay would zero. Known streams cost one dictionary lookup per launch.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     counts = _counts.get(key)
-    capturing = _capturing(device)
-    if counts is None:
-        spares = _spares.get(device, [])
-        if capturing:
-            if not spares:
-                raise RuntimeError(
-                    "split-K shrink: no zeroed fix-up counts for a stream first used inside a "
-                    "CUDA graph capture; run the shrink once on this device outside the "
-                    "capture first (a warm-up), which makes spare buffers"
-                )
-            counts = spares.pop()
-        else:
-            counts = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
-        _counts[key] = counts
-    if not capturing:
-        spares = _spares.setdefault(device, [])
-        while len(spares) < _SPARES:
-            spares.append(torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device))
+    if counts is not None:  # the launch path: one lookup
+        return counts
+    spares = _spares.setdefault(device, [])
+    if _capturing(device):
+        if not spares:
+            raise RuntimeError(
+                "split-K shrink: no zeroed fix-up counts for a stream first used inside a "
+                "CUDA graph capture; run the shrink once on this device outside the "
+                "capture first (a warm-up), which makes spare buffers"
+            )
+        counts = _counts[key] = spares.pop()
+        return counts
+    counts = _counts[key] = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
+    while len(spares) < _SPARES:
+        spares.append(torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device))
     return counts
 
 

@@ -132,7 +132,6 @@ class LoRABackend:
             out = base(x)
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
-
         pending = self.run_aside(
             x,
             lambda: self._shrink_for_apply(
