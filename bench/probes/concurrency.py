@@ -18,6 +18,17 @@ decode attention) is captured in one CUDA graph per variant and replayed:
 - ``delta``: as ``residual``, and the qkv/gate_up LoRA wholly aside into a zeroed delta that
   is added to the projection's output after it.
 - ``aside``: every LoRA wholly on the side stream into its own buffers (a bound, not correct).
+- ``empty_aside``: as ``aside``, with each LoRA kernel replaced by a one-program kernel that
+  stores one word: what the launches alone cost beside the base.
+- ``empty_main``: the same empty kernels on the main stream, after each projection.
+- ``stacked``: no shrink kernel. Each projection's weight has the batch's adapters' A rows
+  stacked under it, so one cuBLAS GEMM writes the base output and ``y``; the expand reads
+  ``y`` from the GEMM's extra columns (``y_seg_cols``) after it, on the main stream.
+- ``stacked16``: as ``stacked``, with 16 adapters' A rows in every GEMM whatever the batch.
+- ``fused``: as ``stacked``, and the expands of o/down and gate_up fused into what follows
+  them (``_expand_epilogue_kernel`` here): ``h + o + lora`` in one kernel instead of the
+  expand and the residual add, ``silu(g + lora) * (u + lora)`` instead of the expand and
+  the SwiGLU. A bound: every row has an adapter here (the runtime also has rows without).
 
 Prints one JSON object: step microseconds per (batch, adapters, variant) and the ratios.
 """
@@ -30,6 +41,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from loraplane.worker import kernels
 
@@ -67,22 +80,99 @@ class Layer:
             a = torch.randn(slots, len(widths) * R, k_in[name], **bf) * 0.02
             b = torch.randn(slots, offs[-1], R, **bf) * 0.02
             self.lora[name] = (a, b, torch.tensor(offs, dtype=torch.int32, device=dev))
+        # each weight with STACK_MAX adapters' A rows under it: the slots' own A first, then
+        # random rows (values past the slots' do not matter here)
+        self.stacked = {}
+        for name, w in self.w.items():
+            a = self.lora[name][0]
+            extra = torch.randn((STACK_MAX - slots) * a.shape[1], w.shape[1], **bf) * 0.02
+            self.stacked[name] = torch.cat([w, a.reshape(-1, a.shape[2]), extra])
         self.norm = torch.ones(H, **bf)
         self.k_cache = torch.randn(130, CTX + 1, KV, D, **bf)
         self.v_cache = torch.randn(130, CTX + 1, KV, D, **bf)
 
 
-MODES = ("base", "serial", "overlap", "residual", "delta", "aside")
+MODES = (
+    "base",
+    "serial",
+    "overlap",
+    "residual",
+    "delta",
+    "aside",
+    "empty_aside",
+    "empty_main",
+    "stacked",
+    "stacked16",
+    "fused",
+)
+STACK_MAX = 16
 
 
-def measure(
-    layers: list[Layer],
-    side: torch.cuda.Stream,
-    slots: int,
-    bs: int,
-    n_ad: int,
-    carveouts: tuple[int, ...] = (),
-) -> dict[str, float]:
+@triton.jit
+def _one_word(p):
+    tl.store(p, 1)
+
+
+@triton.jit
+def _expand_epilogue_kernel(
+    y_ptr,  # [T, *]: the stacked GEMM's output, y of segment s from column y_col[s]
+    b_ptr,  # [slots, N_total, R]
+    base_ptr,  # [T, *]: the GEMM's base columns
+    res_ptr,  # [T, H] residual (RESIDUAL)
+    out_ptr,  # [T, H] (RESIDUAL: may be res) or act [T, I] (SWIGLU)
+    seg_indptr_ptr,
+    seg_slots_ptr,
+    seg_scal_ptr,
+    y_col_ptr,
+    n_cols,  # H, or I for SWIGLU
+    stride_y,
+    stride_base,
+    stride_res,
+    stride_out,
+    b_stride_slot,
+    R: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    seg = tl.program_id(1)
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+    scal = tl.load(seg_scal_ptr + seg)
+    y_col = tl.load(y_col_ptr + seg)
+    rows = seg_start + tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = rows < seg_end
+    rows = rows.to(tl.int64)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R)
+    mask = s_mask[:, None] & (offs_n < n_cols)[None, :]
+    b_base = b_ptr + slot * b_stride_slot
+    y0 = tl.load(y_ptr + rows[:, None] * stride_y + y_col + offs_r[None, :], mask=s_mask[:, None])
+    b0 = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=(offs_n < n_cols)[None, :])
+    base_ptrs = base_ptr + rows[:, None] * stride_base + offs_n[None, :]
+    g = tl.load(base_ptrs, mask=mask).to(tl.float32)
+    if SWIGLU:
+        y1 = tl.load(
+            y_ptr + rows[:, None] * stride_y + y_col + R + offs_r[None, :], mask=s_mask[:, None]
+        )
+        b1 = tl.load(
+            b_base + (n_cols + offs_n[None, :]) * R + offs_r[:, None],
+            mask=(offs_n < n_cols)[None, :],
+        )
+        u = tl.load(base_ptrs + n_cols, mask=mask).to(tl.float32)
+        g += scal * tl.dot(y0, b0)
+        u += scal * tl.dot(y1, b1)
+        val = g / (1.0 + tl.exp(-g)) * u
+    else:
+        res = tl.load(res_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=mask)
+        val = res.to(tl.float32) + g + scal * tl.dot(y0, b0)
+    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int, n_ad: int):
+    """``step(mode)``: one decode step of the layer stack in that mode (see the docstring)."""
     dev = "cuda"
     x0 = torch.randn(bs, H, dtype=torch.bfloat16, device=dev)
     per = bs // n_ad
@@ -94,6 +184,8 @@ def measure(
     seg_scal = scal[:n_ad].clone()
     rows = torch.arange(bs, device=dev)
     pos = torch.full((bs,), CTX - 1, dtype=torch.int64, device=dev)
+    word = torch.zeros(1, dtype=torch.int32, device=dev)
+    y_cols = {name: seg_slots * a.shape[1] for name, (a, _, _) in layers[0].lora.items()}
 
     def shrink(layer: Layer, name: str, x: torch.Tensor, cap: int | None = None):
         a, b, offs = layer.lora[name]
@@ -117,6 +209,71 @@ def measure(
         w = layer.w[name]
         if mode == "base":
             return F.linear(x, w), None
+        if mode == "fused" and name != "qkv":
+            a, b, offs = layer.lora[name]
+            n_out, n_r = w.shape[0], a.shape[1]
+            full = F.linear(x, layer.stacked[name][: n_out + n_ad * n_r])
+            swiglu = name == "gate_up"
+            n_cols = n_out // 2 if swiglu else n_out
+            target = residual if not swiglu else x.new_empty(bs, n_cols)
+            block_s = 16 if per <= 16 else 64
+            grid = (triton.cdiv(per, block_s), n_ad, triton.cdiv(n_cols, 128))
+            _expand_epilogue_kernel[grid](
+                full[:, n_out:],
+                b,
+                full,
+                residual,
+                target,
+                indptr,
+                seg_slots,
+                seg_scal,
+                y_cols[name],
+                n_cols,
+                full.stride(0),
+                full.stride(0),
+                residual.stride(0),
+                target.stride(0),
+                b.stride(0),
+                R=R,
+                SWIGLU=swiglu,
+                BLOCK_S=block_s,
+                BLOCK_N=128,
+            )
+            return target, "fused"
+        if mode in ("stacked", "stacked16", "fused"):
+            a, b, offs = layer.lora[name]
+            n_out, n_r = w.shape[0], a.shape[1]
+            staged = STACK_MAX if mode == "stacked16" else n_ad
+            full = F.linear(x, layer.stacked[name][: n_out + staged * n_r])
+            out = full[:, :n_out]
+            kernels.PendingLoRA(
+                fn="probe",
+                rows=bs,
+                y=full[:, n_out:],
+                lora_b=b,
+                seg_indptr=indptr,
+                seg_slots=seg_slots,
+                ranks=seg_ranks,
+                scalings=seg_scal,
+                row_order=None,
+                slice_offsets=offs,
+                max_seg_len=per,
+                rank_by_seg=True,
+                checked_out=out,
+                y_seg_cols=y_cols[name],
+            ).expand_into(out)
+            return out, None
+        if mode == "empty_main":
+            out = F.linear(x, w)
+            _one_word[(1,)](word)
+            _one_word[(1,)](word)
+            return out, None
+        if mode == "empty_aside":
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                _one_word[(1,)](word)
+                _one_word[(1,)](word)
+            return F.linear(x, w), "join"
         if mode == "serial":
             out = F.linear(x, w)
             shrink(layer, name, x).expand_into(out)
@@ -151,37 +308,64 @@ def measure(
             q = qkv[:, : HEADS * D].reshape(bs, HEADS, D)
             att = kernels.decode_attention(q, layer.k_cache, layer.v_cache, rows, pos + 1, D**-0.5)
             o, join = proj(layer, "o", att.reshape(bs, HEADS * D), mode, h)
-            if join:
+            if join == "join":
                 torch.cuda.current_stream().wait_stream(side)
-            h = h + o
-            gu, _ = proj(layer, "gate_up", rms(h, layer.norm), mode, h)
-            g, u = gu.chunk(2, dim=-1)
-            d, join = proj(layer, "down", F.silu(g) * u, mode, h)
-            if join:
+            h = o if join == "fused" else h + o  # fused: h + o + lora, written into h
+            gu, join = proj(layer, "gate_up", rms(h, layer.norm), mode, h)
+            if join == "fused":
+                act = gu  # silu(g + lora) * (u + lora)
+            else:
+                g, u = gu.chunk(2, dim=-1)
+                act = F.silu(g) * u
+            d, join = proj(layer, "down", act, mode, h)
+            if join == "join":
                 torch.cuda.current_stream().wait_stream(side)
-            h = h + d
-        if mode == "aside":
+            h = d if join == "fused" else h + d
+        if mode in ("aside", "empty_aside"):
             torch.cuda.current_stream().wait_stream(side)
         return h
 
+    return step
+
+
+def capture(step, mode: str, carve: int = 0) -> torch.cuda.CUDAGraph:
+    torch._C._set_sm_carveout_experimental(carve or None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step(mode)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step(mode)
+    torch._C._set_sm_carveout_experimental(None)
+    g.replay()
+    torch.cuda.synchronize()
+    return g
+
+
+def measure(
+    layers: list[Layer],
+    side: torch.cuda.Stream,
+    slots: int,
+    bs: int,
+    n_ad: int,
+    carveouts: tuple[int, ...] = (),
+) -> dict[str, float]:
+    step = build_step(layers, side, slots, bs, n_ad)
+    with torch.no_grad():  # the LoRA paths agree: the serial kernels against stacked / fused
+        ref = step("serial").float()
+        agree = {
+            m: round(((step(m).float() - ref).norm() / ref.norm()).item(), 5)
+            for m in ("stacked", "fused")
+        }
     times = {}
     runs = [(m, 0) for m in MODES] + [
         (m, c) for c in carveouts for m in ("base", "residual", "aside")
     ]
     for mode, carve in runs:
-        torch._C._set_sm_carveout_experimental(carve or None)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                step(mode)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step(mode)
-        torch._C._set_sm_carveout_experimental(None)
-        g.replay()
-        torch.cuda.synchronize()
+        g = capture(step, mode, carve)
         samples = []
         for _ in range(3):
             for _ in range(30):
@@ -196,7 +380,8 @@ def measure(
                 samples.append(e0.elapsed_time(e1) * 1e3)
         times[f"{mode}@{carve}" if carve else mode] = statistics.median(samples)
         del g
-    row = {m: round(t, 1) for m, t in times.items()}
+    row: dict[str, float] = {m: round(t, 1) for m, t in times.items()}
+    row.update({f"relerr_{m}": e for m, e in agree.items()})
     row.update({f"ratio_{m}": round(times["base"] / t, 3) for m, t in times.items() if m != "base"})
     for c in carveouts:  # against the same carveout's base: what the side stream now hides
         for m in ("residual", "aside"):

@@ -44,6 +44,7 @@ def _lora_expand_kernel(
     slice_offsets_ptr,  # int32 [NUM_SLICES + 1]
     tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
     tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    y_seg_col_ptr,  # int32 [S]: first column of each segment's y (read only when Y_SEG_COL)
     n_total,
     rank_max,
     y_stride_row,
@@ -60,20 +61,22 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
+    Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
 ):
+    # Every load that only needs the program's segment is issued first, and nothing returns
+    # or branches on a loaded value after it: one basic block, so the y, B and out loads all
+    # leave together once the segment's bounds arrive (two round trips to memory, not five).
+    # A program past its segment's end, or on a rank-0 slot, masks everything off instead.
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
         blk = tl.load(tile_blk_ptr + tl.program_id(0))
+        if seg < 0:  # tile map padding
+            return
     else:
         blk = tl.program_id(0)
         seg = tl.program_id(1)
-    if seg < 0:  # tile map padding
-        return
     seg_start = tl.load(seg_indptr_ptr + seg)
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    pos0 = seg_start + blk * BLOCK_S
-    if pos0 >= seg_end:
-        return
     weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     if RANK_BY_SEG:
         rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
@@ -82,11 +85,12 @@ def _lora_expand_kernel(
         slot = weight_slot // weights_per_slot
         rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
         scaling = tl.load(slot_scalings_ptr + slot)
-    if rank <= 0:
-        return
+    y_base = y_ptr
+    if Y_SEG_COL:
+        y_base = y_ptr + tl.load(y_seg_col_ptr + seg)
 
-    offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
-    s_mask = offs_s < seg_end
+    offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+    s_mask = (offs_s < seg_end) & (rank > 0)
     if HAS_ROW_ORDER:
         rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
     else:
@@ -102,24 +106,26 @@ def _lora_expand_kernel(
     r_mask = offs_r < rank  # columns of B at or beyond the rank are never read
     b_base = b_ptr + weight_slot * b_stride_slot
 
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
-    for i in tl.static_range(NUM_SLICES):
-        col_lo = tl.load(slice_offsets_ptr + i)
-        col_hi = tl.load(slice_offsets_ptr + i + 1)
-        if (col_lo < n0 + BLOCK_N) & (col_hi > n0):
-            n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
-            y_ptrs = y_ptr + y_rows[:, None] * y_stride_row + i * rank_max + offs_r[None, :]
-            y_mask = s_mask[:, None] & r_mask[None, :]
-            y_tile = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
-            b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
-            b_tile = tl.load(
-                b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0
-            )  # [BLOCK_R, BLOCK_N]
-            acc += tl.dot(y_tile, b_tile, input_precision=DOT_PRECISION)
-
     out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
     out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
     base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
+    for i in tl.static_range(NUM_SLICES):
+        # a column block may straddle slices: each slice's B columns are masked to its range
+        col_lo = tl.load(slice_offsets_ptr + i)
+        col_hi = tl.load(slice_offsets_ptr + i + 1)
+        n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
+        y_ptrs = y_base + y_rows[:, None] * y_stride_row + i * rank_max + offs_r[None, :]
+        y_tile = tl.load(
+            y_ptrs, mask=s_mask[:, None] & r_mask[None, :], other=0.0
+        )  # [BLOCK_S, BLOCK_R]
+        b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
+        b_tile = tl.load(
+            b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0
+        )  # [BLOCK_R, BLOCK_N]
+        acc += tl.dot(y_tile, b_tile, input_precision=DOT_PRECISION)
+
     tl.store(
         out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
     )
@@ -143,9 +149,11 @@ def launch_expand(
     weights_per_slot: int = 1,
     y_by_row: bool = False,
     rank_by_seg: bool = False,
+    y_seg_cols: torch.Tensor | None = None,
 ) -> None:
     """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``,
-    ``y [positions, slices*R]``."""
+    ``y [positions, slices*R]`` (with ``y_seg_cols``: segment ``s`` reads its columns from
+    ``y_seg_cols[s]`` on)."""
     n_total = weights.shape[1]
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
@@ -163,6 +171,7 @@ def launch_expand(
         slice_offsets,
         tile_seg,
         tile_blk,
+        y_seg_cols if y_seg_cols is not None else seg_indptr,
         n_total,
         weights.shape[2],
         y.stride(0),
@@ -179,6 +188,7 @@ def launch_expand(
         BLOCK_R=config.block_r,
         BLOCK_N=config.block_n,
         RANK_BY_SEG=rank_by_seg,
+        Y_SEG_COL=y_seg_cols is not None,
         num_warps=config.num_warps,
     )
 
@@ -301,6 +311,7 @@ def expand_segments(
     max_seg_len: int,
     *,
     rank_by_seg: bool = False,
+    y_seg_cols: torch.Tensor | None = None,
 ) -> None:
     """``launch_expand`` over the ``(segment blocks, segments, column blocks)`` grid (checked args)."""
     config = expand_config(max_seg_len, lora_b.shape[2], lora_b.shape[1])
@@ -318,6 +329,7 @@ def expand_segments(
         grid_blocks=triton.cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
         rank_by_seg=rank_by_seg,
+        y_seg_cols=y_seg_cols,
     )
 
 
@@ -384,6 +396,7 @@ class PendingLoRA:
     max_seg_len: int
     rank_by_seg: bool
     checked_out: torch.Tensor | None = None
+    y_seg_cols: torch.Tensor | None = None
 
     def expand_into(self, out: torch.Tensor) -> None:
         """``out [rows, N_total] += s * y B`` per segment (checks ``out``, then one launch)."""
@@ -401,6 +414,7 @@ class PendingLoRA:
             self.slice_offsets,
             self.max_seg_len,
             rank_by_seg=self.rank_by_seg,
+            y_seg_cols=self.y_seg_cols,
         )
 
 

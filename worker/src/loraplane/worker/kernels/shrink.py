@@ -64,31 +64,28 @@ def _lora_shrink_kernel(
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
 ):
+    # As in the expand: the segment's loads first and no early return after them, so the
+    # first x and A tiles leave one memory round trip after the program starts.
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
         blk = tl.load(tile_blk_ptr + tl.program_id(0))
+        if seg < 0:  # tile map padding
+            return
     else:
         blk = tl.program_id(0)
         seg = tl.program_id(1)
-    if seg < 0:  # tile map padding
-        return
     slice_id = tl.program_id(2) // SPLIT_K
     split = tl.program_id(2) % SPLIT_K
     seg_start = tl.load(seg_indptr_ptr + seg)
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    pos0 = seg_start + blk * BLOCK_S
-    if pos0 >= seg_end:
-        return
     weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
     if RANK_BY_SEG:
         rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
     else:
         rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
-    if rank <= 0:
-        return
 
-    offs_s = pos0 + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
-    s_mask = offs_s < seg_end
+    offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+    s_mask = (offs_s < seg_end) & (rank > 0)
     if HAS_ROW_ORDER:
         rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
     else:
