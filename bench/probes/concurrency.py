@@ -26,9 +26,9 @@ decode attention) is captured in one CUDA graph per variant and replayed:
   ``y`` from the GEMM's extra columns (``y_seg_cols``) after it, on the main stream.
 - ``stacked16``: as ``stacked``, with 16 adapters' A rows in every GEMM whatever the batch.
 - ``fused``: as ``stacked``, and the expands of o/down and gate_up fused into what follows
-  them (``_expand_epilogue_kernel`` here): ``h + o + lora`` in one kernel instead of the
-  expand and the residual add, ``silu(g + lora) * (u + lora)`` instead of the expand and
-  the SwiGLU. A bound: every row has an adapter here (the runtime also has rows without).
+  them (the runtime's ``kernels/stacked.py``, which this probe's first form led to):
+  ``h + o + lora`` in one kernel instead of the expand and the residual add,
+  ``silu(g + lora) * (u + lora)`` instead of the expand and the SwiGLU.
 
 Prints one JSON object: step microseconds per (batch, adapters, variant) and the ratios.
 """
@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from loraplane.worker import kernels
+from loraplane.worker.kernels._triton_utils import StageInfo
 
 H, INTER, HEADS, KV, D, LAYERS, CTX, R = 4096, 14336, 32, 8, 128, 8, 512, 16
 
@@ -113,64 +114,6 @@ def _one_word(p):
     tl.store(p, 1)
 
 
-@triton.jit
-def _expand_epilogue_kernel(
-    y_ptr,  # [T, *]: the stacked GEMM's output, y of segment s from column y_col[s]
-    b_ptr,  # [slots, N_total, R]
-    base_ptr,  # [T, *]: the GEMM's base columns
-    res_ptr,  # [T, H] residual (RESIDUAL)
-    out_ptr,  # [T, H] (RESIDUAL: may be res) or act [T, I] (SWIGLU)
-    seg_indptr_ptr,
-    seg_slots_ptr,
-    seg_scal_ptr,
-    y_col_ptr,
-    n_cols,  # H, or I for SWIGLU
-    stride_y,
-    stride_base,
-    stride_res,
-    stride_out,
-    b_stride_slot,
-    R: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    seg = tl.program_id(1)
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    scal = tl.load(seg_scal_ptr + seg)
-    y_col = tl.load(y_col_ptr + seg)
-    rows = seg_start + tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = rows < seg_end
-    rows = rows.to(tl.int64)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, R)
-    mask = s_mask[:, None] & (offs_n < n_cols)[None, :]
-    b_base = b_ptr + slot * b_stride_slot
-    y0 = tl.load(y_ptr + rows[:, None] * stride_y + y_col + offs_r[None, :], mask=s_mask[:, None])
-    b0 = tl.load(b_base + offs_n[None, :] * R + offs_r[:, None], mask=(offs_n < n_cols)[None, :])
-    base_ptrs = base_ptr + rows[:, None] * stride_base + offs_n[None, :]
-    g = tl.load(base_ptrs, mask=mask).to(tl.float32)
-    if SWIGLU:
-        y1 = tl.load(
-            y_ptr + rows[:, None] * stride_y + y_col + R + offs_r[None, :], mask=s_mask[:, None]
-        )
-        b1 = tl.load(
-            b_base + (n_cols + offs_n[None, :]) * R + offs_r[:, None],
-            mask=(offs_n < n_cols)[None, :],
-        )
-        u = tl.load(base_ptrs + n_cols, mask=mask).to(tl.float32)
-        g += scal * tl.dot(y0, b0)
-        u += scal * tl.dot(y1, b1)
-        val = g / (1.0 + tl.exp(-g)) * u
-    else:
-        res = tl.load(res_ptr + rows[:, None] * stride_res + offs_n[None, :], mask=mask)
-        val = res.to(tl.float32) + g + scal * tl.dot(y0, b0)
-    out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int, n_ad: int):
     """``step(mode)``: one decode step of the layer stack in that mode (see the docstring)."""
     dev = "cuda"
@@ -186,6 +129,16 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
     pos = torch.full((bs,), CTX - 1, dtype=torch.int64, device=dev)
     word = torch.zeros(1, dtype=torch.int32, device=dev)
     y_cols = {name: seg_slots * a.shape[1] for name, (a, _, _) in layers[0].lora.items()}
+    # every row has an adapter here: the full segments are the segments and an empty one
+    stage = StageInfo(
+        full_indptr=torch.cat([indptr, indptr[-1:]]),
+        full_order=rows,
+        full_slots=torch.cat([seg_slots, seg_slots[:1]]),
+        full_pos=torch.cat([seg_slots, torch.full_like(seg_slots[:1], -1)]),
+        full_scalings=torch.cat([seg_scal, seg_scal[:1]]),
+        max_len=per,
+        width=n_ad,
+    )
 
     def shrink(layer: Layer, name: str, x: torch.Tensor, cap: int | None = None):
         a, b, offs = layer.lora[name]
@@ -213,33 +166,9 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
             a, b, offs = layer.lora[name]
             n_out, n_r = w.shape[0], a.shape[1]
             full = F.linear(x, layer.stacked[name][: n_out + n_ad * n_r])
-            swiglu = name == "gate_up"
-            n_cols = n_out // 2 if swiglu else n_out
-            target = residual if not swiglu else x.new_empty(bs, n_cols)
-            block_s = 16 if per <= 16 else 64
-            grid = (triton.cdiv(per, block_s), n_ad, triton.cdiv(n_cols, 128))
-            _expand_epilogue_kernel[grid](
-                full[:, n_out:],
-                b,
-                full,
-                residual,
-                target,
-                indptr,
-                seg_slots,
-                seg_scal,
-                y_cols[name],
-                n_cols,
-                full.stride(0),
-                full.stride(0),
-                residual.stride(0),
-                target.stride(0),
-                b.stride(0),
-                R=R,
-                SWIGLU=swiglu,
-                BLOCK_S=block_s,
-                BLOCK_N=128,
-            )
-            return target, "fused"
+            if name == "gate_up":
+                return kernels.stacked_silu_mul(full, n_out, n_r, b, stage), "fused"
+            return kernels.stacked_residual(full, n_out, n_r, b, stage, residual), "fused"
         if mode in ("stacked", "stacked16", "fused"):
             a, b, offs = layer.lora[name]
             n_out, n_r = w.shape[0], a.shape[1]

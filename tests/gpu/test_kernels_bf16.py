@@ -314,3 +314,67 @@ def teardown_module() -> None:
     if path and RESULTS:
         with open(path, "w") as f:
             json.dump(RESULTS, f, indent=2)
+
+
+@pytest.mark.parametrize("tokens", [16, 64, 128])
+@pytest.mark.parametrize(
+    ("name", "k", "sizes"),
+    [("qkv", 4096, [4096, 1024, 1024]), ("o", 4096, [4096]), ("gate_up", 4096, [14336, 14336])],
+)
+def test_stacked_gemm_lora_matches_shrink_and_expand_bf16(
+    tokens: int, name: str, k: int, sizes: list[int]
+) -> None:
+    """A staged batch (stage metadata from ``StaticLoRABatch``, as a graph step builds it):
+    the base GEMM over ``[W; A_staged]`` and the fused epilogue give what the shrink and
+    expand kernels give, followed by the same residual add or SwiGLU in fp32."""
+    from loraplane.worker import kernels
+    from loraplane.worker.lora.backend import LoRABackend
+    from loraplane.worker.lora.batch_info import LoRABatchInfo, StaticLoRABatch
+
+    dev, r_max, ranks = "cuda", 16, [16, 8, 16, 16]
+    g = torch.Generator().manual_seed(tokens)
+    slots = torch.randint(-1, len(ranks), (tokens,), generator=g).tolist()
+    slots = sorted(slots, key=lambda s: (s < 0, s))  # the engine's order: by slot
+    slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=dev)
+    scalings = torch.tensor([2.0, 0.5, 1.0, 4.0], device=dev)
+    positions = {0: 2, 1: 0, 2: 3, 3: 1}  # slot -> stage position, not in slot order
+    static = StaticLoRABatch(tokens, 4, slot_ranks, scalings, torch.device(dev), None, 4)
+    static.fill(slots, positions=positions)
+    info = static.info()
+    assert info.stage is not None and info.stage.width == 4
+    n_slices, n = len(sizes), sum(sizes)
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+    offsets = offsets.to(dev)
+    x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    a = torch.randn(4, n_slices * r_max, k, device=dev, dtype=torch.bfloat16) / k**0.5
+    b = torch.randn(4, n, r_max, device=dev, dtype=torch.bfloat16) / 4
+    for s, r in enumerate(ranks):  # the slot buffers' layout: zero past the rank
+        a[s].view(n_slices, r_max, k)[:, r:] = 0
+        b[s, :, r:] = 0
+    staged = torch.empty(4, n_slices * r_max, k, device=dev, dtype=torch.bfloat16)
+    for s, p in positions.items():
+        staged[p] = a[s]
+    full = torch.nn.functional.linear(x, torch.cat([w, staged.reshape(-1, k)]))
+    n_r = n_slices * r_max
+
+    unfused = torch.nn.functional.linear(x, w)
+    plain_info = LoRABatchInfo.build(slots, slot_ranks, scalings, dev)
+    assert plain_info is not None
+    LoRABackend("triton", overlap="off").apply(x, a, b, plain_info, offsets, unfused)
+    if name == "qkv":
+        got = kernels.stacked_plain(full, n, n_r, b, info.stage, offsets)
+        want = unfused
+    elif name == "o":
+        residual = torch.randn(tokens, n, device=dev, dtype=torch.bfloat16)
+        want = (residual.float() + unfused.float()).to(torch.bfloat16)
+        got = kernels.stacked_residual(full, n, n_r, b, info.stage, residual)
+    else:
+        got = kernels.stacked_silu_mul(full, n, n_r, b, info.stage)
+        want = kernels.silu_and_mul(unfused)
+    max_abs, rel = _rel(got, want)
+    RESULTS[f"stacked-{name}-T{tokens}"] = {"max_abs": max_abs, "rel": rel}
+    assert rel < 1e-2
+    base_rows = [i for i, s in enumerate(slots) if s < 0]
+    if name == "qkv" and base_rows:  # rows without an adapter: the base GEMM's values exactly
+        assert torch.equal(got[base_rows], full[base_rows, :n])

@@ -69,6 +69,35 @@ def test_static_padded_step_matches_the_eager_step(runner: ModelRunner, slots: l
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
     torch.testing.assert_close(got3, want[:3], rtol=0, atol=2e-5)
+    # the adapters were staged: the static steps took the stacked-GEMM path
+    used = {s for s in slots if s != NO_ADAPTER}
+    assert used <= set(runner.lora.stage.slot_at)  # type: ignore[union-attr]
+    assert all(shape[2] > 0 for _, shape in graphs._graphs if shape is not None)
+
+
+def test_more_adapters_than_stage_positions_run_the_shrink_kernels(suite) -> None:  # type: ignore[no-untyped-def]
+    """With 2 stage positions, a 3-adapter batch is not staged (width 0) and a 2-adapter batch
+    is; both give the eager step's logits, and staging the second evicts nothing it needs."""
+    model_dir, adapters = suite["llama"]
+    cfg = RunnerConfig(str(model_dir), lora_backend="triton", max_seqs=6, max_len=32)
+    r = ModelRunner(
+        cfg,
+        LoRARuntimeConfig(
+            max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32, stage_slots=2
+        ),
+    )
+    for slot, (name, path) in enumerate(adapters[:3]):
+        r.lora.load_slot(slot, r.read_adapter(name, path))  # type: ignore[union-attr]
+    tokens = [11, 12, 13, 14]
+    three, two = [2, 1, 0, 1], [NO_ADAPTER, 2, 0, 0]
+    want = {n: r.forward(decode_step(r, tokens), s) for n, s in (("3", three), ("2", two))}  # type: ignore[arg-type]
+    graphs = r.graphs = DecodeGraphs(r, 8, spare_row=5, capture=False)
+    for name, slots in (("3", three), ("2", two), ("3", three)):
+        got = r.forward(decode_step(r, tokens), slots)  # type: ignore[arg-type]
+        torch.testing.assert_close(got, want[name], rtol=0, atol=2e-5, msg=name)
+    widths = sorted(shape[2] for _, shape in graphs._graphs if shape is not None)
+    assert widths == [0, 2]
+    assert sorted(s for s in r.lora.stage.slot_at if s is not None) == [0, 2]  # type: ignore[union-attr]
 
 
 def test_repeated_and_alternating_batches_reuse_metadata_correctly(runner: ModelRunner) -> None:

@@ -223,6 +223,13 @@ def serve_cmd(
     ] = 4,
     max_loaded_loras: Annotated[int, typer.Option(help="M: adapters kept in host memory")] = 8,
     max_lora_rank: Annotated[int, typer.Option(help="R: largest adapter rank a slot holds")] = 64,
+    stage_slots: Annotated[
+        int,
+        typer.Option(
+            help="P: adapters whose A rows sit under the base weights, so a decode batch of "
+            "at most P adapters shrinks inside the base GEMM (CUDA graphs, one rank); 0: off"
+        ),
+    ] = 4,
     lora: Annotated[
         list[str], typer.Option(help="NAME=PATH of an adapter to load at start; repeat")
     ] = [],  # noqa: B006
@@ -276,6 +283,7 @@ def serve_cmd(
             max_loras_per_batch=max_loras_per_batch,
             max_loaded_loras=max_loaded_loras,
             max_lora_rank=max_lora_rank,
+            stage_slots=stage_slots,
             lora_backend=lora_backend,
             cuda_graphs=cuda_graphs,
             max_running=max_running,

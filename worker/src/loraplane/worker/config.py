@@ -152,6 +152,9 @@ class LoRARuntimeConfig:
     max_loras_per_batch (K): GPU slots per LoRA'd module; a batch holds at most K adapters.
     max_loaded_loras (M): adapters kept ready in host memory.
     max_lora_rank (R): every slot buffer is sized for this rank.
+    stage_slots (P): stage positions under each attention/MLP weight (lora/stage.py): a
+        decode-graph batch of at most P adapters gets its shrink from the base GEMM and its
+        expand fused into the next kernel. 0 turns stacking off; at most K are used.
     """
 
     max_loras_per_batch: int = 4
@@ -168,6 +171,7 @@ class LoRARuntimeConfig:
     )
     experts: bool = True  # routed-expert LoRA slots on MoE models
     pinned: tuple[str, ...] = field(default=())
+    stage_slots: int = 4
 
     def __post_init__(self) -> None:
         if self.max_loras_per_batch < 1:
@@ -179,6 +183,10 @@ class LoRARuntimeConfig:
             )
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.stage_slots < 0:
+            raise ConfigError(
+                f"stage_slots must be >= 0 (0 turns stacked shrinks off), got {self.stage_slots}"
+            )
         if len(self.pinned) > self.max_loras_per_batch - 1:
             raise ConfigError(
                 f"{len(self.pinned)} pinned adapters but at most max_loras_per_batch - 1 = "

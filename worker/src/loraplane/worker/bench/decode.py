@@ -369,6 +369,7 @@ def run_decode_bench(
     split_variants: tuple[str, ...] = (),
     dtype: str | None = None,
     backend: str = "triton",
+    stage_slots: int = 4,
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row."""
     from loraplane.worker.config import LoRARuntimeConfig
@@ -403,6 +404,7 @@ def run_decode_bench(
                 "dtype": str(tdtype),
                 "modes": modes,
                 "backend": backend,
+                "stage_slots": stage_slots,
                 "model": "CausalLM built in memory, random weights, real vocabulary; KV filled randomly",
                 "targets": "q,k,v,o + per-expert gate/up/down"
                 if config.is_moe
@@ -424,6 +426,7 @@ def run_decode_bench(
         max_loras_per_batch=n_slots,
         max_loaded_loras=n_slots,
         max_lora_rank=rank,
+        stage_slots=stage_slots,
     )
     switch = _LoRASwitch(runner, lora_cfg, backend)
     for slot, ad in enumerate(random_adapters(config, n_slots, rank, device, tdtype)):
@@ -640,6 +643,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--dtype", default=None)
     p.add_argument("--backend", default="triton", choices=["triton", "torch"])
+    p.add_argument(
+        "--stage-slots",
+        type=int,
+        default=4,
+        help="adapters staged under the base weights (graph steps of at most this many "
+        "adapters shrink inside the base GEMM); 0: the shrink and expand kernels always",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--json", action="store_true", help="print the result JSON on stdout (else a table)"
@@ -669,6 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=args.profile,
         dtype=args.dtype,
         backend=args.backend,
+        stage_slots=args.stage_slots,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)

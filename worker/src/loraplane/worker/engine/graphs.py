@@ -15,6 +15,11 @@ LoRA). A graph replays the whole forward in one launch. What makes the forward c
   ``max_loras_per_batch``'s. The LoRA wrappers overlap their shrink with the base projection
   on a side stream while capturing (``LoRABackend.overlap``).
 * The base MoE experts are routed on the device (``kernels/experts.py``).
+* A batch of at most ``stage_slots`` adapters is **staged** (``lora/stage.py``): their A rows
+  are copied under the base weights (only when one is not there yet, before the replay), the
+  projections' shrinks come out of the base GEMMs and the expands are fused into the kernel
+  after each projection. Its graph is keyed by the stage width too (the GEMMs' extra rows:
+  1, 2 or 4 positions). A batch of more adapters runs the shrink + expand kernels.
 
 A batch with no adapter replays the bucket's LoRA-off graph, which has no LoRA work at all.
 Graphs run only on a single-rank CUDA worker (no TP, no DP attention: their collectives and
@@ -38,12 +43,15 @@ from loraplane.worker.lora.batch_info import (
     segments_of,
     static_shape,
 )
+from loraplane.worker.lora.stage import stage_width
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 
 if TYPE_CHECKING:
     from loraplane.worker.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+Shape = tuple[int, int, int]  # a LoRA graph's (segments, longest segment, stage width)
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -101,13 +109,13 @@ class DecodeGraphs:
             top, runner.model_config.vocab_size, dtype=runner.dtype, device=device
         )
         self._copied: torch.cuda.Event | None = None  # the last host-to-device copies
-        self._failed: set[tuple[int, tuple[int, int] | None]] = set()
+        self._failed: set[tuple[int, Shape | None]] = set()
         self._stream = torch.cuda.Stream(device) if capture else None  # warm-ups
-        self._lora: dict[tuple[int, tuple[int, int]], StaticLoRABatch] = {}
-        self._graphs: dict[tuple[int, tuple[int, int] | None], _Graph] = {}
+        self._lora: dict[tuple[int, Shape], StaticLoRABatch] = {}
+        self._graphs: dict[tuple[int, Shape | None], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._last_slots: tuple[int, tuple[int, ...]] | None = None  # see _lora_shape
-        self._last_shape: tuple[int, int] | None = None
+        self._last_slots: tuple[int, tuple[int, ...], int] | None = None  # see _lora_shape
+        self._last_shape: Shape | None = None
         self._last_adapters: list[int] = []
         self.replays = 0
 
@@ -164,24 +172,30 @@ class DecodeGraphs:
             self._copied.synchronize()
             self._copied = None
 
-    def _lora_shape(self, slots: Sequence[int], bucket: int) -> tuple[int, int] | None:
+    def _lora_shape(self, slots: Sequence[int], bucket: int) -> Shape | None:
         """The LoRA graph shape of ``slots``, with its metadata filled in (None: no adapter).
 
-        Decode batches keep their rows and adapters for many steps in a row, so when ``slots``
-        equal the last step's (same bucket) the static metadata already holds them and the
-        step skips the host work and the copy."""
+        ``(segments, longest segment, stage width)``; width 0: not staged. Decode batches keep
+        their rows and adapters for many steps in a row, so when ``slots`` equal the last
+        step's (same bucket, same stage contents) the static metadata already holds them and
+        the step skips the host work and the copy."""
         manager = self.runner.lora
         if manager is None:
             return None
-        key = (bucket, tuple(slots))
+        key = (bucket, tuple(slots), manager.stage.epoch)
         if key == self._last_slots:
             manager.check_slots(self._last_adapters)
             return self._last_shape
         segments = segments_of(slots)
         manager.check_slots(segments[2])
-        shape = static_shape(segments, bucket) if segments[2] else None
-        if shape is not None:
-            self._lora_batch(bucket, shape).fill(slots, segments)
+        shape: Shape | None = None
+        if segments[2]:
+            positions = manager.stage.assign(segments[2])  # copies A rows where needed
+            width = stage_width(positions.values(), manager.stage.positions) if positions else 0
+            shape = (*static_shape(segments, bucket), width)
+            self._lora_batch(bucket, shape).fill(slots, segments, positions)
+        # (the key after assign: a copy it made bumped the epoch)
+        key = (bucket, tuple(slots), manager.stage.epoch)
         self._last_slots, self._last_shape, self._last_adapters = key, shape, segments[2]
         return shape
 
@@ -197,7 +211,7 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _lora_batch(self, bucket: int, shape: tuple[int, int]) -> StaticLoRABatch:
+    def _lora_batch(self, bucket: int, shape: Shape) -> StaticLoRABatch:
         static = self._lora.get((bucket, shape))
         if static is None:
             manager = self.runner.lora
@@ -209,6 +223,7 @@ class DecodeGraphs:
                 manager.slot_scalings,
                 self.runner.device,
                 max_seg_len=shape[1],
+                stage_width=shape[2],
             )
         return static
 
@@ -237,7 +252,7 @@ class DecodeGraphs:
             logit_rows=self._logit_rows[:bucket],
         )
 
-    def _capture(self, bucket: int, shape: tuple[int, int] | None) -> _Graph:
+    def _capture(self, bucket: int, shape: Shape | None) -> _Graph:
         runner = self.runner
         batch = self._static_batch(bucket)
         static = self._lora_batch(bucket, shape) if shape is not None else None
@@ -278,6 +293,8 @@ class DecodeGraphs:
         log.info(
             "captured a decode graph: %d rows, LoRA %s",
             bucket,
-            f"on (<= {shape[0]} adapters, <= {shape[1]} rows each)" if shape else "off",
+            f"on (<= {shape[0]} adapters, <= {shape[1]} rows each, stage width {shape[2]})"
+            if shape
+            else "off",
         )
         return _Graph(graph=graph, forward=forward, logits=logits)

@@ -26,6 +26,9 @@ __all__ = [
     "moe_lora_routing",
     "moe_lora_shrink",
     "silu_and_mul",
+    "stacked_plain",
+    "stacked_residual",
+    "stacked_silu_mul",
 ]
 
 _TRITON_EXPORTS = {
@@ -42,6 +45,9 @@ _TRITON_EXPORTS = {
     "moe_expert_routing": "loraplane.worker.kernels.experts",
     "moe_grouped_matmul": "loraplane.worker.kernels.experts",
     "silu_and_mul": "loraplane.worker.kernels.swiglu",
+    "stacked_plain": "loraplane.worker.kernels.stacked",
+    "stacked_residual": "loraplane.worker.kernels.stacked",
+    "stacked_silu_mul": "loraplane.worker.kernels.stacked",
 }
 
 

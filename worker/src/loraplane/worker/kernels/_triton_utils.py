@@ -84,6 +84,27 @@ def check_max_seg_len(fn: str, max_seg_len: object) -> int:
     return max_seg_len
 
 
+@dataclass(slots=True)
+class StageInfo:
+    """Which rows read which stage position: the batch's full segments (all rows).
+
+    ``full_indptr`` int32 [F + 1] bounds into ``full_order`` (int64 [T], a permutation of the
+    rows: adapter rows by segment, then the rows without one); ``full_slots`` int32 [F]: the
+    weight slot whose B a segment reads; ``full_pos`` int32 [F]: its stage position (-1: no
+    LoRA, the base value only); ``full_scalings`` float32 [F]. ``max_len`` bounds the rows of
+    any full segment (it sizes the grid); ``width`` is how many stage positions the stacked
+    GEMM computes (every ``full_pos`` is below it).
+    """
+
+    full_indptr: torch.Tensor
+    full_order: torch.Tensor
+    full_slots: torch.Tensor
+    full_pos: torch.Tensor
+    full_scalings: torch.Tensor
+    max_len: int
+    width: int
+
+
 @dataclass(frozen=True, slots=True)
 class ShrinkConfig:
     block_s: int

@@ -20,6 +20,9 @@ Layouts (see ``docs/kernels.md``):
 
 from __future__ import annotations
 
+from itertools import pairwise
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +32,10 @@ __all__ = [
     "moe_lora_expand",
     "moe_lora_shrink",
     "silu_and_mul",
+    "stacked_lora_terms",
+    "stacked_plain",
+    "stacked_residual",
+    "stacked_silu_mul",
 ]
 
 
@@ -206,3 +213,77 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gu [T, 2I]`` (gate | up), in fp32 and rounded once: ``[T, I]``."""
     gate, up = gu.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gu.dtype)
+
+
+def stacked_lora_terms(
+    full: torch.Tensor,
+    n_base: int,
+    n_r: int,
+    lora_b: torch.Tensor,
+    stage: Any,
+    col_slices: list[tuple[int, int, int]],
+) -> torch.Tensor:
+    """fp32 ``[T, cols]``: each row's ``s * y B`` over ``col_slices`` ``(lo, hi, y offset)``;
+    zero for rows in a segment at stage position -1. ``stage`` is a ``stacked.StageInfo``."""
+    rank_max = lora_b.shape[2]
+    cols = max(hi for _, hi, _ in col_slices)
+    terms = torch.zeros(full.shape[0], cols, dtype=torch.float32, device=full.device)
+    bounds = stage.full_indptr.tolist()
+    order = stage.full_order.tolist()
+    slots, pos, scal = (
+        stage.full_slots.tolist(),
+        stage.full_pos.tolist(),
+        stage.full_scalings.tolist(),
+    )
+    for f, (lo_pos, hi_pos) in enumerate(pairwise(bounds)):
+        if pos[f] < 0 or hi_pos <= lo_pos:
+            continue
+        rows = torch.tensor(order[lo_pos:hi_pos], dtype=torch.long, device=full.device)
+        y0 = n_base + pos[f] * n_r
+        for lo, hi, y_off in col_slices:
+            y = full[rows, y0 + y_off : y0 + y_off + rank_max].float()
+            b = lora_b[slots[f], lo:hi].float()  # [hi - lo, R]
+            terms[rows, lo:hi] += scal[f] * (y @ b.T)
+    return terms
+
+
+def stacked_plain(
+    full: torch.Tensor,
+    n_base: int,
+    n_r: int,
+    lora_b: torch.Tensor,
+    stage: Any,
+    slice_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """``full[:, :N] + s * y B`` (see ``kernels/stacked.py``), fp32 math, rounded once."""
+    offs = slice_offsets.tolist()
+    r = lora_b.shape[2]
+    col_slices = [(offs[i], offs[i + 1], i * r) for i in range(len(offs) - 1)]
+    terms = stacked_lora_terms(full, n_base, n_r, lora_b, stage, col_slices)
+    return (full[:, :n_base].float() + terms).to(full.dtype)
+
+
+def stacked_residual(
+    full: torch.Tensor,
+    n_base: int,
+    n_r: int,
+    lora_b: torch.Tensor,
+    stage: Any,
+    residual: torch.Tensor,
+) -> torch.Tensor:
+    """``residual += full[:, :N] + s * y B`` in place; returns ``residual``."""
+    terms = stacked_lora_terms(full, n_base, n_r, lora_b, stage, [(0, n_base, 0)])
+    residual.copy_((residual.float() + (full[:, :n_base].float() + terms)).to(residual.dtype))
+    return residual
+
+
+def stacked_silu_mul(
+    full: torch.Tensor, n_base: int, n_r: int, lora_b: torch.Tensor, stage: Any
+) -> torch.Tensor:
+    """``silu(g + s y_g B_g) * (u + s y_u B_u)``, gate | up stacked in ``full[:, :N]``."""
+    inter, r = n_base // 2, lora_b.shape[2]
+    terms = stacked_lora_terms(
+        full, n_base, n_r, lora_b, stage, [(0, inter, 0), (inter, n_base, r)]
+    )
+    gu = full[:, :n_base].float() + terms
+    return (F.silu(gu[:, :inter]) * gu[:, inter:]).to(full.dtype)

@@ -19,6 +19,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
+from loraplane.worker.kernels._triton_utils import StageInfo
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 Overlap = Literal["auto", "on", "off"]
@@ -187,6 +188,44 @@ class LoRABackend:
             seg_scalings=info.seg_scalings,
             out=out,
             max_split_k=max_split_k,
+        )
+
+    # --- staged batches: the shrink came out of the base GEMM (lora/stage.py) -----------
+
+    def stacked_plain(
+        self,
+        full: torch.Tensor,
+        n_base: int,
+        n_r: int,
+        lora_b: torch.Tensor,
+        stage: StageInfo,
+        slice_offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """``full[:, :N]`` plus each row's LoRA, as a new ``[T, N]``."""
+        return self._kernels.stacked_plain(  # type: ignore[no-any-return]
+            full, n_base, n_r, lora_b, stage, slice_offsets
+        )
+
+    def stacked_residual(
+        self,
+        full: torch.Tensor,
+        n_base: int,
+        n_r: int,
+        lora_b: torch.Tensor,
+        stage: StageInfo,
+        residual: torch.Tensor,
+    ) -> torch.Tensor:
+        """``residual += full[:, :N]`` plus each row's LoRA, in place."""
+        return self._kernels.stacked_residual(  # type: ignore[no-any-return]
+            full, n_base, n_r, lora_b, stage, residual
+        )
+
+    def stacked_silu_mul(
+        self, full: torch.Tensor, n_base: int, n_r: int, lora_b: torch.Tensor, stage: StageInfo
+    ) -> torch.Tensor:
+        """SwiGLU of gate | up in ``full[:, :N]``, each with its row's LoRA added first."""
+        return self._kernels.stacked_silu_mul(  # type: ignore[no-any-return]
+            full, n_base, n_r, lora_b, stage
         )
 
     def _overlaps(self, x: torch.Tensor) -> bool:

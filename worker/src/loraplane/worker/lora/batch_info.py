@@ -14,6 +14,8 @@ from itertools import pairwise
 
 import torch
 
+from loraplane.worker.kernels._triton_utils import StageInfo
+
 NO_ADAPTER = -1
 
 
@@ -47,6 +49,8 @@ class LoRABatchInfo:
     max_seg_len: int  # a bound on the rows of any segment (the launch grids use it)
     num_rows: int
     num_lora_rows: int
+    # Staged batches (lora/stage.py): every row's stage position, for the stacked GEMMs.
+    stage: StageInfo | None = None
 
     @classmethod
     def build(
@@ -120,27 +124,42 @@ class StaticLoRABatch:
         slot_scalings: torch.Tensor,
         device: torch.device,
         max_seg_len: int | None = None,
+        stage_width: int = 0,
     ) -> None:
         self.rows = rows
         self.segments = max(1, segments)
         self.max_seg_len = max_seg_len or rows
         self.slot_ranks = slot_ranks
         self.slot_scalings = slot_scalings
+        self.stage_width = stage_width  # > 0: the batch is staged (StageInfo in `info`)
         pin = device.type == "cuda"
-        n_ints = rows + 2 * self.segments + 1  # token_slots | seg_indptr | seg_slots
+        s = self.segments
+        # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1:
+        # with the trailing entries, the full segments (adapter segments, then the rows with
+        # no adapter) are views of the same buffer.
+        n_ints = rows + 3 * s + 4
         self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
+        # every row: adapter rows by segment, then the others (row_order is its prefix use)
         self.row_order = torch.zeros(rows, dtype=torch.int64, device=device)
         self._order_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
-        s = self.segments
         self.token_slots = self._ints[:rows]
         self.seg_indptr = self._ints[rows : rows + s + 1]
-        self.seg_slots = self._ints[rows + s + 1 :]
+        self.full_indptr = self._ints[rows : rows + s + 2]
+        self.seg_slots = self._ints[rows + s + 2 : rows + 2 * s + 2]
+        self.full_slots = self._ints[rows + s + 2 : rows + 2 * s + 3]
+        self.full_pos = self._ints[rows + 2 * s + 3 : rows + 3 * s + 4]
 
-    def fill(self, token_slots: Sequence[int], segments: Segments | None = None) -> None:
+    def fill(
+        self,
+        token_slots: Sequence[int],
+        segments: Segments | None = None,
+        positions: dict[int, int] | None = None,
+    ) -> None:
         """This step's slots (``len <= rows``; rows past the batch get no adapter).
 
-        ``segments``: ``segments_of(token_slots)`` when the caller has it already."""
+        ``segments``: ``segments_of(token_slots)`` when the caller has it already.
+        ``positions``: each slot's stage position (``Stage.assign``), for a staged graph."""
         n = len(token_slots)
         if n > self.rows:
             raise ValueError(f"a batch of {n} rows does not fit a graph of {self.rows} rows")
@@ -154,11 +173,16 @@ class StaticLoRABatch:
             raise ValueError(
                 f"a segment of {longest} rows; the graph's segments hold at most {self.max_seg_len}"
             )
+        if self.stage_width and positions is None:
+            raise ValueError("a staged graph's batch needs the stage positions of its slots")
         pad = self.segments - len(slots)
+        pos = [positions[s] for s in slots] if positions is not None else [NO_ADAPTER] * len(slots)
         ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
-        ints += [*slots, *[0] * pad]
+        ints += [self.rows, *slots, *[0] * pad, 0, *pos, *[NO_ADAPTER] * (pad + 1)]
+        in_segment = set(order)
+        rest = [i for i in range(self.rows) if i not in in_segment]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
-        self._order_host.copy_(torch.tensor(order + [0] * (self.rows - len(order))))
+        self._order_host.copy_(torch.tensor(order + rest))
         self._ints.copy_(self._ints_host, non_blocking=True)
         self.row_order.copy_(self._order_host, non_blocking=True)
 
@@ -176,4 +200,16 @@ class StaticLoRABatch:
             max_seg_len=self.max_seg_len,
             num_rows=self.rows,
             num_lora_rows=self.rows,  # an upper bound: the count lives on the device
+            stage=self._stage_info() if self.stage_width else None,
+        )
+
+    def _stage_info(self) -> StageInfo:
+        return StageInfo(
+            full_indptr=self.full_indptr,
+            full_order=self.row_order,
+            full_slots=self.full_slots,
+            full_pos=self.full_pos,
+            full_scalings=self.slot_scalings.index_select(0, self.full_slots),
+            max_len=self.rows,  # the no-adapter segment may hold every row
+            width=self.stage_width,
         )

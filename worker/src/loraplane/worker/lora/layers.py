@@ -15,11 +15,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loraplane.worker.lora.backend import Aside, LoRABackend
 from loraplane.worker.lora.batch_info import LoRABatchInfo
-from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear
+from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear, silu_mul
 from loraplane.worker.models.model import Experts
 
 Section = Literal["local", "global"]
@@ -65,6 +66,33 @@ class LoRALayer(nn.Module):
     def clear_slot(self, slot: int) -> None:
         raise NotImplementedError
 
+    # --- stacked shrink (lora/stage.py) ------------------------------------------------
+
+    stacked: torch.Tensor | None = None  # [N + P * n_r, K]: the base weight, then P positions
+    n_base = 0  # N: base output rows of `stacked`
+    n_r = 0  # A rows per stage position
+    lora_a: torch.Tensor
+
+    def _stack(self, base: nn.Module, n_base: int, n_r: int, positions: int) -> None:
+        """Move ``base.weight [N, K]`` into the first rows of ``stacked`` (no copy kept)."""
+        w = base.weight
+        stacked = torch.zeros(n_base + positions * n_r, w.shape[1], dtype=w.dtype, device=w.device)
+        stacked[:n_base].copy_(w)
+        base.weight = nn.Parameter(stacked[:n_base], requires_grad=False)
+        self.stacked, self.n_base, self.n_r = stacked, n_base, n_r
+
+    def stage_copy(self, position: int, slot: int) -> None:
+        assert self.stacked is not None
+        lo = self.n_base + position * self.n_r
+        self.stacked[lo : lo + self.n_r].copy_(self.lora_a[slot].reshape(self.n_r, -1))
+
+    def _stacked_gemm(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor | None:
+        """``x [W; A_staged]^T`` when this batch is staged and this wrapper stacks, else None."""
+        stage = info.stage
+        if stage is None or self.stacked is None:
+            return None
+        return F.linear(x, self.stacked[: self.n_base + stage.width * self.n_r])
+
 
 class ColumnLoRA(LoRALayer):
     """qkv_proj (q, k, v with GQA widths) or gate_up_proj (gate, up): one launch per stack."""
@@ -77,6 +105,7 @@ class ColumnLoRA(LoRALayer):
         section: Section,
         num_slots: int,
         max_rank: int,
+        stage_slots: int = 0,
     ) -> None:
         super().__init__(ctx, section)
         assert len(module_names) == len(base.output_sizes)
@@ -92,6 +121,8 @@ class ColumnLoRA(LoRALayer):
             num_slots, base.local_offsets[-1], max_rank, dtype=w.dtype, device=w.device
         )
         self.slice_offsets = torch.tensor(base.local_offsets, dtype=torch.int32, device=w.device)
+        if stage_slots > 0 and base.bias is None:  # (a bias would need its own epilogue)
+            self._stack(base, base.local_offsets[-1], n * max_rank, stage_slots)
 
     def set_slot(
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
@@ -114,9 +145,27 @@ class ColumnLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         if info is None:
             return self.base_layer(x)  # type: ignore[no-any-return]
+        full = self._stacked_gemm(x, info)
+        if full is not None:
+            assert info.stage is not None
+            return self.ctx.backend.stacked_plain(
+                full, self.n_base, self.n_r, self.lora_b, info.stage, self.slice_offsets
+            )
         return self.ctx.backend.apply_around(
             x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
         )  # [T, out_local]
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this (gate_up) projection with its LoRA; staged batches
+        add the LoRA inside the activation's kernel (``kernels.stacked_silu_mul``)."""
+        info = self.ctx.info(self.section)
+        full = self._stacked_gemm(x, info) if info is not None else None
+        if full is None:
+            return silu_mul(self(x))
+        assert info is not None and info.stage is not None
+        return self.ctx.backend.stacked_silu_mul(
+            full, self.n_base, self.n_r, self.lora_b, info.stage
+        )
 
 
 class RowLoRA(LoRALayer):
@@ -134,6 +183,7 @@ class RowLoRA(LoRALayer):
         section: Section,
         num_slots: int,
         max_rank: int,
+        stage_slots: int = 0,
     ) -> None:
         super().__init__(ctx, section)
         self.base_layer = base
@@ -148,6 +198,8 @@ class RowLoRA(LoRALayer):
         self.slice_offsets = torch.tensor(
             [0, base.out_features], dtype=torch.int32, device=w.device
         )
+        if stage_slots > 0 and base.tp_size == 1:  # a partial y would need the reduction
+            self._stack(base, base.out_features, max_rank, stage_slots)
 
     def set_slot(
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
@@ -164,7 +216,13 @@ class RowLoRA(LoRALayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         info = self.ctx.info(self.section)
-        if info is None:
+        full = self._stacked_gemm(x, info) if info is not None else None
+        if full is not None:
+            assert info is not None and info.stage is not None
+            out = self.ctx.backend.stacked_plain(
+                full, self.n_base, self.n_r, self.lora_b, info.stage, self.slice_offsets
+            )
+        elif info is None:
             out = self.base_layer.forward_partial(x)  # [T, out] partial over the group
         else:
             # x_shard A_shard: a partial shrink, expanded onto the partial base output
@@ -188,6 +246,12 @@ class RowLoRA(LoRALayer):
         over ranks the LoRA term is partial and is reduced with the base output instead.
         """
         info = self.ctx.info(self.section)
+        full = self._stacked_gemm(x, info) if info is not None else None
+        if full is not None:  # a staged batch: base, LoRA and the residual add in one kernel
+            assert info is not None and info.stage is not None
+            return self.ctx.backend.stacked_residual(
+                full, self.n_base, self.n_r, self.lora_b, info.stage, residual
+            )
         if info is None or self.base_layer.tp_size > 1 or not self.fold_residual:
             return residual + self(x)
         backend = self.ctx.backend

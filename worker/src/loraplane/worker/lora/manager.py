@@ -16,6 +16,7 @@ from loraplane.worker.lora.adapter import AdapterWeights
 from loraplane.worker.lora.backend import LoRABackend, make_backend
 from loraplane.worker.lora.batch_info import NO_ADAPTER, LoRABatchInfo
 from loraplane.worker.lora.layers import ColumnLoRA, ExpertsLoRA, LoRAContext, LoRALayer, RowLoRA
+from loraplane.worker.lora.stage import Stage
 from loraplane.worker.models.model import MLP, CausalLM, SparseMoE
 
 
@@ -40,26 +41,29 @@ class LoRAManager:
         self.experts: list[ExpertsLoRA | None] = []
         targets = set(config.target_modules)
         k, r = self.num_slots, config.max_lora_rank
+        # Stacked shrinks need the Triton kernels (graphs run no others) and one rank.
+        backend_name = self.ctx.backend.name
+        p = min(config.stage_slots, k) if backend_name == "triton" and ps.is_single else 0
         for layer in model.layers:
             wrappers: list[LoRALayer] = []
             attn = layer.self_attn
             if targets & {"q_proj", "k_proj", "v_proj"}:
                 attn.qkv_proj = ColumnLoRA(
-                    attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.ctx, "local", k, r
+                    attn.qkv_proj, ("q_proj", "k_proj", "v_proj"), self.ctx, "local", k, r, p
                 )
                 wrappers.append(attn.qkv_proj)
             if "o_proj" in targets:
-                attn.o_proj = RowLoRA(attn.o_proj, "o_proj", self.ctx, "local", k, r)
+                attn.o_proj = RowLoRA(attn.o_proj, "o_proj", self.ctx, "local", k, r, p)
                 wrappers.append(attn.o_proj)
             mlp = layer.mlp
             if isinstance(mlp, MLP):
                 if targets & {"gate_proj", "up_proj"}:
                     mlp.gate_up_proj = ColumnLoRA(
-                        mlp.gate_up_proj, ("gate_proj", "up_proj"), self.ctx, "global", k, r
+                        mlp.gate_up_proj, ("gate_proj", "up_proj"), self.ctx, "global", k, r, p
                     )
                     wrappers.append(mlp.gate_up_proj)
                 if "down_proj" in targets:
-                    mlp.down_proj = RowLoRA(mlp.down_proj, "down_proj", self.ctx, "global", k, r)
+                    mlp.down_proj = RowLoRA(mlp.down_proj, "down_proj", self.ctx, "global", k, r, p)
                     wrappers.append(mlp.down_proj)
                 self.experts.append(None)
             elif isinstance(mlp, SparseMoE) and config.experts:
@@ -68,6 +72,9 @@ class LoRAManager:
                 self.experts.append(None)
             self.layers.append(wrappers)
         self.enabled_modules = tuple(m for m in ATTN_MODULES + MLP_MODULES if m in targets)
+        self.stage = Stage(
+            p, [w for wrappers in self.layers for w in wrappers if w.stacked is not None]
+        )
 
     # --- slots -------------------------------------------------------------------------
 
@@ -75,6 +82,7 @@ class LoRAManager:
         """Copy a validated adapter into `slot`; modules it lacks are zeroed."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        self.stage.forget(slot)
         for layer_idx, wrappers in enumerate(self.layers):
             for w in wrappers:
                 weights = {
@@ -92,6 +100,7 @@ class LoRAManager:
         self.slot_adapters[slot] = adapter
 
     def clear_slot(self, slot: int) -> None:
+        self.stage.forget(slot)
         for wrappers in self.layers:
             for w in wrappers:
                 w.clear_slot(slot)

@@ -126,6 +126,11 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu_mul(self(x))`` for a gate | up projection; a LoRA wrapper may fuse its
+        term into the activation instead (``ColumnLoRA.forward_silu_mul``)."""
+        return silu_mul(self(x))
+
 
 class RowParallelLinear(nn.Module):
     """y = reduce(x_shard W_shard^T): input features split over the ranks of `reduce`'s group."""

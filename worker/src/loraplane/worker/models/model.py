@@ -25,7 +25,6 @@ from loraplane.worker.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    silu_mul,
     split_evenly,
 )
 from loraplane.worker.parallel.state import ParallelState
@@ -169,7 +168,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """down_proj's output, or ``residual`` plus it (as in ``Attention.forward``)."""
-        act = silu_mul(self.gate_up_proj(x))
+        act = self.gate_up_proj.forward_silu_mul(x)
         if residual is not None:
             return self.down_proj.forward_add(act, residual)  # type: ignore[no-any-return]
         return self.down_proj(act)

@@ -20,6 +20,7 @@ class ServeConfig:
     max_loras_per_batch: int = 4
     max_loaded_loras: int = 8
     max_lora_rank: int = 64
+    stage_slots: int = 4
     lora_backend: str = "triton"
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
     max_running: int = 32
@@ -66,6 +67,7 @@ class ServeConfig:
             max_loaded_loras=self.max_loaded_loras,
             max_lora_rank=self.max_lora_rank,
             pinned=self.pinned,
+            stage_slots=self.stage_slots,
         )
 
     @property

@@ -1,0 +1,116 @@
+"""The stacked-GEMM LoRA epilogues (kernels/stacked.py) against their torch references.
+
+A batch here has what the runtime's graphs give: adapter segments in a gathered row order,
+an empty padding segment, a segment of rows with no adapter, an adapter below the buffers'
+rank, and a GEMM that computes more stage positions than the batch reads. The expected
+values come from ``full = x [W; A_stage]^T`` computed here and the reference's fp32 math.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
+
+from loraplane.worker.kernels import reference, stacked
+from loraplane.worker.kernels._triton_utils import StageInfo
+
+pytestmark = pytest.mark.kernels
+
+R = 16
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.cpu().float(), rtol=tol, atol=tol)
+
+
+def _batch(
+    rows: int, n_base: int, n_slices: int, dtype: torch.dtype, width: int = 4, k: int = 48
+) -> tuple[torch.Tensor, torch.Tensor, StageInfo]:
+    """``full`` of a stacked GEMM, ``lora_b`` of 3 slots, and the full segments.
+
+    Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16), ``perm[5:9]`` slot 0 at
+    position 0 with rank 5 (A/B past the rank are zero, as in the slot buffers), an empty
+    padding segment, and the rest no adapter."""
+    g = torch.Generator().manual_seed(rows * 31 + n_base)
+    n_r = n_slices * R
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(n_base, k, generator=g) / k**0.5
+    a = torch.randn(width, n_r, k, generator=g) / k**0.5  # stage rows by position
+    b = torch.randn(3, n_base, R, generator=g) * 0.5
+    a[0].view(n_slices, R, k)[:, 5:] = 0  # position 0 holds a rank-5 adapter
+    b[0, :, 5:] = 0
+    full = (x @ torch.cat([w, a.reshape(-1, k)]).T).to(dtype)
+    perm = torch.randperm(rows, generator=g)
+    indptr = [0, 5, 9, 9, rows]
+    stage = StageInfo(
+        full_indptr=torch.tensor(indptr, dtype=torch.int32),
+        full_order=perm.to(torch.int64),
+        full_slots=torch.tensor([2, 0, 1, 0], dtype=torch.int32),
+        full_pos=torch.tensor([3, 0, 1, -1], dtype=torch.int32),
+        full_scalings=torch.tensor([0.5, 2.0, 1.0, 7.0]),
+        max_len=rows - 9,
+        width=width,
+    )
+    dev = StageInfo(
+        *(t.to(DEVICE) for t in (stage.full_indptr, stage.full_order, stage.full_slots)),
+        stage.full_pos.to(DEVICE),
+        stage.full_scalings.to(DEVICE),
+        stage.max_len,
+        stage.width,
+    )
+    return full.to(DEVICE), b.to(dtype).to(DEVICE), dev
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [12, 40])
+def test_plain_adds_each_rows_own_lora_over_unequal_slices(dtype: torch.dtype, rows: int) -> None:
+    n_base = 96 + 2 * 40  # q | k | v, GQA widths; column blocks straddle the slices
+    full, b, stage = _batch(rows, n_base, 3, dtype)
+    offsets = torch.tensor([0, 96, 136, 176], dtype=torch.int32, device=DEVICE)
+    got = stacked.stacked_plain(full, n_base, 3 * R, b, stage, offsets)
+    assert got.shape == (rows, n_base) and got.is_contiguous()
+    want = reference.stacked_plain(full, n_base, 3 * R, b, stage, offsets)
+    _close(got, want, dtype)
+    # rows without an adapter are the base output, bit for bit
+    base_rows = stage.full_order[9:]
+    assert torch.equal(got[base_rows], full[base_rows, :n_base])
+    # and the LoRA is really there for the others (not a copy of the base)
+    lora_rows = stage.full_order[:9]
+    assert (got[lora_rows].float() - full[lora_rows, :n_base].float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_adds_base_and_lora_into_the_residual_in_place(dtype: torch.dtype) -> None:
+    rows, n_base = 40, 72
+    full, b, stage = _batch(rows, n_base, 1, dtype)
+    residual = torch.randn(rows, n_base).to(dtype).to(DEVICE)
+    want = reference.stacked_residual(full, n_base, R, b, stage, residual.clone())
+    got = stacked.stacked_residual(full, n_base, R, b, stage, residual)
+    assert got.data_ptr() == residual.data_ptr()
+    _close(residual, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [40, 200])
+def test_silu_mul_adds_gate_and_up_loras_before_the_activation(
+    dtype: torch.dtype, inter: int
+) -> None:
+    rows = 40
+    full, b, stage = _batch(rows, 2 * inter, 2, dtype)
+    got = stacked.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage)
+    assert got.shape == (rows, inter)
+    _close(got, reference.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage), dtype)
+
+
+def test_stacked_kernels_name_a_bad_input() -> None:
+    full, b, stage = _batch(12, 72, 1, torch.float32)
+    with pytest.raises(ValueError, match=r"stacked_residual: full must have 136 columns"):
+        stacked.stacked_residual(full[:, :100], 72, R, b, stage, torch.zeros(12, 72))
+    with pytest.raises(ValueError, match=r"stacked_residual: residual.shape\[1\] must be 72"):
+        stacked.stacked_residual(full, 72, R, b, stage, torch.zeros(12, 70, device=DEVICE))
+    with pytest.raises(ValueError, match=r"stacked_silu_mul: lora_b.shape\[1\] must be 70"):
+        stacked.stacked_silu_mul(full, 70, R, b, stage)
+    with pytest.raises(ValueError, match=r"stacked_plain: lora_b must have dtype torch\.float32"):
+        stacked.stacked_plain(full, 72, R, b.half(), stage, torch.tensor([0, 72]))

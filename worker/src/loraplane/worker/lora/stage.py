@@ -1,0 +1,94 @@
+"""Stage positions: adapters' A rows stacked under the base weights, so one GEMM shrinks.
+
+A wrapper that stacks (``ColumnLoRA``/``RowLoRA`` with ``stage_slots > 0``) keeps its base
+weight as the first ``N`` rows of ``stacked [N + P * nR, K]``; the ``P`` stage positions
+below hold copies of some slots' A (``lora_a[slot]``, ``nR`` rows each). A decode step whose
+adapters all sit in stage positions runs each projection as one cuBLAS GEMM over the first
+``N + width * nR`` rows: the base output and every staged adapter's shrink at once, at the
+cost of ``width * nR`` more weight rows read (0.1-0.8% of a Llama-3-8B projection per
+position at rank 16). The expand then runs fused into the work after the projection
+(``kernels/stacked.py``). See docs/kernels.md, "Stacked shrink".
+
+``Stage`` decides the positions on the host: a slot already staged keeps its position; a new
+one takes a free position, else the least recently used one that this batch does not need,
+and its A rows are copied into every stacking wrapper (on the current stream, before the
+step: never inside a graph capture). A batch with more adapters than positions is not staged
+(``assign`` returns None) and runs the shrink + expand kernels instead. Loading or clearing
+a slot unstages it (``forget``), so a position never serves another adapter's old A.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class Stacking(Protocol):
+    def stage_copy(self, position: int, slot: int) -> None:
+        """Copy ``slot``'s A rows into stage ``position`` of the stacked weight."""
+
+
+class Stage:
+    """``positions`` stage positions shared by every stacking wrapper of one model."""
+
+    def __init__(self, positions: int, wrappers: Iterable[Stacking]) -> None:
+        if positions < 0:
+            raise ValueError(f"stage positions must be >= 0, got {positions}")
+        self.wrappers = list(wrappers)
+        self.slot_at: list[int | None] = [None] * positions  # position -> staged slot
+        self._last_use = [0] * positions
+        self._clock = 0
+        self.epoch = 0  # bumped whenever a position changes what it holds
+        self.copies = 0  # stage copies made (one per position filled)
+
+    @property
+    def positions(self) -> int:
+        return len(self.slot_at)
+
+    @property
+    def enabled(self) -> bool:
+        return self.positions > 0 and bool(self.wrappers)
+
+    def assign(self, slots: Sequence[int]) -> dict[int, int] | None:
+        """Stage positions for the distinct ``slots`` of a batch (copying A where needed),
+        or None when they do not all fit."""
+        wanted = list(dict.fromkeys(slots))
+        if not self.enabled or len(wanted) > self.positions:
+            return None
+        self._clock += 1
+        where = {s: p for p, s in enumerate(self.slot_at) if s in wanted}
+        for slot in wanted:
+            if slot not in where:
+                where[slot] = self._fill(slot, busy=set(where.values()))
+        for p in where.values():
+            self._last_use[p] = self._clock
+        return where
+
+    def _fill(self, slot: int, busy: set[int]) -> int:
+        free = [p for p, s in enumerate(self.slot_at) if s is None and p not in busy]
+        if free:
+            position = free[0]  # the lowest: a batch of few adapters keeps a narrow GEMM
+        else:
+            position = min(
+                (p for p in range(self.positions) if p not in busy), key=self._last_use.__getitem__
+            )
+        for w in self.wrappers:
+            w.stage_copy(position, slot)
+        self.slot_at[position] = slot
+        self.epoch += 1
+        self.copies += 1
+        return position
+
+    def forget(self, slot: int) -> None:
+        """``slot`` is being loaded or cleared: no position may keep serving its old A."""
+        for p, s in enumerate(self.slot_at):
+            if s == slot:
+                self.slot_at[p] = None
+                self.epoch += 1
+
+
+def stage_width(positions: Iterable[int], limit: int) -> int:
+    """Stage positions the stacked GEMM computes: past the highest used, a power of two (at
+    most ``limit``, the positions there are), so few graph shapes cover every batch."""
+    top = max(positions, default=-1) + 1
+    return min(limit, 1 << max(0, top - 1).bit_length()) if top > 0 else 0
