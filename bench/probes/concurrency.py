@@ -138,6 +138,7 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
         full_scalings=torch.cat([seg_scal, seg_scal[:1]]),
         max_len=per,
         width=n_ad,
+        rank=R,
     )
 
     def shrink(layer: Layer, name: str, x: torch.Tensor, cap: int | None = None):

@@ -338,7 +338,7 @@ def test_stacked_gemm_lora_matches_shrink_and_expand_bf16(
     slot_ranks = torch.tensor(ranks, dtype=torch.int32, device=dev)
     scalings = torch.tensor([2.0, 0.5, 1.0, 4.0], device=dev)
     positions = {0: 2, 1: 0, 2: 3, 3: 1}  # slot -> stage position, not in slot order
-    static = StaticLoRABatch(tokens, 4, slot_ranks, scalings, torch.device(dev), None, 4)
+    static = StaticLoRABatch(tokens, 4, slot_ranks, scalings, torch.device(dev), None, 4, 16)
     static.fill(slots, positions=positions)
     info = static.info()
     assert info.stage is not None and info.stage.width == 4

@@ -17,7 +17,8 @@ from loraplane.worker.kernels._triton_utils import StageInfo
 
 pytestmark = pytest.mark.kernels
 
-R = 16
+R = 16  # the stage rank: y columns per slice of a position
+R_MAX = 32  # the slot buffers' rank (B's last dimension): columns past R are never read
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -32,15 +33,16 @@ def _batch(
 
     Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16), ``perm[5:9]`` slot 0 at
     position 0 with rank 5 (A/B past the rank are zero, as in the slot buffers), an empty
-    padding segment, and the rest no adapter."""
+    padding segment, and the rest no adapter. B is of rank ``R_MAX``, with nonzero columns
+    past the stage rank ``R``: the kernels must not read them."""
     g = torch.Generator().manual_seed(rows * 31 + n_base)
     n_r = n_slices * R
     x = torch.randn(rows, k, generator=g)
     w = torch.randn(n_base, k, generator=g) / k**0.5
     a = torch.randn(width, n_r, k, generator=g) / k**0.5  # stage rows by position
-    b = torch.randn(3, n_base, R, generator=g) * 0.5
+    b = torch.randn(3, n_base, R_MAX, generator=g) * 0.5
     a[0].view(n_slices, R, k)[:, 5:] = 0  # position 0 holds a rank-5 adapter
-    b[0, :, 5:] = 0
+    b[0, :, 5:R] = 0
     full = (x @ torch.cat([w, a.reshape(-1, k)]).T).to(dtype)
     perm = torch.randperm(rows, generator=g)
     indptr = [0, 5, 9, 9, rows]
@@ -52,6 +54,7 @@ def _batch(
         full_scalings=torch.tensor([0.5, 2.0, 1.0, 7.0]),
         max_len=rows - 9,
         width=width,
+        rank=R,
     )
     dev = StageInfo(
         *(t.to(DEVICE) for t in (stage.full_indptr, stage.full_order, stage.full_slots)),
@@ -59,6 +62,7 @@ def _batch(
         stage.full_scalings.to(DEVICE),
         stage.max_len,
         stage.width,
+        stage.rank,
     )
     return full.to(DEVICE), b.to(dtype).to(DEVICE), dev
 
@@ -114,3 +118,6 @@ def test_stacked_kernels_name_a_bad_input() -> None:
         stacked.stacked_silu_mul(full, 70, R, b, stage)
     with pytest.raises(ValueError, match=r"stacked_plain: lora_b must have dtype torch\.float32"):
         stacked.stacked_plain(full, 72, R, b.half(), stage, torch.tensor([0, 72]))
+    stage.rank = 64
+    with pytest.raises(ValueError, match=r"stacked_plain: stage.rank must be in 1..32"):
+        stacked.stacked_plain(full, 72, R, b, stage, torch.tensor([0, 72]))

@@ -12,23 +12,32 @@ pytestmark = pytest.mark.unit
 class Recorder:
     def __init__(self) -> None:
         self.copies: list[tuple[int, int]] = []
+        self.ranks: list[int] = []
 
-    def stage_copy(self, position: int, slot: int) -> None:
+    def stage_copy(self, position: int, slot: int, rank: int) -> None:
         self.copies.append((position, slot))
+        self.ranks.append(rank)
+
+
+RANKS = {0: 16, 1: 8, 2: 16, 3: 4, 4: 16, 5: 16, 6: 16, 7: 16, 9: 33}
+
+
+def make(positions: int, *wrappers: Recorder) -> Stage:
+    return Stage(positions, wrappers, RANKS.__getitem__, max_rank=64)
 
 
 def test_a_staged_slot_keeps_its_position_and_is_not_copied_again() -> None:
     w = Recorder()
-    stage = Stage(4, [w])
-    assert stage.assign([3]) == {3: 0}  # the lowest free position
-    assert stage.assign([3, 1]) == {3: 0, 1: 1}
-    assert stage.assign([1]) == {1: 1}
-    assert w.copies == [(0, 3), (1, 1)]  # one copy per slot staged, none for repeats
+    stage = make(4, w)
+    assert stage.assign([2]) == {2: 0}  # the lowest free position
+    assert stage.assign([2, 0]) == {2: 0, 0: 1}
+    assert stage.assign([0]) == {0: 1}
+    assert w.copies == [(0, 2), (1, 0)]  # one copy per slot staged, none for repeats
 
 
 def test_a_full_stage_replaces_the_least_recently_used_position_the_batch_does_not_need() -> None:
     w = Recorder()
-    stage = Stage(2, [w])
+    stage = make(2, w)
     stage.assign([0])
     stage.assign([1])
     stage.assign([0])  # slot 1 is now the least recently used
@@ -40,7 +49,7 @@ def test_a_full_stage_replaces_the_least_recently_used_position_the_batch_does_n
 
 def test_forgetting_a_reloaded_slot_restages_it() -> None:
     w = Recorder()
-    stage = Stage(2, [w])
+    stage = make(2, w)
     stage.assign([4])
     epoch = stage.epoch
     stage.forget(4)  # the slot got another adapter: its old A must not be served
@@ -50,10 +59,25 @@ def test_forgetting_a_reloaded_slot_restages_it() -> None:
 
 
 def test_no_positions_or_no_stacking_wrapper_disables_staging() -> None:
-    assert Stage(0, [Recorder()]).assign([0]) is None
-    assert Stage(4, []).assign([0]) is None
+    assert make(0, Recorder()).assign([0]) is None
+    assert make(4).assign([0]) is None
     with pytest.raises(ValueError, match="stage positions must be >= 0, got -1"):
-        Stage(-1, [])
+        make(-1)
+
+
+def test_positions_are_laid_out_for_the_staged_adapters_rank_not_the_buffers() -> None:
+    """Rank-4 and rank-8 adapters in rank-64 slot buffers: positions of 8 rows per slice; a
+    rank-33 adapter restages everything at 64; once the stage empties, the rank can fall."""
+    w = Recorder()
+    stage = make(4, w)
+    assert stage.assign([3, 1]) == {3: 0, 1: 1} and stage.rank == 8
+    assert w.ranks == [8, 8]
+    assert stage.assign([9]) == {9: 0}  # rank 33: the old copies are laid out for 8
+    assert stage.rank == 64 and stage.slot_at == [9, None, None, None]
+    assert stage.assign([3]) == {3: 1} and w.ranks[-1] == 64  # the stage rank stays 64
+    stage.forget(9)
+    stage.forget(3)
+    assert stage.assign([0]) == {0: 0} and stage.rank == 16
 
 
 def test_the_gemm_width_is_a_power_of_two_past_the_highest_position() -> None:

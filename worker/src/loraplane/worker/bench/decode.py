@@ -370,6 +370,7 @@ def run_decode_bench(
     dtype: str | None = None,
     backend: str = "triton",
     stage_slots: int = 4,
+    max_rank: int | None = None,
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row."""
     from loraplane.worker.config import LoRARuntimeConfig
@@ -405,6 +406,7 @@ def run_decode_bench(
                 "modes": modes,
                 "backend": backend,
                 "stage_slots": stage_slots,
+                "max_lora_rank": max_rank or rank,
                 "model": "CausalLM built in memory, random weights, real vocabulary; KV filled randomly",
                 "targets": "q,k,v,o + per-expert gate/up/down"
                 if config.is_moe
@@ -425,7 +427,7 @@ def run_decode_bench(
     lora_cfg = LoRARuntimeConfig(
         max_loras_per_batch=n_slots,
         max_loaded_loras=n_slots,
-        max_lora_rank=rank,
+        max_lora_rank=max_rank or rank,
         stage_slots=stage_slots,
     )
     switch = _LoRASwitch(runner, lora_cfg, backend)
@@ -650,6 +652,13 @@ def main(argv: list[str] | None = None) -> int:
         help="adapters staged under the base weights (graph steps of at most this many "
         "adapters shrink inside the base GEMM); 0: the shrink and expand kernels always",
     )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="the slot buffers' rank (default: --rank); above it, adapters of --rank sit in "
+        "wider slots, as in a pool that also serves larger ranks",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--json", action="store_true", help="print the result JSON on stdout (else a table)"
@@ -680,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         backend=args.backend,
         stage_slots=args.stage_slots,
+        max_rank=args.max_lora_rank,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)

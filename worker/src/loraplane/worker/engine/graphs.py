@@ -18,8 +18,9 @@ LoRA). A graph replays the whole forward in one launch. What makes the forward c
 * A batch of at most ``stage_slots`` adapters is **staged** (``lora/stage.py``): their A rows
   are copied under the base weights (only when one is not there yet, before the replay), the
   projections' shrinks come out of the base GEMMs and the expands are fused into the kernel
-  after each projection. Its graph is keyed by the stage width too (the GEMMs' extra rows:
-  1, 2 or 4 positions). A batch of more adapters runs the shrink + expand kernels.
+  after each projection. Its graph is keyed by the stage width and rank too (the GEMMs'
+  extra rows: 1, 2 or 4 positions of the staged adapters' rank rounded up to a power of two).
+  A batch of more adapters runs the shrink + expand kernels.
 
 A batch with no adapter replays the bucket's LoRA-off graph, which has no LoRA work at all.
 Graphs run only on a single-rank CUDA worker (no TP, no DP attention: their collectives and
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Shape = tuple[int, int, int]  # a LoRA graph's (segments, longest segment, stage width)
+# a LoRA graph's (segments, longest segment, stage width, stage rank); width 0: not staged
+Shape = tuple[int, int, int, int]
 
 _BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -175,7 +177,7 @@ class DecodeGraphs:
     def _lora_shape(self, slots: Sequence[int], bucket: int) -> Shape | None:
         """The LoRA graph shape of ``slots``, with its metadata filled in (None: no adapter).
 
-        ``(segments, longest segment, stage width)``; width 0: not staged. Decode batches keep
+        ``(segments, longest segment, stage width, stage rank)``; width 0: not staged. Decode batches keep
         their rows and adapters for many steps in a row, so when ``slots`` equal the last
         step's (same bucket, same stage contents) the static metadata already holds them and
         the step skips the host work and the copy."""
@@ -192,7 +194,8 @@ class DecodeGraphs:
         if segments[2]:
             positions = manager.stage.assign(segments[2])  # copies A rows where needed
             width = stage_width(positions.values(), manager.stage.positions) if positions else 0
-            shape = (*static_shape(segments, bucket), width)
+            rank = manager.stage.rank if positions else 0
+            shape = (*static_shape(segments, bucket), width, rank)
             self._lora_batch(bucket, shape).fill(slots, segments, positions)
         # (the key after assign: a copy it made bumped the epoch)
         key = (bucket, tuple(slots), manager.stage.epoch)
@@ -224,6 +227,7 @@ class DecodeGraphs:
                 self.runner.device,
                 max_seg_len=shape[1],
                 stage_width=shape[2],
+                stage_rank=shape[3],
             )
         return static
 
@@ -293,7 +297,7 @@ class DecodeGraphs:
         log.info(
             "captured a decode graph: %d rows, LoRA %s",
             bucket,
-            f"on (<= {shape[0]} adapters, <= {shape[1]} rows each, stage width {shape[2]})"
+            f"on (<= {shape[0]} adapters, <= {shape[1]} rows each, stage {shape[2]} x r{shape[3]})"
             if shape
             else "off",
         )

@@ -93,7 +93,8 @@ class StageInfo:
     weight slot whose B a segment reads; ``full_pos`` int32 [F]: its stage position (-1: no
     LoRA, the base value only); ``full_scalings`` float32 [F]. ``max_len`` bounds the rows of
     any full segment (it sizes the grid); ``width`` is how many stage positions the stacked
-    GEMM computes (every ``full_pos`` is below it).
+    GEMM computes (every ``full_pos`` is below it); ``rank``: y columns per slice of a
+    position (the stage rank, at most B's last dimension).
     """
 
     full_indptr: torch.Tensor
@@ -103,6 +104,7 @@ class StageInfo:
     full_scalings: torch.Tensor
     max_len: int
     width: int
+    rank: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,8 +224,8 @@ def stacked_lora_terms(
     col_slices: list[tuple[int, int, int]],
 ) -> torch.Tensor:
     """fp32 ``[T, cols]``: each row's ``s * y B`` over ``col_slices`` ``(lo, hi, y offset)``;
-    zero for rows in a segment at stage position -1. ``stage`` is a ``stacked.StageInfo``."""
-    rank_max = lora_b.shape[2]
+    zero for rows in a segment at stage position -1. ``stage`` is a ``StageInfo``."""
+    rank_max = stage.rank
     cols = max(hi for _, hi, _ in col_slices)
     terms = torch.zeros(full.shape[0], cols, dtype=torch.float32, device=full.device)
     bounds = stage.full_indptr.tolist()
@@ -242,7 +242,7 @@ def stacked_lora_terms(
         y0 = n_base + pos[f] * n_r
         for lo, hi, y_off in col_slices:
             y = full[rows, y0 + y_off : y0 + y_off + rank_max].float()
-            b = lora_b[slots[f], lo:hi].float()  # [hi - lo, R]
+            b = lora_b[slots[f], lo:hi, :rank_max].float()  # [hi - lo, r]
             terms[rows, lo:hi] += scal[f] * (y @ b.T)
     return terms
 
@@ -257,7 +257,7 @@ def stacked_plain(
 ) -> torch.Tensor:
     """``full[:, :N] + s * y B`` (see ``kernels/stacked.py``), fp32 math, rounded once."""
     offs = slice_offsets.tolist()
-    r = lora_b.shape[2]
+    r = stage.rank
     col_slices = [(offs[i], offs[i + 1], i * r) for i in range(len(offs) - 1)]
     terms = stacked_lora_terms(full, n_base, n_r, lora_b, stage, col_slices)
     return (full[:, :n_base].float() + terms).to(full.dtype)
@@ -281,7 +281,7 @@ def stacked_silu_mul(
     full: torch.Tensor, n_base: int, n_r: int, lora_b: torch.Tensor, stage: Any
 ) -> torch.Tensor:
     """``silu(g + s y_g B_g) * (u + s y_u B_u)``, gate | up stacked in ``full[:, :N]``."""
-    inter, r = n_base // 2, lora_b.shape[2]
+    inter, r = n_base // 2, stage.rank
     terms = stacked_lora_terms(
         full, n_base, n_r, lora_b, stage, [(0, inter, 0), (inter, n_base, r)]
     )

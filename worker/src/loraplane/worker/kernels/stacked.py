@@ -61,7 +61,7 @@ def _stacked_lora_kernel(
     n_cols,  # output columns: N, or N / 2 for SILU_MUL
     n_base,  # N: where y starts in a row of full
     n_r,  # nR: y columns per stage position
-    rank_max,  # R: B's last dimension, y columns per slice
+    rank_max,  # the stage rank: y columns per slice (B's columns past it are not read)
     full_stride,
     res_stride,
     out_stride,
@@ -142,8 +142,10 @@ def _check(
     )
     check_same_dtype(fn, "lora_b", b, "full", f.dtype)
     check_dim(fn, "lora_b", b, 1, n_base, "one B row per base output column")
-    if n_r < b.shape[2]:
-        raise ValueError(f"{fn}: n_r ({n_r}) must be >= lora_b's rank {b.shape[2]}")
+    if not 0 < stage.rank <= b.shape[2]:
+        raise ValueError(
+            f"{fn}: stage.rank must be in 1..{b.shape[2]} (lora_b's rank), got {stage.rank}"
+        )
     want = n_base + stage.width * n_r
     if f.shape[1] != want:
         raise ValueError(
@@ -186,7 +188,7 @@ def _launch(
         n_cols,
         n_base,
         n_r,
-        b.shape[2],
+        stage.rank,
         full.stride(0),
         res.stride(0),
         out.stride(0),
@@ -196,7 +198,7 @@ def _launch(
         NUM_SLICES=slice_offsets.shape[0] - 1 if slice_offsets is not None else 1,
         DOT_PRECISION=dot_precision(b.dtype),
         BLOCK_S=block_s,
-        BLOCK_R=rank_block(b.shape[2]),
+        BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
         num_warps=4,
     )
@@ -213,7 +215,7 @@ def stacked_plain(
     """``full[:, :N] + s * y B`` per row's stage position, as a new contiguous ``[T, N]``.
 
     ``slice_offsets`` int32 ``[n + 1]``: column bounds of the stacked slices (q | k | v);
-    slice ``i`` reads ``y`` columns ``i * R ..`` of its position (``R = lora_b.shape[2]``)."""
+    slice ``i`` reads ``y`` columns ``i * r ..`` of its position (``r = stage.rank``)."""
     fn = "stacked_plain"
     f, b = _check(fn, full, n_base, lora_b, stage, n_r)
     out = torch.empty((f.shape[0], n_base), dtype=f.dtype, device=f.device)
@@ -249,7 +251,7 @@ def stacked_silu_mul(
     stage: StageInfo,
 ) -> torch.Tensor:
     """``silu(g + s y_g B_g) * (u + s y_u B_u)`` as a new ``[T, N / 2]``: gate | up stacked,
-    ``y`` of gate in columns ``0 .. R`` of a position, of up in ``R .. 2R``."""
+    ``y`` of gate in columns ``0 .. r`` of a position, of up in ``r .. 2r`` (``r = stage.rank``)."""
     fn = "stacked_silu_mul"
     f, b = _check(fn, full, n_base, lora_b, stage, n_r)
     if n_base % 2:

@@ -125,6 +125,7 @@ class StaticLoRABatch:
         device: torch.device,
         max_seg_len: int | None = None,
         stage_width: int = 0,
+        stage_rank: int = 0,
     ) -> None:
         self.rows = rows
         self.segments = max(1, segments)
@@ -132,6 +133,7 @@ class StaticLoRABatch:
         self.slot_ranks = slot_ranks
         self.slot_scalings = slot_scalings
         self.stage_width = stage_width  # > 0: the batch is staged (StageInfo in `info`)
+        self.stage_rank = stage_rank  # y columns per slice of a stage position
         pin = device.type == "cuda"
         s = self.segments
         # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1:
@@ -212,4 +214,5 @@ class StaticLoRABatch:
             full_scalings=self.slot_scalings.index_select(0, self.full_slots),
             max_len=self.rows,  # the no-adapter segment may hold every row
             width=self.stage_width,
+            rank=self.stage_rank,
         )

@@ -68,30 +68,44 @@ class LoRALayer(nn.Module):
 
     # --- stacked shrink (lora/stage.py) ------------------------------------------------
 
-    stacked: torch.Tensor | None = None  # [N + P * n_r, K]: the base weight, then P positions
+    stacked: torch.Tensor | None = (
+        None  # [N + P * n_slices * R, K]: the base weight, then P positions
+    )
     n_base = 0  # N: base output rows of `stacked`
-    n_r = 0  # A rows per stage position
+    n_slices = 1  # A slices per position (q | k | v, gate | up)
     lora_a: torch.Tensor
 
-    def _stack(self, base: nn.Module, n_base: int, n_r: int, positions: int) -> None:
+    def _stack(
+        self, base: nn.Module, n_base: int, n_slices: int, max_rank: int, positions: int
+    ) -> None:
         """Move ``base.weight [N, K]`` into the first rows of ``stacked`` (no copy kept)."""
         w = base.weight
-        stacked = torch.zeros(n_base + positions * n_r, w.shape[1], dtype=w.dtype, device=w.device)
+        rows = n_base + positions * n_slices * max_rank
+        stacked = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
         stacked[:n_base].copy_(w)
         base.weight = nn.Parameter(stacked[:n_base], requires_grad=False)
-        self.stacked, self.n_base, self.n_r = stacked, n_base, n_r
+        self.stacked, self.n_base, self.n_slices = stacked, n_base, n_slices
 
-    def stage_copy(self, position: int, slot: int) -> None:
+    def stage_copy(self, position: int, slot: int, rank: int) -> None:
+        """``slot``'s first ``rank`` A rows of each slice into ``position`` (``n * rank`` rows)."""
         assert self.stacked is not None
-        lo = self.n_base + position * self.n_r
-        self.stacked[lo : lo + self.n_r].copy_(self.lora_a[slot].reshape(self.n_r, -1))
+        n = self.n_slices
+        lo = self.n_base + position * n * rank
+        k = self.stacked.shape[1]
+        self.stacked[lo : lo + n * rank].view(n, rank, k).copy_(
+            self.lora_a[slot].view(n, -1, k)[:, :rank]
+        )
 
     def _stacked_gemm(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor | None:
         """``x [W; A_staged]^T`` when this batch is staged and this wrapper stacks, else None."""
         stage = info.stage
         if stage is None or self.stacked is None:
             return None
-        return F.linear(x, self.stacked[: self.n_base + stage.width * self.n_r])
+        return F.linear(x, self.stacked[: self.n_base + stage.width * self.n_slices * stage.rank])
+
+    def _n_r(self, info: LoRABatchInfo) -> int:
+        assert info.stage is not None
+        return self.n_slices * info.stage.rank
 
 
 class ColumnLoRA(LoRALayer):
@@ -122,7 +136,7 @@ class ColumnLoRA(LoRALayer):
         )
         self.slice_offsets = torch.tensor(base.local_offsets, dtype=torch.int32, device=w.device)
         if stage_slots > 0 and base.bias is None:  # (a bias would need its own epilogue)
-            self._stack(base, base.local_offsets[-1], n * max_rank, stage_slots)
+            self._stack(base, base.local_offsets[-1], n, max_rank, stage_slots)
 
     def set_slot(
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
@@ -149,7 +163,7 @@ class ColumnLoRA(LoRALayer):
         if full is not None:
             assert info.stage is not None
             return self.ctx.backend.stacked_plain(
-                full, self.n_base, self.n_r, self.lora_b, info.stage, self.slice_offsets
+                full, self.n_base, self._n_r(info), self.lora_b, info.stage, self.slice_offsets
             )
         return self.ctx.backend.apply_around(
             x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
@@ -164,7 +178,7 @@ class ColumnLoRA(LoRALayer):
             return silu_mul(self(x))
         assert info is not None and info.stage is not None
         return self.ctx.backend.stacked_silu_mul(
-            full, self.n_base, self.n_r, self.lora_b, info.stage
+            full, self.n_base, self._n_r(info), self.lora_b, info.stage
         )
 
 
@@ -199,7 +213,7 @@ class RowLoRA(LoRALayer):
             [0, base.out_features], dtype=torch.int32, device=w.device
         )
         if stage_slots > 0 and base.tp_size == 1:  # a partial y would need the reduction
-            self._stack(base, base.out_features, max_rank, stage_slots)
+            self._stack(base, base.out_features, 1, max_rank, stage_slots)
 
     def set_slot(
         self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
@@ -220,7 +234,7 @@ class RowLoRA(LoRALayer):
         if full is not None:
             assert info is not None and info.stage is not None
             out = self.ctx.backend.stacked_plain(
-                full, self.n_base, self.n_r, self.lora_b, info.stage, self.slice_offsets
+                full, self.n_base, self._n_r(info), self.lora_b, info.stage, self.slice_offsets
             )
         elif info is None:
             out = self.base_layer.forward_partial(x)  # [T, out] partial over the group
@@ -250,7 +264,7 @@ class RowLoRA(LoRALayer):
         if full is not None:  # a staged batch: base, LoRA and the residual add in one kernel
             assert info is not None and info.stage is not None
             return self.ctx.backend.stacked_residual(
-                full, self.n_base, self.n_r, self.lora_b, info.stage, residual
+                full, self.n_base, self._n_r(info), self.lora_b, info.stage, residual
             )
         if info is None or self.base_layer.tp_size > 1 or not self.fold_residual:
             return residual + self(x)

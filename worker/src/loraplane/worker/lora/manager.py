@@ -73,7 +73,10 @@ class LoRAManager:
             self.layers.append(wrappers)
         self.enabled_modules = tuple(m for m in ATTN_MODULES + MLP_MODULES if m in targets)
         self.stage = Stage(
-            p, [w for wrappers in self.layers for w in wrappers if w.stacked is not None]
+            p,
+            [w for wrappers in self.layers for w in wrappers if w.stacked is not None],
+            rank_of=self._rank_of,
+            max_rank=r,
         )
 
     # --- slots -------------------------------------------------------------------------
@@ -110,6 +113,11 @@ class LoRAManager:
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
         self.slot_adapters[slot] = None
+
+    def _rank_of(self, slot: int) -> int:
+        adapter = self.slot_adapters[slot]
+        assert adapter is not None, f"slot {slot} holds no adapter"
+        return adapter.rank
 
     @property
     def resident_slots(self) -> int:

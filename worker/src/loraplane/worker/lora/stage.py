@@ -1,40 +1,61 @@
 """Stage positions: adapters' A rows stacked under the base weights, so one GEMM shrinks.
 
 A wrapper that stacks (``ColumnLoRA``/``RowLoRA`` with ``stage_slots > 0``) keeps its base
-weight as the first ``N`` rows of ``stacked [N + P * nR, K]``; the ``P`` stage positions
-below hold copies of some slots' A (``lora_a[slot]``, ``nR`` rows each). A decode step whose
-adapters all sit in stage positions runs each projection as one cuBLAS GEMM over the first
-``N + width * nR`` rows: the base output and every staged adapter's shrink at once, at the
-cost of ``width * nR`` more weight rows read (0.1-0.8% of a Llama-3-8B projection per
-position at rank 16). The expand then runs fused into the work after the projection
-(``kernels/stacked.py``). See docs/kernels.md, "Stacked shrink".
+weight as the first ``N`` rows of ``stacked [N + P * n * R_max, K]`` (``n`` slices: 3 for
+qkv, 2 for gate_up, else 1); the ``P`` stage positions below hold copies of some slots' A.
+Positions are ``n * r`` rows each, where ``r`` (the **stage rank**) is the largest staged
+adapter's rank rounded up to a power of two, not the slot buffers' ``R_max``: rank-16
+adapters in a pool of rank 64 cost 16 rows per slice, not 64. A decode step whose adapters
+all sit in stage positions runs each projection as one cuBLAS GEMM over the first
+``N + width * n * r`` rows: the base output and every staged adapter's shrink at once, at the
+cost of those extra weight rows (0.1-0.8% of a Llama-3-8B projection per position at rank
+16). The expand then runs fused into the work after the projection (``kernels/stacked.py``).
+See ADR 0007.
 
 ``Stage`` decides the positions on the host: a slot already staged keeps its position; a new
 one takes a free position, else the least recently used one that this batch does not need,
 and its A rows are copied into every stacking wrapper (on the current stream, before the
 step: never inside a graph capture). A batch with more adapters than positions is not staged
-(``assign`` returns None) and runs the shrink + expand kernels instead. Loading or clearing
-a slot unstages it (``forget``), so a position never serves another adapter's old A.
+(``assign`` returns None) and runs the shrink + expand kernels instead. An adapter above the
+stage rank empties the stage and restages at the larger rank (the rank never shrinks while
+anything is staged). Loading or clearing a slot unstages it (``forget``), so a position never
+serves another adapter's old A.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 
 class Stacking(Protocol):
-    def stage_copy(self, position: int, slot: int) -> None:
-        """Copy ``slot``'s A rows into stage ``position`` of the stacked weight."""
+    def stage_copy(self, position: int, slot: int, rank: int) -> None:
+        """Copy ``slot``'s first ``rank`` A rows of each slice into stage ``position``
+        (positions ``n * rank`` rows apart)."""
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class Stage:
-    """``positions`` stage positions shared by every stacking wrapper of one model."""
+    """``positions`` stage positions shared by every stacking wrapper of one model.
 
-    def __init__(self, positions: int, wrappers: Iterable[Stacking]) -> None:
+    ``rank_of(slot)`` is the rank of the adapter in ``slot``; ``max_rank`` the slot buffers'."""
+
+    def __init__(
+        self,
+        positions: int,
+        wrappers: Iterable[Stacking],
+        rank_of: Callable[[int], int],
+        max_rank: int,
+    ) -> None:
         if positions < 0:
             raise ValueError(f"stage positions must be >= 0, got {positions}")
         self.wrappers = list(wrappers)
+        self.rank_of = rank_of
+        self.max_rank = max_rank
+        self.rank = 0  # rows per slice of a position (0: nothing staged yet)
         self.slot_at: list[int | None] = [None] * positions  # position -> staged slot
         self._last_use = [0] * positions
         self._clock = 0
@@ -55,6 +76,13 @@ class Stage:
         wanted = list(dict.fromkeys(slots))
         if not self.enabled or len(wanted) > self.positions:
             return None
+        need = min(self.max_rank, _pow2(max(self.rank_of(s) for s in wanted)))
+        empty = all(s is None for s in self.slot_at)
+        if need > self.rank or (empty and need != self.rank):
+            # every staged copy is laid out for the old rank: start over at the new one
+            self.slot_at = [None] * self.positions
+            self.rank = need
+            self.epoch += 1
         self._clock += 1
         where = {s: p for p, s in enumerate(self.slot_at) if s in wanted}
         for slot in wanted:
@@ -73,7 +101,7 @@ class Stage:
                 (p for p in range(self.positions) if p not in busy), key=self._last_use.__getitem__
             )
         for w in self.wrappers:
-            w.stage_copy(position, slot)
+            w.stage_copy(position, slot, self.rank)
         self.slot_at[position] = slot
         self.epoch += 1
         self.copies += 1
@@ -91,4 +119,4 @@ def stage_width(positions: Iterable[int], limit: int) -> int:
     """Stage positions the stacked GEMM computes: past the highest used, a power of two (at
     most ``limit``, the positions there are), so few graph shapes cover every batch."""
     top = max(positions, default=-1) + 1
-    return min(limit, 1 << max(0, top - 1).bit_length()) if top > 0 else 0
+    return min(limit, _pow2(top)) if top > 0 else 0
