@@ -8,6 +8,8 @@ values come from ``full = x [W; A_stage]^T`` computed here and the reference's f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
@@ -116,8 +118,60 @@ def test_stacked_kernels_name_a_bad_input() -> None:
         stacked.stacked_residual(full, 72, R, b, stage, torch.zeros(12, 70, device=DEVICE))
     with pytest.raises(ValueError, match=r"stacked_silu_mul: lora_b.shape\[1\] must be 70"):
         stacked.stacked_silu_mul(full, 70, R, b, stage)
+    offsets = torch.tensor([0, 72], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"stacked_plain: lora_b must have dtype torch\.float32"):
-        stacked.stacked_plain(full, 72, R, b.half(), stage, torch.tensor([0, 72]))
+        stacked.stacked_plain(full, 72, R, b.half(), stage, offsets)
+    with pytest.raises(ValueError, match=r"stacked_plain: slice_offsets must have dtype"):
+        stacked.stacked_plain(full, 72, R, b, stage, offsets.long())
+    with pytest.raises(ValueError, match=r"stacked_silu_mul: n_r must be 2 slices x stage.rank 16"):
+        stacked.stacked_silu_mul(full, 72, R, b, stage)
+    with pytest.raises(ValueError, match=r"stacked_residual: stage.full_pos must have dtype"):
+        bad = dataclasses.replace(stage, full_pos=stage.full_pos.long())
+        stacked.stacked_residual(full, 72, R, b, bad, torch.zeros(12, 72, device=DEVICE))
     stage.rank = 64
     with pytest.raises(ValueError, match=r"stacked_plain: stage.rank must be in 1..32"):
-        stacked.stacked_plain(full, 72, R, b, stage, torch.tensor([0, 72]))
+        stacked.stacked_plain(full, 72, R, b, stage, offsets)
+
+
+def test_rows_without_an_adapter_never_read_a_slots_b() -> None:
+    """A NaN in the B of the slot the no-adapter segment names (slot 0, the padding value)
+    must not reach rows that use no adapter: they get the base value exactly."""
+    full, b, stage = _batch(40, 72, 1, torch.float32)
+    b[0, :, R:] = float("nan")  # past the stage rank: never read by anyone
+    b[1] = float("nan")  # slot 1: only the empty padding segment names it
+    b_base = b.clone()
+    b_base[0] = float("nan")  # the no-adapter segment's slot entry is 0
+    residual = torch.zeros(40, 72, device=DEVICE)
+    assert stage.full_slots[3].item() == 0 and stage.full_pos[3].item() == -1
+    got = stacked.stacked_residual(full, 72, R, b_base, stage, residual.clone())
+    base_rows = stage.full_order[9:]
+    assert torch.equal(got[base_rows], full[base_rows, :72])
+    ok = stacked.stacked_residual(full, 72, R, b, stage, residual.clone())
+    assert torch.isfinite(ok).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expand_reads_each_segments_y_from_its_own_columns(dtype: torch.dtype) -> None:
+    """``y_seg_cols`` (the probes' stacked mode): segment ``s`` reads ``y`` from column
+    ``y_seg_cols[s]`` of a wider buffer; the same as a compact ``y`` for the plain expand."""
+    from loraplane.worker.kernels import expand
+
+    g = torch.Generator().manual_seed(3)
+    rows, n, slots = 10, 40, 2
+    y_wide = torch.randn(rows, 3 * R, generator=g).to(dtype).to(DEVICE)
+    b = (torch.randn(slots, n, R, generator=g) * 0.5).to(dtype).to(DEVICE)
+    indptr = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    seg_slots = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
+    cols = torch.tensor([2 * R, 0], dtype=torch.int32, device=DEVICE)
+    ranks = torch.tensor([R, R], dtype=torch.int32, device=DEVICE)
+    scal = torch.tensor([0.5, 2.0], device=DEVICE)
+    offsets = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    base = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE)
+    got = base.clone()
+    expand.expand_segments(
+        y_wide, b, got, indptr, seg_slots, ranks, scal, None, offsets, 6, y_seg_cols=cols
+    )
+    compact = torch.cat([y_wide[:4, 2 * R :], y_wide[4:, :R]])
+    want = base.clone()
+    reference.lora_expand(compact, b, indptr, seg_slots, ranks, scal, None, offsets, want, 6)
+    _close(got, want, dtype)

@@ -85,12 +85,14 @@ def _stacked_lora_kernel(
         return
     s_mask = offs_s < seg_end
     rows = tl.load(order_ptr + offs_s, mask=s_mask, other=0)  # [BLOCK_S] int64
-    lora = s_mask & (pos >= 0)
+    has_lora = pos >= 0  # the no-adapter segment reads no y and no B (a NaN in some
+    # slot's B must not reach rows that use no adapter)
+    lora = s_mask & has_lora
 
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < n_cols
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank_max
+    r_mask = (offs_r < rank_max) & has_lora
     mask = s_mask[:, None] & n_mask[None, :]
     row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
     y_row = row_full + n_base + pos.to(tl.int64) * n_r  # [BLOCK_S, 1]: this position's y
@@ -134,8 +136,15 @@ def _stacked_lora_kernel(
 
 
 def _check(
-    fn: str, full: object, n_base: int, lora_b: object, stage: StageInfo, n_r: int
+    fn: str,
+    full: object,
+    n_base: int,
+    lora_b: object,
+    stage: StageInfo,
+    n_r: int,
+    slices: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes, dtypes and devices only: nothing here reads a device tensor back."""
     f = check_tensor(fn, "full", full, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     b = check_tensor(
         fn, "lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES, device=f.device, unit_last_stride=True
@@ -146,14 +155,43 @@ def _check(
         raise ValueError(
             f"{fn}: stage.rank must be in 1..{b.shape[2]} (lora_b's rank), got {stage.rank}"
         )
+    if stage.width < 1:
+        raise ValueError(f"{fn}: stage.width must be >= 1 (a staged GEMM), got {stage.width}")
+    if n_r != slices * stage.rank:
+        raise ValueError(
+            f"{fn}: n_r must be {slices} slices x stage.rank {stage.rank} = "
+            f"{slices * stage.rank} (y columns per stage position), got {n_r}"
+        )
     want = n_base + stage.width * n_r
     if f.shape[1] != want:
         raise ValueError(
             f"{fn}: full must have {want} columns (N {n_base} + width {stage.width} x nR "
             f"{n_r}), got shape {tuple(f.shape)}"
         )
-    check_dim(fn, "stage.full_order", stage.full_order, 0, f.shape[0], "one entry per row")
+    segments = stage.full_slots.shape[0] if stage.full_slots.dim() == 1 else -1
+    for name, t, dtype, length in (
+        ("full_indptr", stage.full_indptr, torch.int32, segments + 1),
+        ("full_slots", stage.full_slots, torch.int32, segments),
+        ("full_pos", stage.full_pos, torch.int32, segments),
+        ("full_scalings", stage.full_scalings, torch.float32, segments),
+        ("full_order", stage.full_order, torch.int64, f.shape[0]),
+    ):
+        t = check_tensor(fn, f"stage.{name}", t, ndim=1, dtypes=(dtype,), device=f.device)
+        check_dim(fn, f"stage.{name}", t, 0, length, "one per full segment (+1), or per row")
     return f, b
+
+
+def _check_offsets(
+    fn: str, offsets: object, n_base: int, device: torch.device | None
+) -> torch.Tensor:
+    o = check_tensor(
+        fn, "slice_offsets", offsets, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True
+    )
+    if o.shape[0] < 2:
+        raise ValueError(
+            f"{fn}: slice_offsets must hold at least 2 bounds ([0, ..., {n_base}]), got {o.shape[0]}"
+        )
+    return o
 
 
 def _launch(
@@ -217,9 +255,11 @@ def stacked_plain(
     ``slice_offsets`` int32 ``[n + 1]``: column bounds of the stacked slices (q | k | v);
     slice ``i`` reads ``y`` columns ``i * r ..`` of its position (``r = stage.rank``)."""
     fn = "stacked_plain"
-    f, b = _check(fn, full, n_base, lora_b, stage, n_r)
+    device = full.device if isinstance(full, torch.Tensor) else None
+    offsets = _check_offsets(fn, slice_offsets, n_base, device)
+    f, b = _check(fn, full, n_base, lora_b, stage, n_r, offsets.shape[0] - 1)
     out = torch.empty((f.shape[0], n_base), dtype=f.dtype, device=f.device)
-    _launch(_PLAIN, f, b, out, out, stage, slice_offsets, n_base, n_base, n_r)
+    _launch(_PLAIN, f, b, out, out, stage, offsets, n_base, n_base, n_r)
     return out
 
 
@@ -233,7 +273,7 @@ def stacked_residual(
 ) -> torch.Tensor:
     """``residual += full[:, :N] + s * y B`` in place (one slice); returns ``residual``."""
     fn = "stacked_residual"
-    f, b = _check(fn, full, n_base, lora_b, stage, n_r)
+    f, b = _check(fn, full, n_base, lora_b, stage, n_r, 1)
     res = check_tensor(
         fn, "residual", residual, ndim=2, dtypes=(f.dtype,), device=f.device, unit_last_stride=True
     )
@@ -253,7 +293,7 @@ def stacked_silu_mul(
     """``silu(g + s y_g B_g) * (u + s y_u B_u)`` as a new ``[T, N / 2]``: gate | up stacked,
     ``y`` of gate in columns ``0 .. r`` of a position, of up in ``r .. 2r`` (``r = stage.rank``)."""
     fn = "stacked_silu_mul"
-    f, b = _check(fn, full, n_base, lora_b, stage, n_r)
+    f, b = _check(fn, full, n_base, lora_b, stage, n_r, 2)
     if n_base % 2:
         raise ValueError(f"{fn}: n_base must be 2 x intermediate (gate | up), got {n_base}")
     inter = n_base // 2

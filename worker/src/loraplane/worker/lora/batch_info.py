@@ -175,8 +175,17 @@ class StaticLoRABatch:
             raise ValueError(
                 f"a segment of {longest} rows; the graph's segments hold at most {self.max_seg_len}"
             )
-        if self.stage_width and positions is None:
-            raise ValueError("a staged graph's batch needs the stage positions of its slots")
+        if self.stage_width:
+            if positions is None or any(s not in positions for s in slots):
+                raise ValueError(
+                    f"positions must give a stage position for every slot of a staged batch "
+                    f"(slots {slots}, positions {positions})"
+                )
+            if any(not 0 <= positions[s] < self.stage_width for s in slots):
+                raise ValueError(
+                    f"positions must lie in 0..{self.stage_width - 1} (the graph's stage "
+                    f"width), got {positions}"
+                )
         pad = self.segments - len(slots)
         pos = [positions[s] for s in slots] if positions is not None else [NO_ADAPTER] * len(slots)
         ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]

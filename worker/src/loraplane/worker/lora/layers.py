@@ -255,8 +255,10 @@ class RowLoRA(LoRALayer):
 
         The LoRA term then does not wait for the base projection: it runs beside it on the
         side stream when the backend overlaps (``run_aside``), and only the residual add
-        waits for both. The sum is ``(residual + lora) + base`` on every path (eager, graph,
-        either backend), so graph and eager steps stay bitwise equal. With the layer split
+        waits for both. The sum is ``(residual + lora) + base`` on these paths (eager, or a
+        graph step that is not staged, either backend), so they stay bitwise equal. A staged
+        batch (``info.stage``) instead adds ``base + lora`` into the residual in one kernel,
+        rounded once: equal to tolerance, not bit for bit (ADR 0007). With the layer split
         over ranks the LoRA term is partial and is reduced with the base output instead.
         """
         info = self.ctx.info(self.section)
