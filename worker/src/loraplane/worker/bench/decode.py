@@ -3,10 +3,11 @@
     python -m loraplane.worker.bench.decode --device cuda --json [--out FILE]
         [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
         [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--rounds 3] [--cuda-graphs]
-        [--profile]
+        [--profile] [--stage-slots 4] [--max-lora-rank R]
 
 Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
-*, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None) -> dict``.
+*, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None, stage_slots=4,
+max_rank=None) -> dict``.
 
 What runs (the same engine and settings on both sides of every ratio, all in one process):
 
@@ -47,7 +48,11 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   LoRA metadata, decode attention reading lengths on the device). Each variant gets its own
   ``DecodeGraphs``, captured at its first step, so no variant replays another's graph.
   Positions advance as in eager mode. MoE layers on CUDA route their experts on the device
-  (``kernels/experts.py``), so MoE steps are captured too.
+  (``kernels/experts.py``), so MoE steps are captured too. A graph step of at most
+  ``--stage-slots`` adapters is staged (ADR 0007: the shrink inside the base GEMM, the expand
+  fused into the next kernel; ``--stage-slots 0`` keeps the shrink and expand kernels), so
+  its ``4s`` row equals ``4``. ``--max-lora-rank`` sizes the slot buffers above ``--rank``,
+  as a pool that also serves larger adapters.
 """
 
 from __future__ import annotations
