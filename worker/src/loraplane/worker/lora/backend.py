@@ -23,6 +23,7 @@ from loraplane.worker.kernels._triton_utils import StageInfo
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 Overlap = Literal["auto", "on", "off"]
+StackedOp = Literal["plain", "residual", "silu_mul"]  # kernels/stacked.py's epilogues
 T = TypeVar("T")
 
 
@@ -192,41 +193,20 @@ class LoRABackend:
 
     # --- staged batches: the shrink came out of the base GEMM (lora/stage.py) -----------
 
-    def stacked_plain(
+    def stacked(
         self,
+        op: StackedOp,
         full: torch.Tensor,
         n_base: int,
         n_r: int,
         lora_b: torch.Tensor,
         stage: StageInfo,
-        slice_offsets: torch.Tensor,
+        *extra: torch.Tensor,
     ) -> torch.Tensor:
-        """``full[:, :N]`` plus each row's LoRA, as a new ``[T, N]``."""
-        return self._kernels.stacked_plain(  # type: ignore[no-any-return]
-            full, n_base, n_r, lora_b, stage, slice_offsets
-        )
-
-    def stacked_residual(
-        self,
-        full: torch.Tensor,
-        n_base: int,
-        n_r: int,
-        lora_b: torch.Tensor,
-        stage: StageInfo,
-        residual: torch.Tensor,
-    ) -> torch.Tensor:
-        """``residual += full[:, :N]`` plus each row's LoRA, in place."""
-        return self._kernels.stacked_residual(  # type: ignore[no-any-return]
-            full, n_base, n_r, lora_b, stage, residual
-        )
-
-    def stacked_silu_mul(
-        self, full: torch.Tensor, n_base: int, n_r: int, lora_b: torch.Tensor, stage: StageInfo
-    ) -> torch.Tensor:
-        """SwiGLU of gate | up in ``full[:, :N]``, each with its row's LoRA added first."""
-        return self._kernels.stacked_silu_mul(  # type: ignore[no-any-return]
-            full, n_base, n_r, lora_b, stage
-        )
+        """``kernels.stacked_<op>(full, n_base, n_r, lora_b, stage, *extra)``: each row's
+        LoRA added to ``full[:, :N]`` inside the op after the projection (kernels/stacked.py)."""
+        kernel = getattr(self._kernels, f"stacked_{op}")
+        return kernel(full, n_base, n_r, lora_b, stage, *extra)  # type: ignore[no-any-return]
 
     def _overlaps(self, x: torch.Tensor) -> bool:
         if self.name != "triton" or x.device.type != "cuda" or self.overlap == "off":

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplane.worker.lora.backend import Aside, LoRABackend
+from loraplane.worker.lora.backend import Aside, LoRABackend, StackedOp
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear, silu_mul
 from loraplane.worker.models.model import Experts
@@ -103,9 +103,18 @@ class LoRALayer(nn.Module):
             return None
         return F.linear(x, self.stacked[: self.n_base + stage.width * self.n_slices * stage.rank])
 
-    def _n_r(self, info: LoRABatchInfo) -> int:
-        assert info.stage is not None
-        return self.n_slices * info.stage.rank
+    def _stacked_op(
+        self,
+        op: StackedOp,
+        full: torch.Tensor,
+        info: LoRABatchInfo,
+        *extra: torch.Tensor,
+    ) -> torch.Tensor:
+        """The op after the projection with each row's LoRA from ``full`` (the stacked GEMM)."""
+        stage = info.stage
+        assert stage is not None
+        n_r = self.n_slices * stage.rank
+        return self.ctx.backend.stacked(op, full, self.n_base, n_r, self.lora_b, stage, *extra)
 
 
 class ColumnLoRA(LoRALayer):
@@ -161,10 +170,7 @@ class ColumnLoRA(LoRALayer):
             return self.base_layer(x)  # type: ignore[no-any-return]
         full = self._stacked_gemm(x, info)
         if full is not None:
-            assert info.stage is not None
-            return self.ctx.backend.stacked_plain(
-                full, self.n_base, self._n_r(info), self.lora_b, info.stage, self.slice_offsets
-            )
+            return self._stacked_op("plain", full, info, self.slice_offsets)
         return self.ctx.backend.apply_around(
             x, self.base_layer, self.lora_a, self.lora_b, info, self.slice_offsets
         )  # [T, out_local]
@@ -176,10 +182,8 @@ class ColumnLoRA(LoRALayer):
         full = self._stacked_gemm(x, info) if info is not None else None
         if full is None:
             return silu_mul(self(x))
-        assert info is not None and info.stage is not None
-        return self.ctx.backend.stacked_silu_mul(
-            full, self.n_base, self._n_r(info), self.lora_b, info.stage
-        )
+        assert info is not None
+        return self._stacked_op("silu_mul", full, info)
 
 
 class RowLoRA(LoRALayer):
@@ -232,10 +236,8 @@ class RowLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         full = self._stacked_gemm(x, info) if info is not None else None
         if full is not None:
-            assert info is not None and info.stage is not None
-            out = self.ctx.backend.stacked_plain(
-                full, self.n_base, self._n_r(info), self.lora_b, info.stage, self.slice_offsets
-            )
+            assert info is not None
+            out = self._stacked_op("plain", full, info, self.slice_offsets)
         elif info is None:
             out = self.base_layer.forward_partial(x)  # [T, out] partial over the group
         else:
@@ -264,10 +266,8 @@ class RowLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         full = self._stacked_gemm(x, info) if info is not None else None
         if full is not None:  # a staged batch: base, LoRA and the residual add in one kernel
-            assert info is not None and info.stage is not None
-            return self.ctx.backend.stacked_residual(
-                full, self.n_base, self._n_r(info), self.lora_b, info.stage, residual
-            )
+            assert info is not None
+            return self._stacked_op("residual", full, info, residual)
         if info is None or self.base_layer.tp_size > 1 or not self.fold_residual:
             return residual + self(x)
         backend = self.ctx.backend
