@@ -177,10 +177,10 @@ class DecodeGraphs:
     def _lora_shape(self, slots: Sequence[int], bucket: int) -> Shape | None:
         """The LoRA graph shape of ``slots``, with its metadata filled in (None: no adapter).
 
-        ``(segments, longest segment, stage width, stage rank)``; width 0: not staged. Decode batches keep
-        their rows and adapters for many steps in a row, so when ``slots`` equal the last
-        step's (same bucket, same stage contents) the static metadata already holds them and
-        the step skips the host work and the copy."""
+        ``(segments, longest segment, stage width, stage rank)``; width 0: not staged.
+        Decode batches keep their rows and adapters for many steps in a row, so when
+        ``slots`` equal the last step's (same bucket, same stage contents) the static
+        metadata already holds them and the step skips the host work and the copy."""
         manager = self.runner.lora
         if manager is None:
             return None

@@ -68,12 +68,12 @@ class LoRALayer(nn.Module):
 
     # --- stacked shrink (lora/stage.py) ------------------------------------------------
 
-    stacked: torch.Tensor | None = (
-        None  # [N + P * n_slices * R, K]: the base weight, then P positions
-    )
+    # [N + P * n_slices * R, K]: the base weight, then P stage positions (None: not stacking)
+    stacked: torch.Tensor | None = None
     n_base = 0  # N: base output rows of `stacked`
     n_slices = 1  # A slices per position (q | k | v, gate | up)
     lora_a: torch.Tensor
+    lora_b: torch.Tensor
 
     def _stack(
         self, base: nn.Module, n_base: int, n_slices: int, max_rank: int, positions: int
