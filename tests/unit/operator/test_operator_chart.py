@@ -137,6 +137,42 @@ def test_optional_redis_and_postgresql() -> None:
     )
 
 
+def render_error(*sets: str) -> str:
+    args = [helm(), "template", "rel", str(CHART), "--namespace", "lp", "--kube-version", "1.36.0"]
+    for item in sets:
+        args += ["--set", item]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0, f"rendered with {sets}"
+    return result.stderr
+
+
+def test_several_controlplane_replicas_need_a_shared_database_and_redis() -> None:
+    # Each replica would otherwise keep its own registry (SQLite in its emptyDir) and bus.
+    error = render_error("controlplane.replicas=2")
+    assert "controlplane.replicas=2 needs" in error
+    assert "postgresql.enabled=true" in error and "redis.enabled=true" in error
+    error = render_error("controlplane.replicas=2", "redis.enabled=true")
+    assert "SQLite" in error and "controlplane.database.url" in error and "Redis" not in error
+    error = render_error("controlplane.replicas=3", "postgresql.enabled=true")
+    assert "controlplane.redis.url" in error and "SQLite" not in error
+    error = render_error(
+        "controlplane.replicas=2",
+        "controlplane.database.url=sqlite:////shared/loraplane.db",
+        "redis.enabled=true",
+    )
+    assert "not SQLite" in error
+    for sets in (
+        ("controlplane.replicas=2", "postgresql.enabled=true", "redis.enabled=true"),
+        (
+            "controlplane.replicas=2",
+            "controlplane.database.existingSecret=db",
+            "controlplane.redis.url=redis://redis:6379/0",
+        ),
+    ):
+        cp = by_name(render(*sets), "Deployment", "rel-loraplane-controlplane")
+        assert cp["spec"]["replicas"] == 2
+
+
 def test_operator_rbac_has_no_wildcards_secrets_or_deletes() -> None:
     role = by_name(render(), "ClusterRole", "rel-loraplane-operator")
     for rule in role["rules"]:

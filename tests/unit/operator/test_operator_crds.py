@@ -159,6 +159,25 @@ def test_cel_rules_cover_what_a_schema_cannot() -> None:
         assert rule["message"].startswith("spec.")
 
 
+def test_adapter_pool_is_immutable() -> None:
+    # A transition rule: the API server rejects an update that changes spec.pool (the operator
+    # never moves an adapter between pools). Evaluated by the API server, not jsonschema.
+    (rule,) = ADAPTER["properties"]["spec"]["properties"]["pool"]["x-kubernetes-validations"]
+    assert rule["rule"] == "self == oldSelf"
+    assert rule["message"].startswith("spec.pool is immutable")
+    assert "delete" in rule["message"] and "create" in rule["message"]
+
+
+def test_adapter_status_keeps_the_action_counter() -> None:
+    # Structural pruning drops status fields the schema lacks; the Idempotency-Key needs it.
+    assert ADAPTER["properties"]["status"]["properties"]["actions"]["type"] == "integer"
+    assert errors(ADAPTER, {**GOOD_ADAPTER, "status": {"actions": 3}}) == []
+    assert any(
+        e.startswith("status.actions")
+        for e in errors(ADAPTER, {**GOOD_ADAPTER, "status": {"actions": -1}})
+    )
+
+
 def test_crd_shape_printer_columns_short_names_and_status_subresource() -> None:
     for name, columns, short in (
         (

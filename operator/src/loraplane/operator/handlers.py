@@ -347,6 +347,7 @@ def reconcile_adapter(
         ready_workers=[],
         placement=placement,
         attempts=int(old.get("attempts", 0)) if same_generation else 0,
+        actions=int(old.get("actions", 0)),
     )
     try:
         view = _observe_and_act(
@@ -421,7 +422,7 @@ def _observe_and_act(
     if plan.action in ("none", "wait"):
         error = old.get("lastError") if view.attempts else None
         return replace(view, last_error=error or None)
-    key = f"{uid}-g{view.generation}-{plan.action}-{view.attempts}"
+    key = idempotency_key(uid, view, plan.action)
     try:
         if plan.action == "register":
             answer = cp.register_adapter(
@@ -445,15 +446,25 @@ def _observe_and_act(
     except ControlPlaneError as exc:
         return _failed_attempt(runtime, namespace, name, view, exc)
     adapter = (answer or {}).get("adapter") or cp.get_adapter(namespace, name)
-    return replace(view, cp_adapter=adapter, attempts=0, last_error=None)
+    return replace(view, cp_adapter=adapter, attempts=0, actions=view.actions + 1, last_error=None)
+
+
+def idempotency_key(uid: str, view: states.AdapterView, action: str) -> str:
+    """`<uid>-g<generation>-<action>-a<actions>-<attempts>`, from the stored status only.
+
+    `actions` (successful actions so far, never reset) makes a later action of the same kind
+    in the same generation a new request, e.g. a second load after a replica lost the adapter;
+    `attempts` makes a retry after a failure one. Neither moves until the status is written, so
+    an operator that dies between the call and the status write repeats the same key and gets
+    the same operation back."""
+    return f"{uid}-g{view.generation}-{action}-a{view.actions}-{view.attempts}"
 
 
 def _failed_attempt(
     runtime: Runtime, namespace: str, name: str, view: states.AdapterView, exc: ControlPlaneError
 ) -> states.AdapterView:
-    message = (
-        f"{exc.field + ': ' if exc.field and exc.field not in exc.message else ''}{exc.message}"
-    )
+    field, text = spec_field(exc.field or ""), spec_field(exc.message)
+    message = f"{field + ': ' if field and field not in text else ''}{text}"
     if exc.status in (400, 422) and exc.code in PERMANENT_CODES:
         return replace(view, invalid=(PERMANENT_CODES[exc.code], message))
     if exc.code == "too_many_pinned":
@@ -469,6 +480,28 @@ def _failed_attempt(
         last_error=message,
         gave_up=attempts >= runtime.config.retry.max_attempts,
     )
+
+
+# The control plane's request fields and the LoRAAdapter fields they are built from
+# (builders.build_adapter_registration; the load, patch and version bodies reuse them).
+# `body.load` has no counterpart (always true) and stays as it is.
+API_TO_SPEC = {
+    "body.source": "spec.source",  # .uri, .sha256 alike
+    "body.placement": "spec.placement",  # {"count": N} <- spec.placement.count
+    "body.pool": "spec.pool",
+    "body.pinned": "spec.pinned",
+    "body.priority": "spec.priority",
+    "body.name": "metadata.name",
+    "body.namespace": "metadata.namespace",
+}
+# A field name opens a message, or one part of a `; `-joined validation message.
+_API_FIELD = re.compile(r"(^|; )(" + "|".join(re.escape(k) for k in API_TO_SPEC) + r")(?=[.:\s]|$)")
+
+
+def spec_field(text: str) -> str:
+    """Control plane field names (`body.source.uri`) at the start of `text`, or of a part of
+    it, renamed to the LoRAAdapter's (`spec.source.uri`) for its status."""
+    return _API_FIELD.sub(lambda m: m.group(1) + API_TO_SPEC[m.group(2)], text)
 
 
 def _write_adapter_status(

@@ -206,6 +206,9 @@ class AdapterView:
     ready_workers: Sequence[str]
     placement: str | Mapping[str, int]
     attempts: int = 0
+    # Successful control-plane actions over the object's life (never reset); part of every
+    # Idempotency-Key so a later action repeating an earlier request is not a replay.
+    actions: int = 0
     last_error: str | None = None
     invalid: tuple[str, str] | None = None  # (reason, message): the spec cannot work
     pending: tuple[str, str] | None = None  # (reason, message): waits for something else
@@ -299,6 +302,7 @@ def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[
         "ready": f"{loaded}/{want}",
         "replicaStates": replica_states(view.cp_adapter),
         "attempts": view.attempts,
+        "actions": view.actions,
         "conditions": merge_conditions(old.get("conditions"), conditions, now),
     }
     for key, cp_key in (
