@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from cp_kit import ADMIN, POOL, free_port
+from cp_kit import ADMIN, ADMIN_TOKEN, POOL, HungWorker, free_port, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import create_app
@@ -112,3 +114,68 @@ def test_registry_answers_503_while_postgres_is_away_and_recovers(
         back = client.get("/v1/pools", headers=ADMIN)
         assert back.status_code == 200 and [p["name"] for p in back.json()["items"]] == ["tiny"]
         assert client.get("/readyz").json()["database"] == "ok"
+
+
+def test_an_operation_the_outage_interrupts_is_settled_once_the_database_is_back(
+    relayed_url: tuple[str, Relay],
+    pg_database: str,
+    adapters_root: Path,
+    make_adapter: Callable[..., Path],
+) -> None:
+    """A load whose outcome cannot be written (PostgreSQL went away mid-operation) must not keep
+    its adapter claimed until a restart: once the database is back, the lease pass settles it
+    from what the worker holds, and the adapter takes operations again."""
+    url, relay = relayed_url
+    direct = sa.create_engine(pg_database)  # the test's own view, around the relay
+
+    def rows(sql: str) -> list[Any]:
+        with direct.begin() as conn:
+            result = conn.execute(sa.text(sql))
+            return list(result.all()) if result.returns_rows else []
+
+    settings = Settings(db_url=url, admin_token=ADMIN_TOKEN)
+    settings.reconciler.enabled = False  # only the operation's own recovery may settle it
+    settings.sources.allowed_roots = [adapters_root]
+    settings.workers.load_timeout_s = 2
+    settings.workers.probe_timeout_s = 0.5
+    settings.operations.lease_s = 1.5
+    worker = HungWorker()  # the load is in flight when the database goes away
+    try:
+        with TestClient(create_app(settings)) as client:
+            assert client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN).status_code == 200
+            endpoint = f"http://127.0.0.1:{worker.port}"
+            body = {"name": "w0", "pool": "tiny", "endpoint": endpoint, "dp_size": 2}
+            assert client.post("/v1/workers", json=body, headers=ADMIN).status_code == 201
+            rows("UPDATE workers SET state = 'ready' WHERE name = 'w0'")  # as if it had answered
+            answers: list[Any] = []
+            adapter = {"name": "sql", "pool": "tiny", "source": {"uri": f"file://{make_adapter()}"}}
+            load = threading.Thread(
+                target=lambda: answers.append(
+                    client.post("/v1/adapters", json=adapter, headers=ADMIN)
+                ),
+                daemon=True,
+            )
+            load.start()
+            wait_for(
+                lambda: rows("SELECT state FROM operations") == [("running",)],
+                timeout=20,
+                what="the load to be journalled and running",
+            )
+            relay.cut()
+            load.join(timeout=60)
+            assert answers and answers[0].status_code == 503, answers
+            assert rows("SELECT state FROM operations") == [("running",)]  # nothing settled it
+            relay.start()
+            wait_for(
+                lambda: rows("SELECT state FROM operations") in ([("failed",)], [("rolled_back",)]),
+                timeout=30,
+                what="the lease pass to settle the interrupted load",
+            )
+            seen = client.get("/v1/adapters/default/sql", headers=ADMIN).json()
+            assert seen["routable"] is False
+            assert all(p["state"] != "loaded" for p in seen["placements"])
+            retry = client.post("/v1/adapters/default/sql/unload", headers=ADMIN)
+            assert retry.json().get("error", {}).get("code") != "operation_in_progress", retry.text
+    finally:
+        worker.close()
+        direct.dispose()

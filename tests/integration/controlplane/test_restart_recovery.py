@@ -10,7 +10,6 @@ in test_with_workers.py.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,35 +19,9 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from cp_kit import ADMIN, POOL, ControlPlane, wait_for
+from cp_kit import ADMIN, POOL, ControlPlane, HungWorker, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-class HungWorker:
-    """Accepts connections and never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-
-    def close(self) -> None:
-        self.sock.close()
-        for conn in self.conns:
-            conn.close()
 
 
 @pytest.fixture

@@ -102,7 +102,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             probe_timeout_s=settings.workers.probe_timeout_s,
         )
         inflight = Inflight()
-        ops = Operations(db, client, bus, metrics, inflight)
+        ops = Operations(
+            db,
+            client,
+            bus,
+            metrics,
+            inflight,
+            owner=settings.replica_id,
+            lease_s=settings.operations.lease_s,
+        )
         reconciler = Reconciler(db, client, bus, metrics, settings.reconciler.interval_s)
         app.state.services = Services(
             settings=settings,
@@ -118,6 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settled = await ops.settle_interrupted()
         if settled:
             log.warning("settled %d interrupted operations: %s", len(settled), ", ".join(settled))
+        await ops.start()
         if settings.reconciler.enabled:
             await reconciler.start()
         try:
@@ -125,6 +134,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             # Each step is bounded (events.CLOSE_TIMEOUT_S): a stuck socket never hangs shutdown.
             await reconciler.close()
+            await ops.close()
             await bus.close()
             await close_within(http.aclose(), "worker HTTP client")
             db.close()

@@ -169,6 +169,9 @@ class Operation(Base):
         DateTime(timezone=True), default=utcnow, onupdate=utcnow
     )
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The replica running (or settling) it, and when that replica last renewed its lease.
+    owner: Mapped[str | None] = mapped_column(String(253), nullable=True)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Token(Base):

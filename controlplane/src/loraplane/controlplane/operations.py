@@ -4,8 +4,14 @@ Each operation is written to the ``operations`` table (with its idempotency key 
 plan: targets, evictions, names and paths) and the adapter is claimed for it *before* any
 worker is touched. Running it fans out concurrently to every target worker (which fans out to
 its DP groups), merges the answers fail-first (``merge.merge_results``), rolls back a failed
-load where it succeeded, and writes the outcome. ``settle_interrupted`` runs at start and
-finishes or rolls back whatever a previous process left pending or running.
+load where it succeeded, and writes the outcome.
+
+Each operation has an owner (the replica that journalled it) and a lease the owner renews
+while it runs it. ``settle_interrupted`` finishes or rolls back the operations nobody runs any
+more: its own replica's from an earlier process (at start) or left by an unexpected error, and
+any replica's whose lease ran out. It runs at start and then every third of a lease, so a
+database blip or a bug mid-operation never leaves an adapter claimed until a restart, and a
+replica starting during a rolling update leaves the old replica's live operations alone.
 """
 
 from __future__ import annotations
@@ -14,19 +20,20 @@ import asyncio
 import hashlib
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.errors import ApiError, conflict
-from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.events import EventBus, stop_tasks
 from loraplane.controlplane.merge import UpdateResult, merge_results
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
@@ -36,6 +43,7 @@ from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnre
 
 log = logging.getLogger(__name__)
 INTERRUPTED = "control plane restarted while the operation ran"
+ABANDONED = "the control plane stopped running the operation"
 
 
 def now() -> datetime:
@@ -59,6 +67,14 @@ def _pool_of(session: Session, op: Operation) -> str:
             )
         ).first()
     return adapter.pool.name if adapter is not None else ""
+
+
+def _registered(session: Session, adapter_id: int, target: WorkerRef) -> bool:
+    """Both ends of a placement row still exist: a worker or adapter deleted while an
+    operation ran holds nothing in the registry, and no row may point at it."""
+    return (
+        session.get(Worker, target.id) is not None and session.get(Adapter, adapter_id) is not None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,12 +124,76 @@ class Operations:
         bus: EventBus,
         metrics: Metrics,
         inflight: Inflight,
+        *,
+        owner: str | None = None,
+        lease_s: float = 30.0,
     ) -> None:
         self.db = db
         self.client = client
         self.bus = bus
         self.metrics = metrics
         self.inflight = inflight
+        self.owner = owner or socket.gethostname()
+        self.lease_s = lease_s
+        self.started_at = now()
+        self.running: set[str] = set()  # operations this process runs or settles right now
+        self._task: asyncio.Task[None] | None = None
+
+    # -- leases ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Renew this replica's leases and settle abandoned operations, every third of a lease."""
+        self._task = asyncio.create_task(self._keep_leases(), name="operation-leases")
+
+    async def close(self) -> None:
+        await stop_tasks([self._task] if self._task is not None else [], "operations")
+
+    async def _keep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            try:
+                self.renew()
+                await self.settle_interrupted()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the database is away: the next pass tries again
+                log.warning("operation lease pass failed: %s: %s", type(exc).__name__, exc)
+
+    def renew(self) -> None:
+        if not self.running:
+            return
+        with self.db.session() as session:
+            session.execute(
+                update(Operation)
+                .where(Operation.id.in_(sorted(self.running)), Operation.owner == self.owner)
+                .values(heartbeat_at=now())
+                .execution_options(synchronize_session=False)
+            )
+
+    def _abandoned(self) -> ColumnElement[bool]:
+        """Unfinished operations nobody runs: the lease ran out, or they are this replica's and
+        either older than this process or marked running (the caller skips ``self.running``)."""
+        return and_(
+            Operation.state.in_(("pending", "running")),
+            or_(
+                Operation.heartbeat_at.is_(None),
+                Operation.heartbeat_at < now() - timedelta(seconds=self.lease_s),
+                and_(
+                    Operation.owner == self.owner,
+                    or_(Operation.heartbeat_at < self.started_at, Operation.state == "running"),
+                ),
+            ),
+        )
+
+    def _claim(self, op_id: str) -> bool:
+        """Take an abandoned operation over (one replica wins: the row must still qualify)."""
+        with self.db.session() as session:
+            claimed = session.execute(  # type: ignore[attr-defined]
+                update(Operation)
+                .where(Operation.id == op_id, self._abandoned())
+                .values(owner=self.owner, heartbeat_at=now())
+                .execution_options(synchronize_session=False)
+            ).rowcount
+        return bool(claimed == 1)
 
     # -- journal -------------------------------------------------------------------------------
     @staticmethod
@@ -129,8 +209,8 @@ class Operations:
             )
         return op
 
-    @staticmethod
     def journal(
+        self,
         session: Session,
         *,
         key: str | None,
@@ -152,6 +232,8 @@ class Operations:
             plan=plan,
             targets=list(targets),
             per_target=[],
+            owner=self.owner,
+            heartbeat_at=now(),
         )
         session.add(op)
         session.flush()
@@ -247,11 +329,21 @@ class Operations:
                 raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
 
     # -- running ---------------------------------------------------------------------------------
-    async def run(self, op_id: str) -> Operation:
+    async def run(self, op_id: str) -> Operation | None:
+        """Run a journalled operation; None when it could not be settled here (the database
+        went away), in which case the lease pass settles it later."""
+        self.running.add(op_id)
+        try:
+            return await self._run(op_id)
+        finally:
+            self.running.discard(op_id)
+
+    async def _run(self, op_id: str) -> Operation | None:
         with self.db.session() as session:
             op = session.get(Operation, op_id)
             assert op is not None
             op.state = "running"
+            op.owner, op.heartbeat_at = self.owner, now()
             kind, plan = op.kind, dict(op.plan)
         started = time.perf_counter()
         try:
@@ -272,16 +364,24 @@ class Operations:
                 state, merged, per_target = "succeeded", UpdateResult(True), []
             else:
                 state, merged, per_target = await runner(op_id, plan)
-        except Exception as exc:  # a bug or the database went away: leave it for settle_interrupted
-            log.exception("operation %s failed unexpectedly", op_id)
-            with self.db.session() as session:
-                op = session.get(Operation, op_id)
-                assert op is not None
-                op.error = f"{type(exc).__name__}: {exc}"
-                self.metrics.operations.labels(
-                    op.namespace, _pool_of(session, op), kind, "error"
-                ).inc()
-                return op
+        except Exception:  # a bug or the database went away: settle it from what workers hold
+            log.exception("operation %s failed unexpectedly; settling it", op_id)
+            try:
+                with self.db.session() as session:
+                    op = session.get(Operation, op_id)
+                    assert op is not None
+                    self.metrics.operations.labels(
+                        op.namespace, _pool_of(session, op), kind, "error"
+                    ).inc()
+                return await self._settle(op_id, kind, plan, ABANDONED)
+            except Exception as exc:
+                log.warning(
+                    "operation %s could not be settled now (%s: %s); the lease pass will",
+                    op_id,
+                    type(exc).__name__,
+                    exc,
+                )
+                return None
         return await self._finish(
             op_id, kind, state, merged, per_target, time.perf_counter() - started
         )
@@ -374,6 +474,8 @@ class Operations:
         leftover = False
         with self.db.session() as session:
             for target, seen in zip(targets, observations, strict=True):
+                if not _registered(session, adapter_id, target):
+                    continue
                 present = set(range(target.dp_size)) if seen is None else set(seen.present_on(name))
                 leftover = leftover or bool(present)
                 rows = session.scalars(
@@ -417,6 +519,8 @@ class Operations:
             ).all()
             have = {(r.worker_id, r.dp_group): r for r in rows}
             for target in targets:
+                if not _registered(session, adapter_id, target):
+                    continue
                 for group in range(target.dp_size):
                     row = have.get((target.id, group))
                     if row is None:
@@ -670,38 +774,55 @@ class Operations:
 
     # -- restart recovery ----------------------------------------------------------------------
     async def settle_interrupted(self) -> list[str]:
-        """Finish or roll back operations a previous process left pending or running."""
+        """Finish or roll back the operations nobody runs any more (see the module docstring);
+        returns the ids this call settled."""
         with self.db.session() as session:
             ops = session.scalars(
-                select(Operation)
-                .where(Operation.state.in_(("pending", "running")))
-                .order_by(Operation.created_at)
+                select(Operation).where(self._abandoned()).order_by(Operation.created_at)
             ).all()
-            pending = [(op.id, op.kind, dict(op.plan)) for op in ops]
+            pending = [(op.id, op.kind, dict(op.plan), self._before_start(op)) for op in ops]
         settled = []
-        for op_id, kind, plan in pending:
-            log.warning("settling interrupted operation %s (%s)", op_id, kind)
-            started = time.perf_counter()
-            if kind in ("unload", "delete"):
-                state, merged, per_target = await self._run_unload(op_id, plan)
-            elif kind == "register" and not plan.get("targets"):
-                state, merged, per_target = "succeeded", UpdateResult(True), []
-            elif kind in ("register", "load", "update_version"):
-                state, merged, per_target = await self._settle_load(plan)
-                if kind == "update_version" and state == "succeeded":
-                    await self._switch_version(plan["adapter_id"], plan)
-            else:  # pin / unpin: keep the old flag, let rows follow the workers, the reconciler restores
-                targets = [WorkerRef.from_json(t) for t in plan.get("targets", [])]
-                await self._observe_rows(plan["adapter_id"], plan["lora_name"], targets)
-                state, merged, per_target = "failed", UpdateResult(False, INTERRUPTED), []
-            await self._finish(
-                op_id, kind, state, merged, per_target, time.perf_counter() - started
-            )
+        for op_id, kind, plan, restarted in pending:
+            if op_id in self.running or not self._claim(op_id):
+                continue  # running here, or another replica took it over first
+            self.running.add(op_id)
+            try:
+                log.warning("settling interrupted operation %s (%s)", op_id, kind)
+                await self._settle(op_id, kind, plan, INTERRUPTED if restarted else ABANDONED)
+            finally:
+                self.running.discard(op_id)
             settled.append(op_id)
         return settled
 
+    def _before_start(self, op: Operation) -> bool:
+        """Left by this replica's previous process (SQLite hands datetimes back naive, in UTC)."""
+        beat = op.heartbeat_at
+        if op.owner != self.owner or beat is None:
+            return False
+        return (beat if beat.tzinfo else beat.replace(tzinfo=UTC)) < self.started_at
+
+    async def _settle(self, op_id: str, kind: str, plan: dict[str, Any], why: str) -> Operation:
+        """Finish ``op_id`` from what its workers hold now: a load present everywhere succeeds,
+        anything less is rolled back; an unload is run again; a pin change keeps the old flag."""
+        started = time.perf_counter()
+        if kind in ("unload", "delete"):
+            state, merged, per_target = await self._run_unload(op_id, plan)
+        elif kind == "register" and not plan.get("targets"):
+            state, merged, per_target = "succeeded", UpdateResult(True), []
+        elif kind in ("register", "load", "update_version"):
+            state, merged, per_target = await self._settle_load(plan, why)
+            if kind == "update_version" and state == "succeeded":
+                await self._switch_version(plan["adapter_id"], plan)
+        else:  # pin / unpin: keep the old flag, let rows follow the workers, the reconciler restores
+            targets = [WorkerRef.from_json(t) for t in plan.get("targets", [])]
+            await self._observe_rows(plan["adapter_id"], plan["lora_name"], targets)
+            state, merged, per_target = "failed", UpdateResult(False, why), []
+        return await self._finish(
+            op_id, kind, state, merged, per_target, time.perf_counter() - started
+        )
+
     async def _settle_load(
-        self, plan: dict[str, Any]
+        self, plan: dict[str, Any], why: str
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         name, adapter_id = plan["lora_name"], plan["adapter_id"]
         targets = [WorkerRef.from_json(t) for t in plan["targets"]]
@@ -727,13 +848,13 @@ class Operations:
         await self._fanout(
             "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)
         )
-        leftover = await self._record_observed(adapter_id, name, touched, INTERRUPTED)
+        leftover = await self._record_observed(adapter_id, name, touched, why)
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             if adapter is not None and leftover:
                 adapter.inconsistent = True
         return (
             ("failed" if leftover else "rolled_back"),
-            UpdateResult(False, INTERRUPTED),
+            UpdateResult(False, why),
             per_target,
         )

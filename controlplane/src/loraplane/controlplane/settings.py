@@ -3,7 +3,8 @@
 Top-level: ``LORAPLANE_DB_URL``, ``LORAPLANE_REDIS_URL``, ``LORAPLANE_ADMIN_TOKEN``,
 ``LORAPLANE_AUTH`` (true/false), ``LORAPLANE_HOST``, ``LORAPLANE_PORT``.
 Groups use ``__``: ``LORAPLANE_SOURCES__ALLOWED_ROOTS='["/models"]'``,
-``LORAPLANE_ROUTER__ON_DEMAND_TIMEOUT_S=30``, ``LORAPLANE_RECONCILER__INTERVAL_S=5``.
+``LORAPLANE_ROUTER__ON_DEMAND_TIMEOUT_S=30``, ``LORAPLANE_RECONCILER__INTERVAL_S=5``,
+``LORAPLANE_OPERATIONS__LEASE_S=30``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ class WorkerClientSettings(BaseModel):
     )
 
 
+class OperationSettings(BaseModel):
+    lease_s: float = Field(
+        default=30.0,
+        gt=0,
+        description=(
+            "a running operation's owner renews its lease every lease_s/3; another replica "
+            "settles (finishes or rolls back) an operation whose lease has run out"
+        ),
+    )
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="LORAPLANE_", env_nested_delimiter="__", extra="ignore"
@@ -77,10 +89,15 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     auth: bool = True
     replica_id: str | None = Field(
-        default=None, description="name of this replica in events; default host:pid"
+        default=None,
+        description=(
+            "name of this replica: owner of the operations it runs (default: the host name, "
+            "which a restarted container keeps) and origin of its events (default host:pid)"
+        ),
     )
 
     sources: SourcesSettings = Field(default_factory=lambda: SourcesSettings())
     router: RouterSettings = Field(default_factory=lambda: RouterSettings())
     reconciler: ReconcilerSettings = Field(default_factory=lambda: ReconcilerSettings())
     workers: WorkerClientSettings = Field(default_factory=lambda: WorkerClientSettings())
+    operations: OperationSettings = Field(default_factory=lambda: OperationSettings())

@@ -1,0 +1,149 @@
+"""Operation leases: a replica settles only the operations nobody runs any more.
+
+Two ``Operations`` on one SQLite registry stand for two control-plane replicas (a rolling
+update on a shared database). What a user would notice: an adapter claimed by an operation
+that nothing runs stays refused (409 "operation in progress") until a restart, or a replica
+that starts beside a live one rolls back the load that replica is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import update
+
+from loraplane.controlplane.db import Database
+from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.metrics import Metrics
+from loraplane.controlplane.models import Adapter, Operation, Pool
+from loraplane.controlplane.operations import Inflight, Operations, now
+from loraplane.controlplane.workers import WorkerClient
+
+pytestmark = pytest.mark.unit
+
+LEASE_S = 0.6
+
+
+def registry(tmp_path: Path) -> Database:
+    db = Database(f"sqlite:///{tmp_path / 'cp.db'}")
+    db.migrate()
+    with db.session() as session:
+        pool = Pool(
+            namespace="default",
+            name="tiny",
+            model="/models/tiny",
+            max_loras_per_batch=2,
+            max_loaded_loras=4,
+            max_lora_rank=16,
+        )
+        session.add(pool)
+        session.flush()
+        session.add(
+            Adapter(
+                namespace="default",
+                name="sql",
+                pool_id=pool.id,
+                source_uri="file:///adapters/sql",
+                path="/adapters/sql",
+                digest="0" * 64,
+                rank=8,
+                alpha=16.0,
+                target_modules=["q_proj"],
+            )
+        )
+    return db
+
+
+def replica(db: Database, http: httpx.AsyncClient, owner: str) -> Operations:
+    client = WorkerClient(http, load_timeout_s=5, probe_timeout_s=1)
+    return Operations(db, client, EventBus(), Metrics(), Inflight(), owner=owner, lease_s=LEASE_S)
+
+
+def journal_load(ops: Operations) -> str:
+    """A load with no target (it succeeds when settled), journalled and claimed by ``ops``."""
+    with ops.db.session() as session:
+        adapter = session.query(Adapter).one()
+        plan = {
+            "adapter_id": adapter.id,
+            "lora_name": "default/sql@1",
+            "path": adapter.path,
+            "pinned": False,
+            "targets": [],
+        }
+        op = ops.journal(
+            session, key=None, hash_="h", kind="load", adapter=adapter, plan=plan, targets=[]
+        )
+        return op.id
+
+
+def state_of(db: Database, op_id: str) -> tuple[str, str | None, str | None]:
+    with db.session() as session:
+        op = session.get(Operation, op_id)
+        assert op is not None
+        adapter = session.query(Adapter).one()
+        return op.state, op.owner, adapter.busy_operation_id
+
+
+def test_a_live_replicas_operation_is_left_alone_and_an_expired_one_is_settled_once(
+    tmp_path: Path,
+) -> None:
+    db = registry(tmp_path)
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+            old, new, third = (replica(db, http, n) for n in ("pod-old", "pod-new", "pod-3"))
+            op_id = journal_load(old)
+            old.running.add(op_id)  # pod-old is running it (a slow load)
+            assert await new.settle_interrupted() == []  # a fresh lease: not new's to touch
+            for _ in range(4):  # pod-old renews for longer than a lease
+                await asyncio.sleep(LEASE_S / 3)
+                old.renew()
+            assert await new.settle_interrupted() == []
+            assert state_of(db, op_id) == ("pending", "pod-old", op_id)
+
+            old.running.discard(op_id)  # pod-old dies: nobody renews any more
+            await asyncio.sleep(LEASE_S * 1.2)
+            first, second = await asyncio.gather(
+                new.settle_interrupted(), third.settle_interrupted()
+            )
+            assert sorted(first + second) == [op_id]  # settled by exactly one replica
+            state, owner, busy = state_of(db, op_id)
+            assert state == "succeeded" and owner in ("pod-new", "pod-3")
+            assert busy is None  # the adapter takes new operations again
+
+    asyncio.run(run())
+
+
+def test_own_operations_are_settled_at_once_when_nothing_here_runs_them(tmp_path: Path) -> None:
+    """A restarted container keeps its name (the default owner is the host name): what the
+    previous process left is settled at start without waiting for the lease. So is an operation
+    this process marked running and then dropped (an unexpected error), while one it runs now
+    is not."""
+    db = registry(tmp_path)
+
+    async def run() -> None:
+        async with httpx.AsyncClient() as http:
+            before = replica(db, http, "pod-0")
+            left = journal_load(before)
+            await asyncio.sleep(0.01)
+            after = replica(db, http, "pod-0")  # the same pod, a new process
+            assert await after.settle_interrupted() == [left]
+            assert state_of(db, left)[0] == "succeeded"
+
+            dropped = journal_load(after)
+            after.running.add(dropped)
+            assert await after.settle_interrupted() == []  # runs here: not abandoned
+            with db.session() as session:  # marked running, then the run died of a bug
+                session.execute(
+                    update(Operation)
+                    .where(Operation.id == dropped)
+                    .values(state="running", heartbeat_at=now())
+                )
+            after.running.discard(dropped)
+            assert await after.settle_interrupted() == [dropped]
+            assert state_of(db, dropped)[2] is None
+
+    asyncio.run(run())
