@@ -21,12 +21,15 @@ LAYOUTS = [
     (4, 2, True),  # attn-TP 2
     (4, 4, True),
     (2, 1, False),  # plain TP
+    (2, 1, True),  # --dp-attention with one group: plain TP, nothing gathered
 ]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
 @pytest.mark.parametrize(
-    ("tp", "dp", "dp_attention"), LAYOUTS, ids=[f"tp{t}-dp{d}" for t, d, _ in LAYOUTS]
+    ("tp", "dp", "dp_attention"),
+    LAYOUTS,
+    ids=[f"tp{t}-dp{d}" + ("-dpattn" if a and d == 1 else "") for t, d, a in LAYOUTS],
 )
 def test_layout_matches_peft_and_single_rank(
     suite, arch: str, tp: int, dp: int, dp_attention: bool

@@ -113,7 +113,7 @@ class ModelRunner:
                 return logits
         batch = batch.to(self.device)
         global_slots: list[int] | None = None
-        if ps.dp_attention and ps.dp_size > 1:
+        if ps.dp_attention:
             mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots)
             everyone = ps.all_gather_object_tp(mine)
             groups = [everyone[r] for r in ps.dp_group_leaders()]

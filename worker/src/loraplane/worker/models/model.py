@@ -327,7 +327,7 @@ class CausalLM(nn.Module):
     def _dp_gather(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Local rows of every DP group → the TP-global rows (groups in order, no padding)."""
         ps = self.ps
-        if not ps.dp_attention or ps.dp_size == 1:
+        if not ps.dp_attention:
             return x
         pad = max(counts)
         padded = x.new_zeros(pad, *x.shape[1:])
@@ -340,7 +340,7 @@ class CausalLM(nn.Module):
     def _dp_local(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The rows of the TP-global set that belong to this rank's DP group."""
         ps = self.ps
-        if not ps.dp_attention or ps.dp_size == 1:
+        if not ps.dp_attention:
             return x
         start = sum(counts[: ps.dp_rank])
         return x[start : start + counts[ps.dp_rank]]

@@ -54,7 +54,6 @@ class ParallelState:
         self.attn_tp_size = config.attn_tp
         self.dp_rank = rank // self.attn_tp_size
         self.attn_tp_rank = rank % self.attn_tp_size
-        self.dp_attention = config.dp_attention
         self.moe_tp_size = config.tp
         self.moe_tp_rank = rank
         self.tp_group: Any = None
@@ -75,6 +74,15 @@ class ParallelState:
     @classmethod
     def single(cls) -> ParallelState:
         return cls(ParallelConfig())
+
+    @property
+    def dp_attention(self) -> bool:
+        """Attention runs DP-local and the MLP, experts and LM head TP-global over gathered rows.
+
+        Only with more than one DP group: `--dp-attention` with dp = 1 is plain TP (attention
+        TP = TP, nothing to gather). Every DP-attention decision reads this, not the config.
+        """
+        return self.config.dp_attention and self.dp_size > 1
 
     @property
     def is_single(self) -> bool:
