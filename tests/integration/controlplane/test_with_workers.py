@@ -220,6 +220,26 @@ def test_failed_unload_is_inconsistent_until_the_reconciler_settles_it(
     assert [w.models() for w in workers] == [set(), set()]
 
 
+def test_a_failed_delete_can_be_sent_again(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a2").status_code == 201
+    workers[1].fault("unload", 0, "rank 0 busy (injected)", count=1000)
+    first = cp.delete("/v1/adapters/default/a2", headers=ADMIN)
+    assert first.status_code == 502, first.text
+    again = cp.delete("/v1/adapters/default/a2", headers=ADMIN)  # a new attempt, not a 409
+    assert again.status_code == 502, again.text
+    assert again.json()["operation"]["id"] != first.json()["operation"]["id"]
+    workers[1].fault("unload", 0, "", count=0)
+    wait_for(
+        lambda: cp.get("/v1/adapters/default/a2", headers=ADMIN).status_code == 404,
+        timeout=30,
+        what="the delete to finish once the worker unloads",
+    )
+    assert [w.models() for w in workers] == [set(), set()]
+
+
 def test_router_proxies_streams_and_counts(
     cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

@@ -58,9 +58,27 @@ def test_no_eviction_needed_when_there_is_room() -> None:
 def test_no_capacity_when_everything_is_pinned_or_busy() -> None:
     w = worker(k=2, m=2, resident=(Resident("p", True, 0), Resident("b", False, 0, inflight=1)))
     with pytest.raises(
-        NoCapacity, match=r"holds 2/2 adapters \(1 pinned, 1 with requests in flight\)"
+        NoCapacity, match=r"holds 2/2 adapters \(1 pinned, 1 with requests in flight, 0 loading"
     ):
         choose_evictions(w)
+
+
+def test_eviction_skips_adapters_that_are_not_settled_and_goes_by_priority() -> None:
+    """An adapter still loading, being unloaded or in an operation of its own is not a victim
+    (evicting it would race that operation); a higher priority is evicted later."""
+    w = worker(
+        m=4,
+        resident=(
+            Resident("loading-oldest", False, 0.0, settled=False),
+            Resident("important-old", False, 1.0, priority=10),
+            Resident("plain-newer", False, 9.0),
+            Resident("plain-new", False, 8.0),
+        ),
+    )
+    assert choose_evictions(w, needed=2) == ["plain-new", "plain-newer"]
+    assert choose_evictions(w, needed=3) == ["plain-new", "plain-newer", "important-old"]
+    with pytest.raises(NoCapacity, match=r"1 loading, unloading or in an operation"):
+        choose_evictions(w, needed=4)
 
 
 def test_protected_adapter_is_not_evicted() -> None:

@@ -469,6 +469,8 @@ class Operations:
     ) -> bool:
         """After a failure: rows of ``name`` on ``targets`` follow what the workers report.
         Present groups -> 'inconsistent' (to be unloaded by the reconciler), absent -> row dropped.
+        A worker that cannot be asked may hold it: its rows are 'inconsistent' too, so when it
+        comes back the reconciler unloads the leftover instead of restoring it.
         Returns True if the adapter is still present anywhere (or a worker could not be asked)."""
         observations = await asyncio.gather(*(self.observe(t) for t in targets))
         leftover = False
@@ -499,8 +501,8 @@ class Operations:
                                 state="inconsistent",
                             )
                             session.add(row)
-                        row.state = "inconsistent" if seen is not None else "unreachable"
-                        row.error = error
+                        row.state = "inconsistent"
+                        row.error = error if seen is not None else f"{error} (worker unreachable)"
                         row.observed_at = now() if seen is not None else row.observed_at
                     elif row is not None:
                         session.delete(row)
@@ -559,6 +561,13 @@ class Operations:
 
     async def _evict(self, target: WorkerRef, names: Sequence[str]) -> UpdateResult:
         for victim in names:
+            with self.db.session() as session:  # not routed there while it goes away
+                session.execute(
+                    update(Placement)
+                    .where(Placement.worker_id == target.id, Placement.lora_name == victim)
+                    .values(state="unloading")
+                    .execution_options(synchronize_session=False)
+                )
             result = await self.client.unload(target.name, target.endpoint, victim)
             with self.db.session() as session:
                 worker = session.get(Worker, target.id)
@@ -610,6 +619,10 @@ class Operations:
         merged = merge_results(results)
         if merged.success:
             self._set_rows(adapter_id, name, targets, "loaded")
+            with self.db.session() as session:  # a load counts as a use: not the next to go
+                adapter = session.get(Adapter, adapter_id)
+                if adapter is not None:
+                    adapter.last_used_at = max(adapter.last_used_at or 0.0, time.time())
             await self.bus.publish(
                 "adapter.loaded",
                 adapter_id=adapter_id,

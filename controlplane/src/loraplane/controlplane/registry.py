@@ -257,13 +257,16 @@ def worker_slots(
 ) -> WorkerSlots:
     pool = worker.pool
     resident = []
-    for name, (adapter, _rows) in worker_loaded(worker).items():
+    for name, (adapter, rows) in worker_loaded(worker).items():
         resident.append(
             Resident(
                 adapter=name,
                 pinned=adapter.pinned,
-                last_used=adapter.last_used_at,
+                last_used=adapter.last_used_at or 0.0,
                 inflight=inflight_by_adapter.get((worker.id, name), 0),
+                priority=adapter.priority or 0,
+                settled=adapter.busy_operation_id is None
+                and all(r.state == "loaded" for r in rows),
             )
         )
     return WorkerSlots(

@@ -4,7 +4,8 @@ Per worker: ``max_loaded_loras`` (M) adapters may be resident, ``max_loras_per_b
 GPU slots exist, and at most K - 1 resident adapters may be pinned so one slot always remains
 for unpinned traffic. Pinned adapters are never evicted. When a worker needs room the least
 recently routed unpinned adapter with no request in flight is evicted (cluster-level LRU,
-kept by the router). Placement prefers workers that already hold the adapter, then the most
+kept by the router), lowest ``priority`` first; only an adapter settled as loaded there with
+no operation of its own in progress is a candidate. Placement prefers workers that already hold the adapter, then the most
 free slots, then the fewest requests in flight, then the name (deterministic).
 """
 
@@ -20,8 +21,10 @@ class Resident:
 
     adapter: str  # registry key, e.g. "default/sql-expert"
     pinned: bool
-    last_used: float  # seconds since epoch of the last routed request; 0 = never
+    last_used: float  # seconds since epoch of the last routed request, or of its load
     inflight: int = 0  # requests being proxied with it now ("in the running batch")
+    priority: int = 0  # higher is evicted later
+    settled: bool = True  # loaded on every row and no operation of its own in progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +99,18 @@ def choose_evictions(
         (
             r
             for r in worker.resident
-            if not r.pinned and r.inflight == 0 and r.adapter not in protected
+            if not r.pinned and r.inflight == 0 and r.settled and r.adapter not in protected
         ),
-        key=lambda r: (r.last_used, r.adapter),
+        key=lambda r: (r.priority, r.last_used, r.adapter),
     )
     if len(candidates) < shortfall:
         pinned = len(worker.pinned)
         busy = sum(1 for r in worker.resident if not r.pinned and r.inflight > 0)
+        moving = sum(1 for r in worker.resident if not r.pinned and not r.settled)
         raise NoCapacity(
             f"worker {worker.name!r} holds {len(worker.resident)}/{worker.max_loaded_loras} adapters "
-            f"({pinned} pinned, {busy} with requests in flight); cannot evict {shortfall}"
+            f"({pinned} pinned, {busy} with requests in flight, {moving} loading, unloading or "
+            f"in an operation); cannot evict {shortfall}"
         )
     return [r.adapter for r in candidates[:shortfall]]
 

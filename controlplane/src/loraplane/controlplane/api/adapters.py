@@ -144,9 +144,14 @@ def visible(principal: Principal, namespace: str) -> None:
     check_namespace(principal, namespace)
 
 
-def ensure_usable(adapter: Adapter) -> None:
-    if adapter.desired == "deleted":
-        raise conflict(f"adapter {adapter.key} is being deleted", code="conflict")
+def ensure_usable(adapter: Adapter, *, deleting: bool = False) -> None:
+    """Refuse a mutation of an adapter that is going away or in another operation; a delete may
+    be sent again (a failed delete is retried by deleting again)."""
+    if adapter.desired == "deleted" and not deleting:
+        raise conflict(
+            f"adapter {adapter.key} is being deleted; send DELETE again to retry a failed delete",
+            code="conflict",
+        )
     if adapter.busy_operation_id:
         raise conflict(
             f"adapter {adapter.key} has operation {adapter.busy_operation_id} in progress; retry when it finishes",
@@ -340,7 +345,7 @@ async def _unload(
         return replay
     with services.db.session() as session:
         adapter = get_adapter(session, namespace, name)
-        ensure_usable(adapter)
+        ensure_usable(adapter, deleting=kind == "delete")
         plan = unload_plan(adapter)
         plan["then"] = "delete" if kind == "delete" else "keep"
         op = services.operations.journal(
