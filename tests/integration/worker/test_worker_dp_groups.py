@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from workerkit import WorkerProcess
 
 from loraplane.worker.server.factory import ServeConfig, unsupported_reason
@@ -79,6 +82,37 @@ def test_partial_load_and_unload_failure_on_one_dp_group(
     assert c.post("/generate", json={"text": "hi", "lora_path": "dpflaky"}).status_code == 404
     assert c.post("/unload_lora_adapter", json={"lora_name": "dpflaky"}).json()["success"]
     assert c.get("/lora_state").json()["inconsistent"] == []
+
+
+@needs_multirank
+def test_bad_adapter_file_is_rejected_and_every_rank_keeps_serving(
+    worker_factory: Callable[..., WorkerProcess],
+    make_adapter_dir: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    # An fp8 tensor once raised NotImplementedError in the ranks, which exited: the worker died.
+    keep = make_adapter_dir("dpkeep")
+    worker = worker_factory(*DP_ARGS, "--lora", f"dpkeep={keep}")
+    c = worker.client
+    before = [gen_ids(worker, "hello there", "dpkeep"), gen_ids(worker, "hello there", None)]
+    bad = tmp_path / "dpfp8"
+    shutil.copytree(make_adapter_dir("dpfp8src", seed=5), bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    key = sorted(tensors)[0]
+    tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    r = c.post("/load_lora_adapter", json={"lora_name": "dpfp8", "lora_path": str(bad)})
+    assert r.status_code == 400, r.text
+    answer = r.json()
+    assert not answer["success"]
+    assert key in answer["error_message"] and "F8_E4M3" in answer["error_message"]
+    assert answer["loaded_adapters"] == {"dpkeep": str(keep.resolve())}
+    state = c.get("/lora_state").json()
+    assert all("dpfp8" not in g["adapters"] for g in state["dp_groups"])
+    assert c.post("/generate", json={"text": "hi", "lora_path": "dpfp8"}).status_code == 404
+    after = [gen_ids(worker, "hello there", "dpkeep"), gen_ids(worker, "hello there", None)]
+    assert after == before
+    assert c.get("/health").json() == {"status": "ok"}
 
 
 @needs_multirank

@@ -32,6 +32,8 @@ from loraplane.controlplane.settings import SourcesSettings
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1024 * 1024
+# PEFT's LoraConfig default when adapter_config.json has no lora_alpha (the worker uses it too).
+PEFT_DEFAULT_ALPHA = 8
 DEFAULT_TARGET_MODULES = (
     "q_proj",
     "k_proj",
@@ -341,7 +343,7 @@ def preflight(
             f"adapter rank r={rank} is above the pool's max_lora_rank={pool.max_lora_rank}",
             code="preflight_failed",
         )
-    alpha = config.get("lora_alpha", rank)
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if isinstance(alpha, bool) or not isinstance(alpha, int | float):
         raise source_error(
             f"adapter_config.json lora_alpha must be a number, got {alpha!r}",

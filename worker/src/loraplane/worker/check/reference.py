@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from loraplane.worker.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from loraplane.worker.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_DEFAULT_ALPHA
 
 
 def _hf_dtype(name: str) -> torch.dtype:
@@ -46,7 +46,7 @@ def write_merged_checkpoint(
     model_dir, adapter_dir, out = Path(model_dir), Path(adapter_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
+    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
     scaling = alpha / (r**0.5 if cfg.get("use_rslora") else r)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:

@@ -248,6 +248,9 @@ class Engine:
                 errors.append(None)
             except AdapterError as exc:
                 errors.append(str(exc))
+            except Exception as exc:  # a bad file must not cost a 500: answer it, roll back
+                log.exception("reading adapter %s from %s on dp group %d failed", name, path, group)
+                errors.append(f"adapter {name!r}: lora_path: {path} cannot be read ({exc!r})")
         with self._lock:
             if any(e is not None for e in errors):
                 # roll back wherever it was read: the adapter is on every group or on none
@@ -332,6 +335,7 @@ class Engine:
             self.executor.clear_slot(slot)
         self.executor.drop_adapter(key)
         self.fingerprints.pop(key, None)
+        self._publish_residency()
 
     def _publish_residency(self) -> None:
         r = self.residency

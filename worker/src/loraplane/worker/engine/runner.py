@@ -89,6 +89,7 @@ class ModelRunner:
             max_rank=self.lora_config.max_lora_rank,
             allowed_modules=self.lora.enabled_modules if self.lora else (),
             experts_enabled=self.lora_config.experts,
+            slot_dtype=self.dtype,
         )
 
     @torch.inference_mode()

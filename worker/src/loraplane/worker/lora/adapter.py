@@ -16,14 +16,19 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from loraplane.worker.config import LORA_MODULES, MLP_MODULES, ModelConfig
+from loraplane.worker.config import ATTN_MODULES, LORA_MODULES, MLP_MODULES, ModelConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
+# PEFT's LoraConfig default, used when adapter_config.json has no lora_alpha
+PEFT_DEFAULT_ALPHA = 8
+# safetensors dtype names a LoRA weight may have; anything else (fp8, integers) is rejected
+_WEIGHT_DTYPES = ("F16", "BF16", "F32", "F64")
+
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight  (adapter name optional)
 _DENSE_KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$"
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.\w+)?\.weight$"
 )
 # base_model.model.model.layers.3.mlp.experts.7.gate_proj.lora_A.weight
 _EXPERT_KEY = re.compile(
@@ -87,18 +92,29 @@ def _expert_shape(config: ModelConfig, module: str) -> tuple[int, int]:
 
 
 def read_adapter_config(name: str, path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise AdapterError(name, "lora_path", f"{path} does not exist")
-    if not path.is_dir():
-        raise AdapterError(name, "lora_path", f"{path} is not a directory")
-    cfg_path = path / ADAPTER_CONFIG
-    if not cfg_path.is_file():
-        raise AdapterError(
-            name, ADAPTER_CONFIG, f"missing in {path}; a PEFT adapter directory needs it"
-        )
     try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        if not path.exists():
+            raise AdapterError(name, "lora_path", f"{path} does not exist")
+        if not path.is_dir():
+            raise AdapterError(name, "lora_path", f"{path} is not a directory")
+    except OSError as exc:
+        raise AdapterError(name, "lora_path", f"{path} cannot be read ({exc})") from exc
+    cfg_path = path / ADAPTER_CONFIG
+    try:
+        if not cfg_path.is_file():
+            raise AdapterError(
+                name, ADAPTER_CONFIG, f"missing in {path}; a PEFT adapter directory needs it"
+            )
+        text = cfg_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise AdapterError(
+            name, ADAPTER_CONFIG, f"{cfg_path} cannot be read ({exc}); check its permissions"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise AdapterError(name, ADAPTER_CONFIG, f"is not UTF-8 text ({exc})") from exc
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, or an over-long number
         raise AdapterError(name, ADAPTER_CONFIG, f"is not valid JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise AdapterError(name, ADAPTER_CONFIG, "must hold a JSON object")
@@ -113,9 +129,15 @@ def load_adapter(
     max_rank: int,
     allowed_modules: tuple[str, ...] = LORA_MODULES,
     experts_enabled: bool = True,
+    slot_dtype: torch.dtype | None = None,
 ) -> AdapterWeights:
-    """Read and fully validate a PEFT adapter for `config`; raise AdapterError if it does not fit."""
+    """Read and fully validate a PEFT adapter for `config`; raise AdapterError if it does not fit.
+
+    `slot_dtype` is the dtype of the LoRA slots the weights will be copied into (None: the
+    checkpoint's `torch_dtype`): a value it cannot hold is rejected rather than becoming Inf.
+    """
     path = Path(path)
+    slot_dtype = slot_dtype or _checkpoint_dtype(config)
     raw = read_adapter_config(name, path)
     peft_type = str(raw.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
@@ -129,8 +151,8 @@ def load_adapter(
             "r",
             f"{rank} is above max_lora_rank {max_rank}; start the worker with a larger --max-lora-rank",
         )
-    alpha = raw.get("lora_alpha", rank)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or not math.isfinite(alpha):
+    alpha = raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+    if not _is_finite_number(alpha):
         raise AdapterError(name, "lora_alpha", f"must be a finite number, got {alpha!r}")
     for unsupported, empty in (
         ("use_dora", False),
@@ -146,8 +168,17 @@ def load_adapter(
     targets_raw = raw.get("target_modules") or []
     if isinstance(targets_raw, str):
         targets_raw = [targets_raw]
+    if not isinstance(targets_raw, list):
+        raise AdapterError(
+            name, "target_modules", f"must be a list of module names, got {targets_raw!r}"
+        )
     targets = [str(t).split(".")[-1] for t in targets_raw]
-    target_params = [str(t) for t in raw.get("target_parameters") or []]
+    params_raw = raw.get("target_parameters") or []
+    if not isinstance(params_raw, list):
+        raise AdapterError(
+            name, "target_parameters", f"must be a list of parameter names, got {params_raw!r}"
+        )
+    target_params = [str(t) for t in params_raw]
     unknown = [t for t in targets if t not in allowed_modules and t != "experts"]
     if unknown:
         raise AdapterError(
@@ -163,19 +194,6 @@ def load_adapter(
         )
     scaling = float(alpha) / (math.sqrt(rank) if raw.get("use_rslora") else rank)
 
-    weights_path = path / ADAPTER_WEIGHTS
-    if not weights_path.is_file():
-        raise AdapterError(name, ADAPTER_WEIGHTS, f"missing in {path}")
-    tensors: dict[str, torch.Tensor] = {}
-    try:
-        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118
-                tensors[key] = f.get_tensor(key)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise AdapterError(
-            name, ADAPTER_WEIGHTS, f"cannot be read, truncated or corrupt ({exc})"
-        ) from exc
-
     adapter = AdapterWeights(
         name=name,
         path=str(path),
@@ -184,70 +202,152 @@ def load_adapter(
         scaling=scaling,
         target_modules=tuple(targets),
     )
-    halves: dict[tuple[Any, ...], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        if not t.is_floating_point():
-            raise AdapterError(name, key, f"dtype {t.dtype} is not a floating-point type")
-        if not torch.isfinite(t).all():
-            raise AdapterError(name, key, "contains NaN or Inf values")
-        if m := _EXPERT_KEY.match(key):
-            layer, expert, module, ab = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
-            if not experts_enabled:
-                raise AdapterError(name, key, "expert LoRA is disabled on this worker")
-            if not (config.is_moe and layer < config.num_layers and config.is_moe_layer(layer)):
-                raise AdapterError(
-                    name, key, f"layer {layer} of {config.name} has no routed experts"
+    weights_path = path / ADAPTER_WEIGHTS
+    try:
+        if not weights_path.is_file():
+            raise AdapterError(name, ADAPTER_WEIGHTS, f"missing in {path}")
+        with safe_open(str(weights_path), framework="pt", device="cpu") as f:
+            # The header first: every key, dtype and shape is checked before any tensor is read,
+            # so a stray (or huge) tensor costs nothing.
+            halves: dict[_Where, dict[str, str]] = {}  # where -> {"A": key, "B": key}
+            for key in f.keys():  # noqa: SIM118
+                where, ab, (d_in, d_out) = _check_key(
+                    name, key, config, allowed_modules, experts_enabled
                 )
-            if expert >= config.num_experts:
-                raise AdapterError(
-                    name, key, f"expert {expert} >= num_experts {config.num_experts}"
-                )
-            d_in, d_out = _expert_shape(config, module)
-            halves.setdefault(("e", layer, expert, module), {})[ab] = t
-        elif m := _DENSE_KEY.match(key):
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-            if module not in LORA_MODULES:
-                raise AdapterError(
-                    name, key, f"module {module!r} is not a LoRA target this worker supports"
-                )
-            if module not in allowed_modules:
-                raise AdapterError(
-                    name,
-                    key,
-                    f"module {module!r} is not enabled on this worker ({list(allowed_modules)})",
-                )
-            if layer >= config.num_layers:
-                raise AdapterError(
-                    name,
-                    key,
-                    f"layer {layer} does not exist; {config.name} has {config.num_layers} layers",
-                )
-            if module in MLP_MODULES and config.is_moe_layer(layer):
-                raise AdapterError(
-                    name,
-                    key,
-                    f"layer {layer} is a MoE layer with no dense {module}; target experts instead",
-                )
-            d_in, d_out = _dense_shape(config, module)
-            halves.setdefault(("d", layer, module), {})[ab] = t
-        else:
-            raise AdapterError(name, key, "is not a LoRA weight of a supported module")
-        expected = (rank, d_in) if ab == "A" else (d_out, rank)
-        if tuple(t.shape) != expected:
+                header = f.get_slice(key)
+                dtype, shape = header.get_dtype(), list(header.get_shape())
+                if dtype not in _WEIGHT_DTYPES:
+                    raise AdapterError(
+                        name,
+                        key,
+                        f"dtype {dtype} is not supported; LoRA weights must be one of {list(_WEIGHT_DTYPES)}",
+                    )
+                expected = [rank, d_in] if ab == "A" else [d_out, rank]
+                if shape != expected:
+                    raise AdapterError(
+                        name,
+                        key,
+                        f"shape {shape} does not fit the base model (expected {expected} for r={rank})",
+                    )
+                pair = halves.setdefault(where, {})
+                if ab in pair:
+                    raise AdapterError(
+                        name,
+                        key,
+                        f"duplicates {pair[ab]!r}: both are lora_{ab} of {_describe(where)}; keep one",
+                    )
+                pair[ab] = key
+            for where, pair in halves.items():
+                if set(pair) != {"A", "B"}:
+                    missing = ({"A", "B"} - set(pair)).pop()
+                    raise AdapterError(
+                        name, ADAPTER_WEIGHTS, f"{_describe(where)} has no lora_{missing} weight"
+                    )
+            if not halves:
+                raise AdapterError(name, ADAPTER_WEIGHTS, "holds no LoRA weights")
+            for where, pair in halves.items():
+                a = _read_weight(name, f, pair["A"], slot_dtype)  # [r, in]
+                b = _read_weight(name, f, pair["B"], slot_dtype)  # [out, r]
+                if where[0] == "d":
+                    adapter.dense[(where[1], where[2])] = (a, b)
+                else:
+                    adapter.experts[(where[1], where[2], where[3])] = (a, b)
+    except AdapterError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise AdapterError(
+            name, ADAPTER_WEIGHTS, f"cannot be read, truncated or corrupt ({exc})"
+        ) from exc
+    return adapter
+
+
+def _is_finite_number(value: object) -> bool:
+    """A JSON number a float can hold (an integer of 400 digits is not)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _checkpoint_dtype(config: ModelConfig) -> torch.dtype:
+    dtype = getattr(torch, config.torch_dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+# ("d", layer, module) for a dense projection, ("e", layer, expert, module) for a routed expert
+_Where = tuple[Any, ...]
+
+
+def _describe(where: _Where) -> str:
+    if where[0] == "d":
+        return f"layer {where[1]} {where[2]}"
+    return f"layer {where[1]} expert {where[2]} {where[3]}"
+
+
+def _check_key(
+    name: str,
+    key: str,
+    config: ModelConfig,
+    allowed_modules: tuple[str, ...],
+    experts_enabled: bool,
+) -> tuple[_Where, str, tuple[int, int]]:
+    """Where a tensor key goes in `config`, which half (A or B) it is, and the (in, out) it spans."""
+    if m := _EXPERT_KEY.match(key):
+        layer, expert, module, ab = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+        if not experts_enabled:
+            raise AdapterError(name, key, "expert LoRA is disabled on this worker")
+        if not (config.is_moe and layer < config.num_layers and config.is_moe_layer(layer)):
+            raise AdapterError(name, key, f"layer {layer} of {config.name} has no routed experts")
+        if expert >= config.num_experts:
+            raise AdapterError(name, key, f"expert {expert} >= num_experts {config.num_experts}")
+        return ("e", layer, expert, module), ab, _expert_shape(config, module)
+    if m := _DENSE_KEY.match(key):
+        layer, parent, module, ab = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if module not in LORA_MODULES:
+            raise AdapterError(
+                name, key, f"module {module!r} is not a LoRA target this worker supports"
+            )
+        home = "self_attn" if module in ATTN_MODULES else "mlp"
+        if parent != home:
+            raise AdapterError(
+                name, key, f"{module} sits under {home}, not {parent}; no such module exists"
+            )
+        if module not in allowed_modules:
             raise AdapterError(
                 name,
                 key,
-                f"shape {list(t.shape)} does not fit the base model (expected {list(expected)} for r={rank})",
+                f"module {module!r} is not enabled on this worker ({list(allowed_modules)})",
             )
-    for where, pair in halves.items():
-        if set(pair) != {"A", "B"}:
-            missing = ({"A", "B"} - set(pair)).pop()
-            raise AdapterError(name, ADAPTER_WEIGHTS, f"{where[1:]} has no lora_{missing} weight")
-        a, b = pair["A"].float(), pair["B"].float()
-        if where[0] == "d":
-            adapter.dense[(where[1], where[2])] = (a, b)
-        else:
-            adapter.experts[(where[1], where[2], where[3])] = (a, b)
-    if not adapter.dense and not adapter.experts:
-        raise AdapterError(name, ADAPTER_WEIGHTS, "holds no LoRA weights")
-    return adapter
+        if layer >= config.num_layers:
+            raise AdapterError(
+                name,
+                key,
+                f"layer {layer} does not exist; {config.name} has {config.num_layers} layers",
+            )
+        if module in MLP_MODULES and config.is_moe_layer(layer):
+            raise AdapterError(
+                name,
+                key,
+                f"layer {layer} is a MoE layer with no dense {module}; target experts instead",
+            )
+        return ("d", layer, module), ab, _dense_shape(config, module)
+    raise AdapterError(name, key, "is not a LoRA weight of a supported module")
+
+
+def _read_weight(name: str, f: Any, key: str, slot_dtype: torch.dtype) -> torch.Tensor:
+    """One validated tensor, read and checked to fit the slots (fp32 in host memory)."""
+    t = f.get_tensor(key)
+    if not torch.isfinite(t).all():
+        raise AdapterError(name, key, "contains NaN or Inf values")
+    peak, limit = t.abs().max().item(), torch.finfo(slot_dtype).max
+    if peak > limit:
+        raise AdapterError(
+            name,
+            key,
+            f"holds {peak:.6g}, above {limit:.6g}, the largest {slot_dtype} value of this "
+            "worker's LoRA slots; rescale the weights (moving the factor into lora_alpha) "
+            "or serve the model in a wider dtype",
+        )
+    return t.float()

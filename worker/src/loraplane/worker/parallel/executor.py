@@ -81,6 +81,17 @@ def _rank_loop(
                 except AdapterError as exc:
                     outbox.put(("rejected", rank, str(exc)))
                     continue
+                except Exception as exc:
+                    # Reading is host-only (no collective ran): a file this rank cannot read
+                    # is the adapter's fault, not the rank's; reject it and keep serving.
+                    outbox.put(
+                        (
+                            "rejected",
+                            rank,
+                            f"adapter {name!r}: lora_path: {path} cannot be read on rank {rank} ({exc!r})",
+                        )
+                    )
+                    continue
                 host[name] = w
                 outbox.put(
                     (

@@ -103,8 +103,13 @@ class WorkerServer:
             raise ApiError(404, f"{field}: {exc.args[0]}", field, "not_found") from exc
 
     async def load(self, body: p.LoadLoRAAdapterRequest) -> JSONResponse:
-        if not _allowed(body.lora_path, self.allowed_lora_roots):
+        message: str | None = None
+        if body.lora_name == self.served_model:
+            # `model=<name>` routes to the base model, so such an adapter could never be reached
+            message = f"lora_name: {body.lora_name!r} is the name of the served base model; choose another adapter name"
+        elif not _allowed(body.lora_path, self.allowed_lora_roots):
             message = f"lora_path: {body.lora_path!r} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
+        if message is not None:
             return self._update_response(
                 LoRAUpdateResult(False, message, self._first_group_adapters())
             )

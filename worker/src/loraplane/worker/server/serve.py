@@ -48,6 +48,12 @@ def build_server(config: ServeConfig) -> WorkerServer:
         faults=faults,
     )
     for name, path in config.loras:
+        if name == served:
+            engine.stop()
+            raise ConfigError(
+                f"--lora {name}={path}: {name!r} is the name of the served base model "
+                "(model=<name> would reach the base); choose another adapter name"
+            )
         if not _allowed(path, config.allowed_lora_roots):
             engine.stop()
             raise ConfigError(

@@ -1,0 +1,190 @@
+"""The engine (one rank, CPU) answers every bad adapter with success=false, rolls it back and
+keeps serving; its residency gauges follow retired versions out of their slots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplane.worker.config import LoRARuntimeConfig
+from loraplane.worker.engine.engine import Engine
+from loraplane.worker.engine.executor import LocalExecutor
+from loraplane.worker.engine.runner import RunnerConfig
+from loraplane.worker.engine.sampling import SamplingParams
+from loraplane.worker.engine.sequence import SeqEvent
+from loraplane.worker.engine.tokenizer import TextTokenizer
+from loraplane.worker.server import protocol as p
+from loraplane.worker.server.app import WorkerServer
+from loraplane.worker.server.metrics import WorkerMetrics
+
+pytestmark = pytest.mark.unit
+
+KEY_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.fixture(scope="module")
+def worker(suite) -> Iterator[tuple[Engine, WorkerMetrics]]:
+    model_dir, _ = suite["llama"]
+    executor = LocalExecutor(
+        RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=4, max_len=64),
+        LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=4, max_lora_rank=16),
+    )
+    metrics = WorkerMetrics(1, 2, 4)
+    engine = Engine(
+        executor,
+        TextTokenizer(str(model_dir)),
+        max_loras_per_batch=2,
+        max_loaded_loras=4,
+        max_running=4,
+        max_model_len=64,
+        observer=metrics,
+    )
+    engine.start()
+    yield engine, metrics
+    engine.stop()
+
+
+def copy_adapter(suite, tmp_path: Path, name: str = "a8") -> Path:
+    dst = tmp_path / name
+    shutil.copytree(dict(suite["llama"][1])[name], dst)
+    return dst
+
+
+def generate(engine: Engine, adapter: str | None, tokens: int = 4) -> list[int]:
+    out: list[int] = []
+    done = threading.Event()
+
+    def sink(event: SeqEvent) -> None:
+        out.extend(event.token_ids)
+        if event.finished:
+            done.set()
+
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.submit(f"r{id(out)}", [5, 9, 200, 31], params, adapter, sink)
+    assert done.wait(60), "the request did not finish"
+    return out
+
+
+def slots_used(metrics: WorkerMetrics) -> float | None:
+    return metrics.registry.get_sample_value("loraplane_worker_lora_slots_used", {"dp_group": "0"})
+
+
+def assert_rejected_and_serving(
+    engine: Engine, name: str, path: Path, *expected: str
+) -> dict[str, Any]:
+    loaded = dict(engine.group_adapters[0])
+    result = engine.load_adapter(name, str(path)).result(timeout=60)
+    assert not result.success
+    assert all(part in result.error_message for part in expected), result.error_message
+    assert result.loaded_adapters == loaded  # the answer reports what is really loaded
+    assert engine.group_adapters[0] == loaded and name not in engine.residency.loaded_names
+    assert not any(k.split("@")[0] == name for k in engine.executor.host)  # type: ignore[attr-defined]
+    assert engine.alive
+    assert len(generate(engine, None)) == 4
+    return loaded
+
+
+def test_fp8_tensor_is_a_rejection_not_a_500(worker, suite, tmp_path: Path) -> None:
+    engine, _ = worker
+    path = copy_adapter(suite, tmp_path)
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    tensors[KEY_A] = tensors[KEY_A].to(torch.float8_e4m3fn)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    assert_rejected_and_serving(engine, "fp8", path, "'fp8'", KEY_A, "F8_E4M3")
+
+
+def test_unreadable_config_is_a_rejection_not_a_500(
+    worker, suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, _ = worker
+    path = copy_adapter(suite, tmp_path)
+    real_read_text = Path.read_text
+
+    def read_text(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self.name == "adapter_config.json":  # as root, chmod 000 would not stop the read
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert_rejected_and_serving(
+        engine, "locked", path, "'locked'", "adapter_config.json", "Permission denied"
+    )
+
+
+def test_config_not_utf8_is_a_rejection(worker, suite, tmp_path: Path) -> None:
+    engine, _ = worker
+    path = copy_adapter(suite, tmp_path)
+    (path / "adapter_config.json").write_bytes(b'\xff\xfe{"r": 8}')
+    assert_rejected_and_serving(engine, "latin", path, "adapter_config.json", "UTF-8")
+
+
+def test_unexpected_error_while_reading_is_rolled_back(
+    worker, suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the reader raises, the adapter is not reported loaded and the engine lives."""
+    engine, _ = worker
+    runner = engine.executor.runner  # type: ignore[attr-defined]
+
+    def broken(name: str, path: str) -> Any:
+        raise KeyError("something nobody foresaw")
+
+    monkeypatch.setattr(runner, "read_adapter", broken)
+    assert_rejected_and_serving(
+        engine, "odd", copy_adapter(suite, tmp_path), "'odd'", "something nobody foresaw"
+    )
+
+
+def test_adapter_named_like_the_base_model_is_rejected(worker, suite, tmp_path: Path) -> None:
+    engine, metrics = worker
+    server = WorkerServer(
+        engine,
+        served_model="tiny-llama",
+        model_root=str(suite["llama"][0]),
+        allowed_lora_roots=(),
+        metrics=metrics,
+        faults=None,
+    )
+    body = p.LoadLoRAAdapterRequest(
+        lora_name="tiny-llama", lora_path=str(copy_adapter(suite, tmp_path))
+    )
+    response = asyncio.run(server.load(body))
+    answer = json.loads(bytes(response.body))
+    assert response.status_code == 400 and not answer["success"]
+    assert "lora_name: 'tiny-llama' is the name of the served base model" in answer["error_message"]
+    assert "tiny-llama" not in engine.residency.loaded_names
+    assert server.adapter_for("tiny-llama", None) is None  # still the base model
+
+
+def test_slot_gauge_drops_when_a_retired_version_finishes(worker, suite, tmp_path: Path) -> None:
+    """Unloading an adapter a request still runs with keeps its slot until the request ends;
+    then the slot is freed and the gauge must say so."""
+    engine, metrics = worker
+    path = copy_adapter(suite, tmp_path)
+    assert engine.load_adapter("busy", str(path)).result(timeout=60).success
+    before = slots_used(metrics) or 0.0
+    done = threading.Event()
+
+    def sink(event: SeqEvent) -> None:
+        if event.finished:
+            done.set()
+
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.submit("busy-1", [5, 9, 200], params, "busy", sink)
+    assert engine.unload_adapter("busy").result(timeout=60).success  # retired, still held
+    assert done.wait(60)
+    loads = metrics.registry.get_sample_value(
+        "loraplane_worker_slot_loads_total", {"adapter": "busy"}
+    )
+    assert loads == 1  # the request did take a slot
+    with engine._lock:
+        assert "busy" not in engine.residency.slots
+        assert slots_used(metrics) == before == engine.residency.slots_used
