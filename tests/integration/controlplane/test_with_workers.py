@@ -542,6 +542,53 @@ def test_new_version_is_loaded_before_the_old_one_goes(
     assert after["model"] == "a0" and before["model"] == "a0"
 
 
+def test_a_pinned_adapter_on_a_full_worker_gets_a_new_version(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """The new version needs room beside the old one, and both pinned at once would pass the
+    K - 1 pin limit: the least recently used unpinned adapter makes room, the new version takes
+    the pin once the old one is gone."""
+    join(cp, tiny, workers[:1])  # M=4 resident, K=3 slots, at most 2 pinned
+    for name in ("a0", "a1"):
+        assert register(cp, tiny, name, pinned=True).status_code == 201
+    for name in ("a2", "a3"):
+        assert register(cp, tiny, name).status_code == 201
+    worker = workers[0]
+    assert worker.models() == {"a0", "a1", "a2", "a3"}
+    updated = cp.post(
+        "/v1/adapters/default/a0/version",
+        json={"source": {"uri": f"file://{tiny[1] / 'a4'}"}},
+        headers=ADMIN,
+    )
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["adapter"]["lora_name"] == "a0_v2"
+    assert updated.json()["adapter"]["pinned"] is True
+    held = worker.models() or set()
+    assert "a0_v2" in held and "a0" not in held and "a1" in held and len(held) == 3
+    assert sorted(httpx.get(worker.url + "/lora_state").json()["pinned"]) == ["a0_v2", "a1"]
+    text = cp.get("/metrics").text
+    assert metric_value(text, "loraplane_evictions_total", namespace="default", pool="tiny") == 1.0
+
+
+def test_a_pin_that_failed_half_way_is_evened_out_by_the_reconciler(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a3").status_code == 201
+    workers[1].fault("load", 0, "out of memory (injected)")  # w1's pinned reload fails once
+    failed = cp.patch("/v1/adapters/default/a3", json={"pinned": True}, headers=ADMIN)
+    assert failed.status_code == 502, failed.text
+    assert adapter(cp, "a3")["pinned"] is False
+    # w0 took the pin before w1 failed; the registry says unpinned, so the reconciler evens it out
+    wait_for(
+        lambda: httpx.get(workers[0].url + "/lora_state").json()["pinned"] == [],
+        timeout=30,
+        what="w0's pin flag to follow the registry",
+    )
+    assert all(w.models() == {"a3"} for w in workers)  # never unloaded on the way
+    assert metric(cp, "loraplane_drift_repaired_total", kind="repinned") >= 1
+
+
 def test_namespaced_adapters_route_only_with_their_tokens(
     cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

@@ -38,7 +38,13 @@ from loraplane.controlplane.merge import UpdateResult, merge_results
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
 from loraplane.controlplane.registry import lora_name, worker_slots
-from loraplane.controlplane.slots import NoCapacity, PinLimitExceeded, check_pin, plan_placement
+from loraplane.controlplane.slots import (
+    NoCapacity,
+    PinLimitExceeded,
+    check_pin,
+    choose_evictions,
+    plan_placement,
+)
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
 
 log = logging.getLogger(__name__)
@@ -287,6 +293,26 @@ class Operations:
                 for t in plan.targets
             ],
         }
+
+    def plan_beside(self, workers: Sequence[Worker], keep: Sequence[str]) -> list[dict[str, Any]]:
+        """Targets that load one more adapter next to what they hold (a new version beside the
+        old one): each worker without a free slot evicts its least recently used victim, never
+        one of ``keep``. Raises 409 ``no_capacity`` naming the worker that cannot make room."""
+        targets = []
+        for worker in workers:
+            slots = worker_slots(
+                worker, self.inflight.by_adapter, self.inflight.by_worker.get(worker.id, 0)
+            )
+            try:
+                evict = choose_evictions(slots, 1, protect=keep)
+            except NoCapacity as exc:
+                raise ApiError(
+                    409, "no_capacity", f"{exc}; the new version needs room beside the old"
+                ) from exc
+            targets.append(
+                {**WorkerRef.of(worker).to_json(), "evict": evict, "already_loaded": False}
+            )
+        return targets
 
     @staticmethod
     def add_loading_rows(
@@ -753,17 +779,27 @@ class Operations:
     async def _run_update_version(
         self, op_id: str, plan: dict[str, Any]
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        """Make before break: load the new version everywhere, switch, then unload the old one."""
+        """Make before break: load the new version everywhere, switch, then unload the old one.
+
+        The new version loads unpinned and takes the pin once the old one is gone: both pinned
+        at once could pass the workers' K - 1 pin limit."""
         adapter_id = plan["adapter_id"]
         if not plan["targets"]:  # loaded nowhere: switching the record is the whole operation
             await self._switch_version(adapter_id, plan)
             return "succeeded", UpdateResult(True), []
-        state, merged, per_target = await self._load_everywhere(
-            "load", adapter_id, plan, bool(plan["pinned"])
-        )
+        state, merged, per_target = await self._load_everywhere("load", adapter_id, plan, False)
         if not merged.success:
             return state, merged, per_target
         await self._switch_version(adapter_id, plan)
+        if plan["pinned"]:
+            name, path = plan["lora_name"], plan["path"]
+            targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+            results, _ = await self._fanout(
+                "pin", targets, lambda t: self.client.load(t.name, t.endpoint, name, path, True)
+            )
+            pinned = merge_results(results)
+            if not pinned.success:  # loaded and routable; the reconciler sets the flag later
+                log.warning("pinning %s after its update failed: %s", name, pinned.error_message)
         return "succeeded", merged, per_target
 
     async def _switch_version(self, adapter_id: int, plan: dict[str, Any]) -> None:

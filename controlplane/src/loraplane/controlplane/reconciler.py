@@ -122,6 +122,22 @@ class Reconciler:
             await self._mark_unreachable(worker, str(exc))
             return
         restore, strays, fill = self._compare(worker, seen)
+        for name, path, pinned, _adapter_id in self._pin_drift(worker, seen):
+            # the same name and path again changes only the flag on the worker: nothing unloads
+            result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
+            if result.success:
+                self.metrics.drift_repaired.labels("repinned").inc()
+                await self.bus.publish(
+                    "placement.drift_repaired", kind="repinned", worker=worker.name, lora_name=name
+                )
+            else:
+                log.warning(
+                    "setting pinned=%s for %s on %s failed: %s",
+                    pinned,
+                    name,
+                    worker.name,
+                    result.error_message,
+                )
         for name, path, pinned, adapter_id in restore:
             failures, not_before = self._backoff.get((worker.name, name), (0, 0.0))
             if time.monotonic() < not_before:
@@ -185,6 +201,28 @@ class Reconciler:
         if changed:
             log.warning("worker %s unreachable: %s", worker.name, error)
             await self.bus.publish("worker.unreachable", worker=worker.name, error=error)
+
+    def _pin_drift(self, worker: WorkerRef, seen: Observation) -> list[tuple[str, str, bool, int]]:
+        """Adapters this worker holds on every DP group whose pinned flag differs from the
+        registry's (a pin change that failed half-way): (name, path, pinned, adapter id)."""
+        drift = []
+        with self.db.session() as session:
+            for placement in session.scalars(
+                select(Placement).where(
+                    Placement.worker_id == worker.id, Placement.state == "loaded"
+                )
+            ).all():
+                adapter, name = placement.adapter, placement.lora_name
+                if (
+                    placement.dp_group != 0
+                    or adapter.busy_operation_id
+                    or name != lora_name(adapter.namespace, adapter.name, adapter.version)
+                    or len(seen.present_on(name)) != worker.dp_size
+                    or (name in seen.pinned) == adapter.pinned
+                ):
+                    continue
+                drift.append((name, adapter.path, adapter.pinned, adapter.id))
+        return drift
 
     def _compare(
         self, worker: WorkerRef, seen: Observation

@@ -470,11 +470,9 @@ async def update_version(
             {p.worker_id: p.worker for p in adapter.placements if p.lora_name == old}.values(),
             key=lambda w: w.name,
         )
-        targets = [
-            {**WorkerRef.of(w).to_json(), "evict": [], "already_loaded": False}
-            for w in holders
-            if w.state == "ready"
-        ]
+        targets = services.operations.plan_beside(
+            [w for w in holders if w.state == "ready"], keep=(old, new_name)
+        )
         plan: dict[str, Any] = {
             "adapter_id": adapter.id,
             "lora_name": new_name,
