@@ -188,3 +188,27 @@ def test_slot_gauge_drops_when_a_retired_version_finishes(worker, suite, tmp_pat
     with engine._lock:
         assert "busy" not in engine.residency.slots
         assert slots_used(metrics) == before == engine.residency.slots_used
+
+
+def test_files_rewritten_during_the_read_are_refused(
+    worker, suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter rewritten in place (a weight sync to the same path) while the DP groups read
+    it could leave them with different weights: the load is refused, nothing stays loaded."""
+    engine, _ = worker
+    path = copy_adapter(suite, tmp_path)
+    read = engine.executor.read_adapter
+
+    def read_then_rewrite(group: int, key: str, lora_path: str) -> Any:
+        out = read(group, key, lora_path)
+        weights = path / "adapter_model.safetensors"
+        tensors = load_file(str(weights))
+        tensors[KEY_A] = tensors[KEY_A] * 2
+        save_file(tensors, str(weights))
+        return out
+
+    monkeypatch.setattr(engine.executor, "read_adapter", read_then_rewrite)
+    assert_rejected_and_serving(engine, "moving", path, "changed while adapter 'moving' was read")
+    monkeypatch.undo()
+    assert engine.load_adapter("moving", str(path)).result(timeout=60).success  # once it is still
+    assert engine.unload_adapter("moving").result(timeout=60).success

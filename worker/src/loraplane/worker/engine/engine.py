@@ -251,6 +251,10 @@ class Engine:
             except Exception as exc:  # a bad file must not cost a 500: answer it, roll back
                 log.exception("reading adapter %s from %s on dp group %d failed", name, path, group)
                 errors.append(f"adapter {name!r}: lora_path: {path} cannot be read ({exc!r})")
+        if all(e is None for e in errors) and _fingerprint(path) != fingerprint:
+            # rewritten in place while the groups read it: they may hold different weights
+            changed = f"lora_path: {path} changed while adapter {name!r} was read; load it again"
+            errors = [changed] * self.dp_size
         with self._lock:
             if any(e is not None for e in errors):
                 # roll back wherever it was read: the adapter is on every group or on none
