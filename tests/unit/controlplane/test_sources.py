@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -208,3 +209,32 @@ def test_hf_uri_resolution(tmp_path: Path) -> None:
 def test_unsupported_scheme(tmp_path: Path) -> None:
     with pytest.raises(ApiError, match="unsupported scheme 'ftp'"):
         resolver(tmp_path).fetch("ftp://x/y")
+
+
+def model_dir(tmp_path: Path, hidden: int) -> str:
+    directory = tmp_path / "tiny-llama"
+    directory.mkdir(parents=True)
+    config = {
+        "hidden_size": hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_shapes_that_do_not_fit_a_readable_base_model_are_refused(
+    tmp_path: Path, make_adapter: Callable[..., Path]
+) -> None:
+    """Where the control plane can read the pool's model config, an adapter for another model
+    is refused before any worker is touched (or any adapter evicted to make room for it)."""
+    adapter = make_adapter(hidden=32)
+    fits = PoolLimits(model_dir(tmp_path / "a", hidden=32), 16, POOL.target_modules)
+    assert check(adapter, pool=fits).rank == 8  # type: ignore[attr-defined]
+    other = PoolLimits(model_dir(tmp_path / "b", hidden=48), 16, POOL.target_modules)
+    error = rejected(adapter, pool=other)
+    assert error.code == "preflight_failed"
+    assert "self_attn.q_proj.lora_A.weight' has shape [8, 32]" in error.message
+    assert "q_proj of the pool's model has in=48" in error.message

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -251,8 +252,78 @@ _DTYPES: dict[str, tuple[Any, int]] = {
 }
 
 
-def check_safetensors(path: Path, rank: int, max_bytes: int) -> None:
-    """Header parses, LoRA A/B tensors have rank ``rank``, every value is finite (no torch)."""
+@dataclass(frozen=True, slots=True)
+class ModelShapes:
+    """(in, out) of every LoRA target of a base model, from its ``config.json``."""
+
+    num_layers: int
+    dense: dict[str, tuple[int, int]]
+    experts: dict[str, tuple[int, int]]
+
+    @classmethod
+    def read(cls, model: str) -> ModelShapes | None:
+        """None when the control plane cannot read the model's config (a path only workers
+        see, a hub id): the workers check shapes then, after any eviction the load planned."""
+        try:
+            cfg = json.loads((Path(model) / "config.json").read_text())
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            kv = int(cfg.get("num_key_value_heads") or heads)
+            head_dim = int(cfg.get("head_dim") or hidden // heads)
+            inter, layers = int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+            expert_inter = int(cfg.get("moe_intermediate_size") or inter)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        q, kv_out = heads * head_dim, kv * head_dim
+        dense = {
+            "q_proj": (hidden, q),
+            "k_proj": (hidden, kv_out),
+            "v_proj": (hidden, kv_out),
+            "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden),
+        }
+        experts = {
+            "gate_proj": (hidden, expert_inter),
+            "up_proj": (hidden, expert_inter),
+            "down_proj": (expert_inter, hidden),
+        }
+        return cls(layers, dense, experts)
+
+    def check(self, name: str, shape: list[Any]) -> None:
+        """Raise naming ``name`` if it is a LoRA weight that does not fit this model."""
+        m = _LORA_KEY.search(name)
+        if m is None or len(shape) != 2:
+            return
+        layer, experts, module, half = int(m.group(1)), m.group(2), m.group(3), m.group(4)
+        if layer >= self.num_layers:
+            raise source_error(
+                f"tensor {name!r}: layer {layer} does not exist, the pool's model has "
+                f"{self.num_layers} layers",
+                code="preflight_failed",
+            )
+        dims = (self.experts if experts else self.dense).get(module)
+        if dims is None:
+            return
+        got, want, which = (shape[1], dims[0], "in") if half == "A" else (shape[0], dims[1], "out")
+        if got != want:
+            raise source_error(
+                f"tensor {name!r} has shape {shape}: {module} of the pool's model has "
+                f"{which}={want}; was the adapter trained on another base model?",
+                code="preflight_failed",
+            )
+
+
+_LORA_KEY = re.compile(
+    r"layers\.(\d+)\.(?:self_attn|mlp)(\.experts\.\d+)?\.(\w+_proj)\.lora_([AB])\b"
+)
+
+
+def check_safetensors(
+    path: Path, rank: int, max_bytes: int, shapes: ModelShapes | None = None
+) -> None:
+    """Header parses, LoRA A/B tensors have rank ``rank`` (and fit ``shapes`` when the model's
+    config is readable), every value is finite (no torch)."""
     size = path.stat().st_size
     if size > max_bytes:
         raise source_error(
@@ -299,6 +370,8 @@ def check_safetensors(path: Path, rank: int, max_bytes: int) -> None:
                     f"tensor {name!r} has shape {shape}; lora_B must be [out, r={rank}]",
                     code="preflight_failed",
                 )
+            if shapes is not None:
+                shapes.check(name, shape)
             if dtype not in _DTYPES:
                 continue
             np_type, width = _DTYPES[dtype]
@@ -376,7 +449,7 @@ def preflight(
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise source_error(f"{WEIGHTS_FILE} is missing in {directory}", code="preflight_failed")
-    check_safetensors(weights, rank, max_bytes)
+    check_safetensors(weights, rank, max_bytes, ModelShapes.read(pool.model))
     digest = sha256_file(weights)
     if sha256 is not None and sha256.lower() != digest:
         raise ApiError(
