@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -251,23 +250,11 @@ def test_missing_directory_is_named(runner: ModelRunner, tmp_path: Path) -> None
         runner.read_adapter("ghost", tmp_path / "nope")
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0, reason="root reads a mode-000 file anyway; the next test covers the path"
-)
-def test_unreadable_config_is_named(runner: ModelRunner, suite, tmp_path: Path) -> None:
-    path = copy_adapter(suite, tmp_path)
-    (path / "adapter_config.json").chmod(0)
-    try:
-        with pytest.raises(AdapterError, match=r"adapter_config.json: .* cannot be read"):
-            runner.read_adapter("locked", path)
-    finally:
-        (path / "adapter_config.json").chmod(0o644)
-
-
 def test_config_read_error_is_named(
     runner: ModelRunner, suite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An OSError reading the config (permissions, I/O) is a rejection, not a crash."""
+    """An OSError reading the config (permissions, I/O) is a rejection, not a crash. (A
+    chmod 000 file would show it for other users, but CI runs as root, which reads it anyway.)"""
     path = copy_adapter(suite, tmp_path)
     real_read_text = Path.read_text
 
