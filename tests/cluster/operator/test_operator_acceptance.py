@@ -9,6 +9,7 @@ what is missing.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -454,12 +455,65 @@ def test_operator_rbac_allows_what_it_needs_and_no_more(stack: Stack) -> None:
     assert can("watch", "pods")
     assert can("patch", "statefulsets.apps")
     assert not can("delete", "statefulsets.apps")
-    assert not can("get", "secrets")
+    # Secrets: one by name (spec.source.credentialsSecretRef), never listed or watched.
+    assert can("get", "secrets")
+    assert not can("list", "secrets") and not can("watch", "secrets")
     assert not can("delete", "pods")
     assert not can("update", "loraadapters.loraplane.io")
     # And the real thing: a request under the operator's identity is refused.
     forbidden = stack.cluster.kubectl("get", "secrets", "-n", stack.ns, "--as", who, check=False)
     assert forbidden.returncode != 0 and "forbidden" in forbidden.stderr.lower()
+
+
+def test_source_secret_missing_is_pending_until_it_has_the_keys(stack: Stack) -> None:
+    # Nothing listens on port 9: once the Secret is usable the control plane's fetch fails,
+    # which shows the operator got past the Secret (read under its real RBAC) and sent it.
+    manifest = {
+        "apiVersion": "loraplane.io/v1alpha1",
+        "kind": "LoRAAdapter",
+        "metadata": {"name": "private", "namespace": stack.ns},
+        "spec": {
+            "pool": "pool",
+            "source": {
+                "uri": "http://127.0.0.1:9/private",
+                "credentialsSecretRef": {"name": "private-source"},
+            },
+        },
+    }
+    stack.cluster.apply(manifest)
+
+    def validated() -> dict[str, Any]:
+        return _condition(stack.adapter("private"), "Validated")
+
+    wait_for(
+        lambda: validated().get("reason") == "CredentialsNotFound",
+        what="private reported CredentialsNotFound", timeout_s=60,
+    )  # fmt: skip
+    assert _phase(stack, "private") == "Pending"
+    message = validated()["message"]
+    assert "spec.source.credentialsSecretRef.name" in message and stack.ns in message
+    stack.cluster.kubectl(
+        "create", "secret", "generic", "private-source", "-n", stack.ns,
+        "--from-literal=UNRELATED=x",
+    )  # fmt: skip
+    wait_for(
+        lambda: "lacks the keys" in validated().get("message", ""),
+        what="private reported a Secret without TOKEN", timeout_s=60,
+    )  # fmt: skip
+    assert validated()["reason"] == "CredentialsNotFound"
+    stack.cluster.kubectl("delete", "secret", "private-source", "-n", stack.ns)
+    stack.cluster.kubectl(
+        "create", "secret", "generic", "private-source", "-n", stack.ns,
+        "--from-literal=TOKEN=per-adapter-token",
+    )  # fmt: skip
+    wait_for(
+        lambda: "127.0.0.1:9" in ((stack.adapter("private").get("status") or {}).get("lastError") or ""),
+        what="private fetched by the control plane (and refused by the closed port)", timeout_s=90,
+    )  # fmt: skip
+    assert not validated().get("reason", "").startswith("Credentials")
+    assert "per-adapter-token" not in json.dumps(stack.adapter("private"))
+    stack.cluster.kubectl("delete", "loraadapter", "private", "-n", stack.ns, "--timeout=120s")
+    stack.cluster.kubectl("delete", "secret", "private-source", "-n", stack.ns)
 
 
 def _operator_pods(stack: Stack) -> list[dict[str, Any]]:

@@ -1,9 +1,12 @@
 """Remote adapter sources against real local servers: S3 (moto's server mode, a separate
-process), HTTP (python's http.server, a separate process) and hf:// through an HTTP mirror."""
+process), HTTP (python's http.server, a separate process) and hf:// through an HTTP mirror;
+per-adapter credentials against an HTTP server that checks a bearer token and a moto server
+that checks AWS signatures against its IAM users."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -180,3 +183,140 @@ def test_hf_source_through_a_mirror(
         missing_rev.status_code == 400
         and "/org/sql-lora/resolve/main/" in missing_rev.json()["error"]["message"]
     )
+
+
+# A static file server (a separate process) that answers only `Authorization: Bearer <token>`:
+# 401 without the header, 403 with another token. argv: port, token; serves its cwd.
+BEARER_SERVER = """
+import http.server, sys
+port, token = int(sys.argv[1]), sys.argv[2]
+class Handler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self):
+        given = self.headers.get("Authorization")
+        if given is None:
+            self.send_error(401)
+        elif given != "Bearer " + token:
+            self.send_error(403)
+        else:
+            super().do_GET()
+http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+PRIVATE_TOKEN = "hf_per-adapter-7c1e0b"
+
+
+@pytest.fixture
+def bearer_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    root = tmp_path / "private-www"
+    root.mkdir()
+    port = free_port()
+    process = serve(
+        [sys.executable, "-c", BEARER_SERVER, str(port), PRIVATE_TOKEN],
+        f"http://127.0.0.1:{port}/",
+        cwd=root,
+    )
+    yield root, f"http://127.0.0.1:{port}"
+    stop(process)
+
+
+def register_with(client: TestClient, name: str, uri: str, credentials: Any = None) -> Any:
+    source = {"uri": uri, **({"credentials": credentials} if credentials is not None else {})}
+    return client.post(
+        "/v1/adapters", json={"name": name, "pool": "tiny", "source": source}, headers=ADMIN
+    )
+
+
+def test_http_source_behind_a_bearer_token_uses_the_adapter_token(
+    remote_client: TestClient,
+    bearer_root: tuple[Path, str],
+    make_adapter: Callable[..., Path],
+    db_url: str,
+) -> None:
+    root, base = bearer_root
+    directory = make_adapter("private")
+    shutil.copytree(directory, root / "sql")
+    before = snapshot(db_url)
+    refused = register_with(remote_client, "sql", f"{base}/sql")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "source_not_found"
+    assert "answered HTTP 401" in refused.json()["error"]["message"]
+    wrong = register_with(remote_client, "sql", f"{base}/sql", {"token": "someone-elses"})
+    assert wrong.status_code == 400 and "answered HTTP 403" in wrong.json()["error"]["message"]
+    assert snapshot(db_url) == before
+
+    response = register_with(remote_client, "sql", f"{base}/sql", {"token": PRIVATE_TOKEN})
+    assert response.status_code == 201, response.text
+    assert response.json()["adapter"]["digest"] == digest(directory)
+    rows = repr(snapshot(db_url))
+    assert f"{base}/sql" in rows and PRIVATE_TOKEN not in rows and "someone-elses" not in rows
+
+
+@pytest.fixture
+def moto_with_auth(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, dict[str, str]]]:
+    """A moto server of its own holding `s3://private/team/sql/` readable by one IAM user,
+    with authentication on: requests must be signed with that user's key (moto checks the
+    key id and the signature). Yields the URL and the user's keys."""
+    import boto3
+
+    port = free_port()
+    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    url = f"http://127.0.0.1:{port}"
+    process = serve([exe, "-H", "127.0.0.1", "-p", str(port)], url + "/")
+    try:
+        setup = {"endpoint_url": url, "region_name": "us-east-1"}
+        iam = boto3.client("iam", **setup)
+        iam.create_user(UserName="adapter-reader")
+        iam.put_user_policy(
+            UserName="adapter-reader",
+            PolicyName="read-adapters",
+            PolicyDocument=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+                }
+            ),
+        )
+        key = iam.create_access_key(UserName="adapter-reader")["AccessKey"]
+        boto3.client("s3", **setup).create_bucket(Bucket="private")
+        yield (
+            url,
+            {
+                "aws_access_key_id": key["AccessKeyId"],
+                "aws_secret_access_key": key["SecretAccessKey"],
+            },
+        )
+    finally:
+        stop(process)
+
+
+def test_s3_source_uses_the_adapter_keys(
+    remote_client: TestClient,
+    moto_with_auth: tuple[str, dict[str, str]],
+    make_adapter: Callable[..., Path],
+    settings: Settings,
+    db_url: str,
+) -> None:
+    import boto3
+
+    url, keys = moto_with_auth
+    directory = make_adapter("s3private", rank=4)
+    s3 = boto3.client("s3", endpoint_url=url)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        s3.upload_file(str(directory / name), "private", f"team/sql/{name}")
+    # From now on every request must be signed by a key moto's IAM knows.
+    assert httpx.post(f"{url}/moto-api/reset-auth", content=b"0").status_code == 200
+    settings.sources.s3_endpoint_url = url
+
+    # The control plane's own keys (AWS_* = "testing") are not moto's IAM user's.
+    refused = register_with(remote_client, "sql", "s3://private/team/sql")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "source_not_found"
+    wrong = register_with(
+        remote_client, "sql", "s3://private/team/sql", {**keys, "aws_secret_access_key": "nope"}
+    )
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "source_not_found"
+
+    response = register_with(remote_client, "sql", "s3://private/team/sql", keys)
+    assert response.status_code == 201, response.text
+    assert response.json()["adapter"]["digest"] == digest(directory)
+    rows = repr(snapshot(db_url))
+    assert keys["aws_secret_access_key"] not in rows and keys["aws_access_key_id"] not in rows

@@ -179,3 +179,32 @@ def test_operator_rbac_has_no_wildcards_secrets_or_deletes() -> None:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert "delete" not in rule["verbs"], rule
         assert "secrets" not in rule["resources"]
+
+
+def secret_rules(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in doc["rules"] if "secrets" in r["resources"]]
+
+
+def test_operator_may_only_get_secrets_and_only_where_it_watches() -> None:
+    # spec.source.credentialsSecretRef: `get` only (no list/watch), bound to the operator.
+    docs = render()
+    role = by_name(docs, "ClusterRole", "rel-loraplane-operator-secrets")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    binding = by_name(docs, "ClusterRoleBinding", "rel-loraplane-operator-secrets")
+    assert binding["roleRef"]["name"] == "rel-loraplane-operator-secrets"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "rel-loraplane-operator", "namespace": "lp"}
+    ]
+    # Watching some namespaces: a Role in each of them, and no cluster-wide grant.
+    docs = render("operator.watchNamespaces={ml,team-b}")
+    assert not [
+        d for d in docs if d["kind"].startswith("Cluster") and "secrets" in repr(d.get("rules"))
+    ]
+    roles = [d for d in docs if d["kind"] == "Role"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "team-b"]
+    for role in roles:
+        assert secret_rules(role) == role["rules"]
+        assert role["rules"][0]["verbs"] == ["get"]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "team-b"]
+    assert all(b["subjects"][0]["name"] == "rel-loraplane-operator" for b in bindings)

@@ -6,6 +6,12 @@ allowed root); ``s3://``, ``http(s)://`` and ``hf://`` are copied into the conte
 cache ``<cache_dir>/<sha256 of the weights>/``, which workers must be able to read (a shared
 volume in Kubernetes). ``sha256`` is the digest of ``adapter_model.safetensors``.
 
+Remote sources are fetched with the control plane's own credentials (``AWS_*`` for S3,
+``hf_token`` for hf://) unless the request carries per-adapter ``SourceCredentials``; those
+are used for that one fetch only, never stored and never logged (their values are
+``SecretStr``). A cached copy is never handed out without a fetch: every remote source is
+downloaded again with the request's credentials before its digest names the cache entry.
+
 Blocking I/O: call from a thread (``asyncio.to_thread``).
 """
 
@@ -19,13 +25,14 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
 import httpx
 import numpy as np
+from pydantic import SecretStr
 
 from loraplane.controlplane.errors import ApiError
 from loraplane.controlplane.settings import SourcesSettings
@@ -47,6 +54,7 @@ DEFAULT_TARGET_MODULES = (
     "gate_up_proj",
 )
 FIELD = "body.source.uri"
+CREDENTIALS_FIELD = "body.source.credentials"
 
 
 def source_error(message: str, code: str = "invalid_source", field: str = FIELD) -> ApiError:
@@ -70,6 +78,62 @@ class AdapterFacts:
     base_model: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class SourceCredentials:
+    """Per-adapter credentials for one fetch (the request's ``source.credentials``).
+
+    ``aws_*`` for ``s3://`` (access key id and secret together, session token optional);
+    ``token``, sent as ``Authorization: Bearer``, for ``http(s)://`` and ``hf://``."""
+
+    aws_access_key_id: SecretStr | None = None
+    aws_secret_access_key: SecretStr | None = None
+    aws_session_token: SecretStr | None = None
+    token: SecretStr | None = None
+
+    def given(self) -> list[str]:
+        """Names of the keys that hold a value."""
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None]
+
+    def value(self, name: str) -> str | None:
+        secret: SecretStr | None = getattr(self, name)
+        return None if secret is None else secret.get_secret_value()
+
+
+# The credential keys each scheme uses (file:// and pvc:// take none).
+CREDENTIAL_KEYS: dict[str, tuple[str, ...]] = {
+    "s3": ("aws_access_key_id", "aws_secret_access_key", "aws_session_token"),
+    "http": ("token",),
+    "https": ("token",),
+    "hf": ("token",),
+}
+
+
+def check_credentials(uri: str, credentials: SourceCredentials | None) -> None:
+    """400 naming the key when ``credentials`` do not fit the scheme of ``uri``."""
+    given = credentials.given() if credentials is not None else []
+    if not given:
+        return
+    scheme = urlparse(uri).scheme.lower()
+    usable = CREDENTIAL_KEYS.get(scheme, ())
+    for name in given:
+        if name not in usable:
+            accepted = f"it takes {', '.join(usable)}" if usable else "it takes none"
+            raise source_error(
+                f"{scheme}:// sources do not use {name}; {accepted}",
+                code="invalid_value",
+                field=f"{CREDENTIALS_FIELD}.{name}",
+            )
+    pair = ("aws_access_key_id", "aws_secret_access_key")
+    missing = [name for name in pair if name not in given]
+    if scheme == "s3" and missing:
+        raise source_error(
+            "aws_access_key_id and aws_secret_access_key go together "
+            "(aws_session_token is optional)",
+            code="invalid_value",
+            field=f"{CREDENTIALS_FIELD}.{missing[0]}",
+        )
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -83,8 +147,11 @@ class SourceResolver:
         self.settings = settings
 
     # -- resolution -------------------------------------------------------------------------
-    def fetch(self, uri: str) -> Path:
-        """Return a local directory holding the adapter's two files."""
+    def fetch(self, uri: str, credentials: SourceCredentials | None = None) -> Path:
+        """Return a local directory holding the adapter's two files; remote sources are
+        fetched with ``credentials`` when given, else with the control plane's own."""
+        check_credentials(uri, credentials)
+        credentials = credentials or SourceCredentials()
         parsed = urlparse(uri)
         scheme = parsed.scheme.lower()
         if scheme == "file":
@@ -101,15 +168,23 @@ class SourceResolver:
         if scheme == "s3":
             if not parsed.netloc:
                 raise source_error("s3:// URI needs a bucket: s3://<bucket>/<prefix>")
+            client = self._s3_client(credentials)
             return self._download(
-                uri, lambda name, dest: self._s3_get(parsed.netloc, parsed.path, name, dest)
+                uri,
+                lambda name, dest: self._s3_get(client, parsed.netloc, parsed.path, name, dest),
             )
         if scheme in ("http", "https"):
             base = uri.rstrip("/")
-            return self._download(uri, lambda name, dest: self._http_get(f"{base}/{name}", dest))
-        if scheme == "hf":
+            token = credentials.value("token")
             return self._download(
-                uri, lambda name, dest: self._http_get(self.hf_url(uri, name), dest, hf=True)
+                uri, lambda name, dest: self._http_get(f"{base}/{name}", dest, token)
+            )
+        if scheme == "hf":
+            token = credentials.value("token")
+            if token is None and self.settings.hf_token is not None:
+                token = self.settings.hf_token.get_secret_value()
+            return self._download(
+                uri, lambda name, dest: self._http_get(self.hf_url(uri, name), dest, token)
             )
         raise source_error(
             f"unsupported scheme {parsed.scheme!r} in {uri!r}; use file://, pvc://, s3://, http(s):// or hf://"
@@ -166,11 +241,11 @@ class SourceResolver:
                 f"{name} is {size} bytes, more than the limit of {limit}", code="adapter_too_large"
             )
 
-    def _http_get(self, url: str, dest: Path, hf: bool = False) -> None:
+    def _http_get(self, url: str, dest: Path, token: str | None) -> None:
+        """GET ``url`` into ``dest``; ``token`` as a bearer token (httpx drops it on a
+        redirect to another origin)."""
         name = dest.name
-        headers = {}
-        if hf and self.settings.hf_token is not None:
-            headers["Authorization"] = f"Bearer {self.settings.hf_token.get_secret_value()}"
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
         try:
             with httpx.stream(
                 "GET",
@@ -179,6 +254,13 @@ class SourceResolver:
                 timeout=self.settings.http_timeout_s,
                 follow_redirects=True,
             ) as response:
+                if response.status_code in (401, 403):
+                    given = "the credentials given were refused" if token else "none were given"
+                    raise source_error(
+                        f"GET {url} answered HTTP {response.status_code}: the source needs "
+                        f"credentials and {given}",
+                        code="source_not_found",
+                    )
                 if response.status_code != 200:
                     raise source_error(
                         f"GET {url} answered HTTP {response.status_code}", code="source_not_found"
@@ -196,12 +278,22 @@ class SourceResolver:
                 f"GET {url} failed: {type(exc).__name__}: {exc}", code="source_unreachable"
             ) from exc
 
-    def _s3_get(self, bucket: str, prefix: str, name: str, dest: Path) -> None:
+    def _s3_client(self, credentials: SourceCredentials) -> Any:
+        """An S3 client with the per-adapter keys when given, else boto3's default chain
+        (``AWS_*`` variables, config files, instance roles)."""
         import boto3
+
+        keys = {
+            name: value
+            for name in CREDENTIAL_KEYS["s3"]
+            if (value := credentials.value(name)) is not None
+        }
+        return boto3.client("s3", endpoint_url=self.settings.s3_endpoint_url, **keys)
+
+    def _s3_get(self, client: Any, bucket: str, prefix: str, name: str, dest: Path) -> None:
         import botocore.exceptions
 
         key = f"{prefix.strip('/')}/{name}" if prefix.strip("/") else name
-        client = boto3.client("s3", endpoint_url=self.settings.s3_endpoint_url)
         try:
             head = client.head_object(Bucket=bucket, Key=key)
             self._limit(int(head.get("ContentLength", 0)), name)
@@ -215,8 +307,14 @@ class SourceResolver:
             raise source_error(f"s3://{bucket}/{key}: {exc}", code="source_unreachable") from exc
 
     # -- preflight ---------------------------------------------------------------------------
-    def resolve(self, uri: str, sha256: str | None, pool: PoolLimits) -> AdapterFacts:
-        directory = self.fetch(uri)
+    def resolve(
+        self,
+        uri: str,
+        sha256: str | None,
+        pool: PoolLimits,
+        credentials: SourceCredentials | None = None,
+    ) -> AdapterFacts:
+        directory = self.fetch(uri, credentials)
         return preflight(directory, sha256, pool, self.settings.max_adapter_bytes)
 
 

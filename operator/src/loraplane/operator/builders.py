@@ -335,12 +335,84 @@ def placement_of(spec: Mapping[str, Any]) -> str | dict[str, int]:
     return "all"
 
 
-def build_adapter_registration(namespace: str, name: str, spec: Mapping[str, Any]) -> Manifest:
-    """The body of `POST /v1/adapters` for a LoRAAdapter."""
+# The keys of a `spec.source.credentialsSecretRef` Secret each URI scheme uses, and the
+# control plane's `source.credentials` key each becomes (docs/operator.md). file:// and
+# pvc:// sources take no credentials.
+SECRET_KEYS: dict[str, dict[str, str]] = {
+    "s3": {
+        "AWS_ACCESS_KEY_ID": "aws_access_key_id",
+        "AWS_SECRET_ACCESS_KEY": "aws_secret_access_key",
+        "AWS_SESSION_TOKEN": "aws_session_token",
+    },
+    "http": {"TOKEN": "token"},
+    "https": {"TOKEN": "token"},
+    "hf": {"TOKEN": "token"},
+}
+# Keys without which a Secret is of no use for the scheme.
+REQUIRED_SECRET_KEYS: dict[str, tuple[str, ...]] = {
+    "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+    "http": ("TOKEN",),
+    "https": ("TOKEN",),
+    "hf": ("TOKEN",),
+}
+
+
+def uri_scheme(uri: str) -> str:
+    return uri.partition("://")[0].lower() if "://" in uri else ""
+
+
+def credentials_secret_name(spec: Mapping[str, Any]) -> str | None:
+    """`spec.source.credentialsSecretRef.name`, or None when the source has no Secret."""
+    ref = (spec.get("source") or {}).get("credentialsSecretRef") or {}
+    name = ref.get("name")
+    return str(name) if name else None
+
+
+def secret_keys_wanted(uri: str) -> str:
+    """The Secret keys a source at `uri` uses, for messages."""
+    scheme = uri_scheme(uri)
+    required = REQUIRED_SECRET_KEYS.get(scheme, ())
+    optional = [k for k in SECRET_KEYS.get(scheme, {}) if k not in required]
+    text = " and ".join(required) or "none"
+    return text + (f" ({', '.join(optional)} optional)" if optional else "")
+
+
+def check_credentials_supported(uri: str) -> None:
+    """ValueError naming the field when the scheme of `uri` takes no credentials."""
+    scheme = uri_scheme(uri)
+    if scheme not in SECRET_KEYS:
+        raise ValueError(
+            f"spec.source.credentialsSecretRef: {scheme or 'this'}:// sources take no "
+            "credentials (only s3://, http(s):// and hf:// do); remove it"
+        )
+
+
+def source_credentials(uri: str, secret_data: Mapping[str, str]) -> dict[str, str]:
+    """The control plane's `source.credentials` for a source at `uri`, from a Secret's
+    decoded data: only the keys the scheme uses, empty values ignored; `{}` when a required
+    key is missing. ValueError when the scheme takes no credentials (file://, pvc://)."""
+    check_credentials_supported(uri)
+    scheme = uri_scheme(uri)
+    present = {key: value for key, value in secret_data.items() if value}
+    if not all(key in present for key in REQUIRED_SECRET_KEYS[scheme]):
+        return {}
+    return {api_key: present[key] for key, api_key in SECRET_KEYS[scheme].items() if key in present}
+
+
+def build_adapter_registration(
+    namespace: str,
+    name: str,
+    spec: Mapping[str, Any],
+    credentials: Mapping[str, str] | None = None,
+) -> Manifest:
+    """The body of `POST /v1/adapters` for a LoRAAdapter; `credentials` (from its
+    `credentialsSecretRef` Secret, `source_credentials`) go into `source.credentials`."""
     source = spec.get("source") or {}
     body_source: Manifest = {"uri": source.get("uri")}
     if source.get("sha256"):
         body_source["sha256"] = source["sha256"]
+    if credentials:
+        body_source["credentials"] = dict(credentials)
     return {
         "namespace": namespace,
         "name": name,

@@ -25,7 +25,13 @@ from loraplane.operator.cpclient import (
     ControlPlaneError,
     ControlPlaneUnavailable,
 )
-from loraplane.operator.kube import ControlPlaneLocator, Kube, pod_view, service_account_dir
+from loraplane.operator.kube import (
+    ControlPlaneLocator,
+    Kube,
+    SecretNotReadable,
+    pod_view,
+    service_account_dir,
+)
 from loraplane.operator.metrics import OperatorMetrics
 
 FINALIZER = "loraplane.io/unload"
@@ -423,13 +429,24 @@ def _observe_and_act(
         error = old.get("lastError") if view.attempts else None
         return replace(view, last_error=error or None)
     key = idempotency_key(uid, view, plan.action)
+    credentials: dict[str, str] | None = None
+    if plan.action in ("register", "update_version"):
+        # Only a fetch needs them: an adapter already loaded stays as it is without its Secret.
+        try:
+            credentials = source_credentials(runtime.kube, namespace, spec)
+        except CredentialsUnavailable as exc:
+            return replace(view, pending=(exc.reason, exc.message))
+        except ValueError as exc:
+            return replace(view, invalid=("InvalidSpec", str(exc)))
     try:
         if plan.action == "register":
             answer = cp.register_adapter(
-                builders.build_adapter_registration(namespace, name, spec), key
+                builders.build_adapter_registration(namespace, name, spec, credentials), key
             )
         elif plan.action == "update_version":
-            source = builders.build_adapter_registration(namespace, name, spec)["source"]
+            source = builders.build_adapter_registration(namespace, name, spec, credentials)[
+                "source"
+            ]
             answer = cp.new_version(namespace, name, source, key)
         elif plan.action == "patch":
             answer = cp.patch_adapter(
@@ -447,6 +464,52 @@ def _observe_and_act(
         return _failed_attempt(runtime, namespace, name, view, exc)
     adapter = (answer or {}).get("adapter") or cp.get_adapter(namespace, name)
     return replace(view, cp_adapter=adapter, attempts=0, actions=view.actions + 1, last_error=None)
+
+
+class CredentialsUnavailable(Exception):
+    """The source's Secret cannot be used yet (`reason`, `message`): the adapter is Pending
+    and every pass (the resync timer) looks again."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def source_credentials(kube: Kube, namespace: str, spec: dict[str, Any]) -> dict[str, str] | None:
+    """The control plane's `source.credentials` from `spec.source.credentialsSecretRef`'s
+    Secret in the adapter's namespace; None without a ref. CredentialsUnavailable when the
+    Secret is missing, unreadable or lacks the keys the source's scheme needs; ValueError when
+    the scheme takes no credentials."""
+    secret = builders.credentials_secret_name(spec)
+    if secret is None:
+        return None
+    uri = str((spec.get("source") or {}).get("uri") or "")
+    field = "spec.source.credentialsSecretRef.name"
+    builders.check_credentials_supported(uri)
+    wanted = builders.secret_keys_wanted(uri)
+    try:
+        data = kube.get_secret_data(namespace, secret)
+    except SecretNotReadable as exc:
+        raise CredentialsUnavailable(
+            "CredentialsNotReadable",
+            f"{field}: {exc}; the chart's RBAC grants get on secrets in the watched namespaces",
+        ) from None
+    if data is None:
+        raise CredentialsUnavailable(
+            "CredentialsNotFound",
+            f"{field}: Secret {secret!r} does not exist in namespace {namespace}; create it "
+            f"with the keys {wanted}",
+        )
+    credentials = builders.source_credentials(uri, data)
+    if not credentials:
+        has = ", ".join(sorted(k for k, v in data.items() if v)) or "no non-empty keys"
+        raise CredentialsUnavailable(
+            "CredentialsNotFound",
+            f"{field}: Secret {secret!r} in namespace {namespace} lacks the keys a "
+            f"{builders.uri_scheme(uri)}:// source uses: {wanted} (it has {has})",
+        )
+    return credentials
 
 
 def idempotency_key(uid: str, view: states.AdapterView, action: str) -> str:
@@ -486,6 +549,7 @@ def _failed_attempt(
 # (builders.build_adapter_registration; the load, patch and version bodies reuse them).
 # `body.load` has no counterpart (always true) and stays as it is.
 API_TO_SPEC = {
+    "body.source.credentials": "spec.source.credentialsSecretRef",  # the Secret's keys
     "body.source": "spec.source",  # .uri, .sha256 alike
     "body.placement": "spec.placement",  # {"count": N} <- spec.placement.count
     "body.pool": "spec.pool",
@@ -495,7 +559,12 @@ API_TO_SPEC = {
     "body.namespace": "metadata.namespace",
 }
 # A field name opens a message, or one part of a `; `-joined validation message.
-_API_FIELD = re.compile(r"(^|; )(" + "|".join(re.escape(k) for k in API_TO_SPEC) + r")(?=[.:\s]|$)")
+# Longest first, so `body.source.credentials` is not read as `body.source`.
+_API_FIELD = re.compile(
+    r"(^|; )("
+    + "|".join(re.escape(k) for k in sorted(API_TO_SPEC, key=len, reverse=True))
+    + r")(?=[.:\s]|$)"
+)
 
 
 def spec_field(text: str) -> str:

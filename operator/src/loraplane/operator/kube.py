@@ -7,9 +7,12 @@ a real pod and as a local process on the development cluster (docs/cluster.md).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,22 @@ def load_client_config() -> None:
         ).load_and_set()
     else:
         config.load_kube_config()
+
+
+class SecretNotReadable(Exception):
+    """The API refused to show the operator a Secret (403: RBAC does not allow it)."""
+
+
+def decode_secret_data(data: Mapping[str, str] | None) -> dict[str, str]:
+    """A Secret's `data` base64-decoded, surrounding whitespace (a trailing newline from
+    `echo`) stripped; values that are not UTF-8 text are left out."""
+    decoded: dict[str, str] = {}
+    for key, value in (data or {}).items():
+        try:
+            decoded[key] = base64.b64decode(value or "", validate=True).decode("utf-8").strip()
+        except (binascii.Error, UnicodeDecodeError):
+            continue
+    return decoded
 
 
 class Kube:
@@ -85,6 +104,21 @@ class Kube:
                 return None
             raise
         return pool
+
+    def get_secret_data(self, namespace: str, name: str) -> dict[str, str] | None:
+        """A Secret's data, decoded (`decode_secret_data`); None when it does not exist.
+        The values are credentials: they go to the control plane and nowhere else."""
+        try:
+            secret = self.core.read_namespaced_secret(name, namespace)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            if exc.status == 403:
+                raise SecretNotReadable(
+                    f"the operator may not get Secret {namespace}/{name} (HTTP 403)"
+                ) from None
+            raise
+        return decode_secret_data(secret.data)
 
     def list_adapters(self, namespace: str) -> list[dict[str, Any]]:
         answer = self.custom.list_namespaced_custom_object(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -32,9 +32,39 @@ from loraplane.controlplane.registry import (
     lora_name,
     operation_json,
 )
-from loraplane.controlplane.sources import AdapterFacts, pool_limits
+from loraplane.controlplane.sources import (
+    AdapterFacts,
+    SourceCredentials,
+    check_credentials,
+    pool_limits,
+)
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
+
+
+Secret = Annotated[SecretStr, Field(min_length=1, max_length=8192)]
+
+
+class CredentialsSpec(BaseModel):
+    """Per-adapter credentials for fetching the source: used by the preflight only, never
+    stored, never logged, not part of the idempotency hash (SecretStr hides them in reprs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    aws_access_key_id: Secret | None = Field(None, description="s3:// (with the secret key)")
+    aws_secret_access_key: Secret | None = Field(None, description="s3:// (with the key id)")
+    aws_session_token: Secret | None = Field(None, description="s3://, optional")
+    token: Secret | None = Field(
+        None, description="http(s):// and hf://: sent as `Authorization: Bearer <token>`"
+    )
+
+    def for_fetch(self) -> SourceCredentials:
+        return SourceCredentials(
+            aws_access_key_id=self.aws_access_key_id,
+            aws_secret_access_key=self.aws_secret_access_key,
+            aws_session_token=self.aws_session_token,
+            token=self.token,
+        )
 
 
 class SourceSpec(BaseModel):
@@ -44,6 +74,20 @@ class SourceSpec(BaseModel):
     sha256: str | None = Field(
         None, pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of adapter_model.safetensors"
     )
+    credentials: CredentialsSpec | None = Field(
+        None, description="fetch this source with these instead of the control plane's own"
+    )
+
+    def fetch_credentials(self) -> SourceCredentials | None:
+        """The credentials for the preflight; 400 naming the key if they do not fit the URI."""
+        credentials = self.credentials.for_fetch() if self.credentials is not None else None
+        check_credentials(self.uri, credentials)
+        return credentials
+
+
+# What the idempotency hash of a request with a source covers: everything but the credentials
+# (a retry with rotated credentials is the same request; no digest of a secret is stored).
+UNHASHED = {"source": {"credentials"}}
 
 
 class PlacementCount(BaseModel):
@@ -91,9 +135,13 @@ def count_of(placement: Placement) -> int | None:
     return None if placement == "all" else placement.count  # type: ignore[union-attr]
 
 
-async def preflight(services: Services, pool: Pool, source: SourceSpec) -> AdapterFacts:
+async def preflight(
+    services: Services, pool: Pool, source: SourceSpec, credentials: SourceCredentials | None
+) -> AdapterFacts:
     limits = pool_limits(pool.model, pool.max_lora_rank, pool.target_modules)
-    return await asyncio.to_thread(services.sources.resolve, source.uri, source.sha256, limits)
+    return await asyncio.to_thread(
+        services.sources.resolve, source.uri, source.sha256, limits, credentials
+    )
 
 
 def respond(
@@ -197,7 +245,8 @@ async def register_adapter(
     check_label(body.namespace, "body.namespace")
     check_label(body.name, "body.name")
     check_namespace(principal, body.namespace, "body.namespace")
-    hash_ = request_hash("register", body.model_dump(mode="json"))
+    credentials = body.source.fetch_credentials()
+    hash_ = request_hash("register", body.model_dump(mode="json", exclude=UNHASHED))
     replay = await replay_or(services, key, hash_, 201)
     if replay is not None:
         return replay
@@ -226,7 +275,7 @@ async def register_adapter(
         pool_snapshot = Pool(
             model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules
         )
-    facts = await preflight(services, pool_snapshot, body.source)
+    facts = await preflight(services, pool_snapshot, body.source, credentials)
     with services.db.session() as session:
         adapter = Adapter(
             namespace=body.namespace,
@@ -444,7 +493,10 @@ async def update_version(
     key: IdempotencyKey = None,
 ) -> JSONResponse:
     visible(principal, namespace)
-    hash_ = request_hash("update_version", [namespace, name, body.model_dump(mode="json")])
+    credentials = body.source.fetch_credentials()
+    hash_ = request_hash(
+        "update_version", [namespace, name, body.model_dump(mode="json", exclude=UNHASHED)]
+    )
     replay = await replay_or(services, key, hash_, 200)
     if replay is not None:
         return replay
@@ -455,7 +507,7 @@ async def update_version(
         pool_snapshot = Pool(
             model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules
         )
-    facts = await preflight(services, pool_snapshot, body.source)
+    facts = await preflight(services, pool_snapshot, body.source, credentials)
     with services.db.session() as session:
         adapter = get_adapter(session, namespace, name)
         ensure_usable(adapter)
