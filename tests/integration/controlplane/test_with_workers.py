@@ -589,6 +589,22 @@ def test_a_pin_that_failed_half_way_is_evened_out_by_the_reconciler(
     assert metric(cp, "loraplane_drift_repaired_total", kind="repinned") >= 1
 
 
+def test_a_smaller_placement_count_unloads_the_extra_copies(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a1").status_code == 201  # placement: all -> both workers
+    assert adapter(cp, "a1")["loaded_workers"] == ["w0", "w1"]
+    shrunk = cp.post(
+        "/v1/adapters/default/a1/load", json={"placement": {"count": 1}}, headers=ADMIN
+    )
+    assert shrunk.status_code == 200, shrunk.text
+    state = adapter(cp, "a1")
+    assert len(state["loaded_workers"]) == 1 and state["routable"] is True
+    assert {p["worker"] for p in state["placements"]} == set(state["loaded_workers"])
+    assert sorted(len(w.models() or set()) for w in workers) == [0, 1]
+
+
 def test_namespaced_adapters_route_only_with_their_tokens(
     cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

@@ -272,6 +272,13 @@ class Operations:
         except NoCapacity as exc:
             raise ApiError(409, "no_capacity", str(exc)) from exc
         by_name = {w.name: w for w in workers}
+        chosen = {t.worker for t in plan.targets}
+        # `count: N` below what it holds now: the copies beyond the chosen N go once it succeeds
+        extras = sorted(
+            {p.worker.name for p in adapter.placements if p.lora_name == name} - chosen
+            if count is not None
+            else set()
+        )
 
         def loaded_everywhere(worker: Worker) -> bool:
             groups = {
@@ -292,6 +299,7 @@ class Operations:
                 }
                 for t in plan.targets
             ],
+            "shrink": [WorkerRef.of(by_name[w]).to_json() for w in extras if w in by_name],
         }
 
     def plan_beside(self, workers: Sequence[Worker], keep: Sequence[str]) -> list[dict[str, Any]]:
@@ -674,7 +682,40 @@ class Operations:
     async def _run_load(
         self, op_id: str, plan: dict[str, Any]
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        return await self._load_everywhere("load", plan["adapter_id"], plan, bool(plan["pinned"]))
+        adapter_id = plan["adapter_id"]
+        state, merged, per_target = await self._load_everywhere(
+            "load", adapter_id, plan, bool(plan["pinned"])
+        )
+        if merged.success and plan.get("shrink"):
+            await self._unload_extras(
+                adapter_id, plan["lora_name"], [WorkerRef.from_json(t) for t in plan["shrink"]]
+            )
+        return state, merged, per_target
+
+    async def _unload_extras(self, adapter_id: int, name: str, extras: Sequence[WorkerRef]) -> None:
+        """Unload copies beyond a smaller ``count`` (the chosen targets hold it, so it stays
+        routable). Rows go ``unloading`` first; a copy that would not go is left
+        ``inconsistent`` for the reconciler, without failing the load."""
+        with self.db.session() as session:
+            session.execute(
+                update(Placement)
+                .where(
+                    Placement.adapter_id == adapter_id,
+                    Placement.lora_name == name,
+                    Placement.worker_id.in_([t.id for t in extras]),
+                )
+                .values(state="unloading")
+                .execution_options(synchronize_session=False)
+            )
+        results, _ = await self._fanout(
+            "unload", extras, lambda t: self.client.unload(t.name, t.endpoint, name)
+        )
+        gone = [t for t, r in zip(extras, results, strict=True) if r.success]
+        stuck = [t for t, r in zip(extras, results, strict=True) if not r.success]
+        self._drop_rows(adapter_id, name, gone)
+        if stuck:
+            error = merge_results([r for r in results if not r.success]).error_message
+            await self._record_observed(adapter_id, name, stuck, error)
 
     async def _run_unload(
         self, op_id: str, plan: dict[str, Any]
