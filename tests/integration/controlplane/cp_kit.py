@@ -346,3 +346,18 @@ class HungWorker:
         self.sock.close()
         for conn in self.conns:
             conn.close()
+
+
+def join_hung_worker(client: Any, worker: HungWorker, db_url: str) -> None:
+    """Pool `tiny` and worker `w0` at ``worker``, marked ready in the registry as if it had
+    answered its probe (it never answers anything)."""
+    assert client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN).status_code == 200
+    endpoint = f"http://127.0.0.1:{worker.port}"
+    body = {"name": "w0", "pool": "tiny", "endpoint": endpoint, "dp_size": 2}
+    assert client.post("/v1/workers", json=body, headers=ADMIN).status_code == 201
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE workers SET state = 'ready' WHERE name = 'w0'"))
+    finally:
+        engine.dispose()

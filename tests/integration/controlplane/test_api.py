@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cp_kit import ADMIN, POOL, snapshot, wait_for
+from cp_kit import ADMIN, POOL, HungWorker, join_hung_worker, snapshot, wait_for
 from fastapi.testclient import TestClient
+
+from loraplane.controlplane.app import create_app
+from loraplane.controlplane.settings import Settings
 
 pytestmark = pytest.mark.integration
 
@@ -455,6 +458,13 @@ def test_router_errors_are_clear(
     register(client, make_adapter())
     no_model = client.post("/v1/completions", json={"prompt": "x"}, headers=ADMIN)
     assert no_model.status_code == 400 and no_model.json()["error"]["field"] == "body.model"
+    # a lora_path would win over the adapter the router picks, on the worker
+    path = client.post(
+        "/v1/completions",
+        json={"model": "tiny:sql", "lora_path": "other", "prompt": "x"},
+        headers=ADMIN,
+    )
+    assert path.status_code == 400 and path.json()["error"]["field"] == "body.lora_path"
     unknown = client.post(
         "/v1/completions", json={"model": "tiny:nope", "prompt": "x"}, headers=ADMIN
     )
@@ -511,3 +521,25 @@ def test_operations_and_placements_listing(
     assert client.get("/v1/operations", params={"limit": 0}, headers=ADMIN).status_code == 422
     assert client.get("/v1/operations/op_missing", headers=ADMIN).status_code == 404
     assert client.get("/v1/placements", headers=ADMIN).json() == {"items": []}
+
+
+def test_a_worker_slower_than_the_request_timeout_is_a_504_and_stays_ready(
+    settings: Settings, db_url: str
+) -> None:
+    """A worker that accepts the request and does not answer in time is busy, not gone: the
+    client gets 504 naming the timeout, and the worker is not taken out of rotation."""
+    settings.reconciler.enabled = False  # its probes would time out on this worker too
+    settings.router.request_timeout_s = 1
+    worker = HungWorker()
+    try:
+        with TestClient(create_app(settings)) as client:
+            join_hung_worker(client, worker, db_url)
+            slow = client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=ADMIN
+            )
+            assert slow.status_code == 504, slow.text
+            error = slow.json()["error"]
+            assert error["code"] == "upstream_timeout" and "within 1 s" in error["message"]
+            assert client.get("/v1/workers/w0", headers=ADMIN).json()["state"] == "ready"
+    finally:
+        worker.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from cp_kit import ADMIN, ADMIN_TOKEN, POOL, HungWorker, free_port, wait_for
+from cp_kit import ADMIN, ADMIN_TOKEN, POOL, HungWorker, free_port, join_hung_worker, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import create_app
@@ -142,11 +142,7 @@ def test_an_operation_the_outage_interrupts_is_settled_once_the_database_is_back
     worker = HungWorker()  # the load is in flight when the database goes away
     try:
         with TestClient(create_app(settings)) as client:
-            assert client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN).status_code == 200
-            endpoint = f"http://127.0.0.1:{worker.port}"
-            body = {"name": "w0", "pool": "tiny", "endpoint": endpoint, "dp_size": 2}
-            assert client.post("/v1/workers", json=body, headers=ADMIN).status_code == 201
-            rows("UPDATE workers SET state = 'ready' WHERE name = 'w0'")  # as if it had answered
+            join_hung_worker(client, worker, pg_database)
             answers: list[Any] = []
             adapter = {"name": "sql", "pool": "tiny", "source": {"uri": f"file://{make_adapter()}"}}
             load = threading.Thread(

@@ -193,6 +193,60 @@ def test_one_replica_leads_the_reconciler_at_a_time(redis_url: str) -> None:
     assert asyncio.run(run()) == [True, False, True, True, False]
 
 
+def test_a_replica_that_stops_leading_stops_exporting_the_registry_gauges(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Only the leader writes `loraplane_adapters`/`workers`/`placements`; a former leader's
+    frozen values would add to the new leader's in every `sum()` (alerts that never clear)."""
+    import httpx
+
+    from loraplane.controlplane.db import Database
+    from loraplane.controlplane.events import RedisEventBus
+    from loraplane.controlplane.metrics import Metrics
+    from loraplane.controlplane.models import Pool
+    from loraplane.controlplane.reconciler import Reconciler
+    from loraplane.controlplane.workers import WorkerClient
+
+    db = Database(f"sqlite:///{tmp_path / 'cp.db'}")
+    db.migrate()
+    with db.session() as session:
+        session.add(
+            Pool(namespace="default", name="tiny", model="/m", max_loras_per_batch=2,
+                 max_loaded_loras=4, max_lora_rank=16)
+        )  # fmt: skip
+
+    def series(metrics: Metrics) -> int:
+        return sum(
+            len(family.samples)
+            for family in metrics.registry.collect()
+            if family.name in ("loraplane_adapters", "loraplane_workers", "loraplane_placements")
+        )
+
+    async def run() -> tuple[int, int, int]:
+        buses = [RedisEventBus(redis_url, replica_id=r) for r in ("r1", "r2")]
+        metrics = [Metrics(), Metrics()]
+        async with httpx.AsyncClient() as http:
+            client = WorkerClient(http, load_timeout_s=5, probe_timeout_s=1)
+            first, second = (
+                Reconciler(db, client, bus, m, interval_s=0.1)
+                for bus, m in zip(buses, metrics, strict=True)
+            )
+            try:
+                await first.reconcile_all()  # r1 leads (a 2 s lock)
+                led = series(metrics[0])
+                await asyncio.sleep(2.3)  # r1 goes quiet; the lock expires
+                await second.reconcile_all()  # r2 leads now
+                await first.reconcile_all()  # r1 is standby
+                return led, series(metrics[0]), series(metrics[1])
+            finally:
+                for bus in buses:
+                    await bus.close()
+
+    led, standby, leader = asyncio.run(run())
+    assert led > 0 and leader > 0
+    assert standby == 0
+
+
 def test_without_redis_every_replica_leads(tmp_path: Path) -> None:
     from loraplane.controlplane.events import RedisEventBus
 

@@ -297,6 +297,34 @@ def test_router_proxies_streams_and_counts(
     )
 
 
+def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """Not a stream that just stops, which a client would take for a complete answer."""
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a2").status_code == 201
+    body = {
+        "model": "a2",
+        "prompt": "The quick brown fox",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with cp.stream("POST", "/v1/completions", json=body, headers=ADMIN) as response:
+        assert response.status_code == 200
+        lines = []
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if not lines:  # the first token is out: the worker goes away
+                for worker in workers:
+                    worker.kill()
+            lines.append(line)
+    assert lines[-1] != "data: [DONE]"
+    error = json.loads(lines[-1][6:])["error"]
+    assert error["type"] == "upstream_error" and "stopped mid-stream" in error["message"]
+
+
 def test_on_demand_loads_evict_the_least_recently_used_and_pins_are_limited(
     cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

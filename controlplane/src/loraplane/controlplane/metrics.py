@@ -12,7 +12,7 @@ DRIFT_KINDS = ("restored", "stray_unloaded", "placed", "repinned")
 RECONCILE_OUTCOMES = ("ok", "error", "standby")
 WORKER_STATES = ("pending", "ready", "unreachable")
 ADAPTER_PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unloaded")
-PLACEMENT_STATES = ("loaded", "loading", "failed", "inconsistent", "unreachable")
+PLACEMENT_STATES = ("loaded", "loading", "unloading", "failed", "inconsistent", "unreachable")
 FANOUT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 

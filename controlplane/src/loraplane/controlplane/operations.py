@@ -258,7 +258,11 @@ class Operations:
         return op
 
     # -- planning (in the caller's session, before journalling) -------------------------------------
-    def plan_load(self, session: Session, adapter: Adapter, count: int | None) -> dict[str, Any]:
+    def plan_load(
+        self, session: Session, adapter: Adapter, count: int | None, shrink: bool = False
+    ) -> dict[str, Any]:
+        """Targets for ``adapter``; with ``shrink`` (a placement count the caller set), the
+        copies held beyond ``count`` are unloaded once the load succeeds."""
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
         workers = list(adapter.pool.workers)
         slots = [
@@ -276,7 +280,7 @@ class Operations:
         # `count: N` below what it holds now: the copies beyond the chosen N go once it succeeds
         extras = sorted(
             {p.worker.name for p in adapter.placements if p.lora_name == name} - chosen
-            if count is not None
+            if count is not None and shrink
             else set()
         )
 

@@ -103,6 +103,9 @@ class Reconciler:
         # several replicas: one reconciles at a time (a Redis lock that outlives a few passes)
         if not await self.bus.try_lead("reconciler", ttl_s=max(3 * self.interval_s, 2.0)):
             self.metrics.reconcile_passes.labels("standby").inc()
+            # the leader exports the registry's gauges; a former leader's would add to them
+            for gauge in (self.metrics.workers, self.metrics.adapters, self.metrics.placements):
+                gauge.clear()
             return
         async with self._lock:
             with self.db.session() as session:

@@ -20,6 +20,10 @@ class WorkerUnreachable(Exception):
     pass
 
 
+class WorkerTimeout(Exception):
+    """A connected worker did not answer in time: busy, not gone."""
+
+
 @dataclass(frozen=True, slots=True)
 class Observation:
     """What a worker reports: base model id, adapters per DP group, slot limits."""
@@ -157,9 +161,18 @@ class WorkerClient:
         self, worker: str, endpoint: str, path: str, body: dict[str, Any], timeout_s: float
     ) -> tuple[httpx.Response, AsyncIterator[bytes]]:
         """Open a proxied request; the caller must close the response."""
-        request = self.http.build_request("POST", f"{endpoint}{path}", json=body, timeout=timeout_s)
+        # connecting is quick or the worker is gone; answering may take as long as generating
+        timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, self.probe_timeout_s))
+        request = self.http.build_request("POST", f"{endpoint}{path}", json=body, timeout=timeout)
         try:
             response = await self.http.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            if isinstance(exc, httpx.ConnectTimeout):
+                raise WorkerUnreachable(f"worker {worker}: ConnectTimeout: {exc}") from exc
+            raise WorkerTimeout(
+                f"worker {worker} did not answer within {timeout_s:g} s "
+                f"({type(exc).__name__}); raise router.request_timeout_s or ask for fewer tokens"
+            ) from exc
         except httpx.HTTPError as exc:
             raise WorkerUnreachable(
                 f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"

@@ -351,7 +351,9 @@ async def load_adapter(
                 code="inconsistent",
             )
         count = adapter.placement_count if body.placement is None else count_of(body.placement)
-        plan = services.operations.plan_load(session, adapter, count)
+        plan = services.operations.plan_load(
+            session, adapter, count, shrink=body.placement is not None
+        )
         op = services.operations.journal(
             session,
             key=key,

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+import httpx
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import select
@@ -25,7 +26,7 @@ from loraplane.controlplane.errors import ApiError, bad_value
 from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef, request_hash
 from loraplane.controlplane.registry import check_label, lora_name, routable_workers
-from loraplane.controlplane.workers import WorkerUnreachable
+from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
 
 router = APIRouter(tags=["router"])
 NamespaceHeader = Annotated[str | None, Header(alias="X-Loraplane-Namespace")]
@@ -262,6 +263,10 @@ async def proxy(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_value("body.model", "required: '<pool>:<adapter>', '<adapter>' or a pool name")
+    if "lora_path" in body:  # the worker would prefer it to the adapter the router chose
+        raise bad_value(
+            "body.lora_path", "not accepted by the router: name the adapter in body.model"
+        )
     namespace = pick_namespace(principal, ns_header)
     route = await resolve(services, principal, namespace, model)
     stream = bool(body.get("stream"))
@@ -284,6 +289,10 @@ async def proxy(
                 forwarded,
                 services.settings.router.request_timeout_s,
             )
+        except WorkerTimeout as exc:  # busy, not gone: the worker stays routable
+            release()
+            services.metrics.routed_requests.labels(namespace, route.adapter_name, "504").inc()
+            raise ApiError(504, "upstream_timeout", str(exc)) from exc
         except WorkerUnreachable as exc:
             release()
             services.reconciler.poke()
@@ -314,12 +323,23 @@ async def proxy(
         ).inc()
         if stream and response.status_code == 200:
 
-            async def relay(response: Any = response) -> AsyncIterator[bytes]:
+            async def relay(response: Any = response, route: Route = route) -> AsyncIterator[bytes]:
                 try:
                     async for line in response.aiter_lines():
                         if line.startswith("data: ") and line != "data: [DONE]":
                             line = "data: " + rewrite_model(line[6:].encode(), model).decode()
                         yield (line + "\n").encode()
+                except httpx.HTTPError as exc:  # the worker went away mid-stream: say so
+                    services.reconciler.poke()
+                    error = {
+                        "error": {
+                            "message": f"worker {route.worker.name} stopped mid-stream: "
+                            f"{type(exc).__name__}: {exc}",
+                            "type": "upstream_error",
+                            "code": 502,
+                        }
+                    }
+                    yield f"data: {json.dumps(error)}\n\n".encode()
                 finally:
                     await response.aclose()
                     release()
