@@ -212,3 +212,24 @@ def test_files_rewritten_during_the_read_are_refused(
     monkeypatch.undo()
     assert engine.load_adapter("moving", str(path)).result(timeout=60).success  # once it is still
     assert engine.unload_adapter("moving").result(timeout=60).success
+
+
+def test_an_unloaded_adapter_leaves_no_metric_series(worker, suite, tmp_path: Path) -> None:
+    """Series per adapter name would otherwise pile up on a worker that churns through
+    adapters and versions; a later load of the same name starts them at 0 again."""
+    engine, metrics = worker
+    path = copy_adapter(suite, tmp_path)
+
+    def requests() -> float | None:
+        return metrics.registry.get_sample_value(
+            "loraplane_worker_requests_total", {"adapter": "churn"}
+        )
+
+    assert engine.load_adapter("churn", str(path)).result(timeout=60).success
+    generate(engine, "churn")
+    assert requests() == 1.0
+    assert engine.unload_adapter("churn").result(timeout=60).success
+    assert requests() is None
+    assert engine.load_adapter("churn", str(path)).result(timeout=60).success
+    assert requests() == 0.0
+    assert engine.unload_adapter("churn").result(timeout=60).success

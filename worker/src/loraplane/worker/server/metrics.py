@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 NO_ADAPTER_LABEL = "none"
@@ -160,14 +162,24 @@ class WorkerMetrics:
 
     def adapter_loaded(self, adapter: str) -> None:
         """A newly loaded adapter's counters start at 0, so rate() sees its first requests."""
-        for counter in (
+        for counter in self._per_adapter():
+            counter.labels(adapter)
+
+    def adapter_unloaded(self, adapter: str) -> None:
+        """Its series go (a worker that churns through adapters and versions would otherwise
+        keep five series for every name it ever served); a later load starts them at 0."""
+        for counter in self._per_adapter():
+            with contextlib.suppress(KeyError):  # never loaded through this registry
+                counter.remove(adapter)
+
+    def _per_adapter(self) -> tuple[Counter, ...]:
+        return (
             self.requests,
             self.prompt_tokens,
             self.generated_tokens,
             self.evictions,
             self.slot_loads,
-        ):
-            counter.labels(adapter)
+        )
 
     def slot_loaded(self, adapter: str) -> None:
         self.slot_loads.labels(adapter).inc()
