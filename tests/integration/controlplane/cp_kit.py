@@ -230,6 +230,9 @@ class ControlPlane:
             "LORAPLANE_RECONCILER__INTERVAL_S": "3600",
             "LORAPLANE_WORKERS__LOAD_TIMEOUT_S": "120",
             "LORAPLANE_WORKERS__PROBE_TIMEOUT_S": "1",
+            # a restarted process settles what the killed one left once it missed a renewal
+            # (half a lease): short here, so the tests do not wait 15 s for it
+            "LORAPLANE_OPERATIONS__LEASE_S": "2",
         }
         self.env.pop("LORAPLANE_REDIS_URL", None)
         self.log = tmp / f"controlplane-{self.port}.log"

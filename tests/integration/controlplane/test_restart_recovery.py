@@ -97,6 +97,13 @@ def test_killed_mid_load_is_rolled_back_at_restart(
     print(f"restart took {time.monotonic() - t0:.1f}s")
     try:
         http = httpx.Client(base_url=second.url, headers=ADMIN, timeout=30)
+        wait_for(
+            lambda: (
+                http.get("/v1/operations").json()["items"][0]["state"] not in ("pending", "running")
+            ),
+            timeout=30,
+            what="the restarted control plane to settle the interrupted load",
+        )
         ops = http.get("/v1/operations").json()["items"]
         assert len(ops) == 1
         op = ops[0]

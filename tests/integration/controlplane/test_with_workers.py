@@ -497,8 +497,15 @@ def test_control_plane_killed_mid_load_completes_or_rolls_back(
     second.start()
     try:
         http = httpx.Client(base_url=second.url, headers=ADMIN, timeout=60)
+        wait_for(
+            lambda: (
+                http.get("/v1/operations").json()["items"][0]["state"]
+                in ("succeeded", "rolled_back", "failed")
+            ),
+            timeout=30,
+            what="the restarted control plane to settle the interrupted load",
+        )
         op = http.get("/v1/operations").json()["items"][0]
-        assert op["state"] in ("succeeded", "rolled_back", "failed"), op
 
         def agree() -> bool:
             state = http.get("/v1/adapters/default/a3").json()

@@ -19,7 +19,7 @@ from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Pool
-from loraplane.controlplane.operations import Inflight, Operations, now
+from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.workers import WorkerClient
 
 pytestmark = pytest.mark.unit
@@ -41,19 +41,20 @@ def registry(tmp_path: Path) -> Database:
         )
         session.add(pool)
         session.flush()
-        session.add(
-            Adapter(
-                namespace="default",
-                name="sql",
-                pool_id=pool.id,
-                source_uri="file:///adapters/sql",
-                path="/adapters/sql",
-                digest="0" * 64,
-                rank=8,
-                alpha=16.0,
-                target_modules=["q_proj"],
+        for name in ("sql", "tone", "chat"):
+            session.add(
+                Adapter(
+                    namespace="default",
+                    name=name,
+                    pool_id=pool.id,
+                    source_uri=f"file:///adapters/{name}",
+                    path=f"/adapters/{name}",
+                    digest="0" * 64,
+                    rank=8,
+                    alpha=16.0,
+                    target_modules=["q_proj"],
+                )
             )
-        )
     return db
 
 
@@ -62,13 +63,13 @@ def replica(db: Database, http: httpx.AsyncClient, owner: str) -> Operations:
     return Operations(db, client, EventBus(), Metrics(), Inflight(), owner=owner, lease_s=LEASE_S)
 
 
-def journal_load(ops: Operations) -> str:
+def journal_load(ops: Operations, name: str = "sql") -> str:
     """A load with no target (it succeeds when settled), journalled and claimed by ``ops``."""
     with ops.db.session() as session:
-        adapter = session.query(Adapter).one()
+        adapter = session.query(Adapter).filter_by(name=name).one()
         plan = {
             "adapter_id": adapter.id,
-            "lora_name": "default/sql@1",
+            "lora_name": name,
             "path": adapter.path,
             "pinned": False,
             "targets": [],
@@ -83,7 +84,8 @@ def state_of(db: Database, op_id: str) -> tuple[str, str | None, str | None]:
     with db.session() as session:
         op = session.get(Operation, op_id)
         assert op is not None
-        adapter = session.query(Adapter).one()
+        adapter = session.get(Adapter, op.plan["adapter_id"])
+        assert adapter is not None
         return op.state, op.owner, adapter.busy_operation_id
 
 
@@ -100,7 +102,7 @@ def test_a_live_replicas_operation_is_left_alone_and_an_expired_one_is_settled_o
             assert await new.settle_interrupted() == []  # a fresh lease: not new's to touch
             for _ in range(4):  # pod-old renews for longer than a lease
                 await asyncio.sleep(LEASE_S / 3)
-                old.renew()
+                await old.renew()
             assert await new.settle_interrupted() == []
             assert state_of(db, op_id) == ("pending", "pod-old", op_id)
 
@@ -117,32 +119,42 @@ def test_a_live_replicas_operation_is_left_alone_and_an_expired_one_is_settled_o
     asyncio.run(run())
 
 
-def test_own_operations_are_settled_at_once_when_nothing_here_runs_them(tmp_path: Path) -> None:
-    """A restarted container keeps its name (the default owner is the host name): what the
-    previous process left is settled at start without waiting for the lease. So is an operation
-    this process marked running and then dropped (an unexpected error), while one it runs now
-    is not."""
+def test_own_operations_are_settled_once_they_miss_a_renewal(tmp_path: Path) -> None:
+    """The default owner is the host name, which a restarted container keeps: what the previous
+    process left is settled as soon as it has missed a renewal (half a lease), and so is an
+    operation an unexpected error dropped. One a live process of the same name runs (it renews
+    every third of a lease) is never taken, nor one this process runs."""
     db = registry(tmp_path)
 
     async def run() -> None:
         async with httpx.AsyncClient() as http:
             before = replica(db, http, "pod-0")
             left = journal_load(before)
-            await asyncio.sleep(0.01)
-            after = replica(db, http, "pod-0")  # the same pod, a new process
+            sibling = journal_load(before, "tone")
+            before.running.add(sibling)  # still alive: renews
+            after = replica(db, http, "pod-0")  # the same name, another process
+            assert await after.settle_interrupted() == []  # too early to tell
+            for _ in range(2):
+                await asyncio.sleep(LEASE_S / 3)
+                await before.renew()
             assert await after.settle_interrupted() == [left]
             assert state_of(db, left)[0] == "succeeded"
+            assert state_of(db, sibling)[0] == "pending"
 
-            dropped = journal_load(after)
+            dropped = journal_load(after, "chat")
             after.running.add(dropped)
+            for _ in range(2):  # both processes keep renewing what they run
+                await asyncio.sleep(LEASE_S / 3)
+                await before.renew()
+                await after.renew()
             assert await after.settle_interrupted() == []  # runs here: not abandoned
             with db.session() as session:  # marked running, then the run died of a bug
                 session.execute(
-                    update(Operation)
-                    .where(Operation.id == dropped)
-                    .values(state="running", heartbeat_at=now())
+                    update(Operation).where(Operation.id == dropped).values(state="running")
                 )
             after.running.discard(dropped)
+            await asyncio.sleep(LEASE_S * 0.6)  # no renewal for more than half a lease
+            await before.renew()
             assert await after.settle_interrupted() == [dropped]
             assert state_of(db, dropped)[2] is None
 

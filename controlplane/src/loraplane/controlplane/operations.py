@@ -8,8 +8,8 @@ load where it succeeded, and writes the outcome.
 
 Each operation has an owner (the replica that journalled it) and a lease the owner renews
 while it runs it. ``settle_interrupted`` finishes or rolls back the operations nobody runs any
-more: its own replica's from an earlier process (at start) or left by an unexpected error, and
-any replica's whose lease ran out. It runs at start and then every third of a lease, so a
+more: its own replica's that missed a renewal (left by an earlier process or dropped by an
+unexpected error), and any replica's whose lease ran out. It runs at start and then every third of a lease, so a
 database blip or a bug mid-operation never leaves an adapter claimed until a restart, and a
 replica starting during a rolling update leaves the old replica's live operations alone.
 """
@@ -143,28 +143,33 @@ class Operations:
         self.lease_s = lease_s
         self.started_at = now()
         self.running: set[str] = set()  # operations this process runs or settles right now
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- leases ----------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Renew this replica's leases and settle abandoned operations, every third of a lease."""
-        self._task = asyncio.create_task(self._keep_leases(), name="operation-leases")
+        """Every third of a lease: renew this replica's leases, and (separately, since settling
+        waits on workers for up to a load timeout) settle abandoned operations."""
+        self._tasks = [
+            asyncio.create_task(self._every_third(self.renew), name="operation-lease-renew"),
+            asyncio.create_task(
+                self._every_third(self.settle_interrupted), name="operation-lease-settle"
+            ),
+        ]
 
     async def close(self) -> None:
-        await stop_tasks([self._task] if self._task is not None else [], "operations")
+        await stop_tasks(self._tasks, "operations")
 
-    async def _keep_leases(self) -> None:
+    async def _every_third(self, step: Callable[[], Awaitable[Any]]) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 3)
             try:
-                self.renew()
-                await self.settle_interrupted()
+                await step()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the database is away: the next pass tries again
                 log.warning("operation lease pass failed: %s: %s", type(exc).__name__, exc)
 
-    def renew(self) -> None:
+    async def renew(self) -> None:
         if not self.running:
             return
         with self.db.session() as session:
@@ -177,7 +182,9 @@ class Operations:
 
     def _abandoned(self) -> ColumnElement[bool]:
         """Unfinished operations nobody runs: the lease ran out, or they are this replica's and
-        either older than this process or marked running (the caller skips ``self.running``)."""
+        missed a renewal (half a lease without one: its process is gone, or an error dropped
+        it; a live process with the same name renews every third). The caller skips
+        ``self.running``."""
         return and_(
             Operation.state.in_(("pending", "running")),
             or_(
@@ -185,7 +192,7 @@ class Operations:
                 Operation.heartbeat_at < now() - timedelta(seconds=self.lease_s),
                 and_(
                     Operation.owner == self.owner,
-                    or_(Operation.heartbeat_at < self.started_at, Operation.state == "running"),
+                    Operation.heartbeat_at < now() - timedelta(seconds=self.lease_s / 2),
                 ),
             ),
         )
@@ -436,6 +443,14 @@ class Operations:
         with self.db.session() as session:
             op = session.get(Operation, op_id)
             assert op is not None
+            if op.state not in ("pending", "running") or op.owner not in (None, self.owner):
+                log.warning(
+                    "operation %s was settled by %s meanwhile; not writing %s over it",
+                    op_id,
+                    op.owner,
+                    state,
+                )
+                return op
             op.state = state
             op.result = merged.to_json()
             op.per_target = per_target

@@ -125,7 +125,11 @@ class Reconciler:
             await self._mark_unreachable(worker, str(exc))
             return
         restore, strays, fill = self._compare(worker, seen)
-        for name, path, pinned, _adapter_id in self._pin_drift(worker, seen):
+        for name, path, pinned, adapter_id in self._pin_drift(worker, seen):
+            with self.db.session() as session:  # a pin operation may have started meanwhile
+                adapter = session.get(Adapter, adapter_id)
+                if adapter is None or adapter.busy_operation_id or adapter.pinned != pinned:
+                    continue
             # the same name and path again changes only the flag on the worker: nothing unloads
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
             if result.success:

@@ -263,7 +263,7 @@ async def proxy(
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_value("body.model", "required: '<pool>:<adapter>', '<adapter>' or a pool name")
-    if "lora_path" in body:  # the worker would prefer it to the adapter the router chose
+    if body.get("lora_path") is not None:  # the worker would prefer it to the routed adapter
         raise bad_value(
             "body.lora_path", "not accepted by the router: name the adapter in body.model"
         )

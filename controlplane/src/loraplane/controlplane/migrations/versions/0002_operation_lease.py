@@ -23,6 +23,12 @@ def upgrade() -> None:
     with op.batch_alter_table("operations") as batch:
         batch.add_column(sa.Column("owner", sa.String(253), nullable=True))
         batch.add_column(sa.Column("heartbeat_at", sa.DateTime(timezone=True), nullable=True))
+    # Operations an older replica is running (during the rolling update onto this version) are
+    # not renewed by it: they count as alive for one lease from their last update, not as
+    # abandoned at once.
+    op.execute(
+        "UPDATE operations SET heartbeat_at = updated_at WHERE state IN ('pending', 'running')"
+    )
 
 
 def downgrade() -> None:
