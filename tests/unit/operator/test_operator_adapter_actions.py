@@ -4,16 +4,14 @@ repeats its key, and control plane errors name the LoRAAdapter's fields."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Callable
 from typing import Any
 
-import kopf
 import pytest
+from tests.unit.operator.adapter_pass import reconcile_adapter_once
 
 from loraplane.operator import handlers
-from loraplane.operator.config import OperatorConfig
 from loraplane.operator.cpclient import ControlPlaneError, ControlPlaneUnavailable
 
 pytestmark = pytest.mark.unit
@@ -132,29 +130,7 @@ def reconcile(
     cp: IdempotentControlPlane, status: dict[str, Any], generation: int = 1
 ) -> dict[str, Any]:
     """One handler pass over a LoRAAdapter with `status`; returns the status it writes."""
-    runtime = handlers.Runtime(OperatorConfig(), FakeKube(), cp)  # type: ignore[arg-type]
-    body = kopf.Body(
-        {
-            "metadata": {"name": "a", "namespace": "ml", "uid": UID, "generation": generation},
-            "spec": SPEC,
-            "status": status,
-        }
-    )
-    patch = kopf.Patch()
-    with contextlib.suppress(kopf.TemporaryError):
-        handlers.reconcile_adapter(
-            name="a",
-            namespace="ml",
-            uid=UID,
-            spec=kopf.Spec(body),
-            status=kopf.Status(body),
-            meta=kopf.Meta(body),
-            body=body,
-            patch=patch,
-            memo=kopf.Memo(runtime=runtime),
-            logger=None,
-        )
-    return {**status, **dict(patch["status"])}
+    return reconcile_adapter_once(FakeKube(), cp, SPEC, status, uid=UID, generation=generation)
 
 
 def test_a_second_load_in_the_same_generation_is_a_new_request_and_loads_again() -> None:

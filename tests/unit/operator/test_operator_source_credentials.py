@@ -6,16 +6,14 @@ and the namespace."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
 from typing import Any
 
-import kopf
 import pytest
 from kubernetes import client
+from tests.unit.operator.adapter_pass import reconcile_adapter_once
 
 from loraplane.operator import builders, handlers
-from loraplane.operator.config import OperatorConfig
 from loraplane.operator.cpclient import ControlPlaneError
 from loraplane.operator.kube import Kube, SecretNotReadable, decode_secret_data
 
@@ -108,29 +106,7 @@ def reconcile(
     generation: int = 1,
 ) -> dict[str, Any]:
     """One handler pass over LoRAAdapter ml/a; returns the status it writes."""
-    runtime = handlers.Runtime(OperatorConfig(), kube, cp)  # type: ignore[arg-type]
-    body = kopf.Body(
-        {
-            "metadata": {"name": "a", "namespace": "ml", "uid": UID, "generation": generation},
-            "spec": spec,
-            "status": status,
-        }
-    )
-    patch = kopf.Patch()
-    with contextlib.suppress(kopf.TemporaryError):
-        handlers.reconcile_adapter(
-            name="a",
-            namespace="ml",
-            uid=UID,
-            spec=kopf.Spec(body),
-            status=kopf.Status(body),
-            meta=kopf.Meta(body),
-            body=body,
-            patch=patch,
-            memo=kopf.Memo(runtime=runtime),
-            logger=None,
-        )
-    return {**status, **dict(patch["status"])}
+    return reconcile_adapter_once(kube, cp, spec, status, uid=UID, generation=generation)
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any]:
