@@ -7,7 +7,10 @@ docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
 - ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: two K steps per
-  split at least, ``MIN_K_STEPS_PER_SPLIT``).
+  split at least, ``MIN_K_STEPS_PER_SPLIT``);
+- ``skip``: ``0`` makes the expand and the stacked epilogues load every slice's (and the
+  no-adapter segment's) y and B tile masked instead of branching past them
+  (``expand.SLICE_SKIP``, ``stacked.LORA_SKIP``; session 7's kernels).
 
 (Session 5's ``presum`` switch, a side-stream sum of the shrink's split-K partials, went when
 the shrink came to sum its own partials in one launch.)
@@ -23,7 +26,7 @@ from __future__ import annotations
 import sys
 
 from loraplane.worker.bench import decode
-from loraplane.worker.kernels import _triton_utils
+from loraplane.worker.kernels import _triton_utils, expand, stacked
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -34,8 +37,10 @@ def apply_switches(spec: str) -> None:
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
+        elif key == "skip":
+            expand.SLICE_SKIP = stacked.LORA_SKIP = value == "1"
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold, split or skip")
 
 
 if __name__ == "__main__":

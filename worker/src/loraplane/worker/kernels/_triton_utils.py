@@ -179,10 +179,18 @@ def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None
     return max(1, min(k_blocks, cap, -(-TARGET_PROGRAMS // programs)))
 
 
+# (block_n, num_warps) for every expand instead of the rule below when set
+# (bench/probes/expand_tune.py).
+EXPAND_OVERRIDE: tuple[int, int] | None = None
+
+
 def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:
     """Fixed configs: one rank tile (whole rank), ``block_n`` output columns per program."""
     block_s = segment_block(max_seg_len)
     block_r = rank_block(rank_max)
     block_n = 128 if block_r <= 64 else 64
+    num_warps = 4
+    if EXPAND_OVERRIDE is not None:
+        block_n, num_warps = EXPAND_OVERRIDE
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
-    return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=4)
+    return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=num_warps)

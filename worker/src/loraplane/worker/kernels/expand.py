@@ -30,6 +30,27 @@ from loraplane.worker.kernels.shrink import check_segments, check_shrink_operand
 
 __all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
 
+# Probe switch (bench/probes/expand_tune.py): False loads every slice's y and B tile, masked.
+SLICE_SKIP = True
+
+
+@triton.jit
+def slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES: tl.constexpr):
+    """Columns ``[lo, hi)`` of slice ``i``: ``[0, n_cols)`` when there is one slice."""
+    if NUM_SLICES == 1:
+        return 0, n_cols
+    return tl.load(slice_offsets_ptr + i), tl.load(slice_offsets_ptr + i + 1)
+
+
+@triton.jit
+def slice_term(y_ptrs, b_ptrs, offs_n, offs_r, y_mask, r_mask, col_lo, col_hi, DOT_PRECISION):
+    """``y_i B_i`` of one slice over a column block: ``y_ptrs [BLOCK_S, 1]`` (the slice's first
+    y column per row), ``b_ptrs [BLOCK_R, BLOCK_N]``, B's columns masked to ``[col_lo, col_hi)``."""
+    in_slice = (offs_n >= col_lo) & (offs_n < col_hi)
+    y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
+    b_i = tl.load(b_ptrs, mask=r_mask[:, None] & in_slice[None, :], other=0.0)
+    return tl.dot(y_i, b_i, input_precision=DOT_PRECISION)
+
 
 @triton.jit
 def _lora_expand_kernel(
@@ -62,6 +83,7 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
+    SLICE_SKIP: tl.constexpr = True,  # branch past the slices a column block does not overlap
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # or branches on a loaded value after it: one basic block, so the y, B and out loads all
@@ -111,20 +133,20 @@ def _lora_expand_kernel(
     base = tl.load(out_ptrs, mask=out_mask, other=0.0)
 
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
+    b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
+    y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
+    y_mask = s_mask[:, None] & r_mask[None, :]
     for i in tl.static_range(NUM_SLICES):
         # a column block may straddle slices: each slice's B columns are masked to its range
-        col_lo = tl.load(slice_offsets_ptr + i)
-        col_hi = tl.load(slice_offsets_ptr + i + 1)
-        n_mask = (offs_n >= col_lo) & (offs_n < col_hi)
-        y_ptrs = y_base + y_rows[:, None] * y_stride_row + i * rank_max + offs_r[None, :]
-        y_tile = tl.load(
-            y_ptrs, mask=s_mask[:, None] & r_mask[None, :], other=0.0
-        )  # [BLOCK_S, BLOCK_R]
-        b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
-        b_tile = tl.load(
-            b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0
-        )  # [BLOCK_R, BLOCK_N]
-        acc += tl.dot(y_tile, b_tile, input_precision=DOT_PRECISION)
+        col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
+        overlaps = True
+        if SLICE_SKIP and NUM_SLICES > 1:  # branch past the slices the block misses
+            overlaps = (col_lo < n0 + BLOCK_N) & (col_hi > n0)
+        if overlaps:
+            y_i = y_ptrs + i * rank_max
+            acc += slice_term(
+                y_i, b_ptrs, offs_n, offs_r, y_mask, r_mask, col_lo, col_hi, DOT_PRECISION
+            )
 
     tl.store(
         out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
@@ -189,6 +211,7 @@ def launch_expand(
         BLOCK_N=config.block_n,
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
+        SLICE_SKIP=SLICE_SKIP,
         num_warps=config.num_warps,
     )
 

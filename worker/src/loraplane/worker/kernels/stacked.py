@@ -40,10 +40,16 @@ from loraplane.worker.kernels._triton_utils import (
     rank_block,
     segment_block,
 )
+from loraplane.worker.kernels.expand import slice_bounds, slice_term
 
 __all__ = ["StageInfo", "stacked_plain", "stacked_residual", "stacked_silu_mul"]
 
 _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
+
+
+# Probe switch (bench/probes/expand_tune.py): False loads (masked) every slice's y and B tile,
+# and the no-adapter segment's, instead of branching past them.
+LORA_SKIP = True
 
 
 @triton.jit
@@ -73,6 +79,7 @@ def _stacked_lora_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    LORA_SKIP: tl.constexpr = True,
 ):
     seg = tl.program_id(1)
     seg_start = tl.load(indptr_ptr + seg)
@@ -107,27 +114,39 @@ def _stacked_lora_kernel(
         y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
         y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
         b_mask = r_mask[:, None] & n_mask[None, :]
-        b_g = tl.load(b_base + b_cols, mask=b_mask, other=0.0)
-        b_u = tl.load(b_base + n_cols * b_stride_row + b_cols, mask=b_mask, other=0.0)
-        gate = base + scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-        up += scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+        gate = base
+        overlaps = True
+        if LORA_SKIP:  # the no-adapter segment loads no B and runs no dot
+            overlaps = has_lora
+        if overlaps:
+            b_g = tl.load(b_base + b_cols, mask=b_mask, other=0.0)
+            b_u = tl.load(b_base + n_cols * b_stride_row + b_cols, mask=b_mask, other=0.0)
+            gate += scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+            up += scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
         val = gate / (1.0 + tl.exp(-gate)) * up
     else:
         if MODE == 1:
             res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
         acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+        n0 = tl.program_id(2) * BLOCK_N
         for i in tl.static_range(NUM_SLICES):
-            y_i = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-            if NUM_SLICES == 1:
-                in_slice = n_mask
-            else:
-                col_lo = tl.load(slice_offsets_ptr + i)
-                col_hi = tl.load(slice_offsets_ptr + i + 1)
-                in_slice = (offs_n >= col_lo) & (offs_n < col_hi)
-            b_i = tl.load(
-                b_base + b_cols, mask=r_mask[:, None] & in_slice[None, :], other=0.0
-            )  # [BLOCK_R, BLOCK_N]
-            acc += tl.dot(y_i, b_i, input_precision=DOT_PRECISION)
+            col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
+            overlaps = True
+            if LORA_SKIP:  # no loads or dot for the no-adapter segment or a slice it misses
+                overlaps = has_lora & (col_lo < n0 + BLOCK_N) & (col_hi > n0)
+            if overlaps:
+                y_i = y_row + i * rank_max
+                acc += slice_term(
+                    y_i,
+                    b_base + b_cols,
+                    offs_n,
+                    offs_r,
+                    y_mask,
+                    r_mask,
+                    col_lo,
+                    col_hi,
+                    DOT_PRECISION,
+                )
         val = base + scaling * acc
         if MODE == 1:
             val = res.to(tl.float32) + val
@@ -238,6 +257,7 @@ def _launch(
         BLOCK_S=block_s,
         BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
+        LORA_SKIP=LORA_SKIP,
         num_warps=4,
     )
 
