@@ -10,7 +10,9 @@ adapters interleaved; ranks 16 and 64), each expand is graph-timed from cold L2
 slices a column block misses skipped by a branch (``SLICE_SKIP``, the default) or loaded
 masked (session 7's kernel), next to a device copy of the same bytes. Bytes are counted as
 ``bench/kernels.py`` counts them (y, each used B once at the real rank, out read + written);
-``pct_peak`` is against a 2 GiB copy in the same run. Prints one JSON object per case and
+``pct_peak`` is against a 2 GiB copy in the same run (``bench.common.copy_bandwidth``, as
+``bench/kernels.py``; session 9's first run timed a 1 GiB copy in a graph instead and read a
+peak of 2756 GB/s against 4246, so its percentages are 1.54x too high). Prints one JSON object per case and
 writes them all to OUT.json.
 """
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from loraplane.worker import kernels
-from loraplane.worker.bench.common import time_graph
+from loraplane.worker.bench.common import copy_bandwidth, time_graph
 from loraplane.worker.kernels import _triton_utils, expand
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
@@ -98,17 +100,10 @@ def _copy_of(nbytes: int) -> Callable[[], object]:
     return lambda: dst.copy_(src)
 
 
-def _peak_gbs() -> float:
-    src = torch.empty(1 << 30, dtype=torch.int8, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_graph(lambda: dst.copy_(src), "cuda", inner=4, replays=10) or 1.0
-    return 2 * src.numel() / us / 1e3
-
-
 def main(out_path: str, max_seconds: float) -> None:
     torch.manual_seed(0)
     t0 = time.monotonic()
-    peak = _peak_gbs()
+    peak = copy_bandwidth("cuda")["gbytes_per_s"]  # as bench/kernels.py measures it
     rows: list[dict[str, Any]] = []
     for name in MODULES:
         for rank in (16, 64):

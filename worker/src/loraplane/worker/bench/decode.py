@@ -376,8 +376,10 @@ def run_decode_bench(
     backend: str = "triton",
     stage_slots: int = 4,
     max_rank: int | None = None,
+    profile_graphs: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """Measure every (batch size, variant, mode); JSON written to ``out`` after each row."""
+    """Measure every (batch size, variant, mode); JSON written to ``out`` after each row.
+    ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``)."""
     from loraplane.worker.config import LoRARuntimeConfig
     from loraplane.worker.engine.graphs import DecodeGraphs
 
@@ -554,6 +556,16 @@ def run_decode_bench(
                 "profile", lambda: _profile(runner, switch, min(64, max_bs), adapters, context)
             ),
         )
+    for bs in profile_graphs if dev_type == "cuda" else ():
+        sink.set(
+            f"profile_graph_bs{bs}",
+            sink.guarded(
+                f"graph profile bs={bs}",
+                lambda bs=bs: _profile(
+                    runner, switch, bs, adapters, context, DecodeGraphs(runner, max_bs, max_bs)
+                ),
+            ),
+        )
     sink.set("elapsed_s", time.perf_counter() - t_start)
     if dev_type == "cuda":
         torch.cuda.empty_cache()
@@ -569,29 +581,48 @@ def _project(head_ms: float, off_ms: float, lora_ms: float, layers: int, full: i
 
 
 def _profile(
-    runner: Any, switch: _LoRASwitch, bs: int, adapters: list[int], context: int
+    runner: Any,
+    switch: _LoRASwitch,
+    bs: int,
+    adapters: list[int],
+    context: int,
+    graphs: Any = None,
 ) -> dict[str, Any]:
-    """torch.profiler over 3 eager steps, LoRA off, with 1 adapter and with 4 (or the most)
-    adapters: the top kernels by device time and the number of kernel launches per step."""
+    """torch.profiler over 3 steps, LoRA off, with 1 adapter and with 4 (or the most)
+    adapters: the top kernels by device time, each kernel's device time per step
+    (``kernel_us_per_step``, so two variants can be subtracted) and the number of kernel
+    launches per step. Eager steps, or the runtime's decode graphs when ``graphs`` is a
+    ``DecodeGraphs`` (one per variant is not needed: each is captured on first use)."""
     from torch.profiler import ProfilerActivity, profile
 
     n = 4 if 4 in adapters else max(adapters)
-    result: dict[str, Any] = {"bs": bs}
+    result: dict[str, Any] = {"bs": bs, "mode": "graph" if graphs is not None else "eager"}
     for variant in dict.fromkeys(["off", *(["1"] if 1 in adapters else []), str(n)]):
         k = 0 if variant == "off" else int(variant)
         slots = [-1] * bs if variant == "off" else sorted(i % k for i in range(bs))
         (switch.off if variant == "off" else switch.on)()
+        runner.graphs = graphs
         try:
             with torch.inference_mode():
                 _eager_steps(runner, bs, slots, context, 1, 1)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     _eager_steps(runner, bs, slots, context, 0, 3)
         finally:
+            runner.graphs = None
             switch.off()
         events = prof.key_averages()
-        launches = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches = sum(e.count for e in kernels)
+        per_step = {
+            e.key[:90]: round(e.self_device_time_total / 3, 1)
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
+        }
         table = events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
-        result[variant] = {"kernel_launches_per_step": launches / 3, "table": table}
+        result[variant] = {
+            "kernel_launches_per_step": launches / 3,
+            "kernel_us_per_step": per_step,
+            "table": table,
+        }
     return result
 
 
@@ -647,7 +678,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cuda-graphs", action="store_true")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--profile", action="store_true", help="profile eager steps at bs min(64, largest)"
+    )
+    p.add_argument(
+        "--profile-graphs",
+        default="",
+        help="batch sizes whose CUDA-graph steps to profile (kernel time per step, per variant)",
+    )
     p.add_argument("--dtype", default=None)
     p.add_argument("--backend", default="triton", choices=["triton", "torch"])
     p.add_argument(
@@ -695,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         stage_slots=args.stage_slots,
         max_rank=args.max_lora_rank,
+        profile_graphs=tuple(_ints(args.profile_graphs)),
     )
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)
