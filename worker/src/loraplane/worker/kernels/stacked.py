@@ -50,6 +50,9 @@ _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 # Probe switch (bench/probes/expand_tune.py): False loads (masked) every slice's y and B tile,
 # and the no-adapter segment's, instead of branching past them.
 LORA_SKIP = True
+# (block_s, block_n, num_warps) for every launch instead of the rule in ``_launch`` when set
+# (bench/probes/stacked_tune.py).
+STACKED_OVERRIDE: tuple[int, int, int] | None = None
 
 
 @triton.jit
@@ -230,6 +233,9 @@ def _launch(
         return
     block_s = segment_block(stage.max_len)
     block_n = 128 if n_cols >= 128 else max(16, triton.next_power_of_2(n_cols))
+    num_warps = 4
+    if STACKED_OVERRIDE is not None:
+        block_s, block_n, num_warps = STACKED_OVERRIDE
     grid = (triton.cdiv(max(1, stage.max_len), block_s), segments, triton.cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
@@ -258,7 +264,7 @@ def _launch(
         BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
         LORA_SKIP=LORA_SKIP,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
