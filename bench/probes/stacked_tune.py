@@ -155,7 +155,14 @@ def _emit(row: dict[str, Any], rows: list[dict[str, Any]], out_path: str) -> Non
     print(json.dumps(row), flush=True)
     rows.append(row)
     with open(out_path, "w") as f:
-        json.dump({"probe": "stacked_tune", "gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV, "rows": rows}, f)
+        json.dump(
+            {
+                "probe": "stacked_tune",
+                "gpu": torch.cuda.get_device_name() if DEV == "cuda" else DEV,
+                "rows": rows,
+            },
+            f,
+        )
 
 
 def main(out_path: str, max_seconds: float) -> None:
