@@ -1,0 +1,87 @@
+"""Probe: which extent of a stacked weight the staged GEMM should read (CUDA only).
+
+    python bench/probes/gemm_extents.py OUT.json [MAX_SECONDS]
+
+A staged decode step computes ``x [W; A_staged]^T`` over the first ``N + need`` rows of the
+stacked weight (``need = width * slices * rank``). cuBLAS picks its kernel by shape, and a few
+extra rows can move it to a slower tile or split (``docs/performance.md``, session 9). Reading
+more rows than needed is free of meaning (the columns past ``N + need`` are never read) and
+sometimes faster. For each Llama-3-8B projection, each ``need`` of 1/2/4 stage positions at
+ranks 16/32/64 and each decode graph bucket up to 256 rows, every candidate extent is
+graph-timed from cold L2 (``bench.common.time_graph``). ``table`` lists the cases where the
+fastest candidate beats ``need`` by at least ``MIN_GAIN``, as ``lora/extents.py`` takes them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from loraplane.worker.bench.common import time_graph
+
+# name: (K, N, slices)
+PROJ = {
+    "qkv": (4096, 6144, 3),
+    "o": (4096, 4096, 1),
+    "gate_up": (4096, 28672, 2),
+    "down": (14336, 4096, 1),
+}
+ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+MIN_GAIN = 0.02  # the fastest extent must beat `need` by this fraction to enter the table
+MAX_PAD = 512  # rows past `need` a candidate may read
+
+
+def candidates(need: int) -> list[int]:
+    up = [-(-need // m) * m for m in (64, 128, 256)]
+    return sorted({need, *up, up[1] + 128, 384, 512} & set(range(need, need + MAX_PAD + 1)))
+
+
+def main(out_path: str, max_seconds: float) -> None:
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    t0 = time.monotonic()
+    rows_out: list[dict[str, Any]] = []
+    table: list[dict[str, Any]] = []
+    for name, (k, n, slices) in PROJ.items():
+        needs = sorted({w * slices * r for w in (1, 2, 4) for r in (16, 32, 64)})
+        buf = torch.randn(n + max(needs) + MAX_PAD, k, device=dev, dtype=dt) * k**-0.5
+        for m in ROWS:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            for need in needs:
+                if time.monotonic() - t0 > max_seconds:
+                    break
+                times = {
+                    e: round(time_graph(partial(F.linear, x, buf[: n + e]), dev) or 0.0, 2)
+                    for e in candidates(need)
+                }
+                best = min(times, key=lambda e: times[e])
+                row = {"proj": name, "K": k, "N": n, "rows": m, "need": need, "us": times}
+                rows_out.append(row)
+                if best != need and times[best] <= times[need] * (1 - MIN_GAIN):
+                    table.append(
+                        {"K": k, "N": n, "need": need, "rows": m, "extent": best,
+                         "us_need": times[need], "us_extent": times[best]}
+                    )  # fmt: skip
+                print(json.dumps(row), flush=True)
+            with open(out_path, "w") as f:
+                json.dump(
+                    {
+                        "probe": "gemm_extents",
+                        "gpu": torch.cuda.get_device_name(),
+                        "torch": torch.__version__,
+                        "min_gain": MIN_GAIN,
+                        "rows": rows_out,
+                        "table": table,
+                    },
+                    f,
+                )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 240.0)
