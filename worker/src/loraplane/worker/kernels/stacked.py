@@ -185,10 +185,10 @@ def _check(
             f"{slices * stage.rank} (y columns per stage position), got {n_r}"
         )
     want = n_base + stage.width * n_r
-    if f.shape[1] < want:
+    if f.shape[1] != want:
         raise ValueError(
-            f"{fn}: full must have at least {want} columns (N {n_base} + width {stage.width} "
-            f"x nR {n_r}; columns past them are not read), got shape {tuple(f.shape)}"
+            f"{fn}: full must have {want} columns (N {n_base} + width {stage.width} x nR "
+            f"{n_r}), got shape {tuple(f.shape)}"
         )
     segments = stage.full_slots.shape[0] if stage.full_slots.dim() == 1 else -1
     for name, t, dtype, length in (
