@@ -9,7 +9,13 @@ more rows than needed is free of meaning (the columns past ``N + need`` are neve
 sometimes faster. For each Llama-3-8B projection, each ``need`` of 1/2/4 stage positions at
 ranks 16/32/64 and each decode graph bucket up to 256 rows, every candidate extent is
 graph-timed from cold L2 (``bench.common.time_graph``). ``table`` lists the cases where the
-fastest candidate beats ``need`` by at least ``MIN_GAIN``, as ``lora/extents.py`` takes them.
+fastest candidate beats ``need`` by at least ``MIN_GAIN``.
+
+Session 9 wired such a table into the runtime (264b424: the stacked weight padded, the GEMM
+reading the table's extent) and measured the decode bench with it and without it, twice each
+in one call: with it, bs 16 read 0.94 against 0.96 for 1 and 4 adapters, bs 32 0.96-0.98
+against 0.95-0.96. A GEMM that is faster alone was not faster inside the step, so it was
+reverted (5bb9fbe); see docs/performance.md.
 """
 
 from __future__ import annotations
