@@ -10,9 +10,7 @@ docs/performance.md):
   split at least, ``MIN_K_STEPS_PER_SPLIT``);
 - ``skip``: ``0`` makes the expand and the stacked epilogues load every slice's (and the
   no-adapter segment's) y and B tile masked instead of branching past them
-  (``expand.SLICE_SKIP``, ``stacked.LORA_SKIP``; session 7's kernels);
-- ``start``: ``0`` makes the stacked epilogues load every row index from the row order, also
-  for segments of consecutive rows (``batch_info.ROW_STARTS``).
+  (``expand.SLICE_SKIP``, ``stacked.LORA_SKIP``; session 7's kernels).
 
 (Session 5's ``presum`` switch, a side-stream sum of the shrink's split-K partials, went when
 the shrink came to sum its own partials in one launch.)
@@ -29,7 +27,6 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils, expand, stacked
-from loraplane.worker.lora import batch_info
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -42,10 +39,8 @@ def apply_switches(spec: str) -> None:
             _triton_utils.MAX_SPLIT_K = int(value)
         elif key == "skip":
             expand.SLICE_SKIP = stacked.LORA_SKIP = value == "1"
-        elif key == "start":
-            batch_info.ROW_STARTS = value == "1"
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, split, skip or start")
+            raise SystemExit(f"unknown switch {key!r}: expected fold, split or skip")
 
 
 if __name__ == "__main__":

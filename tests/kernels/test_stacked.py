@@ -110,33 +110,6 @@ def test_silu_mul_adds_gate_and_up_loras_before_the_activation(
     _close(got, reference.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage), dtype)
 
 
-@pytest.mark.parametrize("op", ["plain", "residual", "silu_mul"])
-def test_segments_of_consecutive_rows_compute_them_instead_of_loading_them(op: str) -> None:
-    """``full_start`` (the engine's slot-ordered batches) gives the same bits as gathering
-    every row through ``full_order``, with the segment that is no run left to the gather."""
-    rows, n_base = 40, 96
-    slices = {"plain": 3, "residual": 1, "silu_mul": 2}[op]
-    full, b, stage = _batch(rows, n_base, slices, torch.float32)
-    # as the engine orders a batch: rows without an adapter (here 0-9) first, then by slot
-    order = torch.roll(torch.arange(rows), -10).to(DEVICE)  # positions 0.. -> rows 10..
-    ordered = dataclasses.replace(stage, full_order=order)
-    # segments at positions [0, 5) [5, 9) [9, 9) [9, 40): rows 10-14 and 15-18 are runs, the
-    # no-adapter rows 19-39, 0-9 are not (gathered)
-    starts = torch.tensor([10, 15, -1, -1], dtype=torch.int32, device=DEVICE)
-    computed = dataclasses.replace(ordered, full_start=starts)
-    offsets = torch.tensor([0, 40, 68, 96], dtype=torch.int32, device=DEVICE)
-    residual = torch.randn(rows, n_base, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-
-    def run(st: StageInfo) -> torch.Tensor:
-        if op == "plain":
-            return stacked.stacked_plain(full, n_base, 3 * R, b, st, offsets)
-        if op == "residual":
-            return stacked.stacked_residual(full, n_base, R, b, st, residual.clone())
-        return stacked.stacked_silu_mul(full, n_base, 2 * R, b, st)
-
-    assert torch.equal(run(computed), run(ordered))
-
-
 def test_stacked_kernels_name_a_bad_input() -> None:
     full, b, stage = _batch(12, 72, 1, torch.float32)
     with pytest.raises(ValueError, match=r"stacked_residual: full must have 136 columns"):

@@ -142,13 +142,6 @@ def test_static_lora_batch_pads_segments_and_rows() -> None:
     assert static.row_order[:4].tolist() == [2, 4, 0, 3]
     info = static.info()
     assert info.seg_ranks.tolist() == [8, 4, 8] and info.max_seg_len == 8
-    # rows of a segment that are not consecutive are gathered through row_order (-1) ...
-    assert static.full_start.tolist() == [-1, -1, -1, -1]
-    # ... those of an engine-ordered batch (by slot, no adapter first) are computed
-    static.fill([NO_ADAPTER, 0, 0, 2])
-    assert static.full_start.tolist() == [1, 3, -1, -1]  # slot 0: rows 1-2, slot 2: row 3
-    static.fill([0, 0, 2])
-    assert static.full_start.tolist() == [0, 2, -1, 3]  # the rest: padding rows 3-7
     with pytest.raises(ValueError, match="a batch of 9 rows does not fit a graph of 8 rows"):
         static.fill([0] * 9)
     few = StaticLoRABatch(4, 2, ranks, scalings, torch.device("cpu"))  # 2 segments

@@ -94,10 +94,7 @@ class StageInfo:
     LoRA, the base value only); ``full_scalings`` float32 [F]. ``max_len`` bounds the rows of
     any full segment (it sizes the grid); ``width`` is how many stage positions the stacked
     GEMM computes (every ``full_pos`` is below it); ``rank``: y columns per slice of a
-    position (the stage rank, at most B's last dimension). ``full_start`` (optional) int32
-    [F]: the first row of a segment whose rows are consecutive (``full_order`` holds ``r,
-    r + 1, ..`` there), else -1; the kernels then compute those rows instead of loading them,
-    one dependent round trip to memory less per launch.
+    position (the stage rank, at most B's last dimension).
     """
 
     full_indptr: torch.Tensor
@@ -108,7 +105,6 @@ class StageInfo:
     max_len: int
     width: int
     rank: int
-    full_start: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)

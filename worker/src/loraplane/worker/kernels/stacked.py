@@ -63,7 +63,6 @@ def _stacked_lora_kernel(
     out_ptr,  # [T, N] (PLAIN, RESIDUAL) or [T, N / 2] (SILU_MUL)
     indptr_ptr,  # int32 [F + 1]
     order_ptr,  # int64 [T]
-    start_ptr,  # int32 [F]: first row of a consecutive segment, else -1 (HAS_START)
     slots_ptr,  # int32 [F]
     pos_ptr,  # int32 [F]
     scal_ptr,  # float32 [F]
@@ -84,7 +83,6 @@ def _stacked_lora_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     LORA_SKIP: tl.constexpr = True,
-    HAS_START: tl.constexpr = False,
 ):
     seg = tl.program_id(1)
     seg_start = tl.load(indptr_ptr + seg)
@@ -96,12 +94,7 @@ def _stacked_lora_kernel(
     if seg_start + tl.program_id(0) * BLOCK_S >= seg_end:
         return
     s_mask = offs_s < seg_end
-    if HAS_START:  # a segment of consecutive rows computes them: no load to wait for
-        start = tl.load(start_ptr + seg)
-        rows = tl.load(order_ptr + offs_s, mask=s_mask & (start < 0), other=0)
-        rows = tl.where(start >= 0, (start + offs_s - seg_start).to(tl.int64), rows)
-    else:
-        rows = tl.load(order_ptr + offs_s, mask=s_mask, other=0)  # [BLOCK_S] int64
+    rows = tl.load(order_ptr + offs_s, mask=s_mask, other=0)  # [BLOCK_S] int64
     has_lora = pos >= 0  # the no-adapter segment reads no y and no B (a NaN in some
     # slot's B must not reach rows that use no adapter)
     lora = s_mask & has_lora
@@ -198,16 +191,13 @@ def _check(
             f"{n_r}), got shape {tuple(f.shape)}"
         )
     segments = stage.full_slots.shape[0] if stage.full_slots.dim() == 1 else -1
-    fields = [
+    for name, t, dtype, length in (
         ("full_indptr", stage.full_indptr, torch.int32, segments + 1),
         ("full_slots", stage.full_slots, torch.int32, segments),
         ("full_pos", stage.full_pos, torch.int32, segments),
         ("full_scalings", stage.full_scalings, torch.float32, segments),
         ("full_order", stage.full_order, torch.int64, f.shape[0]),
-    ]
-    if stage.full_start is not None:
-        fields.append(("full_start", stage.full_start, torch.int32, segments))
-    for name, t, dtype, length in fields:
+    ):
         t = check_tensor(fn, f"stage.{name}", t, ndim=1, dtypes=(dtype,), device=f.device)
         check_dim(fn, f"stage.{name}", t, 0, length, "one per full segment (+1), or per row")
     return f, b
@@ -260,7 +250,6 @@ def _launch(
         out,
         stage.full_indptr,
         stage.full_order,
-        stage.full_start if stage.full_start is not None else stage.full_indptr,
         stage.full_slots,
         stage.full_pos,
         stage.full_scalings,
@@ -281,7 +270,6 @@ def _launch(
         BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
         LORA_SKIP=LORA_SKIP,
-        HAS_START=stage.full_start is not None,
         num_warps=num_warps,
     )
 

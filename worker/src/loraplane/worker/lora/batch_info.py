@@ -36,17 +36,6 @@ def segments_of(token_slots: Sequence[int]) -> tuple[list[int], list[int], list[
     return order, indptr, slots
 
 
-# Probe switch (bench/probes/switches.py start=0): False leaves every row to the gather.
-ROW_STARTS = True
-
-
-def _first_of_run(rows: Sequence[int]) -> int:
-    """``rows[0]`` when ``rows`` are consecutive ascending (``r, r + 1, ..``), else -1."""
-    if not rows or rows[-1] - rows[0] != len(rows) - 1:
-        return -1
-    return rows[0] if all(b == a + 1 for a, b in pairwise(rows)) else -1
-
-
 @dataclass(slots=True)
 class LoRABatchInfo:
     token_slots: torch.Tensor  # int32 [T]: slot per row, -1 = no adapter
@@ -147,10 +136,10 @@ class StaticLoRABatch:
         self.stage_rank = stage_rank  # y columns per slice of a stage position
         pin = device.type == "cuda"
         s = self.segments
-        # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1
-        # | full_start [S + 1]: with the trailing entries, the full segments (adapter segments,
-        # then the rows with no adapter) are views of the same buffer.
-        n_ints = rows + 4 * s + 5
+        # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1:
+        # with the trailing entries, the full segments (adapter segments, then the rows with
+        # no adapter) are views of the same buffer.
+        n_ints = rows + 3 * s + 4
         self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
         # every row: adapter rows by segment, then the others (row_order is its prefix use)
@@ -162,7 +151,6 @@ class StaticLoRABatch:
         self.seg_slots = self._ints[rows + s + 2 : rows + 2 * s + 2]
         self.full_slots = self._ints[rows + s + 2 : rows + 2 * s + 3]
         self.full_pos = self._ints[rows + 2 * s + 3 : rows + 3 * s + 4]
-        self.full_start = self._ints[rows + 3 * s + 4 : rows + 4 * s + 5]
 
     def fill(
         self,
@@ -204,11 +192,6 @@ class StaticLoRABatch:
         ints += [self.rows, *slots, *[0] * pad, 0, *pos, *[NO_ADAPTER] * (pad + 1)]
         in_segment = set(order)
         rest = [i for i in range(self.rows) if i not in in_segment]
-        # A full segment of consecutive rows gets its first row: the engine orders a batch by
-        # slot, so every adapter segment is one (and the rows with no adapter, when the
-        # batch has none but padding).
-        starts = [_first_of_run(order[a:b]) for a, b in pairwise(indptr)]
-        ints += [*starts, *[-1] * pad, _first_of_run(rest)]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
         self._order_host.copy_(torch.tensor(order + rest))
         self._ints.copy_(self._ints_host, non_blocking=True)
@@ -241,5 +224,4 @@ class StaticLoRABatch:
             max_len=self.rows,  # the no-adapter segment may hold every row
             width=self.stage_width,
             rank=self.stage_rank,
-            full_start=self.full_start if ROW_STARTS else None,
         )
