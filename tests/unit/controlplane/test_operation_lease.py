@@ -17,9 +17,10 @@ from sqlalchemy import update
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus
+from loraplane.controlplane.merge import UpdateResult
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Pool
-from loraplane.controlplane.operations import Inflight, Operations
+from loraplane.controlplane.operations import Inflight, Operations, WorkerRef
 from loraplane.controlplane.workers import WorkerClient
 
 pytestmark = pytest.mark.unit
@@ -159,3 +160,29 @@ def test_own_operations_are_settled_once_they_miss_a_renewal(tmp_path: Path) -> 
             assert state_of(db, dropped)[2] is None
 
     asyncio.run(run())
+
+
+def test_an_unexpected_error_in_one_call_waits_for_the_other_workers_calls(
+    tmp_path: Path,
+) -> None:
+    """After a bug or a lost database in one worker's call, the operation is settled from what
+    the workers hold. A load still running on another worker must end first, or it lands
+    after that look: a copy the registry has no row for."""
+    ended: list[str] = []
+
+    async def call(target: WorkerRef) -> UpdateResult:
+        if target.name == "w-bad":
+            raise RuntimeError("the database went away")
+        await asyncio.sleep(0.3)
+        ended.append(target.name)
+        return UpdateResult(True)
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as http:
+            ops = replica(registry(tmp_path), http, "cp-a")
+            targets = [WorkerRef(1, "w-bad", "http://w-bad", 1), WorkerRef(2, "w-slow", "x", 1)]
+            with pytest.raises(RuntimeError, match="the database went away"):
+                await ops._fanout("load", targets, call)
+            assert ended == ["w-slow"]
+
+    asyncio.run(main())

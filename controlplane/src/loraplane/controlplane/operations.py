@@ -497,8 +497,15 @@ class Operations:
             return result, time.perf_counter() - start
 
         start = time.perf_counter()
-        answers = await asyncio.gather(*(timed(t) for t in targets))
+        # Every call runs to its end before this returns or raises: after an unexpected error
+        # in one, the operation is settled from what the workers hold, and a load still in
+        # flight elsewhere would land after that look (a copy with no row).
+        outcomes = await asyncio.gather(*(timed(t) for t in targets), return_exceptions=True)
         self.metrics.fanout_latency.labels(op_label).observe(time.perf_counter() - start)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        answers = [a for a in outcomes if not isinstance(a, BaseException)]
         results = [a[0] for a in answers]
         per_target = [
             {
