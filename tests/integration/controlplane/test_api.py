@@ -488,6 +488,11 @@ def test_router_errors_are_clear(
     assert base.status_code == 503 and "no ready worker" in base.json()["error"]["message"]
     models = client.get("/v1/models", headers=ADMIN).json()["data"]
     assert [(m["id"], m["parent"]) for m in models] == [("tiny", None), ("tiny:sql", "tiny")]
+    # none of them reached a worker: counted by error code, not by the client's model string
+    text = client.get("/metrics").text
+    for code, n in (("invalid_value", 2), ("not_found", 2), ("no_worker", 2)):
+        assert f'loraplane_router_rejected_total{{code="{code}"}} {n}.0' in text, text
+    assert "nope" not in text and 'adapter="other' not in text
 
 
 def test_metrics_count_operations(

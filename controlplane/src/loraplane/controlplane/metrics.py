@@ -45,6 +45,13 @@ class Metrics:
             ["namespace", "adapter", "code"],
             registry=r,
         )
+        self.router_rejected = Counter(
+            "loraplane_router_rejected",
+            "Routed requests answered with an error before any worker answered, by error code "
+            "(not labelled by adapter: the model string is the client's)",
+            ["code"],
+            registry=r,
+        )
         self.on_demand_loads = Counter(
             "loraplane_on_demand_loads",
             "On-demand loads started by the router, by pool and outcome",

@@ -251,8 +251,33 @@ def rewrite_model(payload: bytes, model: str) -> bytes:
     return payload
 
 
+@dataclass(slots=True)
+class _Counted:
+    """Whether a request was counted in ``routed_requests`` (a worker answered or was tried)."""
+
+    routed: bool = False
+
+
 async def proxy(
     request: Request, path: str, principal: Principal, services: Services, ns_header: str | None
+) -> Response:
+    """Route one OpenAI request; an error answered before any worker is counted by its code."""
+    counted = _Counted()
+    try:
+        return await _proxy(request, path, principal, services, ns_header, counted)
+    except ApiError as exc:
+        if not counted.routed:
+            services.metrics.router_rejected.labels(exc.code).inc()
+        raise
+
+
+async def _proxy(
+    request: Request,
+    path: str,
+    principal: Principal,
+    services: Services,
+    ns_header: str | None,
+    counted: _Counted,
 ) -> Response:
     try:
         body = await request.json()
@@ -292,6 +317,7 @@ async def proxy(
         except WorkerTimeout as exc:  # busy, not gone: the worker stays routable
             release()
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "504").inc()
+            counted.routed = True
             raise ApiError(504, "upstream_timeout", str(exc)) from exc
         except WorkerUnreachable as exc:
             release()
@@ -308,6 +334,7 @@ async def proxy(
                 route = await resolve(services, principal, namespace, model)
                 continue
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "503").inc()
+            counted.routed = True
             raise ApiError(503, "no_worker", str(exc)) from exc
         if response.status_code == 404 and route.lora_name is not None and attempt == 0:
             # the worker lost the adapter (it restarted): say so, let the reconciler repair, retry
@@ -321,6 +348,7 @@ async def proxy(
         services.metrics.routed_requests.labels(
             namespace, route.adapter_name, str(response.status_code)
         ).inc()
+        counted.routed = True
         if stream and response.status_code == 200:
 
             async def relay(response: Any = response, route: Route = route) -> AsyncIterator[bytes]:
