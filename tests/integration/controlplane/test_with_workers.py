@@ -375,6 +375,29 @@ def test_on_demand_loads_evict_the_least_recently_used_and_pins_are_limited(
     assert worker.models() == {"a0", "a2", "a3", "a4"}
 
 
+def test_a_request_that_stops_waiting_for_a_cold_start_leaves_the_load_running(
+    cp: TestClient, settings: Settings, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """The client gets 503 on_demand_timeout; the load goes on and is counted once, as a
+    load (succeeded), and the request once, as a request the router answered itself."""
+    join(cp, tiny, workers[:1])
+    assert register(cp, tiny, "a0", load=False, placement={"count": 1}).status_code == 201
+    settings.router.on_demand_timeout_s = 0.001  # read per request
+    body = {"model": "a0", "prompt": "hi", "max_tokens": 1}
+    late = cp.post("/v1/completions", json=body, headers=ADMIN)
+    assert late.status_code == 503, late.text
+    assert late.json()["error"]["code"] == "on_demand_timeout"
+    assert "the load continues, retry later" in late.json()["error"]["message"]
+    wait_for(lambda: adapter(cp, "a0")["routable"] is True, 60, what="the load went on")
+    settings.router.on_demand_timeout_s = 60
+    assert cp.post("/v1/completions", json=body, headers=ADMIN).status_code == 200
+    text = cp.get("/metrics").text
+    loads = "loraplane_on_demand_loads_total"
+    assert metric_value(text, loads, namespace="default", pool="tiny", outcome="succeeded") == 1
+    assert 'outcome="timeout"' not in text
+    assert metric_value(text, "loraplane_router_rejected_total", code="on_demand_timeout") == 1
+
+
 def test_restarted_worker_gets_its_adapters_back_and_the_registry_never_lies(
     cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # Label values known up front (counters start at 0 for them).
 OPERATION_KINDS = ("register", "load", "unload", "delete", "pin", "unpin", "update_version")
 OPERATION_OUTCOMES = ("succeeded", "failed", "rolled_back", "error")
-ON_DEMAND_OUTCOMES = ("succeeded", "failed", "rolled_back", "timeout", "no_capacity")
+ON_DEMAND_OUTCOMES = ("succeeded", "failed", "rolled_back", "no_capacity")
 DRIFT_KINDS = ("restored", "stray_unloaded", "placed", "repinned")
 RECONCILE_OUTCOMES = ("ok", "error", "standby")
 WORKER_STATES = ("pending", "ready", "unreachable")

@@ -181,7 +181,7 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
                 f"not {prefix!r}",
                 field="body.model",
             )
-        adapter_id, key, pool_name = adapter.id, adapter.name, pool.name
+        adapter_id, key = adapter.id, adapter.name
         worker = least_loaded(services, routable_workers(adapter))
         if worker is not None:
             return Route(
@@ -195,8 +195,7 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
     timeout = services.settings.router.on_demand_timeout_s
     try:
         await asyncio.wait_for(on_demand_load(services, adapter_id), timeout)
-    except TimeoutError as exc:
-        services.metrics.on_demand_loads.labels(namespace, pool_name, "timeout").inc()
+    except TimeoutError as exc:  # a request, not a load: router_rejected{code} counts it
         raise ApiError(
             503,
             "on_demand_timeout",
