@@ -182,6 +182,11 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         "the routed requests scraped",
     )
     completion(http, "tiny:a1", "hello again", ADMIN)
+    # One the router refuses before any worker (no such adapter): router_rejected_total.
+    unknown = http.post(
+        "/v1/completions", json={"model": "tiny:nope", "prompt": "x"}, headers=ADMIN
+    )
+    assert unknown.status_code == 404, unknown.text
 
     # A fourth adapter on workers that hold M already: the control plane evicts the LRU one.
     assert register(cp, adapters, "a4").status_code == 201

@@ -8,6 +8,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 OPERATION_KINDS = ("register", "load", "unload", "delete", "pin", "unpin", "update_version")
 OPERATION_OUTCOMES = ("succeeded", "failed", "rolled_back", "error")
 ON_DEMAND_OUTCOMES = ("succeeded", "failed", "rolled_back", "no_capacity")
+# The error codes the router answers with before any worker does (api/openai.py).
+ROUTER_REJECT_CODES = (
+    "invalid_value",
+    "forbidden_namespace",
+    "not_found",
+    "no_worker",
+    "no_capacity",
+    "inconsistent",
+    "on_demand_failed",
+    "on_demand_timeout",
+)
 DRIFT_KINDS = ("restored", "stray_unloaded", "placed", "repinned")
 RECONCILE_OUTCOMES = ("ok", "error", "standby")
 WORKER_STATES = ("pending", "ready", "unreachable")
@@ -112,6 +123,8 @@ class Metrics:
             self.drift_repaired.labels(kind)
         for outcome in RECONCILE_OUTCOMES:
             self.reconcile_passes.labels(outcome)
+        for code in ROUTER_REJECT_CODES:
+            self.router_rejected.labels(code)
 
     def init_pool(self, namespace: str, pool: str) -> None:
         """Zero the per-pool counters of a pool (idempotent, cheap: called every pass)."""
