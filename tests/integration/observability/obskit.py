@@ -41,6 +41,7 @@ NEW_METRICS = (
     'loraplane_evictions_total{namespace="default", pool="tiny", worker=~"w0|w1"} > 0',
     'loraplane_on_demand_loads_total{namespace="default", pool="tiny", outcome="succeeded"} > 0',
     'loraplane_on_demand_loads_total{namespace="default", pool="tiny", outcome="no_capacity"}',
+    'loraplane_router_rejected_total{code="not_found"} > 0',
     'loraplane_operations_total{namespace="default", pool="tiny", outcome="rolled_back"} > 0',
     'loraplane_operations_total{kind="pin", outcome="failed"} == 0',
     'loraplane_drift_repaired_total{kind="placed"}',

@@ -171,6 +171,8 @@ def test_an_unexpected_error_in_one_call_waits_for_the_other_workers_calls(
     ended: list[str] = []
 
     async def call(target: WorkerRef) -> UpdateResult:
+        if target.name == "w-cancelled":  # a call cancelled on its own: not what to settle on
+            raise asyncio.CancelledError
         if target.name == "w-bad":
             raise RuntimeError("the database went away")
         await asyncio.sleep(0.3)
@@ -180,7 +182,11 @@ def test_an_unexpected_error_in_one_call_waits_for_the_other_workers_calls(
     async def main() -> None:
         async with httpx.AsyncClient() as http:
             ops = replica(registry(tmp_path), http, "cp-a")
-            targets = [WorkerRef(1, "w-bad", "http://w-bad", 1), WorkerRef(2, "w-slow", "x", 1)]
+            targets = [
+                WorkerRef(3, "w-cancelled", "x", 1),
+                WorkerRef(1, "w-bad", "x", 1),
+                WorkerRef(2, "w-slow", "x", 1),
+            ]
             with pytest.raises(RuntimeError, match="the database went away"):
                 await ops._fanout("load", targets, call)
             assert ended == ["w-slow"]

@@ -18,6 +18,7 @@ ROUTER_REJECT_CODES = (
     "inconsistent",
     "on_demand_failed",
     "on_demand_timeout",
+    "operation_in_progress",  # another replica claimed the adapter for its own on-demand load
 )
 DRIFT_KINDS = ("restored", "stray_unloaded", "placed", "repinned")
 RECONCILE_OUTCOMES = ("ok", "error", "standby")

@@ -502,9 +502,9 @@ class Operations:
         # flight elsewhere would land after that look (a copy with no row).
         outcomes = await asyncio.gather(*(timed(t) for t in targets), return_exceptions=True)
         self.metrics.fanout_latency.labels(op_label).observe(time.perf_counter() - start)
-        for outcome in outcomes:
-            if isinstance(outcome, BaseException):
-                raise outcome
+        errors = [o for o in outcomes if isinstance(o, BaseException)]
+        if errors:  # a real error before a call's own cancellation: the caller settles on it
+            raise next((e for e in errors if isinstance(e, Exception)), errors[0])
         answers = [a for a in outcomes if not isinstance(a, BaseException)]
         results = [a[0] for a in answers]
         per_target = [

@@ -602,6 +602,7 @@ def _profile(
         slots = [-1] * bs if variant == "off" else sorted(i % k for i in range(bs))
         (switch.off if variant == "off" else switch.on)()
         runner.graphs = graphs
+        replays = graphs.replays if graphs is not None else 0
         try:
             with torch.inference_mode():
                 _eager_steps(runner, bs, slots, context, 1, 1)
@@ -614,8 +615,8 @@ def _profile(
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         launches = sum(e.count for e in kernels)
         per_step = {
-            e.key[:90]: round(e.self_device_time_total / 3, 1)
-            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]
+            e.key: round(e.self_device_time_total / 3, 1)
+            for e in sorted(kernels, key=lambda e: -e.self_device_time_total)
         }
         table = events.table(sort_by="self_cuda_time_total", row_limit=18, max_name_column_width=60)
         result[variant] = {
@@ -623,6 +624,8 @@ def _profile(
             "kernel_us_per_step": per_step,
             "table": table,
         }
+        if graphs is not None:  # a capture that failed runs eagerly: say what was profiled
+            result[variant]["graph_replays"] = graphs.replays - replays  # of 4 steps
     return result
 
 
@@ -708,6 +711,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     cuda = is_cuda(args.device)
+    if args.profile_graphs and args.batch_sizes:
+        too_big = [b for b in _ints(args.profile_graphs) if b > max(_ints(args.batch_sizes))]
+        if too_big:
+            p.error(f"--profile-graphs {too_big}: at most the largest of --batch-sizes")
     shape = args.shape or ("llama3-8b" if cuda else "tiny")
     layers = args.layers or (
         2 if shape.startswith("tiny") else 4 if SHAPES[shape].get("num_experts") else 8

@@ -86,9 +86,10 @@ def _lora_expand_kernel(
     SLICE_SKIP: tl.constexpr = True,  # branch past the slices a column block does not overlap
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
-    # or branches on a loaded value after it: one basic block, so the y, B and out loads all
-    # leave together once the segment's bounds arrive (two round trips to memory, not five).
-    # A program past its segment's end, or on a rank-0 slot, masks everything off instead.
+    # on a loaded value after it, so the y, B and out loads leave together once the segment's
+    # bounds arrive (two round trips to memory, not five). A program past its segment's end,
+    # or on a rank-0 slot, masks everything off instead. The one branch is per slice of a
+    # stacked projection (SLICE_SKIP), on slice bounds that arrive with the segment's.
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
         blk = tl.load(tile_blk_ptr + tl.program_id(0))

@@ -47,8 +47,8 @@ __all__ = ["StageInfo", "stacked_plain", "stacked_residual", "stacked_silu_mul"]
 _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 
 
-# Probe switch (bench/probes/expand_tune.py): False loads (masked) every slice's y and B tile,
-# and the no-adapter segment's, instead of branching past them.
+# Probe switch (bench/probes/switches.py skip=0): False loads (masked) every slice's y and B
+# tile, and the no-adapter segment's, instead of branching past them.
 LORA_SKIP = True
 # (block_s, block_n, num_warps) for every launch instead of the rule in ``_launch`` when set
 # (bench/probes/stacked_tune.py).
@@ -110,7 +110,8 @@ def _stacked_lora_kernel(
     b_base = b_ptr + slot * b_stride_slot
     b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
 
-    # Every load is issued before the first dot (see kernels/expand.py).
+    # The base, y and slice-bound loads are issued first (see kernels/expand.py); B's wait
+    # only for the branch past the no-adapter segment and the slices a block misses.
     base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if MODE == 2:  # gate | up: gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
         up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
