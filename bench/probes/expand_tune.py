@@ -1,4 +1,4 @@
-"""Probe: the expand kernel's time per block config and slice handling (CUDA only).
+"""Probe: the expand kernel's time per block config (CUDA only).
 
     python bench/probes/expand_tune.py OUT.json [MAX_SECONDS]
 
@@ -6,14 +6,15 @@ The expand (``kernels/expand.py``) is what batches of more than the stage's adap
 eager steps and every per-expert MoE LoRA run. For Llama-3-8B-shaped qkv / o / gate_up / down
 and Qwen3-30B-A3B-shaped MoE gate_up / down at decode sizes (16 and 128 tokens; 1, 4, 16
 adapters interleaved; ranks 16 and 64), each expand is graph-timed from cold L2
-(``bench.common.time_graph``) at every ``(block_n, num_warps)`` of ``CONFIGS``, with the
-slices a column block misses skipped by a branch (``SLICE_SKIP``, the default) or loaded
-masked (session 7's kernel), next to a device copy of the same bytes. Bytes are counted as
+(``bench.common.time_graph``) at every ``(block_n, num_warps)`` of ``CONFIGS``
+(``_triton_utils.EXPAND_OVERRIDE``), next to a device copy of the same bytes. (Session 9 also
+timed the slices a column block misses loaded masked, session 7's kernel, against the branch
+past them that the kernel now takes: ``bench/results/2026-11-30-h200-s9``, c0a6763.) Bytes are counted as
 ``bench/kernels.py`` counts them (y, each used B once at the real rank, out read + written);
 ``pct_peak`` is against a 2 GiB copy in the same run (``bench.common.copy_bandwidth``, as
 ``bench/kernels.py``; session 9's first run timed a 1 GiB copy in a graph instead and read a
-peak of 2756 GB/s against 4246, so its percentages are 1.54x too high). Prints one JSON object per case and
-writes them all to OUT.json.
+peak of 2756 GB/s against 4246, so its percentages are 1.54x too high). Prints one JSON
+object per case and writes them all to OUT.json.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from loraplane.worker import kernels
 from loraplane.worker.bench.common import copy_bandwidth, time_graph
-from loraplane.worker.kernels import _triton_utils, expand
+from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 # name: (slice widths, experts, topk)
@@ -120,35 +121,24 @@ def main(out_path: str, max_seconds: float) -> None:
                         "bytes": nbytes,
                     }
                     row["copy_us"] = round(time_graph(_copy_of(nbytes), "cuda") or 0.0, 2)
-                    multi = len(MODULES[name][0]) > 1
-                    results = {}
-                    for skip in (True, False) if multi else (True,):
-                        for block_n, warps in CONFIGS:
-                            expand.SLICE_SKIP = skip
-                            _triton_utils.EXPAND_OVERRIDE = (block_n, warps)
-                            key = f"{'skip' if skip else 'masked'}_n{block_n}_w{warps}"
-                            before = out.clone()
-                            call()
-                            results[key] = out - before  # the term this config added
-                            out.copy_(before)
-                            row[key] = round(time_graph(call, "cuda") or 0.0, 2)
+                    pristine, results = out.clone(), {}
+                    for block_n, warps in CONFIGS:
+                        _triton_utils.EXPAND_OVERRIDE = (block_n, warps)
+                        key = f"n{block_n}_w{warps}"
+                        out.copy_(pristine)  # timing adds into out: each config from the same
+                        call()
+                        results[key] = out - pristine  # the term this config added
+                        row[key] = round(time_graph(call, "cuda") or 0.0, 2)
                     _triton_utils.EXPAND_OVERRIDE = None
-                    expand.SLICE_SKIP = True
                     first = next(iter(results.values())).float()
                     row["max_diff"] = max(
                         float((r.float() - first).abs().max()) for r in results.values()
                     )
-                    times = {k: v for k, v in row.items() if k.startswith(("skip", "masked"))}
+                    times = {k: row[k] for k in results}
                     best = min(times, key=lambda k: times[k])
                     row["best"] = best
                     row["best_pct_peak"] = round(100 * nbytes / times[best] / 1e3 / peak, 1)
-                    row["default_pct_peak"] = round(
-                        100 * nbytes / times["skip_n128_w4"] / 1e3 / peak, 1
-                    )
-                    if multi:
-                        row["masked_pct_peak"] = round(
-                            100 * nbytes / times["masked_n128_w4"] / 1e3 / peak, 1
-                        )
+                    row["default_pct_peak"] = round(100 * nbytes / times["n128_w4"] / 1e3 / peak, 1)
                     row["copy_pct_peak"] = round(100 * nbytes / row["copy_us"] / 1e3 / peak, 1)
                     print(json.dumps(row), flush=True)
                     rows.append(row)

@@ -7,10 +7,10 @@ docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
 - ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: two K steps per
-  split at least, ``MIN_K_STEPS_PER_SPLIT``);
-- ``skip``: ``0`` makes the expand and the stacked epilogues load every slice's (and the
-  no-adapter segment's) y and B tile masked instead of branching past them
-  (``expand.SLICE_SKIP``, ``stacked.LORA_SKIP``; session 7's kernels).
+  split at least, ``MIN_K_STEPS_PER_SPLIT``).
+
+(Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
+measured, c0a6763, and removed once the branch past them stayed.)
 
 (Session 5's ``presum`` switch, a side-stream sum of the shrink's split-K partials, went when
 the shrink came to sum its own partials in one launch.)
@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 
 from loraplane.worker.bench import decode
-from loraplane.worker.kernels import _triton_utils, expand, stacked
+from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.lora.layers import RowLoRA
 
 
@@ -37,10 +37,8 @@ def apply_switches(spec: str) -> None:
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
-        elif key == "skip":
-            expand.SLICE_SKIP = stacked.LORA_SKIP = value == "1"
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, split or skip")
+            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
 
 
 if __name__ == "__main__":

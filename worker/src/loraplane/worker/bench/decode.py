@@ -711,15 +711,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     cuda = is_cuda(args.device)
-    if args.profile_graphs and args.batch_sizes:
-        too_big = [b for b in _ints(args.profile_graphs) if b > max(_ints(args.batch_sizes))]
-        if too_big:
-            p.error(f"--profile-graphs {too_big}: at most the largest of --batch-sizes")
     shape = args.shape or ("llama3-8b" if cuda else "tiny")
     layers = args.layers or (
         2 if shape.startswith("tiny") else 4 if SHAPES[shape].get("num_experts") else 8
     )
     bss = _ints(args.batch_sizes) if args.batch_sizes else ([16, 32, 64, 128] if cuda else [2, 4])
+    too_big = [b for b in _ints(args.profile_graphs) if b > max(bss)]
+    if too_big:
+        p.error(f"--profile-graphs {too_big}: at most the largest batch size ({max(bss)})")
     context = args.context if args.context is not None else (512 if cuda else 8)
     result = run_decode_bench(
         args.device,

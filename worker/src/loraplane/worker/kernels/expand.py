@@ -30,9 +30,6 @@ from loraplane.worker.kernels.shrink import check_segments, check_shrink_operand
 
 __all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
 
-# Probe switch (bench/probes/expand_tune.py): False loads every slice's y and B tile, masked.
-SLICE_SKIP = True
-
 
 @triton.jit
 def slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES: tl.constexpr):
@@ -83,13 +80,12 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
-    SLICE_SKIP: tl.constexpr = True,  # branch past the slices a column block does not overlap
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
     # bounds arrive (two round trips to memory, not five). A program past its segment's end,
     # or on a rank-0 slot, masks everything off instead. The one branch is per slice of a
-    # stacked projection (SLICE_SKIP), on slice bounds that arrive with the segment's.
+    # stacked projection, on slice bounds that arrive with the segment's.
     if USE_TILE_MAP:
         seg = tl.load(tile_seg_ptr + tl.program_id(0))
         blk = tl.load(tile_blk_ptr + tl.program_id(0))
@@ -141,7 +137,7 @@ def _lora_expand_kernel(
         # a column block may straddle slices: each slice's B columns are masked to its range
         col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
         overlaps = True
-        if SLICE_SKIP and NUM_SLICES > 1:  # branch past the slices the block misses
+        if NUM_SLICES > 1:  # branch past the slices the block misses: no loads, no dot
             overlaps = (col_lo < n0 + BLOCK_N) & (col_hi > n0)
         if overlaps:
             y_i = y_ptrs + i * rank_max
@@ -212,7 +208,6 @@ def launch_expand(
         BLOCK_N=config.block_n,
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
-        SLICE_SKIP=SLICE_SKIP,
         num_warps=config.num_warps,
     )
 

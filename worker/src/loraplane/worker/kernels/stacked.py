@@ -47,9 +47,6 @@ __all__ = ["StageInfo", "stacked_plain", "stacked_residual", "stacked_silu_mul"]
 _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 
 
-# Probe switch (bench/probes/switches.py skip=0): False loads (masked) every slice's y and B
-# tile, and the no-adapter segment's, instead of branching past them.
-LORA_SKIP = True
 # (block_s, block_n, num_warps) for every launch instead of the rule in ``_launch`` when set
 # (bench/probes/stacked_tune.py).
 STACKED_OVERRIDE: tuple[int, int, int] | None = None
@@ -82,7 +79,6 @@ def _stacked_lora_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    LORA_SKIP: tl.constexpr = True,
 ):
     seg = tl.program_id(1)
     seg_start = tl.load(indptr_ptr + seg)
@@ -119,10 +115,7 @@ def _stacked_lora_kernel(
         y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
         b_mask = r_mask[:, None] & n_mask[None, :]
         gate = base
-        overlaps = True
-        if LORA_SKIP:  # the no-adapter segment loads no B and runs no dot
-            overlaps = has_lora
-        if overlaps:
+        if has_lora:  # the no-adapter segment loads no B and runs no dot
             b_g = tl.load(b_base + b_cols, mask=b_mask, other=0.0)
             b_u = tl.load(b_base + n_cols * b_stride_row + b_cols, mask=b_mask, other=0.0)
             gate += scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
@@ -135,10 +128,8 @@ def _stacked_lora_kernel(
         n0 = tl.program_id(2) * BLOCK_N
         for i in tl.static_range(NUM_SLICES):
             col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
-            overlaps = True
-            if LORA_SKIP:  # no loads or dot for the no-adapter segment or a slice it misses
-                overlaps = has_lora & (col_lo < n0 + BLOCK_N) & (col_hi > n0)
-            if overlaps:
+            # no loads or dot for the no-adapter segment or a slice the block misses
+            if has_lora & (col_lo < n0 + BLOCK_N) & (col_hi > n0):
                 y_i = y_row + i * rank_max
                 acc += slice_term(
                     y_i,
@@ -270,7 +261,6 @@ def _launch(
         BLOCK_S=block_s,
         BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
-        LORA_SKIP=LORA_SKIP,
         num_warps=num_warps,
     )
 
