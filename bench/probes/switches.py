@@ -7,7 +7,10 @@ docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
 - ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: two K steps per
-  split at least, ``MIN_K_STEPS_PER_SPLIT``).
+  split at least, ``MIN_K_STEPS_PER_SPLIT``);
+- ``rope``: rotation, per-head norms and KV write in one kernel, a staged qkv LoRA inside it
+  (``Attention.fused_rope``; 0: the torch ops and ``stacked_plain``);
+- ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops).
 
 (Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
 measured, c0a6763, and removed once the branch past them stayed.)
@@ -28,6 +31,8 @@ import sys
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.lora.layers import RowLoRA
+from loraplane.worker.models.layers import RMSNorm
+from loraplane.worker.models.model import Attention
 
 
 def apply_switches(spec: str) -> None:
@@ -37,8 +42,12 @@ def apply_switches(spec: str) -> None:
             RowLoRA.fold_residual = value == "1"
         elif key == "split":
             _triton_utils.MAX_SPLIT_K = int(value)
+        elif key == "rope":
+            Attention.fused_rope = value == "1"
+        elif key == "norm":
+            RMSNorm.fused = value == "1"
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold or split")
+            raise SystemExit(f"unknown switch {key!r}: expected fold, split, rope or norm")
 
 
 if __name__ == "__main__":

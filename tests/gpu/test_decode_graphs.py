@@ -76,3 +76,24 @@ def test_graph_decode_matches_eager_decode(suite, arch: str) -> None:  # type: i
     got = _decode(graph_runner, [0, 1, 0, -1], steps=3)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3-moe"])
+def test_fused_rope_and_norm_match_the_torch_ops(suite, arch: str) -> None:  # type: ignore[no-untyped-def]
+    """kernels/rope.py and kernels/norm.py against the model's torch ops (the CPU path),
+    through prefill, eager and graph decode steps: staged batches add the qkv LoRA inside the
+    rotation, Qwen3 norms each head first, Qwen2 has a qkv bias. fp32, so a wrong column,
+    head or cache slot shows far above the tolerance."""
+    from loraplane.worker.models.layers import RMSNorm
+    from loraplane.worker.models.model import Attention
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        Attention.fused_rope = RMSNorm.fused = fused
+        try:
+            runner, _ = _runner(suite, arch, graphs=True)
+            return [t for slots in ([0, -1, 1, 0], [1, 1, -1]) for t in _decode(runner, slots, 4)]
+        finally:
+            Attention.fused_rope = RMSNorm.fused = True
+
+    for step, (g, w) in enumerate(zip(run(True), run(False), strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"step {step}")

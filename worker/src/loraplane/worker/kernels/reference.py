@@ -31,6 +31,8 @@ __all__ = [
     "lora_shrink",
     "moe_lora_expand",
     "moe_lora_shrink",
+    "rms_norm",
+    "rope_qkv",
     "silu_and_mul",
     "stacked_lora_terms",
     "stacked_plain",
@@ -287,3 +289,53 @@ def stacked_silu_mul(
     )
     gu = full[:, :n_base].float() + terms
     return (F.silu(gu[:, :inter]) * gu[:, inter:]).to(full.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``: the model's ``RMSNorm``."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cache_rows: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    *,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    lora_b: torch.Tensor | None = None,
+    stage: Any = None,
+) -> torch.Tensor:
+    """``kernels/rope.py``'s semantics: LoRA added in fp32 (staged batches), per-head norms
+    rounded as ``RMSNorm`` rounds, the rotation in fp32 with ``cos_sin`` as given, rounded
+    once; k and v written into the caches; returns ``q [T, H, d]``."""
+    kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+    n_base = (num_heads + 2 * kv_heads) * d
+    t, dtype = qkv.shape[0], qkv.dtype
+    val = qkv[:, :n_base].float()
+    if lora_b is not None:
+        r = stage.rank
+        sizes = [0, num_heads * d, (num_heads + kv_heads) * d, n_base]
+        col_slices = [(sizes[i], sizes[i + 1], i * r) for i in range(3)]
+        val = val + stacked_lora_terms(qkv, n_base, 3 * r, lora_b, stage, col_slices)
+    heads = val.view(t, num_heads + 2 * kv_heads, d)
+    qk = heads[:, : num_heads + kv_heads]
+    if q_norm is not None and k_norm is not None:
+        w = torch.cat([q_norm.expand(num_heads, d), k_norm.expand(kv_heads, d)])  # [H+KV, d]
+        normed = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + eps)
+        qk = (w * normed.to(dtype)).float()
+    half = d // 2
+    cs = cos_sin[positions].float()[:, None, :]  # [T, 1, d]
+    cos, sin = cs[..., :half], cs[..., half:]
+    lo, hi = qk[..., :half], qk[..., half:]
+    rotated = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1).to(dtype)
+    k_cache[cache_rows, positions] = rotated[:, num_heads:]
+    v_cache[cache_rows, positions] = heads[:, num_heads + kv_heads :].to(dtype)
+    return rotated[:, :num_heads].contiguous()

@@ -149,7 +149,7 @@ def _stacked_lora_kernel(
     tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(
+def check_stacked(
     fn: str,
     full: object,
     n_base: int,
@@ -157,13 +157,15 @@ def _check(
     stage: StageInfo,
     n_r: int,
     slices: int,
+    name: str = "full",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Shapes, dtypes and devices only: nothing here reads a device tensor back."""
-    f = check_tensor(fn, "full", full, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    """Shapes, dtypes and devices only: nothing here reads a device tensor back. ``name``:
+    what the caller calls ``full`` (errors name it)."""
+    f = check_tensor(fn, name, full, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     b = check_tensor(
         fn, "lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES, device=f.device, unit_last_stride=True
     )
-    check_same_dtype(fn, "lora_b", b, "full", f.dtype)
+    check_same_dtype(fn, "lora_b", b, name, f.dtype)
     check_dim(fn, "lora_b", b, 1, n_base, "one B row per base output column")
     if not 0 < stage.rank <= b.shape[2]:
         raise ValueError(
@@ -179,8 +181,8 @@ def _check(
     want = n_base + stage.width * n_r
     if f.shape[1] != want:
         raise ValueError(
-            f"{fn}: full must have {want} columns (N {n_base} + width {stage.width} x nR "
-            f"{n_r}), got shape {tuple(f.shape)}"
+            f"{fn}: {name} must have {want} columns (N {n_base} + width {stage.width} x nR "
+            f"{n_r}, the stacked GEMM's output), got shape {tuple(f.shape)}"
         )
     segments = stage.full_slots.shape[0] if stage.full_slots.dim() == 1 else -1
     for name, t, dtype, length in (
@@ -280,7 +282,7 @@ def stacked_plain(
     fn = "stacked_plain"
     device = full.device if isinstance(full, torch.Tensor) else None
     offsets = _check_offsets(fn, slice_offsets, n_base, device)
-    f, b = _check(fn, full, n_base, lora_b, stage, n_r, offsets.shape[0] - 1)
+    f, b = check_stacked(fn, full, n_base, lora_b, stage, n_r, offsets.shape[0] - 1)
     out = torch.empty((f.shape[0], n_base), dtype=f.dtype, device=f.device)
     _launch(_PLAIN, f, b, out, out, stage, offsets, n_base, n_base, n_r)
     return out
@@ -296,7 +298,7 @@ def stacked_residual(
 ) -> torch.Tensor:
     """``residual += full[:, :N] + s * y B`` in place (one slice); returns ``residual``."""
     fn = "stacked_residual"
-    f, b = _check(fn, full, n_base, lora_b, stage, n_r, 1)
+    f, b = check_stacked(fn, full, n_base, lora_b, stage, n_r, 1)
     res = check_tensor(
         fn, "residual", residual, ndim=2, dtypes=(f.dtype,), device=f.device, unit_last_stride=True
     )
@@ -316,7 +318,7 @@ def stacked_silu_mul(
     """``silu(g + s y_g B_g) * (u + s y_u B_u)`` as a new ``[T, N / 2]``: gate | up stacked,
     ``y`` of gate in columns ``0 .. r`` of a position, of up in ``r .. 2r`` (``r = stage.rank``)."""
     fn = "stacked_silu_mul"
-    f, b = _check(fn, full, n_base, lora_b, stage, n_r, 2)
+    f, b = check_stacked(fn, full, n_base, lora_b, stage, n_r, 2)
     if n_base % 2:
         raise ValueError(f"{fn}: n_base must be 2 x intermediate (gate | up), got {n_base}")
     inter = n_base // 2

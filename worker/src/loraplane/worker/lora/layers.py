@@ -20,7 +20,12 @@ from torch import nn
 
 from loraplane.worker.lora.backend import Aside, LoRABackend, StackedOp
 from loraplane.worker.lora.batch_info import LoRABatchInfo
-from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear, silu_mul
+from loraplane.worker.models.layers import (
+    ColumnParallelLinear,
+    RopeKV,
+    RowParallelLinear,
+    silu_mul,
+)
 from loraplane.worker.models.model import Experts
 
 Section = Literal["local", "global"]
@@ -184,6 +189,17 @@ class ColumnLoRA(LoRALayer):
             return silu_mul(self(x))
         assert info is not None
         return self._stacked_op("silu_mul", full, info)
+
+    def forward_rope(self, x: torch.Tensor, rope: RopeKV) -> torch.Tensor:
+        """``rope(self(x))`` of this (qkv) projection with its LoRA (see ``RopeKV``); staged
+        batches of the Triton backend add the LoRA inside the rotation's kernel
+        (``kernels.rope_qkv``), so it costs no launch of its own."""
+        info = self.ctx.info(self.section)
+        staged = info is not None and self.ctx.backend.name == "triton"
+        full = self._stacked_gemm(x, info) if staged and info is not None else None
+        if full is None or info is None or info.stage is None:
+            return rope(self(x))
+        return rope(full, self.lora_b, info.stage)
 
 
 class RowLoRA(LoRALayer):

@@ -9,6 +9,7 @@ With one rank they are plain linears.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +19,21 @@ from loraplane.worker.config import ConfigError
 
 
 class RMSNorm(nn.Module):
+    # On CUDA, rows of the weight's dtype go through one Triton kernel (kernels/norm.py)
+    # instead of six torch ops; a class switch so that one bench run can compare the two
+    # (bench/probes/switches.py norm=0).
+    fused = True
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype:
+            from loraplane.worker import kernels
+
+            return kernels.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -39,6 +49,7 @@ class RotaryEmbedding(nn.Module):
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._tables: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -49,6 +60,58 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos().to(q.dtype)[:, None, :]
         sin = emb.sin().to(q.dtype)[:, None, :]
         return _rope(q, cos, sin), _rope(k, cos, sin)
+
+    def cos_sin(self, max_pos: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[max_pos, d]``: ``cos`` then ``sin`` of ``position * inv_freq`` for positions
+        ``0 .. max_pos - 1``, in ``dtype`` as ``forward`` rounds them; the table that
+        ``kernels.rope_qkv`` reads. Built once per size and dtype (before any graph capture:
+        the first forward of a KV cache runs eagerly)."""
+        key = (max_pos, dtype, self.inv_freq.device)
+        table = self._tables.get(key)
+        if table is None:
+            positions = torch.arange(max_pos, device=self.inv_freq.device).float()
+            freqs = positions[:, None] * self.inv_freq.float()[None, :]  # [P, d/2]
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+            self._tables[key] = table
+        return table
+
+
+@dataclass(slots=True)
+class RopeKV:
+    """Everything ``kernels.rope_qkv`` reads besides ``qkv``: the step's positions and cache
+    rows, the layer's caches and per-head norms. Calling it rotates q and k of a qkv
+    output, writes k and v into the caches and returns ``q [T, heads, d]``; with
+    ``lora_b``/``stage`` the qkv is a stacked GEMM's output and the LoRA goes in first."""
+
+    positions: torch.Tensor
+    cache_rows: torch.Tensor
+    cos_sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_heads: int
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+
+    def __call__(
+        self, qkv: torch.Tensor, lora_b: torch.Tensor | None = None, stage: object = None
+    ) -> torch.Tensor:
+        from loraplane.worker import kernels
+
+        return kernels.rope_qkv(  # type: ignore[no-any-return]
+            qkv,
+            self.positions,
+            self.cache_rows,
+            self.cos_sin,
+            self.k_cache,
+            self.v_cache,
+            self.num_heads,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            eps=self.eps,
+            lora_b=lora_b,
+            stage=stage,
+        )
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,6 +193,11 @@ class ColumnParallelLinear(nn.Module):
         """``silu_mul(self(x))`` for a gate | up projection; a LoRA wrapper may fuse its
         term into the activation instead (``ColumnLoRA.forward_silu_mul``)."""
         return silu_mul(self(x))
+
+    def forward_rope(self, x: torch.Tensor, rope: RopeKV) -> torch.Tensor:
+        """``rope(self(x))`` for a qkv projection (see ``RopeKV``); a LoRA wrapper may add its
+        term inside the rotation's kernel instead (``ColumnLoRA.forward_rope``)."""
+        return rope(self(x))
 
 
 class RowParallelLinear(nn.Module):

@@ -23,6 +23,7 @@ from loraplane.worker.models.kv_cache import KVCache
 from loraplane.worker.models.layers import (
     ColumnParallelLinear,
     RMSNorm,
+    RopeKV,
     RotaryEmbedding,
     RowParallelLinear,
     split_evenly,
@@ -31,6 +32,11 @@ from loraplane.worker.parallel.state import ParallelState
 
 
 class Attention(nn.Module):
+    # On CUDA the rotation, the per-head norms and the KV-cache write run as one Triton
+    # kernel (kernels/rope.py), a staged qkv LoRA inside it; a class switch so that one
+    # bench run can compare it with the torch path (bench/probes/switches.py rope=0).
+    fused_rope = True
+
     def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
         super().__init__()
         self.layer = layer
@@ -73,19 +79,33 @@ class Attention(nn.Module):
         """o_proj's output for the normed ``h``, or ``residual`` plus it when given (see
         ``RowParallelLinear.forward_add``: ``residual`` may be updated in place)."""
         t = h.shape[0]
-        qkv = self.qkv_proj(h)  # [T, (heads + 2 kv_heads) * d]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
-        if t:
-            k_cache[batch.cache_rows, batch.positions] = k
-            v_cache[batch.cache_rows, batch.positions] = v
+        if self.fused_rope and h.is_cuda:
+            rope = RopeKV(
+                batch.positions,
+                batch.cache_rows,
+                self.rotary.cos_sin(kv.max_len, h.dtype),
+                k_cache,
+                v_cache,
+                self.num_heads,
+                self.q_norm.weight if self.q_norm is not None else None,
+                self.k_norm.weight if self.k_norm is not None else None,
+                self.q_norm.eps if self.q_norm is not None else 0.0,
+            )
+            q = self.qkv_proj.forward_rope(h, rope)  # [T, heads, d]; k, v in the cache
+        else:
+            qkv = self.qkv_proj(h)  # [T, (heads + 2 kv_heads) * d]
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.reshape(t, self.num_heads, self.head_dim)
+            k = k.reshape(t, self.num_kv_heads, self.head_dim)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(batch.positions, q, k)
+            if t:
+                k_cache[batch.cache_rows, batch.positions] = k
+                v_cache[batch.cache_rows, batch.positions] = v
         out = self._attend(q, batch, k_cache, v_cache)  # [T, heads, d]
         if residual is not None:
             return self.o_proj.forward_add(out.reshape(t, q_size), residual)  # type: ignore[no-any-return]

@@ -1,0 +1,295 @@
+"""Rotary embedding and the KV-cache write after qkv_proj, in one launch; with a staged
+batch's qkv LoRA added first. Reference: ``reference.rope_qkv``.
+
+``qkv [T, (H + 2 KV) d]`` is q | k | v, head by head. One program takes ``BLOCK_S`` rows of one
+head as two halves (``rotate_half`` pairs column ``j`` with ``j + d/2``): q heads are
+(optionally RMS-normed, Qwen3's ``q_norm``), rotated and stored into a new ``q [T, H, d]``;
+k heads are normed and rotated and v heads copied into the KV cache at
+``[cache_rows[t], positions[t]]``. ``cos_sin [max_pos, d]`` holds ``cos`` then ``sin`` of
+``position * inv_freq`` in the model dtype, as the torch module rounds them; the products are
+fp32, rounded once.
+
+On the torch path this is about ten kernels per layer (the angles, ``cos``, ``sin``, two
+``cat``, the rotations, two index writes), about 9% of a Llama-3-8B-shaped decode step on an
+H200 (``bench decode --profile-graphs``, session 9).
+
+**With LoRA** (``lora_b`` and ``stage`` given): ``qkv`` is the stacked GEMM's output ``full``
+(``kernels/stacked.py``): ``[T, N + width * nR]``, row ``t``'s ``y`` for stage position ``p``
+in columns ``N + p * nR ..`` (q, k, v slices of ``stage.rank`` columns each). Each head adds
+``s * y_slice B[head columns]`` to its base value before the norm and rotation, so a staged
+batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). Rows are visited
+by the stage's full segments; rows of the no-adapter segment load no ``y`` and no ``B``.
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels are untyped JIT functions; their wrappers are typed.)
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplane.worker.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    MIN_DOT_BLOCK,
+    StageInfo,
+    check_dim,
+    check_same_dtype,
+    check_tensor,
+    dot_precision,
+    next_power_of_2,
+    rank_block,
+)
+
+__all__ = ["rope_qkv"]
+
+BLOCK_S = 16  # rows per program (tl.dot needs 16)
+
+
+@triton.jit
+def _rope_qkv_kernel(
+    src_ptr,  # [T, >= (H + 2 KV) d]: qkv, or the stacked GEMM's full output
+    q_ptr,  # [T, H, d]
+    k_cache_ptr,  # [rows, max_len, KV, d]
+    v_cache_ptr,
+    cache_rows_ptr,  # int64 [T]
+    positions_ptr,  # int64 [T]
+    cos_sin_ptr,  # [max_pos, d]: cos | sin
+    q_norm_ptr,  # [d] (QK_NORM)
+    k_norm_ptr,
+    b_ptr,  # [slots, N, R] (HAS_LORA)
+    indptr_ptr,  # int32 [F + 1] (HAS_LORA)
+    order_ptr,  # int64 [T]
+    slots_ptr,  # int32 [F]
+    pos_ptr,  # int32 [F]
+    scal_ptr,  # float32 [F]
+    n_tokens,
+    num_heads,
+    num_kv_heads,
+    half,  # d / 2
+    eps,
+    n_base,
+    n_r,
+    rank_max,
+    src_stride,
+    q_stride_t,
+    q_stride_h,
+    c_stride_row,
+    c_stride_pos,
+    c_stride_head,
+    cs_stride,
+    b_stride_slot,
+    b_stride_row,
+    HAS_LORA: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    head = tl.program_id(2)
+    if HAS_LORA:
+        seg = tl.program_id(1)
+        seg_start = tl.load(indptr_ptr + seg)
+        seg_end = tl.load(indptr_ptr + seg + 1)
+        first = seg_start + tl.program_id(0) * BLOCK_S
+        if first >= seg_end:
+            return
+        offs_s = first + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < seg_end
+        rows = tl.load(order_ptr + offs_s, mask=s_mask, other=0)  # [BLOCK_S] int64
+    else:
+        offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < n_tokens
+        rows = offs_s.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < half
+    mask = s_mask[:, None] & d_mask[None, :]
+    col = head * 2 * half  # the head's first column in q | k | v
+    src_row = src_ptr + rows[:, None] * src_stride  # [BLOCK_S, 1]
+    lo = tl.load(src_row + col + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(src_row + col + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
+    v_start = num_heads + num_kv_heads
+    if HAS_LORA:
+        pos = tl.load(pos_ptr + seg)
+        if pos >= 0:  # the no-adapter segment loads no y and no B
+            slot = tl.load(slots_ptr + seg).to(tl.int64)
+            scaling = tl.load(scal_ptr + seg)
+            qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
+            offs_r = tl.arange(0, BLOCK_R)
+            r_mask = offs_r < rank_max
+            y_cols = n_base + pos.to(tl.int64) * n_r + qkv_slice * rank_max + offs_r[None, :]
+            y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
+            b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
+            b_tile = b_ptr + slot * b_stride_slot + b_cols  # [BLOCK_R, BLOCK_D]
+            b_mask = r_mask[:, None] & d_mask[None, :]
+            b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
+            b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
+            lo += scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION)
+            hi += scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION)
+    dtype = q_ptr.dtype.element_ty
+    if head < v_start:  # q or k: norm (Qwen3), then rotate
+        if QK_NORM:
+            if head < num_heads:
+                w_lo = tl.load(q_norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+                w_hi = tl.load(q_norm_ptr + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            else:
+                w_lo = tl.load(k_norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+                w_hi = tl.load(k_norm_ptr + half + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            ss = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)  # [BLOCK_S]
+            rstd = (1.0 / tl.sqrt_rn(ss / (2 * half) + eps))[:, None]
+            # rounded as the torch RMSNorm rounds: the normed value, then the weighted one
+            lo = (w_lo[None, :] * (lo * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            hi = (w_hi[None, :] * (hi * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        cs = cos_sin_ptr + positions[:, None] * cs_stride + offs_d[None, :]
+        cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    if head < num_heads:
+        q_row = q_ptr + rows[:, None] * q_stride_t + head * q_stride_h
+        tl.store(q_row + offs_d[None, :], lo.to(dtype), mask=mask)
+        tl.store(q_row + half + offs_d[None, :], hi.to(dtype), mask=mask)
+    else:
+        cache_rows = tl.load(cache_rows_ptr + rows, mask=s_mask, other=0)
+        slot_off = cache_rows * c_stride_row + positions * c_stride_pos  # [BLOCK_S]
+        if head < v_start:
+            c_row = k_cache_ptr + slot_off[:, None] + (head - num_heads) * c_stride_head
+        else:
+            c_row = v_cache_ptr + slot_off[:, None] + (head - v_start) * c_stride_head
+        tl.store(c_row + offs_d[None, :], lo.to(dtype), mask=mask)
+        tl.store(c_row + half + offs_d[None, :], hi.to(dtype), mask=mask)
+
+
+def _check_cache(fn: str, name: str, cache: object, like: torch.Tensor) -> torch.Tensor:
+    c = check_tensor(fn, name, cache, ndim=4, dtypes=FLOAT_DTYPES, device=like.device)
+    check_same_dtype(fn, name, c, "qkv", like.dtype)
+    if c.stride(-1) != 1:
+        raise ValueError(f"{fn}: {name} must have unit stride in its last dimension")
+    return c
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cache_rows: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    *,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+    lora_b: torch.Tensor | None = None,
+    stage: StageInfo | None = None,
+) -> torch.Tensor:
+    """Rotate q and k of ``qkv`` (and add a staged LoRA first), write k and v into the cache
+    at ``[cache_rows[t], positions[t]]``; returns ``q [T, num_heads, d]``.
+
+    ``k_cache``/``v_cache`` ``[rows, max_len, KV, d]`` give KV and d; ``qkv`` has
+    ``(num_heads + 2 KV) d`` columns, or with ``lora_b [slots, N, R]`` and ``stage`` it is
+    the stacked GEMM's ``[T, N + stage.width * 3 * stage.rank]``. ``q_norm``/``k_norm``
+    ``[d]`` (both or neither) normalize each head first, with ``eps``."""
+    fn = "rope_qkv"
+    x = check_tensor(fn, "qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    kc = _check_cache(fn, "k_cache", k_cache, x)
+    vc = _check_cache(fn, "v_cache", v_cache, x)
+    if vc.shape != kc.shape or vc.stride() != kc.stride():
+        raise ValueError(
+            f"{fn}: v_cache must have k_cache's shape and strides {tuple(kc.shape)}, "
+            f"got {tuple(vc.shape)}"
+        )
+    kv_heads, d = kc.shape[2], kc.shape[3]
+    if d % 2 or d < 2:
+        raise ValueError(f"{fn}: the head size (k_cache.shape[3]) must be even, got {d}")
+    if num_heads < 1:
+        raise ValueError(f"{fn}: num_heads must be >= 1, got {num_heads}")
+    n_base = (num_heads + 2 * kv_heads) * d
+    t = x.shape[0]
+    for name, idx in (("positions", positions), ("cache_rows", cache_rows)):
+        i = check_tensor(fn, name, idx, ndim=1, dtypes=(torch.int64,), device=x.device)
+        check_dim(fn, name, i, 0, t, "one per row of qkv")
+    cs = check_tensor(fn, "cos_sin", cos_sin, ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_dim(fn, "cos_sin", cs, 1, d, "cos | sin of the head size")
+    if cs.stride(1) != 1:
+        raise ValueError(f"{fn}: cos_sin must have unit stride in its last dimension")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError(f"{fn}: q_norm and k_norm go together (Qwen3's per-head norms)")
+    norms = []
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            w = check_tensor(fn, name, w, ndim=1, dtypes=(x.dtype,), device=x.device)
+            check_dim(fn, name, w, 0, d, "one weight per head column")
+            if not w.is_contiguous():
+                raise ValueError(f"{fn}: {name} must be contiguous")
+            norms.append(w)
+    if (lora_b is None) != (stage is None):
+        raise ValueError(f"{fn}: lora_b and stage go together (a staged batch's qkv LoRA)")
+    n_r = 0
+    if lora_b is not None and stage is not None:
+        from loraplane.worker.kernels.stacked import check_stacked
+
+        n_r = 3 * stage.rank
+        x, b = check_stacked(fn, x, n_base, lora_b, stage, n_r, 3, name="qkv")
+    else:
+        b = None
+        if x.shape[1] != n_base:
+            raise ValueError(
+                f"{fn}: qkv must have (num_heads {num_heads} + 2 x KV {kv_heads}) x d {d} = "
+                f"{n_base} columns, got shape {tuple(x.shape)}"
+            )
+    q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return q
+    heads = num_heads + 2 * kv_heads
+    half = d // 2
+    if b is not None and stage is not None:
+        segments = stage.full_slots.shape[0]
+        if segments == 0:
+            return q
+        grid = (triton.cdiv(max(1, stage.max_len), BLOCK_S), segments, heads)
+        lora_args = (b, stage.full_indptr, stage.full_order, stage.full_slots, stage.full_pos)
+        lora_more = (stage.full_scalings,)
+        rank, block_r, b_strides = stage.rank, rank_block(stage.rank), (b.stride(0), b.stride(1))
+    else:
+        grid = (triton.cdiv(t, BLOCK_S), 1, heads)
+        lora_args = (x, positions, positions, positions, positions)  # not read
+        lora_more = (positions,)
+        rank, block_r, b_strides = 0, MIN_DOT_BLOCK, (0, 0)
+    _rope_qkv_kernel[grid](
+        x,
+        q,
+        kc,
+        vc,
+        cache_rows,
+        positions,
+        cs,
+        norms[0] if norms else cs,
+        norms[1] if norms else cs,
+        *lora_args,
+        *lora_more,
+        t,
+        num_heads,
+        kv_heads,
+        half,
+        eps,
+        n_base,
+        n_r,
+        rank,
+        x.stride(0),
+        q.stride(0),
+        q.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        cs.stride(0),
+        *b_strides,
+        HAS_LORA=b is not None,
+        QK_NORM=bool(norms),
+        DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_S=BLOCK_S,
+        BLOCK_D=max(MIN_DOT_BLOCK, next_power_of_2(half)),
+        BLOCK_R=block_r,
+    )
+    return q
