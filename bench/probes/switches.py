@@ -10,7 +10,9 @@ docs/performance.md):
   split at least, ``MIN_K_STEPS_PER_SPLIT``);
 - ``rope``: rotation, per-head norms and KV write in one kernel, a staged qkv LoRA inside it
   (``Attention.fused_rope``; 0: the torch ops and ``stacked_plain``);
-- ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops).
+- ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops);
+- ``attn``: a fixed number of decode-attention splits over positions
+  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10).
 
 (Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
 measured, c0a6763, and removed once the branch past them stayed.)
@@ -29,7 +31,7 @@ from __future__ import annotations
 import sys
 
 from loraplane.worker.bench import decode
-from loraplane.worker.kernels import _triton_utils
+from loraplane.worker.kernels import _triton_utils, attention
 from loraplane.worker.lora.layers import RowLoRA
 from loraplane.worker.models.layers import RMSNorm
 from loraplane.worker.models.model import Attention
@@ -46,8 +48,10 @@ def apply_switches(spec: str) -> None:
             Attention.fused_rope = value == "1"
         elif key == "norm":
             RMSNorm.fused = value == "1"
+        elif key == "attn":
+            attention.SPLITS_OVERRIDE = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, split, rope or norm")
+            raise SystemExit(f"unknown switch {key!r}: expected fold, split, rope, norm or attn")
 
 
 if __name__ == "__main__":

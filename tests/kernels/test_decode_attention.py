@@ -100,3 +100,29 @@ def test_bad_arguments_name_the_field(field: str, message: str) -> None:
         v_cache = v_cache[:, :16]
     with pytest.raises(ValueError, match=re.escape(message)):
         attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 1.0)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_split_positions_combine_to_the_same_attention(splits: int) -> None:
+    """Flash-decoding splits: chunks of 128 positions dealt round-robin to ``splits``
+    programs, then combined. Lengths below one chunk (splits past it stay idle), across
+    chunk edges, and over more chunks than splits."""
+    q, k_cache, v_cache, rows, seq_lens = make_case(
+        4, 8, 2, 32, 700, [1, 128, 129, 650], torch.float32, seed=splits
+    )
+    old = attention.SPLITS_OVERRIDE
+    attention.SPLITS_OVERRIDE = splits
+    try:
+        got = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.2)
+    finally:
+        attention.SPLITS_OVERRIDE = old
+    want = sdpa_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), rows.cpu(), seq_lens.cpu(), 0.2)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_count_follows_the_batch_shape_only() -> None:
+    """A graph captured at one length replays at every length: the split count may depend
+    on the batch's rows and KV heads, never on its lengths."""
+    cpu = torch.device("cpu")
+    assert attention.splits_for(1, 1, cpu) > attention.splits_for(64, 8, cpu) == 1
+    assert 1 <= attention.splits_for(1, 1, cpu) <= attention.MAX_SPLITS
