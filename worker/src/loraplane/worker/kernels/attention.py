@@ -41,8 +41,13 @@ from loraplane.worker.kernels._triton_utils import (
 __all__ = ["decode_attention"]
 
 
-# Positions per chunk; a program takes chunks ``split, split + SPLITS, ...`` of its row.
+# Positions per chunk; a program takes chunks ``split, split + SPLITS, ...`` of its row,
+# ``BLOCK_L`` positions per step, with ``NUM_WARPS``; the combine takes ``COMBINE_HEADS``
+# heads per program. (Module values, so bench/probes/attention_tune.py can set them.)
 CHUNK = 128
+BLOCK_L = 64
+NUM_WARPS = 4
+COMBINE_HEADS = 4
 # Programs wanted in flight: about four per multiprocessor.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
@@ -270,14 +275,14 @@ def decode_attention(
         BLOCK_G=max(MIN_DOT_BLOCK, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
-        BLOCK_L=64,
+        BLOCK_L=BLOCK_L,
         CHUNK=CHUNK,
         SPLITS=splits,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     if splits > 1:
-        block_h = min(16, next_power_of_2(heads))
+        block_h = min(COMBINE_HEADS, next_power_of_2(heads))
         _combine_splits_kernel[(tokens, triton.cdiv(heads, block_h))](
             part,
             out,
