@@ -1,12 +1,13 @@
 """Probe: decode attention per configuration (CUDA only).
 
-    python bench/probes/attention_tune.py OUT.json [MAX_SECONDS]
+    python bench/probes/attention_tune.py OUT.json [MAX_SECONDS] [quick]
 
 ``kernels/attention.py`` at Llama-3-8B's heads (32 q, 8 KV, d 128), bf16, every row at the
 same length: 16/32/64/128 rows at 512 and 4096 positions. For each ``(CHUNK, BLOCK_L,
 NUM_WARPS)`` of ``CONFIGS`` it times the splits rule (``splits_for``), one split (no combine)
 and a few fixed counts, graph-timed from cold L2 (``bench.common.time_graph``, both launches
 of a split call). Bandwidth counts the K and V bytes read. Writes OUT.json after every case.
+``quick``: the kernel's own configuration only, with the rule and with one split.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ SPLITS = [None, 1, 4, 16]  # None: the rule
 def main(argv: list[str]) -> int:
     out_path = argv[0]
     budget = float(argv[1]) if len(argv) > 1 else 200.0
+    quick = len(argv) > 2 and argv[2] == "quick"
+    configs = [(attention.CHUNK, attention.BLOCK_L, attention.NUM_WARPS)] if quick else CONFIGS
+    split_counts = [None, 1] if quick else SPLITS
     t0 = time.monotonic()
     result: dict[str, Any] = {"probe": "attention_tune", "cases": []}
     defaults = (attention.CHUNK, attention.BLOCK_L, attention.NUM_WARPS)
@@ -50,12 +54,12 @@ def main(argv: list[str]) -> int:
             rows = torch.arange(bs, device=DEV)
             lens = torch.full((bs,), ctx, device=DEV, dtype=torch.int64)
             kv_bytes = 2 * bs * ctx * KV * D * 2
-            for chunk, block_l, warps in CONFIGS:
+            for chunk, block_l, warps in configs:
                 if time.monotonic() - t0 > budget:
                     result["truncated"] = True
                     break
                 attention.CHUNK, attention.BLOCK_L, attention.NUM_WARPS = chunk, block_l, warps
-                for splits in SPLITS:
+                for splits in split_counts:
                     attention.SPLITS_OVERRIDE = splits
                     rule = attention.splits_for(bs, KV, q.device)
                     call = partial(attention.decode_attention, q, k, v, rows, lens, D**-0.5)

@@ -104,20 +104,25 @@ def test_bad_arguments_name_the_field(field: str, message: str) -> None:
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
 def test_split_positions_combine_to_the_same_attention(splits: int) -> None:
-    """Flash-decoding splits: chunks of 128 positions dealt round-robin to ``splits``
-    programs, then combined. Lengths below one chunk (splits past it stay idle), across
-    chunk edges, and over more chunks than splits."""
+    """Flash-decoding splits: chunks of ``CHUNK`` positions dealt round-robin to ``splits``
+    programs, the last to finish combining them. Lengths below one chunk (splits past it
+    stay idle), across a chunk edge, and over more chunks than splits; a second launch on the
+    same counts gives the same bits (the combining split zeroed them)."""
+    c = attention.CHUNK
+    lens = [1, c, c + 1, 2 * c + 190]
     q, k_cache, v_cache, rows, seq_lens = make_case(
-        4, 8, 2, 32, 700, [1, 128, 129, 650], torch.float32, seed=splits
+        4, 8, 2, 32, 3 * c, lens, torch.float32, seed=splits
     )
     old = attention.SPLITS_OVERRIDE
     attention.SPLITS_OVERRIDE = splits
     try:
         got = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.2)
+        again = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.2)
     finally:
         attention.SPLITS_OVERRIDE = old
     want = sdpa_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), rows.cpu(), seq_lens.cpu(), 0.2)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, again)
 
 
 def test_split_count_follows_the_batch_shape_only() -> None:

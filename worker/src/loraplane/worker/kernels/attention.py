@@ -7,12 +7,13 @@ blocks with an online softmax (fp32); the cache is never copied.
 
 The positions are cut into ``CHUNK``-position chunks and each (token, KV head) gets
 ``splits`` programs (flash-decoding): split ``s`` takes chunks ``s, s + splits, ...`` and
-writes its unnormalized sum with its running max and denominator; a second launch combines
-the splits. ``splits_for`` picks the count from the batch's shape alone, enough programs for
-the GPU (a decode batch of 32 rows has only 32 x 8 (token, KV head) pairs for 132
-multiprocessors); with one split the kernel writes the output itself. Measured on an H200
-(``bench decode --profile-graphs``, session 10): the unsplit kernel was 28 us per
-Llama-3-8B-shaped layer at 32 rows and 512 positions, 14% of the step.
+writes its unnormalized sum with its running max and denominator; the last split of a pair
+to finish combines them (no second launch). ``splits_for`` picks the count from the batch's
+shape alone, enough programs for the GPU (a decode batch of 32 rows has only 32 x 8 (token,
+KV head) pairs for 132 multiprocessors); with one split the kernel writes the output itself. Measured on an H200
+(``bench/probes/attention_tune.py``, session 10): one program per (token, KV head) read 16
+rows x 4096 positions at 2.6 TB/s; split, 3.4 TB/s. A split the row's length does not reach
+exits at once.
 
 Lengths are read on the device, so nothing about the batch's contexts is needed on the host:
 a decode step can be captured in a CUDA graph once and replayed at every length. Reference:
@@ -37,17 +38,19 @@ from loraplane.worker.kernels._triton_utils import (
     dot_precision,
     next_power_of_2,
 )
+from loraplane.worker.kernels.shrink import COUNT_SLOTS, split_counts
 
 __all__ = ["decode_attention"]
 
 
 # Positions per chunk; a program takes chunks ``split, split + SPLITS, ...`` of its row,
-# ``BLOCK_L`` positions per step, with ``NUM_WARPS``; the combine takes ``COMBINE_HEADS``
-# heads per program. (Module values, so bench/probes/attention_tune.py can set them.)
-CHUNK = 128
+# ``BLOCK_L`` positions per step, with ``NUM_WARPS`` (module values, so
+# bench/probes/attention_tune.py can set them). Measured on an H200 (attention_tune.json,
+# session 10): 256 x 64 was the best or within 5% of it at 16-128 rows and 512-4096 positions
+# among 128/256 positions per chunk, 32/64/128 per step and 4/8 warps.
+CHUNK = 256
 BLOCK_L = 64
 NUM_WARPS = 4
-COMBINE_HEADS = 4
 # Programs wanted in flight: about four per multiprocessor.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 16
@@ -63,6 +66,7 @@ def _decode_attention_kernel(
     v_ptr,  # same shape and strides as k
     out_ptr,  # [T, heads, d] (SPLITS == 1)
     part_ptr,  # fp32 [T, heads, SPLITS, d + 2]: acc | max | sum of each split (SPLITS > 1)
+    count_ptr,  # int32 [>= T * kv_heads], zero between launches (SPLITS > 1)
     cache_rows_ptr,  # int64 [T]
     seq_lens_ptr,  # int64 [T]: positions attended, >= 1
     scale,
@@ -135,50 +139,42 @@ def _decode_attention_kernel(
         out_ptrs = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
     else:
-        # this split's unnormalized sum, running max and softmax denominator (a split past
-        # the row's chunks leaves max -inf and sum 0: it weighs nothing in the combine)
+        # This split's unnormalized sum, running max and softmax denominator (a split past
+        # the row's chunks leaves max -inf and sum 0: it weighs nothing). Then, as the
+        # split-K shrink does (kernels/shrink.py), every split counts itself in (release);
+        # the last to arrive (acquire) combines all splits in split order, so the output is
+        # the same bits whichever arrives last, and zeroes the count for the next launch.
         width = HEAD_DIM + 2
-        rec = part_ptr + ((t * num_heads + heads) * SPLITS + split).to(tl.int64) * width
+        recs = part_ptr + ((t * num_heads + heads) * SPLITS).to(tl.int64) * width
+        rec = recs + split * width
         tl.store(rec[:, None] + offs_d[None, :], acc, mask=hd_mask)
         tl.store(rec + HEAD_DIM, m_i, mask=g_mask)
         tl.store(rec + HEAD_DIM + 1, l_i, mask=g_mask)
-
-
-@triton.jit
-def _combine_splits_kernel(
-    part_ptr,  # fp32 [T, heads, SPLITS, d + 2]
-    out_ptr,  # [T, heads, d]
-    out_stride_t,
-    out_stride_h,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
-    offs_d = tl.arange(0, BLOCK_D)
-    hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    width = HEAD_DIM + 2
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    den = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    for s in range(SPLITS):  # split 0 always covers the first chunk: m is finite after it
-        rec = part_ptr + ((t * num_heads + heads) * SPLITS + s).to(tl.int64) * width
-        m_s = tl.load(rec + HEAD_DIM, mask=h_mask, other=0.0)
-        l_s = tl.load(rec + HEAD_DIM + 1, mask=h_mask, other=0.0)
-        o_s = tl.load(rec[:, None] + offs_d[None, :], mask=hd_mask, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        a = tl.exp(m - m_new)
-        b = tl.exp(m_s - m_new)
-        den = den * a + l_s * b
-        acc = acc * a[:, None] + o_s * b[:, None]
-        m = m_new
-    out = acc / den[:, None]
-    out_ptrs = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        pair = t * tl.num_programs(1) + kv_head
+        tl.debug_barrier()  # every thread's partial stores are issued before the release
+        arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.debug_barrier()  # every thread's loads are ordered after the acquire
+            m = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+            den = tl.zeros((BLOCK_G,), dtype=tl.float32)
+            total = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+            for sp in tl.static_range(SPLITS):  # split 0 holds the first chunk: m finite
+                rec = recs + sp * width
+                m_s = tl.load(rec + HEAD_DIM, mask=g_mask, other=0.0, cache_modifier=".cg")
+                l_s = tl.load(rec + HEAD_DIM + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
+                o_s = tl.load(
+                    rec[:, None] + offs_d[None, :], mask=hd_mask, other=0.0, cache_modifier=".cg"
+                )
+                m_new = tl.maximum(m, m_s)
+                a = tl.exp(m - m_new)
+                b = tl.exp(m_s - m_new)
+                den = den * a + l_s * b
+                total = total * a[:, None] + o_s * b[:, None]
+                m = m_new
+            out = total / den[:, None]
+            out_ptrs = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h + offs_d[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+            tl.atomic_xchg(count_ptr + pair, 0, sem="relaxed", scope="gpu")
 
 
 _SM_COUNT: dict[torch.device, int] = {}
@@ -248,11 +244,17 @@ def decode_attention(
     splits = splits_for(tokens, kv_heads, q.device)
     if splits < 1:
         raise ValueError(f"{fn}: the split count must be >= 1, got {splits}")
-    part = (
-        torch.empty((tokens, heads, splits, head_dim + 2), dtype=torch.float32, device=q.device)
-        if splits > 1
-        else out
-    )
+    part, counts = out, cache_rows  # (not read with one split)
+    if splits > 1:
+        if tokens * kv_heads > COUNT_SLOTS:
+            raise ValueError(
+                f"{fn}: {splits} splits need a count per (token, KV head), at most "
+                f"{COUNT_SLOTS}; got {tokens} tokens x {kv_heads} KV heads"
+            )
+        part = torch.empty(
+            (tokens, heads, splits, head_dim + 2), dtype=torch.float32, device=q.device
+        )
+        counts = split_counts(q.device)
     block_d = max(MIN_DOT_BLOCK, next_power_of_2(head_dim))
     _decode_attention_kernel[(tokens, kv_heads, splits)](
         q,
@@ -260,6 +262,7 @@ def decode_attention(
         v,
         out,
         part,
+        counts,
         cache_rows,
         seq_lens,
         float(scale),
@@ -281,18 +284,4 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=NUM_WARPS,
     )
-    if splits > 1:
-        block_h = min(COMBINE_HEADS, next_power_of_2(heads))
-        _combine_splits_kernel[(tokens, triton.cdiv(heads, block_h))](
-            part,
-            out,
-            out.stride(0),
-            out.stride(1),
-            heads,
-            HEAD_DIM=head_dim,
-            BLOCK_H=block_h,
-            BLOCK_D=block_d,
-            SPLITS=splits,
-            num_warps=4,
-        )
     return out

@@ -143,8 +143,10 @@ def _lora_shrink_kernel(
 
 
 # Tiles (program groups that split K) a fix-up count buffer covers. K is split only for grids
-# under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that.
-_COUNT_SLOTS = 256
+# under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that. The
+# split decode attention (kernels/attention.py) counts its (token, KV head) pairs in the same
+# buffer, launches on one stream running one after another.
+COUNT_SLOTS = 4096
 # Zeroed buffers made outside any CUDA graph capture, kept ready for streams first met inside
 # one (a capture can allocate, but its fill would only run when that graph is replayed).
 _SPARES = 4
@@ -185,9 +187,9 @@ def split_counts(device: torch.device) -> torch.Tensor:
             )
         counts = _counts[key] = spares.pop()
         return counts
-    counts = _counts[key] = torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device)
+    counts = _counts[key] = torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device)
     while len(spares) < _SPARES:
-        spares.append(torch.zeros(_COUNT_SLOTS, dtype=torch.int32, device=device))
+        spares.append(torch.zeros(COUNT_SLOTS, dtype=torch.int32, device=device))
     return counts
 
 
@@ -234,8 +236,8 @@ def launch_shrink(
     if tiles == 0 or positions == 0:
         return y
     if split_k > 1:
-        if tiles > _COUNT_SLOTS:  # split_k_for never splits this many; a guard, not a path
-            raise RuntimeError(f"split-K over {tiles} tiles, fix-up counts for {_COUNT_SLOTS}")
+        if tiles > COUNT_SLOTS:  # split_k_for never splits this many; a guard, not a path
+            raise RuntimeError(f"split-K over {tiles} tiles, fix-up counts for {COUNT_SLOTS}")
         parts = torch.empty((split_k, positions, width), dtype=torch.float32, device=x.device)
         counts = split_counts(x.device)
     else:
