@@ -5,8 +5,7 @@
 ``kernels/attention.py`` at Llama-3-8B's heads (32 q, 8 KV, d 128), bf16, every row at the
 same length: 16/32/64/128 rows at 512 and 4096 positions. For each ``(CHUNK, BLOCK_L,
 NUM_WARPS)`` of ``CONFIGS`` it times the splits rule (``splits_for``), one split (no combine)
-and a few fixed counts, graph-timed from cold L2 (``bench.common.time_graph``, both launches
-of a split call). Bandwidth counts the K and V bytes read. Writes OUT.json after every case.
+and a few fixed counts, graph-timed from cold L2 (``bench.common.time_graph``). Bandwidth counts the K and V bytes read. Writes OUT.json after every case.
 ``quick``: the kernel's own configuration only, with the rule and with one split.
 """
 

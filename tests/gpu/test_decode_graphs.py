@@ -79,13 +79,23 @@ def test_graph_decode_matches_eager_decode(suite, arch: str) -> None:  # type: i
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3-moe"])
-def test_fused_rope_and_norm_match_the_torch_ops(suite, arch: str) -> None:  # type: ignore[no-untyped-def]
+def test_fused_rope_and_norm_match_the_torch_ops(suite, arch: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """kernels/rope.py and kernels/norm.py against the model's torch ops (the CPU path),
     through prefill, eager and graph decode steps: staged batches add the qkv LoRA inside the
     rotation, Qwen3 norms each head first, Qwen2 has a qkv bias. fp32, so a wrong column,
     head or cache slot shows far above the tolerance."""
+    from loraplane.worker.kernels import rope
     from loraplane.worker.models.layers import RMSNorm
     from loraplane.worker.models.model import Attention
+
+    staged = []
+    original = rope.rope_qkv
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        staged.append(kwargs.get("stage") is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rope, "rope_qkv", spy)
 
     def run(fused: bool) -> list[torch.Tensor]:
         Attention.fused_rope = RMSNorm.fused = fused
@@ -97,3 +107,6 @@ def test_fused_rope_and_norm_match_the_torch_ops(suite, arch: str) -> None:  # t
 
     for step, (g, w) in enumerate(zip(run(True), run(False), strict=True)):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    # the fused path ran, and for the staged graph steps with the qkv LoRA inside it (Qwen2's
+    # qkv bias keeps its qkv unstaged)
+    assert staged and (any(staged) == (arch != "qwen2"))

@@ -284,7 +284,8 @@ def test_overlapped_lora_matches_serial_eager_and_in_a_graph(tokens: int) -> Non
 @pytest.mark.parametrize(("tokens", "max_ctx"), [(16, 512), (128, 2048), (4, 8192)])
 def test_decode_attention_bf16(tokens: int, max_ctx: int) -> None:
     """In-place decode attention at Llama-3-8B's heads (32 q, 8 kv, d 128) vs gathered SDPA:
-    5 splits over up to 4 chunks, one split, 16 splits of up to 4 chunks each."""
+    5 splits over up to 2 chunks of 256 positions, one split, 16 splits of up to 2 chunks
+    each."""
     import torch.nn.functional as F
 
     from loraplane.worker.kernels import attention

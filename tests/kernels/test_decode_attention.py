@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplane.worker.kernels import attention
+from loraplane.worker.kernels.shrink import split_counts
 
 pytestmark = pytest.mark.kernels
 
@@ -123,11 +124,13 @@ def test_split_positions_combine_to_the_same_attention(splits: int) -> None:
     want = sdpa_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), rows.cpu(), seq_lens.cpu(), 0.2)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, again)
+    assert not split_counts(q.device).any()  # left zero for the next split kernel
 
 
-def test_split_count_follows_the_batch_shape_only() -> None:
-    """A graph captured at one length replays at every length: the split count may depend
-    on the batch's rows and KV heads, never on its lengths."""
+def test_split_count_fills_the_gpu_for_small_batches_only() -> None:
+    """More (token, KV head) pairs, fewer splits: one once the pairs alone fill the GPU;
+    never more than MAX_SPLITS."""
     cpu = torch.device("cpu")
-    assert attention.splits_for(1, 1, cpu) > attention.splits_for(64, 8, cpu) == 1
-    assert 1 <= attention.splits_for(1, 1, cpu) <= attention.MAX_SPLITS
+    counts = [attention.splits_for(t, 1, cpu) for t in (1, 2, 4, 8, 64)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > 1 and counts[-1] == 1
+    assert all(1 <= c <= attention.MAX_SPLITS for c in counts)

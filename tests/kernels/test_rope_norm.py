@@ -152,6 +152,9 @@ def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(dtype: torch.dtype
     _close(inp["v_cache"], ref["v_cache"], dtype)
     no_adapter, with_adapter = stage.full_order[9:], stage.full_order[:9]
     assert torch.equal(q[no_adapter], base_q[no_adapter])
+    for cache in ("k_cache", "v_cache"):  # and the cache slots they wrote
+        slots = (base["cache_rows"][no_adapter], base["positions"][no_adapter])
+        assert torch.equal(inp[cache][slots], base[cache][slots])
     assert (q[with_adapter].float() - base_q[with_adapter].float()).abs().max() > 0.1
     # the same as adding the LoRA first (stacked_plain), then the base path's rotation
     plain = _rope_inputs(rows, dtype)
@@ -172,6 +175,10 @@ def test_rope_qkv_names_a_bad_input() -> None:
         rope.rope_qkv(args[0], args[1][:4], *args[2:], H)
     with pytest.raises(ValueError, match=r"rope_qkv: positions must have dtype in \(torch.int64\)"):
         rope.rope_qkv(args[0], args[1].int(), *args[2:], H)
+    with pytest.raises(ValueError, match=r"rope_qkv: cache_rows must be contiguous"):
+        rope.rope_qkv(*args[:2], torch.stack([args[2], args[2]], 1)[:, 0], *args[3:], H)
+    with pytest.raises(ValueError, match=r"rope_qkv: cos_sin must cover every cache position"):
+        rope.rope_qkv(*args[:3], args[3][: MAX_LEN - 1], *args[4:], H)
     with pytest.raises(ValueError, match=r"rope_qkv: cos_sin.shape\[1\] must be 32"):
         rope.rope_qkv(*args[:3], args[3][:, :16], *args[4:], H)
     with pytest.raises(ValueError, match=r"rope_qkv: v_cache must have k_cache's shape"):

@@ -13,7 +13,8 @@ shape alone, enough programs for the GPU (a decode batch of 32 rows has only 32 
 KV head) pairs for 132 multiprocessors); with one split the kernel writes the output itself. Measured on an H200
 (``bench/probes/attention_tune.py``, session 10): one program per (token, KV head) read 16
 rows x 4096 positions at 2.6 TB/s; split, 3.4 TB/s. A split the row's length does not reach
-exits at once.
+reads no position, but still stores its empty record and counts itself in (the combine waits
+for every split).
 
 Lengths are read on the device, so nothing about the batch's contexts is needed on the host:
 a decode step can be captured in a CUDA graph once and replayed at every length. Reference:
@@ -244,6 +245,10 @@ def decode_attention(
     splits = splits_for(tokens, kv_heads, q.device)
     if splits < 1:
         raise ValueError(f"{fn}: the split count must be >= 1, got {splits}")
+    if CHUNK % BLOCK_L or BLOCK_L > CHUNK:
+        raise ValueError(
+            f"{fn}: CHUNK ({CHUNK}) must be a multiple of BLOCK_L ({BLOCK_L}): chunks would overlap"
+        )
     part, counts = out, cache_rows  # (not read with one split)
     if splits > 1:
         if tokens * kv_heads > COUNT_SLOTS:

@@ -208,12 +208,19 @@ def rope_qkv(
     n_base = (num_heads + 2 * kv_heads) * d
     t = x.shape[0]
     for name, idx in (("positions", positions), ("cache_rows", cache_rows)):
-        i = check_tensor(fn, name, idx, ndim=1, dtypes=(torch.int64,), device=x.device)
+        i = check_tensor(
+            fn, name, idx, ndim=1, dtypes=(torch.int64,), device=x.device, contiguous=True
+        )
         check_dim(fn, name, i, 0, t, "one per row of qkv")
     cs = check_tensor(fn, "cos_sin", cos_sin, ndim=2, dtypes=(x.dtype,), device=x.device)
     check_dim(fn, "cos_sin", cs, 1, d, "cos | sin of the head size")
     if cs.stride(1) != 1:
         raise ValueError(f"{fn}: cos_sin must have unit stride in its last dimension")
+    if cs.shape[0] < kc.shape[1]:
+        raise ValueError(
+            f"{fn}: cos_sin must cover every cache position (k_cache.shape[1] = "
+            f"{kc.shape[1]}), got {cs.shape[0]} rows; build it with RotaryEmbedding.cos_sin"
+        )
     if (q_norm is None) != (k_norm is None):
         raise ValueError(f"{fn}: q_norm and k_norm go together (Qwen3's per-head norms)")
     norms = []
@@ -246,8 +253,8 @@ def rope_qkv(
     half = d // 2
     if b is not None and stage is not None:
         segments = stage.full_slots.shape[0]
-        if segments == 0:
-            return q
+        if segments == 0:  # the full segments cover every row: none means a broken stage
+            raise ValueError(f"{fn}: stage has no full segments for {t} rows")
         grid = (triton.cdiv(max(1, stage.max_len), BLOCK_S), segments, heads)
         lora_args = (b, stage.full_indptr, stage.full_order, stage.full_slots, stage.full_pos)
         lora_more = (stage.full_scalings,)

@@ -181,9 +181,9 @@ def split_counts(device: torch.device) -> torch.Tensor:
     if _capturing(device):
         if not spares:
             raise RuntimeError(
-                "split-K shrink: no zeroed fix-up counts for a stream first used inside a "
-                "CUDA graph capture; run the shrink once on this device outside the "
-                "capture first (a warm-up), which makes spare buffers"
+                "split-K shrink / split decode attention: no zeroed fix-up counts for a "
+                "stream first used inside a CUDA graph capture; run the kernel once on this "
+                "device outside the capture first (a warm-up), which makes spare buffers"
             )
         counts = _counts[key] = spares.pop()
         return counts

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype:
+        if (
+            self.fused
+            and x.is_cuda
+            and x.dim() == 2
+            and x.dtype == self.weight.dtype
+            and x.shape[1] <= 32768  # (kernels.norm.MAX_COLUMNS: a row in one program)
+            and x.stride(1) == 1
+        ):
             from loraplane.worker import kernels
 
             return kernels.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
@@ -43,13 +51,17 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """HF-default rotary embedding (rotate_half form)."""
 
+    # cos | sin tables by (head_dim, theta, positions, dtype, device): one for all layers
+    # (each layer has its own module; a 128K-position table in bf16 is 32 MB at d 128).
+    _tables: ClassVar[dict[tuple[int, float, int, torch.dtype, torch.device], torch.Tensor]] = {}
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
+        self.theta = theta
         inv_freq = 1.0 / (
             theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._tables: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -64,12 +76,20 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, max_pos: int, dtype: torch.dtype) -> torch.Tensor:
         """``[max_pos, d]``: ``cos`` then ``sin`` of ``position * inv_freq`` for positions
         ``0 .. max_pos - 1``, in ``dtype`` as ``forward`` rounds them; the table that
-        ``kernels.rope_qkv`` reads. Built once per size and dtype (before any graph capture:
-        the first forward of a KV cache runs eagerly)."""
-        key = (max_pos, dtype, self.inv_freq.device)
+        ``kernels.rope_qkv`` reads. Built once per size, dtype and device and shared by every
+        layer with the same head size and theta. It must first be built outside a CUDA graph
+        capture (the first forward of a KV cache runs eagerly: prefill, or a graph's warm-up),
+        or the table would hold values that only the graph's replay computes."""
+        device = self.inv_freq.device
+        key = (self.inv_freq.numel() * 2, self.theta, max_pos, dtype, device)
         table = self._tables.get(key)
         if table is None:
-            positions = torch.arange(max_pos, device=self.inv_freq.device).float()
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    "the rotary cos/sin table would be built inside a CUDA graph capture; "
+                    "run one forward with this KV cache eagerly first"
+                )
+            positions = torch.arange(max_pos, device=device).float()
             freqs = positions[:, None] * self.inv_freq.float()[None, :]  # [P, d/2]
             table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
             self._tables[key] = table
