@@ -27,10 +27,12 @@ step() {  # step NAME SECONDS CMD...
 step kernels 200 "$PY" -m loraplane.worker.bench.kernels --device cuda \
   --shapes llama3-8b,qwen3-30b-a3b --ranks 16,64 --adapters 1,4,16 --tokens 16,64,128,2048 \
   --rep-ms 6 --max-seconds 150 --out "$OUT/kernels.json"
-# 2. dense decode (8 of 32 layers, real vocab), eager + CUDA graphs, with a short profile.
+# 2. dense decode (8 of 32 layers, real vocab), eager + CUDA graphs, with a short eager profile
+#    and the kernel time per graph step at bs 16 and 32 (what limits the LoRA there).
 step decode_dense 170 "$PY" -m loraplane.worker.bench.decode --device cuda --shape llama3-8b \
   --layers 8 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
-  --steps 10 --rounds 3 --warmup 3 --cuda-graphs --profile --out "$OUT/decode_dense.json"
+  --steps 10 --rounds 3 --warmup 3 --cuda-graphs --profile --profile-graphs 16,32 \
+  --out "$OUT/decode_dense.json"
 # 3. MoE decode (4 of 48 layers), eager + CUDA graphs (experts are routed on the device).
 step decode_moe 150 "$PY" -m loraplane.worker.bench.decode --device cuda --shape qwen3-30b-a3b \
   --layers 4 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
