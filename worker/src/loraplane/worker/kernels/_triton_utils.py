@@ -16,6 +16,10 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # tl.dot needs every block dimension >= 16.
 MIN_DOT_BLOCK = 16
 
+# Row kernels that hold a whole row in one program (kernels/norm.py) take at most this many
+# columns; wider rows would spill registers.
+MAX_ROW_COLUMNS = 32768
+
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
+    MAX_ROW_COLUMNS,
     check_dim,
     check_same_dtype,
     check_tensor,
@@ -26,9 +27,6 @@ from loraplane.worker.kernels._triton_utils import (
 )
 
 __all__ = ["rms_norm"]
-
-# One program holds a whole row; wider rows would spill registers.
-MAX_COLUMNS = 32768
 
 
 @triton.jit
@@ -62,9 +60,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     check_dim(fn, "weight", w, 0, x.shape[1], "one weight per column of x")
     if not w.is_contiguous():
         raise ValueError(f"{fn}: weight must be contiguous, got stride {tuple(w.stride())}")
-    if x.shape[1] > MAX_COLUMNS:
+    if x.shape[1] > MAX_ROW_COLUMNS:
         raise ValueError(
-            f"{fn}: x has {x.shape[1]} columns; one program holds a row, at most {MAX_COLUMNS}"
+            f"{fn}: x has {x.shape[1]} columns; one program holds a row, at most {MAX_ROW_COLUMNS}"
         )
     if not eps >= 0.0:
         raise ValueError(f"{fn}: eps must be >= 0, got {eps!r}")

@@ -40,6 +40,7 @@ from loraplane.worker.kernels._triton_utils import (
     next_power_of_2,
     rank_block,
 )
+from loraplane.worker.kernels.stacked import check_stacked
 
 __all__ = ["rope_qkv"]
 
@@ -235,8 +236,6 @@ def rope_qkv(
         raise ValueError(f"{fn}: lora_b and stage go together (a staged batch's qkv LoRA)")
     n_r = 0
     if lora_b is not None and stage is not None:
-        from loraplane.worker.kernels.stacked import check_stacked
-
         n_r = 3 * stage.rank
         x, b = check_stacked(fn, x, n_base, lora_b, stage, n_r, 3, name="qkv")
     else:

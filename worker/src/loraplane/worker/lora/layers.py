@@ -195,10 +195,11 @@ class ColumnLoRA(LoRALayer):
         batches of the Triton backend add the LoRA inside the rotation's kernel
         (``kernels.rope_qkv``), so it costs no launch of its own."""
         info = self.ctx.info(self.section)
-        staged = info is not None and self.ctx.backend.name == "triton"
-        full = self._stacked_gemm(x, info) if staged and info is not None else None
-        if full is None or info is None or info.stage is None:
+        triton = self.ctx.backend.name == "triton"
+        full = self._stacked_gemm(x, info) if info is not None and triton else None
+        if full is None:
             return rope(self(x))
+        assert info is not None and info.stage is not None  # (a stacked GEMM ran)
         return rope(full, self.lora_b, info.stage)
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplane.worker.config import ConfigError
+from loraplane.worker.kernels._triton_utils import MAX_ROW_COLUMNS
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +37,7 @@ class RMSNorm(nn.Module):
             and x.is_cuda
             and x.dim() == 2
             and x.dtype == self.weight.dtype
-            and x.shape[1] <= 32768  # (kernels.norm.MAX_COLUMNS: a row in one program)
+            and x.shape[1] <= MAX_ROW_COLUMNS  # one program holds a row
             and x.stride(1) == 1
         ):
             from loraplane.worker import kernels
@@ -67,11 +68,15 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, heads, d]; k [T, kv_heads, d]
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, d/2]
+        freqs = self._angles(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(q.dtype)[:, None, :]
         sin = emb.sin().to(q.dtype)[:, None, :]
         return _rope(q, cos, sin), _rope(k, cos, sin)
+
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[P, d/2]`` fp32: ``position * inv_freq``."""
+        return positions.float()[:, None] * self.inv_freq.float()[None, :]
 
     def cos_sin(self, max_pos: int, dtype: torch.dtype) -> torch.Tensor:
         """``[max_pos, d]``: ``cos`` then ``sin`` of ``position * inv_freq`` for positions
@@ -89,8 +94,7 @@ class RotaryEmbedding(nn.Module):
                     "the rotary cos/sin table would be built inside a CUDA graph capture; "
                     "run one forward with this KV cache eagerly first"
                 )
-            positions = torch.arange(max_pos, device=device).float()
-            freqs = positions[:, None] * self.inv_freq.float()[None, :]  # [P, d/2]
+            freqs = self._angles(torch.arange(max_pos, device=device))
             table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
             self._tables[key] = table
         return table
