@@ -12,10 +12,7 @@ docs/performance.md):
   (``Attention.fused_rope``; 0: the torch ops and ``stacked_plain``);
 - ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops);
 - ``attn``: a fixed number of decode-attention splits over positions
-  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10);
-- ``cols``: column blocks per expand program (``EXPAND_COL_BLOCKS``; 1: one, as before
-  session 11; unset: ``column_blocks``'s rule);
-- ``stages``: software pipeline stages of the expand's column-block loop (``EXPAND_STAGES``).
+  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10).
 
 (Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
 measured, c0a6763, and removed once the branch past them stayed.)
@@ -53,14 +50,8 @@ def apply_switches(spec: str) -> None:
             RMSNorm.fused = value == "1"
         elif key == "attn":
             attention.SPLITS_OVERRIDE = int(value)
-        elif key == "cols":
-            _triton_utils.EXPAND_COL_BLOCKS = int(value)
-        elif key == "stages":
-            _triton_utils.EXPAND_STAGES = int(value)
         else:
-            raise SystemExit(
-                f"unknown switch {key!r}: expected fold, split, rope, norm, attn, cols or stages"
-            )
+            raise SystemExit(f"unknown switch {key!r}: expected fold, split, rope, norm or attn")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loraplane.worker.kernels import _triton_utils, moe, reference
+from loraplane.worker.kernels import moe, reference
 
 pytestmark = pytest.mark.kernels
 
@@ -178,28 +178,6 @@ def test_moe_matches_reference_and_dense(dtype: torch.dtype, topk: int, offsets:
     assert torch.equal(out_tri[no_adapter], out0[no_adapter])
     assert not y_tri[no_adapter].any()
     assert torch.isfinite(out_tri).all()
-
-
-@pytest.mark.parametrize("col_blocks", [2, 3])
-def test_moe_expand_over_several_column_blocks_per_tile_gives_the_same_bits(
-    monkeypatch: pytest.MonkeyPatch, col_blocks: int
-) -> None:
-    """A tile-map program walking 2 or all 3 of its 16-column blocks (one straddles gate | up
-    at 20) adds what one block per program adds, bit for bit."""
-    case = make_moe_case(token_slots=TOKEN_SLOTS, topk=2, slot_ranks=SLOT_RANKS)
-    num_pairs = case.pair_expert.shape[0]
-    out0 = torch.randn(num_pairs, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    monkeypatch.setattr(_triton_utils, "EXPAND_OVERRIDE", (16, 4))
-    outs = []
-    for blocks in (1, col_blocks):
-        monkeypatch.setattr(_triton_utils, "EXPAND_COL_BLOCKS", blocks)
-        out = out0.clone()
-        run_pipeline(moe, case, out)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
-    ref = out0.clone()
-    run_pipeline(reference, case, ref)
-    torch.testing.assert_close(outs[1], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_moe_each_pair_uses_its_own_slot_and_expert() -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loraplane.worker.kernels import _triton_utils, expand, reference, shrink
+from loraplane.worker.kernels import expand, reference, shrink
 
 pytestmark = pytest.mark.kernels
 
@@ -382,44 +382,6 @@ def test_expand_into_strided_output_view() -> None:
     assert torch.equal(wide_tri[:, :10], wide0[:, :10]) and torch.equal(
         wide_tri[:, 90:], wide0[:, 90:]
     )
-
-
-@pytest.mark.parametrize("slices", ["qkv_gqa", "gate_up"])
-@pytest.mark.parametrize(("col_blocks", "stages"), [(2, 1), (3, 1), (64, 1), (4, 2)])
-def test_expand_programs_walking_several_column_blocks_give_the_same_bits(
-    monkeypatch: pytest.MonkeyPatch, slices: str, col_blocks: int, stages: int
-) -> None:
-    """With 16-column blocks (4-5 per row here) a program may cover 2, 3 or all of them, the
-    last program of a row past its end, blocks straddling gate | up (40) included: the
-    output is the one-block-per-program output, bit for bit, and matches the reference."""
-    case = make_case(**MIXED, offsets=SLICES[slices], permute=True)  # type: ignore[arg-type]
-    y = run_shrink(reference, case)
-    out0 = base_output(case)
-    monkeypatch.setattr(_triton_utils, "EXPAND_OVERRIDE", (16, 4))
-    one, many = out0.clone(), out0.clone()
-    monkeypatch.setattr(_triton_utils, "EXPAND_COL_BLOCKS", 1)
-    run_expand(expand, case, y, one)
-    monkeypatch.setattr(_triton_utils, "EXPAND_COL_BLOCKS", col_blocks)
-    monkeypatch.setattr(_triton_utils, "EXPAND_STAGES", stages)
-    run_expand(expand, case, y, many)
-    assert torch.equal(many, one)
-    ref = out0.clone()
-    run_expand(reference, case, y, ref)
-    torch.testing.assert_close(many, ref, atol=1e-5, rtol=1e-5)
-    assert not torch.equal(many, out0)
-
-
-def test_column_blocks_rule_keeps_enough_programs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_triton_utils, "EXPAND_MIN_PROGRAMS", 1024)
-    rule = _triton_utils.column_blocks
-    assert rule(1, 32) == 1  # one segment tile: every column block its own program
-    assert rule(4, 224) == 1  # 4 x 224 = 896 programs, under the floor already
-    assert rule(16, 224) == 2  # 16 x 112 = 1792 programs; 4 per program would leave 896
-    assert rule(512, 16) == 8  # 512 x 2 = 1024 programs
-    assert rule(1088, 16) == 16  # MoE tile map at 128 tokens x top-8: a program per tile
-    assert rule(10**6, 5) == 4  # never more blocks per program than the row has (pow2 <= 5)
-    monkeypatch.setattr(_triton_utils, "EXPAND_COL_BLOCKS", 3)
-    assert rule(1, 32) == 3 and rule(1, 2) == 2  # the override, capped at the row's blocks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -198,25 +198,3 @@ def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig
         block_n, num_warps = EXPAND_OVERRIDE
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
     return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=num_warps)
-
-
-# An expand program walks several column blocks of its segment tile while the grid keeps at
-# least this many programs (``column_blocks``): its chain of dependent loads (tile, segment
-# bounds, rank, rows) then serves several B tiles instead of one. Measured on an H200
-# (bench/probes/expand_tune.py, session 11): see docs/kernels.md.
-EXPAND_MIN_PROGRAMS = 1024
-# Column blocks per program instead of the rule when set (bench/probes/expand_tune.py).
-EXPAND_COL_BLOCKS: int | None = None
-# Software pipeline stages of an expand program's column-block loop.
-EXPAND_STAGES = 1
-
-
-def column_blocks(tiles: int, n_blocks: int) -> int:
-    """Column blocks per expand program: the largest power of two (at most ``n_blocks``) that
-    leaves ``EXPAND_MIN_PROGRAMS`` programs over ``tiles`` segment tiles; 1 for small grids."""
-    if EXPAND_COL_BLOCKS is not None:
-        return max(1, min(EXPAND_COL_BLOCKS, n_blocks))
-    per = 1
-    while per * 2 <= n_blocks and tiles * -(-n_blocks // (per * 2)) >= EXPAND_MIN_PROGRAMS:
-        per *= 2
-    return per

@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ExpandConfig,
@@ -24,7 +23,6 @@ from loraplane.worker.kernels._triton_utils import (
     check_max_seg_len,
     check_same_dtype,
     check_tensor,
-    column_blocks,
     dot_precision,
     expand_config,
 )
@@ -82,8 +80,6 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
-    COL_BLOCKS: tl.constexpr = 1,  # column blocks per program (launch_expand: column_blocks)
-    STAGES: tl.constexpr = 1,  # software pipeline stages of the column-block loop
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
@@ -123,86 +119,20 @@ def _lora_expand_kernel(
     else:
         y_rows = offs_s.to(tl.int64)
 
+    n0 = tl.program_id(2) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_mask = offs_r < rank  # columns of B at or beyond the rank are never read
     b_base = b_ptr + weight_slot * b_stride_slot
-    out_rows = out_ptr + rows[:, None] * out_stride_row  # [BLOCK_S, 1]
-    y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
-    y_mask = s_mask[:, None] & r_mask[None, :]
-    first = tl.program_id(2) * COL_BLOCKS
-    if COL_BLOCKS == 1:
-        _expand_columns(
-            first * BLOCK_N,
-            y_ptrs,
-            y_mask,
-            b_base,
-            out_rows,
-            s_mask,
-            offs_r,
-            r_mask,
-            scaling,
-            slice_offsets_ptr,
-            n_total,
-            rank_max,
-            b_stride_row,
-            NUM_SLICES,
-            DOT_PRECISION,
-            BLOCK_S,
-            BLOCK_N,
-        )
-    else:
-        # One segment tile's bounds, rows, rank and scaling serve COL_BLOCKS column blocks:
-        # a program's fixed chain of dependent loads is paid once per COL_BLOCKS B tiles.
-        for j in tl.range(0, COL_BLOCKS, num_stages=STAGES):
-            _expand_columns(
-                (first + j) * BLOCK_N,
-                y_ptrs,
-                y_mask,
-                b_base,
-                out_rows,
-                s_mask,
-                offs_r,
-                r_mask,
-                scaling,
-                slice_offsets_ptr,
-                n_total,
-                rank_max,
-                b_stride_row,
-                NUM_SLICES,
-                DOT_PRECISION,
-                BLOCK_S,
-                BLOCK_N,
-            )
 
-
-@triton.jit
-def _expand_columns(
-    n0,
-    y_ptrs,
-    y_mask,
-    b_base,
-    out_rows,
-    s_mask,
-    offs_r,
-    r_mask,
-    scaling,
-    slice_offsets_ptr,
-    n_total,
-    rank_max,
-    b_stride_row,
-    NUM_SLICES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """``out += s * y B`` over output columns ``n0 .. n0 + BLOCK_N`` of one segment tile."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
-    out_ptrs = out_rows + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
+    out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
     out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
     base = tl.load(out_ptrs, mask=out_mask, other=0.0)
 
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
+    y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
+    y_mask = s_mask[:, None] & r_mask[None, :]
     for i in tl.static_range(NUM_SLICES):
         # a column block may straddle slices: each slice's B columns are masked to its range
         col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
@@ -216,7 +146,7 @@ def _expand_columns(
             )
 
     tl.store(
-        out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_rows.dtype.element_ty), mask=out_mask
+        out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
     )
 
 
@@ -247,9 +177,7 @@ def launch_expand(
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
-    n_blocks = triton.cdiv(n_total, config.block_n)
-    col_blocks = column_blocks(grid_blocks * grid_segments, n_blocks)
-    grid = (grid_blocks, grid_segments, triton.cdiv(n_blocks, col_blocks))
+    grid = (grid_blocks, grid_segments, triton.cdiv(n_total, config.block_n))
     _lora_expand_kernel[grid](
         y,
         weights,
@@ -280,8 +208,6 @@ def launch_expand(
         BLOCK_N=config.block_n,
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
-        COL_BLOCKS=col_blocks,
-        STAGES=_triton_utils.EXPAND_STAGES,
         num_warps=config.num_warps,
     )
 
