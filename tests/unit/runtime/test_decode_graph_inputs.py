@@ -142,6 +142,12 @@ def test_static_lora_batch_pads_segments_and_rows() -> None:
     assert static.row_order[:4].tolist() == [2, 4, 0, 3]
     info = static.info()
     assert info.seg_ranks.tolist() == [8, 4, 8] and info.max_seg_len == 8
+    assert info.seg_scalings.tolist() == [1.0, 0.5, 1.0]  # read back from the slot tensors
+    # The runtime passes the host's values: they are what the step reads, with no gather.
+    static.fill([2, NO_ADAPTER, 0, 2, 0], slot_values=([3, 5, 7], [0.25, 4.0, 1.5]))
+    info = static.info()
+    assert info.seg_ranks.tolist() == [3, 7, 3] and info.seg_scalings.tolist() == [0.25, 1.5, 0.25]
+    assert info.seg_ranks.data_ptr() == static.seg_ranks.data_ptr()  # a view, no kernel
     with pytest.raises(ValueError, match="a batch of 9 rows does not fit a graph of 8 rows"):
         static.fill([0] * 9)
     few = StaticLoRABatch(4, 2, ranks, scalings, torch.device("cpu"))  # 2 segments
@@ -239,6 +245,40 @@ def test_an_adapter_loaded_between_repeated_steps_is_used(runner: ModelRunner, s
     torch.testing.assert_close(after, want, rtol=0, atol=2e-5)
     assert (after[:2] - before[:2]).abs().max() > 1e-3  # slot 0's rows changed
     torch.testing.assert_close(after[2:], before[2:], rtol=0, atol=2e-5)  # the others did not
+
+
+def test_a_slot_change_outside_the_batch_refills_the_metadata(
+    runner: ModelRunner, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Ranks and scalings are written by the host: a step with the same slots and stage after
+    any slot changed (here one the batch does not use, so no stage position moves) fills the
+    static metadata again instead of reusing it; an unchanged one does not."""
+    manager = runner.lora
+    assert manager is not None
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    fills = []
+    original = StaticLoRABatch.fill
+
+    def counting_fill(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        fills.append(args[3] if len(args) > 3 else kwargs.get("slot_values"))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(StaticLoRABatch, "fill", counting_fill)
+    slots = [0, 0, NO_ADAPTER, 1]
+    graphs._lora_shape(slots, 4)
+    graphs._lora_shape(slots, 4)
+    assert len(fills) == 1  # the same slots, nothing changed: no host work
+    adapter = manager.slot_adapters[2]
+    assert adapter is not None
+    epoch = manager.stage.epoch
+    manager.clear_slot(2)
+    try:
+        assert manager.stage.epoch == epoch  # slot 2 was never staged by this batch
+        graphs._lora_shape(slots, 4)
+        assert len(fills) == 2 and fills[1] == manager.slot_values()
+        assert fills[1][0][2] == 0  # the cleared slot's rank, from the host
+    finally:
+        manager.load_slot(2, adapter)
 
 
 def test_a_higher_rank_adapter_restages_and_every_step_keeps_its_adapters(suite) -> None:  # type: ignore[no-untyped-def]

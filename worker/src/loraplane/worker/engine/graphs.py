@@ -116,7 +116,7 @@ class DecodeGraphs:
         self._lora: dict[tuple[int, Shape], StaticLoRABatch] = {}
         self._graphs: dict[tuple[int, Shape | None], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self._last_slots: tuple[int, tuple[int, ...], int] | None = None  # see _lora_shape
+        self._last_slots: tuple[int, tuple[int, ...], int, int] | None = None  # see _lora_shape
         self._last_shape: Shape | None = None
         self._last_adapters: list[int] = []
         self.replays = 0
@@ -179,12 +179,12 @@ class DecodeGraphs:
 
         ``(segments, longest segment, stage width, stage rank)``; width 0: not staged.
         Decode batches keep their rows and adapters for many steps in a row, so when
-        ``slots`` equal the last step's (same bucket, same stage contents) the static
+        ``slots`` equal the last step's (same bucket, same stage and slot contents) the static
         metadata already holds them and the step skips the host work and the copy."""
         manager = self.runner.lora
         if manager is None:
             return None
-        key = (bucket, tuple(slots), manager.stage.epoch)
+        key = (bucket, tuple(slots), manager.stage.epoch, manager.version)
         if key == self._last_slots:
             manager.check_slots(self._last_adapters)
             return self._last_shape
@@ -196,9 +196,9 @@ class DecodeGraphs:
             width = stage_width(positions.values(), manager.stage.positions) if positions else 0
             rank = manager.stage.rank if positions else 0
             shape = (*static_shape(segments, bucket), width, rank)
-            self._lora_batch(bucket, shape).fill(slots, segments, positions)
+            self._lora_batch(bucket, shape).fill(slots, segments, positions, manager.slot_values())
         # (the key after assign: a copy it made bumped the epoch)
-        key = (bucket, tuple(slots), manager.stage.epoch)
+        key = (bucket, tuple(slots), manager.stage.epoch, manager.version)
         self._last_slots, self._last_shape, self._last_adapters = key, shape, segments[2]
         return shape
 

@@ -112,8 +112,10 @@ class StaticLoRABatch:
     ``row_order`` of ``rows`` positions (always given, so the kernels gather rows whatever the
     batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the launch
     grids. ``fill`` writes one step's values with two host-to-device copies (pinned memory on
-    CUDA); ``info`` must be called inside the capture, since it gathers each segment's rank
-    and scaling on the device.
+    CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
+    ``index_select`` per value was three launches, ~6 us of a Llama-3-8B-shaped 8-layer step
+    on an H200 at 32 rows, before session 11), so a LoRA graph launches no more kernels than
+    the LoRA-off graph besides the ones that do LoRA math.
     """
 
     def __init__(
@@ -136,10 +138,11 @@ class StaticLoRABatch:
         self.stage_rank = stage_rank  # y columns per slice of a stage position
         pin = device.type == "cuda"
         s = self.segments
-        # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1:
-        # with the trailing entries, the full segments (adapter segments, then the rows with
-        # no adapter) are views of the same buffer.
-        n_ints = rows + 3 * s + 4
+        # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1
+        # | seg_ranks [S] | scalings [S + 1] (float32 bits): with the trailing entries, the full
+        # segments (adapter segments, then the rows with no adapter) are views of the same
+        # buffer, and the scalings a float32 view of it.
+        n_ints = rows + 5 * s + 5
         self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
         # every row: adapter rows by segment, then the others (row_order is its prefix use)
@@ -151,17 +154,24 @@ class StaticLoRABatch:
         self.seg_slots = self._ints[rows + s + 2 : rows + 2 * s + 2]
         self.full_slots = self._ints[rows + s + 2 : rows + 2 * s + 3]
         self.full_pos = self._ints[rows + 2 * s + 3 : rows + 3 * s + 4]
+        self.seg_ranks = self._ints[rows + 3 * s + 4 : rows + 4 * s + 4]
+        self.full_scalings = self._ints[rows + 4 * s + 4 :].view(torch.float32)
+        self.seg_scalings = self.full_scalings[:s]
 
     def fill(
         self,
         token_slots: Sequence[int],
         segments: Segments | None = None,
         positions: dict[int, int] | None = None,
+        slot_values: tuple[Sequence[int], Sequence[float]] | None = None,
     ) -> None:
         """This step's slots (``len <= rows``; rows past the batch get no adapter).
 
         ``segments``: ``segments_of(token_slots)`` when the caller has it already.
-        ``positions``: each slot's stage position (``Stage.assign``), for a staged graph."""
+        ``positions``: each slot's stage position (``Stage.assign``), for a staged graph.
+        ``slot_values``: every slot's rank and scaling on the host, as ``slot_ranks`` and
+        ``slot_scalings`` hold them (the runtime passes ``LoRAManager.slot_values()``); left
+        out, they are read back from those tensors."""
         n = len(token_slots)
         if n > self.rows:
             raise ValueError(f"a batch of {n} rows does not fit a graph of {self.rows} rows")
@@ -190,6 +200,13 @@ class StaticLoRABatch:
         pos = [positions[s] for s in slots] if positions is not None else [NO_ADAPTER] * len(slots)
         ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
         ints += [self.rows, *slots, *[0] * pad, 0, *pos, *[NO_ADAPTER] * (pad + 1)]
+        if slot_values is None:
+            slot_values = (self.slot_ranks.tolist(), self.slot_scalings.tolist())
+        ranks, scalings = slot_values
+        full = [*slots, *[0] * (pad + 1)]  # the full segments' slots (padding reads slot 0)
+        ints += [ranks[s] for s in full[: self.segments]]
+        bits = torch.tensor([scalings[s] for s in full], dtype=torch.float32).view(torch.int32)
+        ints += bits.tolist()
         in_segment = set(order)
         rest = [i for i in range(self.rows) if i not in in_segment]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
@@ -198,7 +215,7 @@ class StaticLoRABatch:
         self.row_order.copy_(self._order_host, non_blocking=True)
 
     def info(self) -> LoRABatchInfo:
-        """The batch info over these buffers (device gathers of ranks and scalings)."""
+        """The batch info over these buffers (views: nothing is computed on the device)."""
         return LoRABatchInfo(
             token_slots=self.token_slots,
             seg_indptr=self.seg_indptr,
@@ -206,8 +223,8 @@ class StaticLoRABatch:
             row_order=self.row_order,
             slot_ranks=self.slot_ranks,
             slot_scalings=self.slot_scalings,
-            seg_ranks=self.slot_ranks.index_select(0, self.seg_slots),
-            seg_scalings=self.slot_scalings.index_select(0, self.seg_slots),
+            seg_ranks=self.seg_ranks,
+            seg_scalings=self.seg_scalings,
             max_seg_len=self.max_seg_len,
             num_rows=self.rows,
             num_lora_rows=self.rows,  # an upper bound: the count lives on the device
@@ -220,7 +237,7 @@ class StaticLoRABatch:
             full_order=self.row_order,
             full_slots=self.full_slots,
             full_pos=self.full_pos,
-            full_scalings=self.slot_scalings.index_select(0, self.full_slots),
+            full_scalings=self.full_scalings,
             max_len=self.rows,  # the no-adapter segment may hold every row
             width=self.stage_width,
             rank=self.stage_rank,

@@ -36,6 +36,7 @@ class LoRAManager:
         self.slot_ranks = torch.zeros(self.num_slots, dtype=torch.int32, device=device)
         self.slot_scalings = torch.zeros(self.num_slots, dtype=torch.float32, device=device)
         self.slot_adapters: list[AdapterWeights | None] = [None] * self.num_slots
+        self.version = 0  # bumped whenever a slot's contents change (load_slot, clear_slot)
         # layer index -> wrappers of that layer
         self.layers: list[list[LoRALayer]] = []
         self.experts: list[ExpertsLoRA | None] = []
@@ -101,6 +102,7 @@ class LoRAManager:
         self.slot_ranks[slot] = adapter.rank
         self.slot_scalings[slot] = adapter.scaling
         self.slot_adapters[slot] = adapter
+        self.version += 1
 
     def clear_slot(self, slot: int) -> None:
         self.stage.forget(slot)
@@ -113,6 +115,16 @@ class LoRAManager:
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
         self.slot_adapters[slot] = None
+        self.version += 1
+
+    def slot_values(self) -> tuple[list[int], list[float]]:
+        """Every slot's rank and scaling, from the host (what ``slot_ranks`` and
+        ``slot_scalings`` hold on the device; 0 for an empty slot)."""
+        adapters = self.slot_adapters
+        return (
+            [a.rank if a is not None else 0 for a in adapters],
+            [a.scaling if a is not None else 0.0 for a in adapters],
+        )
 
     def _rank_of(self, slot: int) -> int:
         adapter = self.slot_adapters[slot]
