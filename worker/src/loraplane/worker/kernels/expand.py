@@ -42,21 +42,11 @@ def slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES: tl.constexpr):
 @triton.jit
 def slice_term(y_ptrs, b_ptrs, offs_n, offs_r, y_mask, r_mask, col_lo, col_hi, DOT_PRECISION):
     """``y_i B_i`` of one slice over a column block: ``y_ptrs [BLOCK_S, 1]`` (the slice's first
-    y column per row), ``b_ptrs [BLOCK_N, BLOCK_R]`` (B as it lies in memory, see
-    ``b_tile``), B's columns masked to ``[col_lo, col_hi)``."""
+    y column per row), ``b_ptrs [BLOCK_R, BLOCK_N]``, B's columns masked to ``[col_lo, col_hi)``."""
     in_slice = (offs_n >= col_lo) & (offs_n < col_hi)
     y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
-    b_i = tl.load(b_ptrs, mask=in_slice[:, None] & r_mask[None, :], other=0.0)
-    return tl.dot(y_i, tl.trans(b_i), input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def b_tile(b_base, offs_n, offs_r, b_stride_row):
-    """Pointers ``[BLOCK_N, BLOCK_R]`` to B's rows ``offs_n`` (``B [N, R]`` of one slot), in
-    the order they lie in memory: rank innermost, so a load moves whole rows (the rank-major
-    ``[BLOCK_R, BLOCK_N]`` tile the dot takes is ``tl.trans`` of it). Loaded rank-major, the
-    MoE expand ran L1-bound on an H200 (ncu, session 11: L1/TEX 91%, DRAM 35%)."""
-    return b_base + offs_n[:, None].to(tl.int64) * b_stride_row + offs_r[None, :]
+    b_i = tl.load(b_ptrs, mask=r_mask[:, None] & in_slice[None, :], other=0.0)
+    return tl.dot(y_i, b_i, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -140,7 +130,7 @@ def _lora_expand_kernel(
     base = tl.load(out_ptrs, mask=out_mask, other=0.0)
 
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
-    b_ptrs = b_tile(b_base, offs_n, offs_r, b_stride_row)  # [BLOCK_N, BLOCK_R]
+    b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
     y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
     y_mask = s_mask[:, None] & r_mask[None, :]
     for i in tl.static_range(NUM_SLICES):

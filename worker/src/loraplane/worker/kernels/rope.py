@@ -40,7 +40,6 @@ from loraplane.worker.kernels._triton_utils import (
     next_power_of_2,
     rank_block,
 )
-from loraplane.worker.kernels.expand import b_tile
 from loraplane.worker.kernels.stacked import check_stacked
 
 __all__ = ["rope_qkv"]
@@ -123,12 +122,13 @@ def _rope_qkv_kernel(
             r_mask = offs_r < rank_max
             y_cols = n_base + pos.to(tl.int64) * n_r + qkv_slice * rank_max + offs_r[None, :]
             y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
-            b_rows = b_tile(b_ptr + slot * b_stride_slot, col + offs_d, offs_r, b_stride_row)
-            b_mask = d_mask[:, None] & r_mask[None, :]  # [BLOCK_D, BLOCK_R]
-            b_lo = tl.load(b_rows, mask=b_mask, other=0.0)
-            b_hi = tl.load(b_rows + half * b_stride_row, mask=b_mask, other=0.0)
-            lo += scaling * tl.dot(y, tl.trans(b_lo), input_precision=DOT_PRECISION)
-            hi += scaling * tl.dot(y, tl.trans(b_hi), input_precision=DOT_PRECISION)
+            b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
+            b_tile = b_ptr + slot * b_stride_slot + b_cols  # [BLOCK_R, BLOCK_D]
+            b_mask = r_mask[:, None] & d_mask[None, :]
+            b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
+            b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
+            lo += scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION)
+            hi += scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION)
     dtype = q_ptr.dtype.element_ty
     if head < v_start:  # q or k: norm (Qwen3), then rotate
         if QK_NORM:

@@ -40,7 +40,7 @@ from loraplane.worker.kernels._triton_utils import (
     rank_block,
     segment_block,
 )
-from loraplane.worker.kernels.expand import b_tile, slice_bounds, slice_term
+from loraplane.worker.kernels.expand import slice_bounds, slice_term
 
 __all__ = ["StageInfo", "stacked_plain", "stacked_residual", "stacked_silu_mul"]
 
@@ -104,7 +104,7 @@ def _stacked_lora_kernel(
     y_row = row_full + n_base + pos.to(tl.int64) * n_r  # [BLOCK_S, 1]: this position's y
     y_mask = lora[:, None] & r_mask[None, :]
     b_base = b_ptr + slot * b_stride_slot
-    b_rows = b_tile(b_base, offs_n, offs_r, b_stride_row)  # [BLOCK_N, BLOCK_R]
+    b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
 
     # The base, y and slice-bound loads are issued first (see kernels/expand.py); B's wait
     # only for the branch past the no-adapter segment and the slices a block misses.
@@ -113,13 +113,13 @@ def _stacked_lora_kernel(
         up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
         y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-        b_mask = n_mask[:, None] & r_mask[None, :]
+        b_mask = r_mask[:, None] & n_mask[None, :]
         gate = base
         if has_lora:  # the no-adapter segment loads no B and runs no dot
-            b_g = tl.load(b_rows, mask=b_mask, other=0.0)
-            b_u = tl.load(b_rows + n_cols * b_stride_row, mask=b_mask, other=0.0)
-            gate += scaling * tl.dot(y_g, tl.trans(b_g), input_precision=DOT_PRECISION)
-            up += scaling * tl.dot(y_u, tl.trans(b_u), input_precision=DOT_PRECISION)
+            b_g = tl.load(b_base + b_cols, mask=b_mask, other=0.0)
+            b_u = tl.load(b_base + n_cols * b_stride_row + b_cols, mask=b_mask, other=0.0)
+            gate += scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+            up += scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
         val = gate / (1.0 + tl.exp(-gate)) * up
     else:
         if MODE == 1:
@@ -133,7 +133,7 @@ def _stacked_lora_kernel(
                 y_i = y_row + i * rank_max
                 acc += slice_term(
                     y_i,
-                    b_rows,
+                    b_base + b_cols,
                     offs_n,
                     offs_r,
                     y_mask,
