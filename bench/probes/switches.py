@@ -12,7 +12,9 @@ docs/performance.md):
   (``Attention.fused_rope``; 0: the torch ops and ``stacked_plain``);
 - ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops);
 - ``attn``: a fixed number of decode-attention splits over positions
-  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10).
+  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10);
+- ``ralign``: rank columns an expand load rounds up to (``expand.RANK_ALIGN``; 1: the loaded
+  rank masks every column, as before session 11).
 
 (Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
 measured, c0a6763, and removed once the branch past them stayed.)
@@ -31,7 +33,7 @@ from __future__ import annotations
 import sys
 
 from loraplane.worker.bench import decode
-from loraplane.worker.kernels import _triton_utils, attention
+from loraplane.worker.kernels import _triton_utils, attention, expand
 from loraplane.worker.lora.layers import RowLoRA
 from loraplane.worker.models.layers import RMSNorm
 from loraplane.worker.models.model import Attention
@@ -50,8 +52,12 @@ def apply_switches(spec: str) -> None:
             RMSNorm.fused = value == "1"
         elif key == "attn":
             attention.SPLITS_OVERRIDE = int(value)
+        elif key == "ralign":
+            expand.RANK_ALIGN = int(value)
         else:
-            raise SystemExit(f"unknown switch {key!r}: expected fold, split, rope, norm or attn")
+            raise SystemExit(
+                f"unknown switch {key!r}: expected fold, split, rope, norm, attn or ralign"
+            )
 
 
 if __name__ == "__main__":

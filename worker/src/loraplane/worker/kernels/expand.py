@@ -40,12 +40,35 @@ def slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES: tl.constexpr):
 
 
 @triton.jit
-def slice_term(y_ptrs, b_ptrs, offs_n, offs_r, y_mask, r_mask, col_lo, col_hi, DOT_PRECISION):
+def slice_term(
+    y_ptrs,
+    b_ptrs,
+    offs_n,
+    offs_r,
+    y_mask,
+    r_mask,
+    y_load,
+    r_load,
+    col_lo,
+    col_hi,
+    DOT_PRECISION: tl.constexpr,
+    RANK_ALIGNED: tl.constexpr,
+):
     """``y_i B_i`` of one slice over a column block: ``y_ptrs [BLOCK_S, 1]`` (the slice's first
-    y column per row), ``b_ptrs [BLOCK_R, BLOCK_N]``, B's columns masked to ``[col_lo, col_hi)``."""
+    y column per row), ``b_ptrs [BLOCK_R, BLOCK_N]``, B's columns masked to ``[col_lo, col_hi)``.
+
+    ``RANK_ALIGNED``: the loads take the masks ``y_load``/``r_load`` (the rank rounded up, see
+    ``_lora_expand_kernel``) and what lies past ``y_mask``/``r_mask`` is zeroed after them;
+    otherwise ``y_mask``/``r_mask`` mask the loads."""
     in_slice = (offs_n >= col_lo) & (offs_n < col_hi)
-    y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
-    b_i = tl.load(b_ptrs, mask=r_mask[:, None] & in_slice[None, :], other=0.0)
+    if RANK_ALIGNED:
+        y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_load, other=0.0)  # [BLOCK_S, BLOCK_R]
+        b_i = tl.load(b_ptrs, mask=r_load[:, None] & in_slice[None, :], other=0.0)
+        y_i = tl.where(y_mask, y_i, 0.0)
+        b_i = tl.where(r_mask[:, None], b_i, 0.0)
+    else:
+        y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
+        b_i = tl.load(b_ptrs, mask=r_mask[:, None] & in_slice[None, :], other=0.0)
     return tl.dot(y_i, b_i, input_precision=DOT_PRECISION)
 
 
@@ -80,6 +103,7 @@ def _lora_expand_kernel(
     BLOCK_N: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
+    RANK_ALIGN: tl.constexpr = 1,  # loads round the rank up to this (rank_max a multiple of it)
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
@@ -122,7 +146,16 @@ def _lora_expand_kernel(
     n0 = tl.program_id(2) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    r_mask = offs_r < rank  # columns of B at or beyond the rank are never read
+    r_mask = offs_r < rank  # columns of B at or beyond the rank never reach the sum
+    if RANK_ALIGN > 1:
+        # The loads cover the rank rounded up to RANK_ALIGN columns (inside the row: rank_max
+        # is a multiple of it), a mask constant over RANK_ALIGN-wide groups, so they move
+        # whole vectors; the extra columns are zeroed before the dot. Masked at the loaded
+        # rank itself, which may end at any column, every B and y value was its own load (ncu
+        # on an H200, session 11: the MoE expand L1/TEX-bound at 91%, DRAM at 35%).
+        r_load = (offs_r // RANK_ALIGN) < (rank + RANK_ALIGN - 1) // RANK_ALIGN
+    else:
+        r_load = r_mask
     b_base = b_ptr + weight_slot * b_stride_slot
 
     out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
@@ -133,6 +166,7 @@ def _lora_expand_kernel(
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
     y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
     y_mask = s_mask[:, None] & r_mask[None, :]
+    y_load = s_mask[:, None] & r_load[None, :]
     for i in tl.static_range(NUM_SLICES):
         # a column block may straddle slices: each slice's B columns are masked to its range
         col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
@@ -142,12 +176,32 @@ def _lora_expand_kernel(
         if overlaps:
             y_i = y_ptrs + i * rank_max
             acc += slice_term(
-                y_i, b_ptrs, offs_n, offs_r, y_mask, r_mask, col_lo, col_hi, DOT_PRECISION
+                y_i,
+                b_ptrs,
+                offs_n,
+                offs_r,
+                y_mask,
+                r_mask,
+                y_load,
+                r_load,
+                col_lo,
+                col_hi,
+                DOT_PRECISION,
+                RANK_ALIGN > 1,
             )
 
     tl.store(
         out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
     )
+
+
+# Rank columns an expand load rounds up to (bench/probes/switches.py ralign=1 turns it off).
+RANK_ALIGN = 8
+
+
+def rank_align(rank_max: int) -> int:
+    """``RANK_ALIGN`` when B's rows (``rank_max`` values) hold whole groups of it, else 1."""
+    return RANK_ALIGN if RANK_ALIGN > 1 and rank_max % RANK_ALIGN == 0 else 1
 
 
 def launch_expand(
@@ -208,6 +262,7 @@ def launch_expand(
         BLOCK_N=config.block_n,
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
+        RANK_ALIGN=rank_align(weights.shape[2]),
         num_warps=config.num_warps,
     )
 

@@ -138,9 +138,12 @@ def _stacked_lora_kernel(
                     offs_r,
                     y_mask,
                     r_mask,
+                    y_mask,
+                    r_mask,
                     col_lo,
                     col_hi,
                     DOT_PRECISION,
+                    False,  # the stage rank is a launch argument: its mask is not split
                 )
         val = base + scaling * acc
         if MODE == 1:
