@@ -384,6 +384,31 @@ def test_expand_into_strided_output_view() -> None:
     )
 
 
+@pytest.mark.parametrize("slices", list(SLICES), ids=str)
+def test_expand_loads_rounded_up_past_the_rank_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, slices: str
+) -> None:
+    """The expand loads B and y over each slot's rank rounded up to 8 columns (ranks 4, 8,
+    16, 5 and 0 here, NaN past each rank) and zeroes what lies past the rank: the output is
+    the rank-masked loads' output, bit for bit, and no NaN reaches it."""
+    case = make_case(**MIXED, offsets=SLICES[slices], permute=True)  # type: ignore[arg-type]
+    y = run_shrink(reference, case).clone()
+    max_rank, indptr = case.lora_b.shape[2], case.seg_indptr.tolist()
+    for s, slot in enumerate(case.seg_slots.tolist()):  # y past each segment's rank: NaN too
+        rank = int(case.slot_ranks[slot])
+        for i in range(case.num_slices):
+            y[indptr[s] : indptr[s + 1], i * max_rank + rank : (i + 1) * max_rank] = float("nan")
+    out0 = base_output(case)
+    outs = []
+    for align in (8, 1):
+        monkeypatch.setattr(expand, "RANK_ALIGN", align)
+        assert expand.rank_align(16) == align and expand.rank_align(12) == 1
+        out = out0.clone()
+        run_expand(expand, case, y, out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_split_k_shrink_is_one_launch_that_repeats_bit_for_bit(dtype: torch.dtype) -> None:
     """At decode the shrink splits K; the last program of each tile sums the fp32 partials.
