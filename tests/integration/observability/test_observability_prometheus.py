@@ -182,6 +182,16 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         "the routed requests scraped",
     )
     completion(http, "tiny:a1", "hello again", ADMIN)
+    # The workers' per-adapter series are born at each adapter's load, and a fast wave can
+    # load and serve within one scrape; the dashboard's adapter list needs them scraped.
+    wait_for(
+        lambda: all(
+            prom.has_data(f'loraplane_worker_requests_total{{adapter="{name}"}}')
+            for name in ("a1", "a2", "a3")
+        ),
+        15,
+        "the workers' per-adapter series scraped",
+    )
     # One the router refuses before any worker (no such adapter): router_rejected_total.
     unknown = http.post(
         "/v1/completions", json={"model": "tiny:nope", "prompt": "x"}, headers=ADMIN
@@ -244,6 +254,32 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         ),
         30,
         "the scrapes",
+    )
+
+    # Slot evictions that rate() sees. The wave's evictions may all fall inside one scrape of
+    # counters born at the adapters' loads, and the adapters evicted then have been unloaded
+    # since (a4 and the cold starts took their places: their series are gone). So each worker
+    # now serves its resident adapters one after another: three residents over two slots
+    # evict, on counters that have been scraped and stay.
+    def resident(w: Any) -> list[str]:
+        return sorted(m["id"] for m in w.client.get("/v1/models").json()["data"] if m.get("parent"))
+
+    wait_for(  # (the drift repair may still be loading its adapter back)
+        lambda: all(len(resident(w)) > K for w in workers.values()),
+        30,
+        f"more than {K} adapters resident on every worker",
+    )
+    for name, w in workers.items():
+        adapters_here = resident(w)
+        for adapter in [*adapters_here, adapters_here[0]]:
+            completion(w.client, f"tiny-llama:{adapter}", f"evict on {name}")
+    wait_for(
+        lambda: prom.has_data(
+            "count(sum by (worker) (increase(loraplane_worker_adapter_evictions_total[10m])) > 0)"
+            " == 2"
+        ),
+        30,
+        "slot evictions on both workers scraped",
     )
     time.sleep(2)
     return stack
