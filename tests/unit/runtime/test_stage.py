@@ -66,18 +66,22 @@ def test_no_positions_or_no_stacking_wrapper_disables_staging() -> None:
 
 
 def test_positions_are_laid_out_for_the_staged_adapters_rank_not_the_buffers() -> None:
-    """Rank-4 and rank-8 adapters in rank-64 slot buffers: positions of 8 rows per slice; a
-    rank-33 adapter restages everything at 64; once the stage empties, the rank can fall."""
+    """Rank-4 and rank-8 adapters in rank-64 slot buffers: positions of 16 rows per slice (the
+    floor that keeps the stacked output 16-element aligned); a rank-33 adapter restages
+    everything at 64; once the stage empties, the rank can fall."""
     w = Recorder()
     stage = make(4, w)
-    assert stage.assign([3, 1]) == {3: 0, 1: 1} and stage.rank == 8
-    assert w.ranks == [8, 8]
-    assert stage.assign([9]) == {9: 0}  # rank 33: the old copies are laid out for 8
+    assert stage.assign([3, 1]) == {3: 0, 1: 1} and stage.rank == 16
+    assert w.ranks == [16, 16]
+    assert stage.assign([9]) == {9: 0}  # rank 33: the old copies are laid out for 16
     assert stage.rank == 64 and stage.slot_at == [9, None, None, None]
     assert stage.assign([3]) == {3: 1} and w.ranks[-1] == 64  # the stage rank stays 64
     stage.forget(9)
     stage.forget(3)
     assert stage.assign([0]) == {0: 0} and stage.rank == 16
+    # Slot buffers of rank 8 cap the floor: a rank-4 adapter stages at 8.
+    small = Stage(4, [Recorder()], RANKS.__getitem__, max_rank=8)
+    assert small.assign([3]) == {3: 0} and small.rank == 8
 
 
 def test_the_gemm_width_is_a_power_of_two_past_the_highest_position() -> None:

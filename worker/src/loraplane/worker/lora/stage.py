@@ -4,8 +4,13 @@ A wrapper that stacks (``ColumnLoRA``/``RowLoRA`` with ``stage_slots > 0``) keep
 weight as the first ``N`` rows of ``stacked [N + P * n * R_max, K]`` (``n`` slices: 3 for
 qkv, 2 for gate_up, else 1); the ``P`` stage positions below hold copies of some slots' A.
 Positions are ``n * r`` rows each, where ``r`` (the **stage rank**) is the largest staged
-adapter's rank rounded up to a power of two, not the slot buffers' ``R_max``: rank-16
-adapters in a pool of rank 64 cost 16 rows per slice, not 64. A decode step whose adapters
+adapter's rank rounded up to a power of two and to at least ``MIN_STAGE_RANK`` (16), not the
+slot buffers' ``R_max``: rank-16 adapters in a pool of rank 64 cost 16 rows per slice, not 64.
+The floor keeps every row of the stacked GEMM's output, and each position's ``y`` in it, 16
+elements apart, which Triton needs to see to load the epilogues' base values, ``y`` and B as
+16-byte vectors: at a stage rank of 8 the stacked epilogues and the rotation compiled to
+element-by-element loads (PTX for sm_90, ``tests/kernels/test_vector_loads.py``). Rank-8
+adapters cost 8 zero rows per slice more (the slot buffers are zero past each rank). A decode step whose adapters
 all sit in stage positions runs each projection as one cuBLAS GEMM over the first
 ``N + width * n * r`` rows: the base output and every staged adapter's shrink at once, at the
 cost of those extra weight rows (0.1-0.8% of a Llama-3-8B projection per position at rank
@@ -32,6 +37,10 @@ class Stacking(Protocol):
     def stage_copy(self, position: int, slot: int, rank: int) -> None:
         """Copy ``slot``'s first ``rank`` A rows of each slice into stage ``position``
         (positions ``n * rank`` rows apart)."""
+
+
+# The smallest stage rank (capped at the slot buffers' rank); see the module docstring.
+MIN_STAGE_RANK = 16
 
 
 def _pow2(n: int) -> int:
@@ -76,7 +85,7 @@ class Stage:
         wanted = list(dict.fromkeys(slots))
         if not self.enabled or len(wanted) > self.positions:
             return None
-        need = min(self.max_rank, _pow2(max(self.rank_of(s) for s in wanted)))
+        need = min(self.max_rank, max(MIN_STAGE_RANK, _pow2(max(self.rank_of(s) for s in wanted))))
         empty = all(s is None for s in self.slot_at)
         if need > self.rank or (empty and need != self.rank):
             # every staged copy is laid out for the old rank: start over at the new one
