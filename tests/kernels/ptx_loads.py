@@ -1,0 +1,131 @@
+"""Compile the LoRA kernels that mask B and y by rank for an H100/H200 (sm_90) and count their
+16-bit global loads: run with ``TRITON_INTERPRET=0`` (``test_vector_loads.py`` does).
+
+Triton compiles to PTX and a cubin without a GPU (its wheel carries ptxas), so which loads
+become 16-byte vectors can be checked on any machine. Prints one JSON object: case ->
+number of ``ld.global`` instructions that move 16-bit elements one at a time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from loraplane.worker.kernels import expand, rope, stacked
+
+SCALAR_16BIT = re.compile(r"ld\.global(?:\.[a-z0-9_]+)*\.b16\b")
+
+
+def scalar_loads(
+    kernel: Any, types: dict[str, str], consts: dict[str, Any], div16: set[str]
+) -> int:
+    """16-bit element loads in ``kernel``'s PTX for sm_90. ``types``: Triton types of the
+    runtime arguments; ``div16``: the arguments Triton may assume divisible by 16 (as it
+    specializes pointers and ints that are at launch)."""
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16},
+    )
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return len(SCALAR_16BIT.findall(compiled.asm["ptx"]))
+
+
+def _types(pointers: dict[str, str], ints: tuple[str, ...]) -> dict[str, str]:
+    return {**pointers, **{n: "i32" for n in ints}}
+
+
+def expand_cases() -> dict[str, int]:
+    ptrs = {n: "*bf16" for n in ("y_ptr", "b_ptr", "out_ptr")}
+    ptrs |= {
+        n: "*i32"
+        for n in (
+            "seg_indptr_ptr",
+            "seg_slots_ptr",
+            "slot_ranks_ptr",
+            "slice_offsets_ptr",
+            "tile_seg_ptr",
+            "tile_blk_ptr",
+            "y_seg_col_ptr",
+        )
+    }
+    ptrs |= {"slot_scalings_ptr": "*fp32", "row_order_ptr": "*i64"}
+    ints = ("n_total", "rank_max", "y_stride_row", "out_stride_row", "b_stride_slot")
+    ints += ("b_stride_row", "weights_per_slot")
+    div16 = set(ptrs) | set(ints) - {"weights_per_slot"}
+    out = {}
+    for align in (8, 1):  # the MoE expand: the rank is loaded per (slot, expert) group
+        consts = dict(
+            NUM_SLICES=1,
+            HAS_ROW_ORDER=True,
+            USE_TILE_MAP=True,
+            Y_BY_ROW=True,
+            DOT_PRECISION="tf32",
+            BLOCK_S=16,
+            BLOCK_R=64,
+            BLOCK_N=128,
+            RANK_ALIGN=align,
+        )
+        kernel = expand._lora_expand_kernel
+        out[f"expand_rank_align_{align}"] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
+    return out
+
+
+def stacked_cases() -> dict[str, int]:
+    ptrs = {n: "*bf16" for n in ("full_ptr", "b_ptr", "res_ptr", "out_ptr")}
+    ptrs |= {n: "*i32" for n in ("indptr_ptr", "slots_ptr", "pos_ptr", "slice_offsets_ptr")}
+    ptrs |= {"order_ptr": "*i64", "scal_ptr": "*fp32"}
+    ints = ("n_cols", "n_base", "n_r", "rank_max", "full_stride", "res_stride", "out_stride")
+    ints += ("b_stride_slot", "b_stride_row")
+    # A stage rank of 16 (every int a multiple of 16, as Triton then specializes them) and
+    # one of 8: rank_max and n_r are 8 and the full output's rows N + 8 elements apart.
+    layouts = {16: set(), 8: {"rank_max", "n_r", "full_stride"}}
+    out = {}
+    for mode, name in ((1, "residual"), (2, "silu_mul")):
+        for rank, odd in layouts.items():
+            consts = dict(
+                MODE=mode, NUM_SLICES=1, DOT_PRECISION="tf32", BLOCK_S=16, BLOCK_R=16, BLOCK_N=64
+            )
+            div16 = (set(ptrs) | set(ints)) - odd
+            kernel = stacked._stacked_lora_kernel
+            key = f"stacked_{name}_stage_rank_{rank}"
+            out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
+    return out
+
+
+def rope_cases() -> dict[str, int]:
+    ptrs = {
+        n: "*bf16"
+        for n in ("src_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "cos_sin_ptr", "b_ptr")
+    }
+    ptrs |= {n: "*bf16" for n in ("q_norm_ptr", "k_norm_ptr")}
+    ptrs |= {n: "*i32" for n in ("indptr_ptr", "slots_ptr", "pos_ptr")}
+    ptrs |= {n: "*i64" for n in ("order_ptr", "cache_rows_ptr", "positions_ptr")}
+    ptrs |= {"scal_ptr": "*fp32"}
+    ints = ("n_tokens", "num_heads", "num_kv_heads", "half", "n_base", "n_r", "rank_max")
+    ints += ("src_stride", "q_stride_t", "q_stride_h", "c_stride_row", "c_stride_pos")
+    ints += ("c_stride_head", "cs_stride", "b_stride_slot", "b_stride_row")
+    types = _types(ptrs, ints) | {"eps": "fp32"}
+    layouts = {16: set(), 8: {"rank_max", "n_r", "src_stride"}}  # as for the epilogues
+    out = {}
+    for rank, odd in layouts.items():
+        consts = dict(
+            HAS_LORA=True, QK_NORM=False, DOT_PRECISION="tf32", BLOCK_S=16, BLOCK_D=64, BLOCK_R=16
+        )
+        div16 = (set(ptrs) | set(ints)) - odd - {"n_tokens"}
+        kernel = rope._rope_qkv_kernel
+        out[f"rope_stage_rank_{rank}"] = scalar_loads(kernel, types, consts, div16)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(expand_cases() | stacked_cases() | rope_cases()))

@@ -1,0 +1,64 @@
+"""The LoRA kernels' B and y loads stay 16-byte vectors: PTX for sm_90, compiled on any machine.
+
+A mask Triton cannot prove constant over a group of columns along B's contiguous rank axis
+splits every load into single elements. The MoE expand ran L1-bound that way on an H200 (ncu,
+session 11: L1/TEX 91%, DRAM 35%) until its loads covered the loaded rank rounded up to 8
+columns (``expand.RANK_ALIGN``). A stage rank of 8 does the same to the stacked epilogues and
+the rotation (their rank, ``y`` offsets and row stride are then not multiples of 16, which is
+what Triton specializes on), so the stage rank is at least 16 (``stage.MIN_STAGE_RANK``).
+``ptx_loads.py`` compiles each kernel both ways in a subprocess with ``TRITON_INTERPRET=0``
+(the tier's interpreter replaces ``triton.jit``) and counts the 16-bit element loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.kernels
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def loads() -> dict[str, int]:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    src = [str(ROOT / d / "src") for d in ("worker", "controlplane", "operator")]
+    env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(HERE / "ptx_loads.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_the_expand_loads_whole_vectors_over_a_loaded_rank(loads: dict[str, int]) -> None:
+    assert loads["expand_rank_align_8"] == 0, loads
+    assert loads["expand_rank_align_1"] > 0, loads  # the rank-masked loads it replaced
+
+
+@pytest.mark.parametrize("mode", ["residual", "silu_mul"])
+def test_the_stacked_epilogues_load_whole_vectors_at_the_smallest_stage_rank(
+    loads: dict[str, int], mode: str
+) -> None:
+    """Stage ranks are at least 16 (``stage.MIN_STAGE_RANK``): at 8 the same kernel splits."""
+    assert loads[f"stacked_{mode}_stage_rank_16"] == 0, loads
+    assert loads[f"stacked_{mode}_stage_rank_8"] > 0, loads
+
+
+def test_the_rotation_with_lora_loads_whole_vectors_at_the_smallest_stage_rank(
+    loads: dict[str, int],
+) -> None:
+    assert loads["rope_stage_rank_16"] == 0, loads
+    assert loads["rope_stage_rank_8"] > 0, loads
