@@ -57,18 +57,15 @@ def slice_term(
     """``y_i B_i`` of one slice over a column block: ``y_ptrs [BLOCK_S, 1]`` (the slice's first
     y column per row), ``b_ptrs [BLOCK_R, BLOCK_N]``, B's columns masked to ``[col_lo, col_hi)``.
 
-    ``RANK_ALIGNED``: the loads take the masks ``y_load``/``r_load`` (the rank rounded up, see
-    ``_lora_expand_kernel``) and what lies past ``y_mask``/``r_mask`` is zeroed after them;
-    otherwise ``y_mask``/``r_mask`` mask the loads."""
+    The loads take the masks ``y_load``/``r_load``; with ``RANK_ALIGNED`` those cover the
+    rank rounded up (see ``_lora_expand_kernel``) and what lies past ``y_mask``/``r_mask`` is
+    zeroed after them (without it, callers pass the same masks twice)."""
     in_slice = (offs_n >= col_lo) & (offs_n < col_hi)
+    y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_load, other=0.0)  # [BLOCK_S, BLOCK_R]
+    b_i = tl.load(b_ptrs, mask=r_load[:, None] & in_slice[None, :], other=0.0)
     if RANK_ALIGNED:
-        y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_load, other=0.0)  # [BLOCK_S, BLOCK_R]
-        b_i = tl.load(b_ptrs, mask=r_load[:, None] & in_slice[None, :], other=0.0)
         y_i = tl.where(y_mask, y_i, 0.0)
         b_i = tl.where(r_mask[:, None], b_i, 0.0)
-    else:
-        y_i = tl.load(y_ptrs + offs_r[None, :], mask=y_mask, other=0.0)  # [BLOCK_S, BLOCK_R]
-        b_i = tl.load(b_ptrs, mask=r_mask[:, None] & in_slice[None, :], other=0.0)
     return tl.dot(y_i, b_i, input_precision=DOT_PRECISION)
 
 

@@ -10,12 +10,13 @@ The floor keeps every row of the stacked GEMM's output, and each position's ``y`
 elements apart, which Triton needs to see to load the epilogues' base values, ``y`` and B as
 16-byte vectors: at a stage rank of 8 the stacked epilogues and the rotation compiled to
 element-by-element loads (PTX for sm_90, ``tests/kernels/test_vector_loads.py``). Rank-8
-adapters cost 8 zero rows per slice more (the slot buffers are zero past each rank). A decode step whose adapters
-all sit in stage positions runs each projection as one cuBLAS GEMM over the first
-``N + width * n * r`` rows: the base output and every staged adapter's shrink at once, at the
-cost of those extra weight rows (0.1-0.8% of a Llama-3-8B projection per position at rank
-16). The expand then runs fused into the work after the projection (``kernels/stacked.py``).
-See ADR 0007.
+adapters cost 8 zero rows per slice more (the slot buffers are zero past each rank).
+
+A decode step whose adapters all sit in stage positions runs each projection as one cuBLAS
+GEMM over the first ``N + width * n * r`` rows: the base output and every staged adapter's
+shrink at once, at the cost of those extra weight rows (0.1-0.8% of a Llama-3-8B projection
+per position at rank 16). The expand then runs fused into the work after the projection
+(``kernels/stacked.py``). See ADR 0007.
 
 ``Stage`` decides the positions on the host: a slot already staged keeps its position; a new
 one takes a free position, else the least recently used one that this batch does not need,
