@@ -7,6 +7,7 @@ same verdict and no rank is left waiting in a collective (seed 001).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -75,8 +76,29 @@ def _entry(
     try:
         ps = ParallelState(config, rank)
         fn(rank, ps, dev, *args)
-    finally:
+    except BaseException:
+        # The other ranks may be waiting in a collective: no barrier, tear down and report.
         dist.destroy_process_group()
+        raise
+    finish_rank()
+
+
+def finish_rank() -> None:
+    """End a rank that completed its work: wait for every rank, tear down, exit 0 at once.
+
+    A CI run once saw rank 0 of a parity run abort with no Python error ("terminate called
+    without an active exception", SIGABRT), which fails the run. That message is a C++ thread
+    torn down mid-flight; two teardown races can produce it, and both are removed here:
+    - a rank that finishes first closing its connections while a peer still uses them: the
+      barrier makes every rank reach the end before any tears down;
+    - interpreter finalization running the destructors of gloo's and torch's static state in
+      no particular order: `os._exit` leaves without it (output flushed first).
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(fn: Callable[..., Any], config: ParallelConfig, device: str, *args: Any) -> None:
