@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from loraplane.worker.parallel.launch import spawn_ranks
+from loraplane.worker.parallel.launch import RankFailed, spawn_ranks
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 pytestmark = pytest.mark.multirank
@@ -44,5 +43,6 @@ def test_every_rank_reports_and_the_run_returns(tmp_path: Path, tp: int) -> None
 
 
 def test_a_rank_error_reaches_the_caller() -> None:
-    with pytest.raises(mp.ProcessRaisedException, match="rank 1 cannot read its shard"):
+    """Rank 0 then fails too, on the connection rank 1 closed; the error names rank 1's."""
+    with pytest.raises(RankFailed, match=r"(?s)^rank 1 failed:.*rank 1 cannot read its shard"):
         spawn_ranks(_rank1_fails, ParallelConfig(tp=2), "cpu")

@@ -22,14 +22,15 @@ from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.executor import AdapterInfo, SeqWork, build_batch
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.lora.adapter import AdapterError, AdapterWeights
-from loraplane.worker.parallel.launch import exit_with_parent, init_rank, rendezvous_store
+from loraplane.worker.parallel.launch import (
+    RankFailed,
+    exit_with_parent,
+    init_rank,
+    rendezvous_store,
+)
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 _REPLY_TIMEOUT_S = 600.0
-
-
-class RankFailed(RuntimeError):
-    """A rank process died or raised; the worker cannot continue."""
 
 
 def _rank_loop(

@@ -6,18 +6,29 @@ same verdict and no rank is left waiting in a collective (seed 001).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
+
+# Keys in the parent's store under which ranks record their failures, in the order they fail.
+_FAILURES = "loraplane/failures"
+
+
+class RankFailed(RuntimeError):
+    """A rank process died or raised; the message names the rank and carries its traceback."""
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -77,10 +88,27 @@ def _entry(
         ps = ParallelState(config, rank)
         fn(rank, ps, dev, *args)
     except BaseException:
-        # The other ranks may be waiting in a collective: no barrier, tear down and report.
-        dist.destroy_process_group()
+        # Recorded before the teardown: the peers fail next, on the closed connections, and
+        # the parent must report this rank's error, not theirs.
+        record_failure(port, rank)
+        dist.destroy_process_group()  # no barrier: the peers may be waiting in a collective
         raise
     finish_rank()
+
+
+def record_failure(port: int, rank: int) -> None:
+    """Append this rank's current traceback to the failures in the parent's store."""
+    with contextlib.suppress(Exception):  # the parent still sees the exit status
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+        n = store.add(_FAILURES, 1)
+        store.set(f"{_FAILURES}/{n}", f"rank {rank} failed:\n{traceback.format_exc()}")
+
+
+def first_failure(store: dist.TCPStore) -> str | None:
+    """The failure a rank recorded first (see `record_failure`), or None."""
+    if store.add(_FAILURES, 0) < 1:
+        return None
+    return bytes(store.get(f"{_FAILURES}/1")).decode()
 
 
 def finish_rank() -> None:
@@ -102,16 +130,25 @@ def finish_rank() -> None:
 
 
 def spawn_ranks(fn: Callable[..., Any], config: ParallelConfig, device: str, *args: Any) -> None:
-    """Run fn(rank, parallel_state, device, *args) on `config.tp` processes and wait for all."""
+    """Run fn(rank, parallel_state, device, *args) on `config.tp` processes and wait for all.
+
+    Raises `RankFailed` with the traceback of the rank that failed first.
+    """
     if device == "cuda" and torch.cuda.device_count() < config.tp:
         raise RuntimeError(
             f"tp={config.tp} needs {config.tp} GPUs, this machine has {torch.cuda.device_count()}"
         )
     store = rendezvous_store()
-    mp.start_processes(
-        _entry,
-        args=(fn, config.tp, device, store.port, config, args),
-        nprocs=config.tp,
-        join=True,
-        start_method="spawn",
-    )
+    try:
+        mp.start_processes(
+            _entry,
+            args=(fn, config.tp, device, store.port, config, args),
+            nprocs=config.tp,
+            join=True,
+            start_method="spawn",
+        )
+    except ProcessException as exc:
+        # `start_processes` reports whichever rank exited first, often a peer that failed
+        # only because the failing rank closed its connections.
+        first = first_failure(store)
+        raise RankFailed(first or str(exc)) from exc
