@@ -21,6 +21,12 @@ MIN_DOT_BLOCK = 16
 MAX_ROW_COLUMNS = 32768
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` on host ints. (``triton.cdiv`` is a constexpr function: called from host
+    code it unwraps its arguments through Triton's machinery: about 2 us a call.)"""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -19,6 +19,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ExpandConfig,
+    cdiv,
     check_dim,
     check_max_seg_len,
     check_same_dtype,
@@ -228,7 +229,7 @@ def launch_expand(
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
-    grid = (grid_blocks, grid_segments, triton.cdiv(n_total, config.block_n))
+    grid = (grid_blocks, grid_segments, cdiv(n_total, config.block_n))
     _lora_expand_kernel[grid](
         y,
         weights,
@@ -397,7 +398,7 @@ def expand_segments(
         row_order,
         slice_offsets,
         config,
-        grid_blocks=triton.cdiv(max_seg_len, config.block_s),
+        grid_blocks=cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
         rank_by_seg=rank_by_seg,
         y_seg_cols=y_seg_cols,

@@ -22,6 +22,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
+    cdiv,
     check_dim,
     check_same_dtype,
     check_tensor,
@@ -148,7 +149,7 @@ def moe_grouped_matmul(
     block_m = routing.block_s
     block_n = min(64 if block_m <= 16 else 128, max(MIN_DOT_BLOCK, next_power_of_2(n_out)))
     block_k = min(128, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
-    _grouped_matmul_kernel[(tiles, triton.cdiv(n_out, block_n))](
+    _grouped_matmul_kernel[(tiles, cdiv(n_out, block_n))](
         x,
         w,
         out,

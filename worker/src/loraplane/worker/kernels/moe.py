@@ -29,6 +29,7 @@ from loraplane.worker.kernels._triton_utils import (
     MIN_DOT_BLOCK,
     ExpandConfig,
     ShrinkConfig,
+    cdiv,
     check_dim,
     check_same_dtype,
     check_tensor,
@@ -188,7 +189,7 @@ def moe_lora_routing(
     device = pair_expert.device
     num_pairs = pair_expert.shape[0]
     groups = num_slots * num_experts
-    max_tiles = triton.cdiv(num_pairs, block_s) + min(groups, num_pairs)
+    max_tiles = cdiv(num_pairs, block_s) + min(groups, num_pairs)
 
     counts = torch.empty(groups + 1, dtype=torch.int32, device=device)
     pair_rank = torch.empty(num_pairs, dtype=torch.int32, device=device)

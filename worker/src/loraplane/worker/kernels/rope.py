@@ -33,6 +33,7 @@ from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
     StageInfo,
+    cdiv,
     check_dim,
     check_same_dtype,
     check_tensor,
@@ -254,12 +255,12 @@ def rope_qkv(
         segments = stage.full_slots.shape[0]
         if segments == 0:  # the full segments cover every row: none means a broken stage
             raise ValueError(f"{fn}: stage has no full segments for {t} rows")
-        grid = (triton.cdiv(max(1, stage.max_len), BLOCK_S), segments, heads)
+        grid = (cdiv(max(1, stage.max_len), BLOCK_S), segments, heads)
         lora_args = (b, stage.full_indptr, stage.full_order, stage.full_slots, stage.full_pos)
         lora_more = (stage.full_scalings,)
         rank, block_r, b_strides = stage.rank, rank_block(stage.rank), (b.stride(0), b.stride(1))
     else:
-        grid = (triton.cdiv(t, BLOCK_S), 1, heads)
+        grid = (cdiv(t, BLOCK_S), 1, heads)
         lora_args = (x, positions, positions, positions, positions)  # not read
         lora_more = (positions,)
         rank, block_r, b_strides = 0, MIN_DOT_BLOCK, (0, 0)

@@ -17,6 +17,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ShrinkConfig,
+    cdiv,
     check_dim,
     check_max_seg_len,
     check_same_dtype,
@@ -230,8 +231,8 @@ def launch_shrink(
     width = weights.shape[1]
     tiles = grid_blocks * grid_segments * num_slices
     split_k = split_k_for(tiles, hidden, config.block_k, split_cap)
-    k_per_split = triton.cdiv(triton.cdiv(hidden, split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(hidden, k_per_split) if hidden > 0 else 1
+    k_per_split = cdiv(cdiv(hidden, split_k), config.block_k) * config.block_k
+    split_k = cdiv(hidden, k_per_split) if hidden > 0 else 1
     y = (torch.zeros if zeroed else torch.empty)((positions, width), dtype=x.dtype, device=x.device)
     if tiles == 0 or positions == 0:
         return y
@@ -378,7 +379,7 @@ def shrink_segments(
         row_order,
         num_slices,
         config,
-        grid_blocks=triton.cdiv(max_seg_len, config.block_s),
+        grid_blocks=cdiv(max_seg_len, config.block_s),
         grid_segments=seg_slots.shape[0],
         zeroed=zeroed,
         rank_by_seg=rank_by_seg,

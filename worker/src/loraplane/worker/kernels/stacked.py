@@ -33,6 +33,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     StageInfo,
+    cdiv,
     check_dim,
     check_same_dtype,
     check_tensor,
@@ -239,7 +240,7 @@ def _launch(
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    grid = (triton.cdiv(max(1, stage.max_len), block_s), segments, triton.cdiv(n_cols, block_n))
+    grid = (cdiv(max(1, stage.max_len), block_s), segments, cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
         b,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplane.worker.kernels._triton_utils import FLOAT_DTYPES, check_tensor, next_power_of_2
+from loraplane.worker.kernels._triton_utils import FLOAT_DTYPES, cdiv, check_tensor, next_power_of_2
 
 __all__ = ["silu_and_mul"]
 
@@ -61,7 +61,7 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     # 16 x 128 tiles at decode, 32 x 128 past 128 rows: about 2-4K elements per program.
     block_m = 16 if rows <= 128 else 32
     block_n = min(128, next_power_of_2(inter))
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(inter, block_n))
+    grid = (cdiv(rows, block_m), cdiv(inter, block_n))
     _silu_mul_kernel[grid](
         gu, act, rows, inter, gu.stride(0), act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n
     )
