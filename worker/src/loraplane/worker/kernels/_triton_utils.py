@@ -6,6 +6,7 @@ syncs, so they can run inside CUDA-graph capture.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -146,10 +147,13 @@ def rank_block(rank_max: int) -> int:
     return max(MIN_DOT_BLOCK, next_power_of_2(rank_max))
 
 
+@functools.lru_cache(maxsize=1024)
 def shrink_config(
     max_seg_len: int, rank_max: int, hidden: int, elem_bytes: int = 2
 ) -> ShrinkConfig:
-    """Fixed configs (no autotune): a K-loop over ``block_k`` columns of x and A."""
+    """Fixed configs (no autotune): a K-loop over ``block_k`` columns of x and A.
+
+    Cached: it runs on every eager launch, and its arguments take few values."""
     block_s = segment_block(max_seg_len)
     block_r = rank_block(rank_max)
     # Keep the x tile + A tile around 32 KB; wider K steps for thin (decode) tiles. (fp32 at
@@ -196,11 +200,18 @@ EXPAND_OVERRIDE: tuple[int, int] | None = None
 
 def expand_config(max_seg_len: int, rank_max: int, n_total: int) -> ExpandConfig:
     """Fixed configs: one rank tile (whole rank), ``block_n`` output columns per program."""
+    return _expand_config(max_seg_len, rank_max, n_total, EXPAND_OVERRIDE)
+
+
+@functools.lru_cache(maxsize=1024)
+def _expand_config(
+    max_seg_len: int, rank_max: int, n_total: int, override: tuple[int, int] | None
+) -> ExpandConfig:
     block_s = segment_block(max_seg_len)
     block_r = rank_block(rank_max)
     block_n = 128 if block_r <= 64 else 64
     num_warps = 4
-    if EXPAND_OVERRIDE is not None:
-        block_n, num_warps = EXPAND_OVERRIDE
+    if override is not None:
+        block_n, num_warps = override
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
     return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=num_warps)
