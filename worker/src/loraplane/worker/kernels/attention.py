@@ -33,6 +33,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
+    cdiv,
     check_dim,
     check_same_dtype,
     check_tensor,
@@ -190,12 +191,12 @@ def splits_for(tokens: int, kv_heads: int, device: torch.device) -> int:
     if SPLITS_OVERRIDE is not None:
         return SPLITS_OVERRIDE
     if device.type != "cuda":
-        return min(MAX_SPLITS, max(1, -(-8 // max(1, tokens * kv_heads))))  # (tests: a few)
+        return min(MAX_SPLITS, max(1, cdiv(8, max(1, tokens * kv_heads))))  # (tests: a few)
     sms = _SM_COUNT.get(device)
     if sms is None:
         sms = _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
     want = PROGRAMS_PER_SM * sms
-    return min(MAX_SPLITS, max(1, -(-want // max(1, tokens * kv_heads))))
+    return min(MAX_SPLITS, max(1, cdiv(want, max(1, tokens * kv_heads))))
 
 
 def decode_attention(

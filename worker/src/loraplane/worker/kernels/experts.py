@@ -86,7 +86,7 @@ def _grouped_matmul_kernel(
 
 def expert_block_m(num_pairs: int, num_experts: int) -> int:
     """Pairs per tile: 16 at decode (a few pairs per expert), up to 64 when experts fill up."""
-    per_expert = -(-num_pairs // max(1, num_experts))
+    per_expert = cdiv(num_pairs, max(1, num_experts))
     return min(64, max(MIN_DOT_BLOCK, next_power_of_2(per_expert)))
 
 

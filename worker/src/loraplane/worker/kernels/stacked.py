@@ -32,12 +32,14 @@ import triton.language as tl
 
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
+    MIN_DOT_BLOCK,
     StageInfo,
     cdiv,
     check_dim,
     check_same_dtype,
     check_tensor,
     dot_precision,
+    next_power_of_2,
     rank_block,
     segment_block,
 )
@@ -236,7 +238,7 @@ def _launch(
     # 128 columns, 0.4-3.1 us less per launch at 32-128 rows, within 0.2 us at 16.
     block_s, block_n = (32, 128) if mode == _SILU_MUL and full.shape[0] >= 128 else (16, 64)
     block_s = min(block_s, segment_block(stage.max_len))
-    block_n = min(block_n, max(16, triton.next_power_of_2(n_cols)))
+    block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
