@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from loraplane.worker import kernels
-from loraplane.worker.bench.common import copy_bandwidth, time_graph
+from loraplane.worker.bench.common import copy_bandwidth, copy_of, time_graph
 from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
@@ -94,13 +94,6 @@ def _case(
     return call, nbytes, out
 
 
-def _copy_of(nbytes: int) -> Callable[[], object]:
-    """A device copy moving ``nbytes`` (half read, half written)."""
-    src = torch.empty(max(1, nbytes // 2), dtype=torch.int8, device="cuda")
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src)
-
-
 def main(out_path: str, max_seconds: float) -> None:
     torch.manual_seed(0)
     t0 = time.monotonic()
@@ -120,7 +113,7 @@ def main(out_path: str, max_seconds: float) -> None:
                         "adapters": adapters,
                         "bytes": nbytes,
                     }
-                    row["copy_us"] = round(time_graph(_copy_of(nbytes), "cuda") or 0.0, 2)
+                    row["copy_us"] = round(time_graph(copy_of(nbytes, "cuda"), "cuda") or 0.0, 2)
                     pristine, results = out.clone(), {}
                     for block_n, warps in CONFIGS:
                         _triton_utils.EXPAND_OVERRIDE = (block_n, warps)

@@ -89,6 +89,14 @@ def time_device(
     return time_host(fn, device, reps=cpu_reps, warmup=1)
 
 
+def copy_of(nbytes: int, device: str) -> Callable[[], object]:
+    """A device-to-device copy moving ``nbytes`` (half read, half written): the ceiling a kernel
+    moving that many bytes is compared with (``time_graph`` it the same way as the kernel)."""
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.int8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def time_graph(
     fn: Callable[[], object], device: str, *, inner: int = 20, replays: int = 15
 ) -> float | None:

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from loraplane.worker.bench.common import (
     JsonSink,
     copy_bandwidth,
+    copy_of,
     env_info,
     fmt,
     host_launch_us,
@@ -348,9 +349,7 @@ def run_case(
         # The ceiling at this size: a device copy moving each kernel's bytes (half read, half
         # written), timed the same way. Small transfers never reach the peak of a 2 GiB copy.
         for name, nbytes in (("shrink", shrink_bytes), ("expand", expand_bytes)):
-            src = torch.empty(max(1, nbytes // 2), dtype=torch.int8, device=device)
-            dst = torch.empty_like(src)
-            graph_fns[f"{name}_copy"] = _copier(src, dst)
+            graph_fns[f"{name}_copy"] = copy_of(nbytes, device)
         for name, fn in graph_fns.items():
             try:
                 row[f"{name}_graph_us"] = time_graph(fn, device)
@@ -394,10 +393,6 @@ def run_case(
     row["lora_over_dense"] = lora_us / row["dense_us"] if row["dense_us"] else None
     row["ref_over_lora"] = row["ref_us"] / lora_us if row["ref_us"] else None
     return row
-
-
-def _copier(src: torch.Tensor, dst: torch.Tensor) -> Callable[[], object]:
-    return lambda: dst.copy_(src)
 
 
 def _add_bandwidth(row: dict[str, Any], peak_gbs: float) -> None:

@@ -124,6 +124,7 @@ class ShrinkConfig:
     block_r: int
     block_k: int
     num_warps: int
+    num_stages: int = 3  # the software pipeline's depth over the K loop (Triton's default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,13 +148,27 @@ def rank_block(rank_max: int) -> int:
     return max(MIN_DOT_BLOCK, next_power_of_2(rank_max))
 
 
-@functools.lru_cache(maxsize=1024)
+# (block_k, num_warps, num_stages) for every shrink instead of the rule below when set
+# (bench/probes/shrink_tune.py).
+SHRINK_OVERRIDE: tuple[int, int, int] | None = None
+
+
 def shrink_config(
     max_seg_len: int, rank_max: int, hidden: int, elem_bytes: int = 2
 ) -> ShrinkConfig:
-    """Fixed configs (no autotune): a K-loop over ``block_k`` columns of x and A.
+    """Fixed configs (no autotune): a K-loop over ``block_k`` columns of x and A."""
+    return _shrink_config(max_seg_len, rank_max, hidden, elem_bytes, SHRINK_OVERRIDE)
 
-    Cached: it runs on every eager launch, and its arguments take few values."""
+
+@functools.lru_cache(maxsize=1024)
+def _shrink_config(
+    max_seg_len: int,
+    rank_max: int,
+    hidden: int,
+    elem_bytes: int,
+    override: tuple[int, int, int] | None,
+) -> ShrinkConfig:
+    # Cached: it runs on every eager launch, and its arguments take few values.
     block_s = segment_block(max_seg_len)
     block_r = rank_block(rank_max)
     # Keep the x tile + A tile around 32 KB; wider K steps for thin (decode) tiles. (fp32 at
@@ -161,8 +176,17 @@ def shrink_config(
     # software pipeline's stages, more than its 227 KB.)
     budget = 16384 * 2 // max(1, elem_bytes)
     block_k = max(MIN_DOT_BLOCK, min(256, budget // max(block_s, block_r)))
+    num_warps, num_stages = 4, 3
+    if override is not None:
+        block_k, num_warps, num_stages = override
     block_k = min(block_k, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
-    return ShrinkConfig(block_s=block_s, block_r=block_r, block_k=block_k, num_warps=4)
+    return ShrinkConfig(
+        block_s=block_s,
+        block_r=block_r,
+        block_k=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
 
 
 # Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).

@@ -18,6 +18,7 @@ beyond an optional precomputed ``routing`` (build it once per MoE layer and pass
 # (the routing kernel is an untyped Triton JIT function; the wrappers are typed.)
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,6 @@ from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
     ExpandConfig,
-    ShrinkConfig,
     cdiv,
     check_dim,
     check_same_dtype,
@@ -322,12 +322,10 @@ def moe_lora_shrink(
     routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
 
     rank_max = lora_a.shape[2] // num_slices
-    heuristic = shrink_config(routing.block_s, rank_max, x.shape[1], x.element_size())
-    config = ShrinkConfig(
+    config = dataclasses.replace(
+        shrink_config(routing.block_s, rank_max, x.shape[1], x.element_size()),
         block_s=routing.block_s,
         block_r=rank_block(rank_max),
-        block_k=heuristic.block_k,
-        num_warps=heuristic.num_warps,
     )
     weights = lora_a.view(num_slots * num_experts, lora_a.shape[2], lora_a.shape[3])
     return launch_shrink(

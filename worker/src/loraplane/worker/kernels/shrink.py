@@ -276,6 +276,7 @@ def launch_shrink(
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
         num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return y
 
