@@ -19,7 +19,6 @@ object per case and writes them all to OUT.json.
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 import time
@@ -42,7 +41,7 @@ MODULES = {
     "moe_gate_up": ((768, 768), 128, 8),
     "moe_down": ((2048,), 128, 8),
 }
-CONFIGS = [(64, 4), (128, 4), (128, 8), (256, 8)]
+CONFIGS = [(64, 4), (128, 4), (128, 8), (256, 4), (256, 8)]
 
 
 def _case(
@@ -116,16 +115,14 @@ def main(out_path: str, max_seconds: float) -> None:
                     }
                     row["copy_us"] = round(time_graph(copy_of(nbytes, "cuda"), "cuda") or 0.0, 2)
                     pristine, results = out.clone(), {}
-                    for (block_n, warps), tma in itertools.product(CONFIGS, (False, True)):
+                    for block_n, warps in CONFIGS:
                         _triton_utils.EXPAND_OVERRIDE = (block_n, warps)
-                        _triton_utils.USE_TMA = tma
-                        key = f"n{block_n}_w{warps}" + ("_tma" if tma else "")
+                        key = f"n{block_n}_w{warps}"
                         out.copy_(pristine)  # timing adds into out: each config from the same
                         call()
                         results[key] = out - pristine  # the term this config added
                         row[key] = round(time_graph(call, "cuda") or 0.0, 2)
                     _triton_utils.EXPAND_OVERRIDE = None
-                    _triton_utils.USE_TMA = False
                     first = next(iter(results.values())).float()
                     row["max_diff"] = max(
                         float((r.float() - first).abs().max()) for r in results.values()
@@ -135,9 +132,6 @@ def main(out_path: str, max_seconds: float) -> None:
                     row["best"] = best
                     row["best_pct_peak"] = round(100 * nbytes / times[best] / 1e3 / peak, 1)
                     row["default_pct_peak"] = round(100 * nbytes / times["n128_w4"] / 1e3 / peak, 1)
-                    row["default_tma_pct_peak"] = round(
-                        100 * nbytes / times["n128_w4_tma"] / 1e3 / peak, 1
-                    )
                     row["copy_pct_peak"] = round(100 * nbytes / row["copy_us"] / 1e3 / peak, 1)
                     print(json.dumps(row), flush=True)
                     rows.append(row)

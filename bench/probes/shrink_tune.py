@@ -1,7 +1,7 @@
 """Probe: the shrink kernel's time per launch config and K-split target (CUDA only).
 
     python bench/probes/shrink_tune.py OUT.json [MAX_SECONDS] [JOBS]
-    python bench/probes/shrink_tune.py --ncu shrink|expand CASE [BLOCK_K,WARPS,STAGES,TARGET,TMA]
+    python bench/probes/shrink_tune.py --ncu shrink|expand CASE [BLOCK_K,WARPS,STAGES,TARGET]
 
 The shrink's launch config was a fixed rule (``_triton_utils.shrink_config``: K steps of 256
 columns at rank 16-64, 4 warps, Triton's default pipeline of 3 stages) and only its K splits
@@ -12,8 +12,7 @@ adapters as ``bench/kernels.py`` builds them) this graph-times the runtime's shr
 (``lora_apply_shrink``, ``moe_lora_shrink``) from cold L2 (``bench.common.time_graph``) at
 every ``(block_k, num_warps, num_stages)`` of ``CONFIGS`` (``_triton_utils.SHRINK_OVERRIDE``)
 and, for dense cases, every K-split target of ``TARGETS`` (``_triton_utils.TARGET_PROGRAMS``:
-the programs a split launch aims for), with the A tiles loaded through pointers and through
-the TMA (``_triton_utils.USE_TMA``), next to the rule and a device copy of the same bytes.
+the programs a split launch aims for), next to the rule and a device copy of the same bytes.
 ``max_rel_diff`` compares every config's output with the rule's.
 
 Compiling some hundreds of kernel variants takes longer than timing them, so ``JOBS``
@@ -66,30 +65,19 @@ CASES = [
 ]
 CONFIGS = list(itertools.product((64, 128, 256), (4, 8), (2, 3, 4, 6)))
 TARGETS = (132, 264, 528)
-RULE = (None, 264, False)
+RULE = (None, 264)
 
 
-Variant = tuple[tuple[int, int, int] | None, int, bool]  # (config, split target, TMA)
-
-
-def _key(config: tuple[int, int, int] | None, target: int, tma: bool) -> str:
+def _key(config: tuple[int, int, int] | None, target: int) -> str:
     if config is None:
-        key = "rule" if target == RULE[1] else f"rule_t{target}"
-    else:
-        key = "k{}_w{}_s{}_t{}".format(*config, target)
-    return key + ("_tma" if tma else "")
+        return "rule" if target == RULE[1] else f"rule_t{target}"
+    return "k{}_w{}_s{}_t{}".format(*config, target)
 
 
-def _variants(mod: ModuleShape) -> list[Variant]:
-    """What is timed for a module: the rule with and without TMA, every config at every split
-    target with pointer loads (MoE grids are never split), and with TMA at the rule's target
-    and up to 4 stages."""
+def _variants(mod: ModuleShape) -> list[tuple[tuple[int, int, int] | None, int]]:
+    """(config, split target) pairs timed for a module: MoE grids are never split."""
     targets = (RULE[1],) if mod.experts else TARGETS
-    return (
-        [(None, RULE[1], False), (None, RULE[1], True)]
-        + [(c, t, False) for c in CONFIGS for t in targets]
-        + [(c, RULE[1], True) for c in CONFIGS if c[2] <= 4]
-    )
+    return [RULE] + [(c, t) for c in CONFIGS for t in targets]
 
 
 def build(
@@ -158,14 +146,17 @@ def build(
     return moe_shrink, moe_expand, (x_rows * k + used * slices * rank * k) * es
 
 
-def _set(config: tuple[int, int, int] | None, target: int, tma: bool = False) -> None:
+def _set(config: tuple[int, int, int] | None, target: int) -> None:
     _triton_utils.SHRINK_OVERRIDE = config
     _triton_utils.TARGET_PROGRAMS = target
-    _triton_utils.USE_TMA = tma
 
 
-def _jobs() -> list[tuple[int, Variant]]:
-    return [(i, v) for i, case in enumerate(CASES) for v in _variants(MODULES[case[0]])]
+def _jobs() -> list[tuple[int, tuple[int, int, int] | None, int]]:
+    return [
+        (i, config, target)
+        for i, case in enumerate(CASES)
+        for config, target in _variants(MODULES[case[0]])
+    ]
 
 
 def compile_part(part: int, parts: int) -> None:
@@ -173,10 +164,10 @@ def compile_part(part: int, parts: int) -> None:
     jobs = _jobs()
     per = -(-len(jobs) // parts)
     built: dict[int, Callable[[], torch.Tensor]] = {}
-    for i, variant in jobs[part * per : (part + 1) * per]:
+    for i, config, target in jobs[part * per : (part + 1) * per]:
         if i not in built:
             built[i] = build(*CASES[i])[0]
-        _set(*variant)
+        _set(config, target)
         try:
             built[i]()
             torch.cuda.synchronize()
@@ -213,9 +204,9 @@ def main(out_path: str, max_seconds: float, jobs: int) -> None:
         _set(*RULE)
         expected = shrink().float()
         diff, errors = 0.0, {}
-        for variant in _variants(MODULES[name]):
-            key = _key(*variant)
-            _set(*variant)
+        for config, target in _variants(MODULES[name]):
+            key = _key(config, target)
+            _set(config, target)
             try:
                 got = shrink().float()
                 diff = max(diff, float((got - expected).abs().max() / expected.abs().max()))
@@ -223,7 +214,7 @@ def main(out_path: str, max_seconds: float, jobs: int) -> None:
             except Exception as exc:  # e.g. more shared memory than the SM has
                 errors[key] = f"{type(exc).__name__}: {exc}"[:120]
         _set(*RULE)
-        times = {k: v for k, v in row.items() if k.startswith(("rule", "k"))}
+        times = {k: v for k, v in row.items() if k == "rule" or k.startswith("k")}
         best = min(times, key=lambda k: times[k])
 
         def pct(us: float, nbytes: int = nbytes) -> float:
@@ -234,13 +225,12 @@ def main(out_path: str, max_seconds: float, jobs: int) -> None:
             best_us=times[best],
             best_pct_peak=pct(times[best]),
             rule_pct_peak=pct(times["rule"]),
-            rule_tma_pct_peak=pct(times["rule_tma"]) if "rule_tma" in times else None,
             copy_pct_peak=pct(row["copy_us"]),
             max_rel_diff=diff,
             errors=len(errors),
         )
         top = sorted(times, key=lambda k: times[k])[:5]
-        print(json.dumps({k: row[k] for k in list(row)[:6] + top + list(row)[-8:]}), flush=True)
+        print(json.dumps({k: row[k] for k in list(row)[:6] + top + list(row)[-7:]}), flush=True)
         rows.append(row)
         with open(out_path, "w") as f:
             json.dump(
@@ -262,8 +252,8 @@ def ncu(kernel: str, case: str, variant: str | None) -> None:
     name, *nums = case.split(":")
     tokens, rank, adapters = (int(v) for v in nums)
     if variant:
-        bk, w, st, target, tma = (int(v) for v in variant.split(","))
-        _set((bk, w, st), target, bool(tma))
+        bk, w, st, target = (int(v) for v in variant.split(","))
+        _set((bk, w, st), target)
     shrink, expand, nbytes = build(name, tokens, rank, adapters)
     for _ in range(5):
         (shrink if kernel == "shrink" else expand)()

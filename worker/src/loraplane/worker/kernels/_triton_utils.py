@@ -32,37 +32,6 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# Weight tiles of the shrink and expand through the TMA (tensor memory accelerator, sm_90+):
-# None uses it on such GPUs, True/False force it on/off (bench/probes/shrink_tune.py; the
-# kernel tests force it under the Triton interpreter, which emulates the copies).
-USE_TMA: bool | None = False
-
-
-@functools.lru_cache(maxsize=16)
-def _tma_device(device: torch.device) -> bool:
-    return device.type == "cuda" and bool(torch.cuda.get_device_capability(device) >= (9, 0))
-
-
-def tma_descriptor(weights: torch.Tensor, block: tuple[int, int]) -> object | None:
-    """A TMA descriptor of ``weights`` viewed as ``[rows, last dim]`` with ``block``-shaped
-    tiles, or None where the kernels load them with pointers: TMA off, or a layout it cannot
-    describe (rows of a size or a base address that is not a multiple of 16 bytes)."""
-    use = USE_TMA if USE_TMA is not None else _tma_device(weights.device)
-    width = weights.shape[-1]
-    if (
-        not use
-        or not weights.is_contiguous()
-        or weights.numel() == 0
-        or (width * weights.element_size()) % 16
-        or weights.data_ptr() % 16
-    ):
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    desc: object = TensorDescriptor.from_tensor(weights.view(-1, width), list(block))
-    return desc
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact IEEE fp32 for fp32 (no TF32), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -26,7 +26,6 @@ from loraplane.worker.kernels._triton_utils import (
     check_tensor,
     dot_precision,
     expand_config,
-    tma_descriptor,
 )
 from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, shrink_segments
 
@@ -85,7 +84,6 @@ def _lora_expand_kernel(
     tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
     tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
     y_seg_col_ptr,  # int32 [S]: first column of each segment's y (read only when Y_SEG_COL)
-    b_desc,  # TMA descriptor of B as [weight_slots * N_total, R] (read only when B_TMA)
     n_total,
     rank_max,
     y_stride_row,
@@ -104,7 +102,6 @@ def _lora_expand_kernel(
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
     RANK_ALIGN: tl.constexpr = 1,  # loads round the rank up to this (rank_max a multiple of it)
-    B_TMA: tl.constexpr = False,  # the B tile through the tensor memory accelerator (sm_90+)
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
@@ -168,27 +165,13 @@ def _lora_expand_kernel(
     y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
     y_mask = s_mask[:, None] & r_mask[None, :]
     y_load = s_mask[:, None] & r_load[None, :]
-    if B_TMA:
-        # The column block's [BLOCK_N, BLOCK_R] of B in one asynchronous copy to shared
-        # memory, once for every slice it overlaps; rows past the slot's N_total (the next
-        # slot's) only reach columns the store masks off, and zeros fill past the buffer.
-        b_row = (weight_slot * (b_stride_slot // b_stride_row) + n0).to(tl.int32)
-        b_block = b_desc.load([b_row, 0])
     for i in tl.static_range(NUM_SLICES):
         # a column block may straddle slices: each slice's B columns are masked to its range
         col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
         overlaps = True
         if NUM_SLICES > 1:  # branch past the slices the block misses: no loads, no dot
             overlaps = (col_lo < n0 + BLOCK_N) & (col_hi > n0)
-        if B_TMA and overlaps:
-            y_t = tl.load(y_ptrs + i * rank_max + offs_r[None, :], mask=y_load, other=0.0)
-            y_t = tl.where(y_mask, y_t, 0.0)
-            keep = r_mask[None, :]
-            if NUM_SLICES > 1:
-                keep = keep & ((offs_n >= col_lo) & (offs_n < col_hi))[:, None]
-            b_t = tl.where(keep, b_block, 0.0)  # [BLOCK_N, BLOCK_R]
-            acc += tl.dot(y_t, b_t.T, input_precision=DOT_PRECISION)
-        elif overlaps:
+        if overlaps:
             y_i = y_ptrs + i * rank_max
             acc += slice_term(
                 y_i,
@@ -247,7 +230,6 @@ def launch_expand(
         return
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
     grid = (grid_blocks, grid_segments, cdiv(n_total, config.block_n))
-    b_desc = tma_descriptor(weights, (config.block_n, config.block_r))
     _lora_expand_kernel[grid](
         y,
         weights,
@@ -261,7 +243,6 @@ def launch_expand(
         tile_seg,
         tile_blk,
         y_seg_cols if y_seg_cols is not None else seg_indptr,
-        b_desc if b_desc is not None else seg_indptr,
         n_total,
         weights.shape[2],
         y.stride(0),
@@ -280,7 +261,6 @@ def launch_expand(
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
         RANK_ALIGN=rank_align(weights.shape[2]),
-        B_TMA=b_desc is not None,
         num_warps=config.num_warps,
     )
 

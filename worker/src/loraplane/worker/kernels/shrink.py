@@ -25,7 +25,6 @@ from loraplane.worker.kernels._triton_utils import (
     dot_precision,
     shrink_config,
     split_k_for,
-    tma_descriptor,
 )
 
 __all__ = ["lora_shrink"]
@@ -44,7 +43,6 @@ def _lora_shrink_kernel(
     row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
     tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
     tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
-    a_desc,  # TMA descriptor of a as [weight_slots * num_slices * R, K] (read only when A_TMA)
     rank_max,
     x_stride_row,
     y_stride_row,
@@ -66,7 +64,6 @@ def _lora_shrink_kernel(
     # the last of a tile's SPLIT_K programs to finish sums the partials into y
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
-    A_TMA: tl.constexpr = False,  # A tiles through the tensor memory accelerator (sm_90+)
 ):
     # As in the expand: the segment's loads first and no early return after them, so the
     # first x and A tiles leave one memory round trip after the program starts.
@@ -105,33 +102,17 @@ def _lora_shrink_kernel(
     k_first = split * K_PER_SPLIT
     offs_k = k_first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_ptrs = x_ptr + x_rows[:, None] * x_stride_row + offs_k[None, :]  # [BLOCK_S, BLOCK_K]
+    a_base = a_ptr + weight_slot * a_stride_slot + (slice_id * rank_max).to(tl.int64) * a_stride_row
+    a_ptrs = a_base + offs_r[None, :] * a_stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_R]
 
     acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)  # [BLOCK_S, BLOCK_R]
-    if A_TMA:
-        # A's [BLOCK_R, BLOCK_K] tiles go from memory to shared memory in one asynchronous
-        # copy each, no registers or address math on the way; the copy fills zeros past K
-        # and past the buffer. Rows at or beyond the rank (another slice's or slot's, or
-        # stale) are read, so their columns of the product are zeroed after the loop.
-        a_row = (weight_slot * (a_stride_slot // a_stride_row) + slice_id * rank_max).to(tl.int32)
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            k_mask = (k0 + offs_k) < HIDDEN
-            x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
-            a_tile = a_desc.load([a_row, k_first + k0])  # [BLOCK_R, BLOCK_K]
-            acc += tl.dot(x_tile, a_tile.T, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-        acc = tl.where(r_mask[None, :], acc, 0.0)
-    else:
-        a_base = (
-            a_ptr + weight_slot * a_stride_slot + (slice_id * rank_max).to(tl.int64) * a_stride_row
-        )
-        a_ptrs = a_base + offs_r[None, :] * a_stride_row + offs_k[:, None]  # [BLOCK_K, BLOCK_R]
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            k_mask = (k0 + offs_k) < HIDDEN
-            x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
-            a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        k_mask = (k0 + offs_k) < HIDDEN
+        x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
+        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
 
     y_offs = y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
     y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
@@ -263,7 +244,6 @@ def launch_shrink(
     else:
         parts = counts = y  # never read
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
-    a_desc = tma_descriptor(weights, (config.block_r, config.block_k))
     _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
         x,
         weights,
@@ -276,7 +256,6 @@ def launch_shrink(
         row_order if row_order is not None else seg_indptr,
         tile_seg,
         tile_blk,
-        a_desc if a_desc is not None else seg_indptr,
         rank_max,
         x.stride(0),
         width,
@@ -296,7 +275,6 @@ def launch_shrink(
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
-        A_TMA=a_desc is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
