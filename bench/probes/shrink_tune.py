@@ -81,9 +81,12 @@ def _variants(mod: ModuleShape) -> list[tuple[tuple[int, int, int] | None, int]]
 
 
 def build(
-    name: str, tokens: int, rank: int, adapters: int
-) -> tuple[Callable[[], torch.Tensor], Callable[[], None], int]:
-    """The case's shrink (returning y), its expand, and the shrink's counted bytes."""
+    name: str, tokens: int, rank: int, adapters: int, *, grouped: bool = False
+) -> tuple[Callable[[], torch.Tensor], Callable[[], None], int, int]:
+    """The case's shrink (returning y), its expand (of one shrink's y), and the bytes each
+    moves as ``bench/kernels.py`` counts them. Tokens interleave over the adapters (``i % adapters``, so the kernels
+    gather rows through ``row_order``), or with ``grouped`` come in adapter order (dense: no
+    ``row_order``)."""
     dev, dt, es = "cuda", torch.bfloat16, 2
     mod = MODULES[name]
     g = torch.Generator(device=dev).manual_seed(tokens * 1000 + rank * 10 + adapters)
@@ -96,6 +99,8 @@ def build(
     ranks = torch.full((adapters,), rank, dtype=torch.int32, device=dev)
     scal = torch.full((adapters,), 2.0, dtype=torch.float32, device=dev)
     token_slots = [i % adapters for i in range(tokens)]
+    if grouped:
+        token_slots.sort()
     if not mod.experts:
         x = torch.randn(tokens, k, device=dev, dtype=dt, generator=g)
         a = torch.randn(adapters, slices * rank, k, device=dev, dtype=dt, generator=g) / k**0.5
@@ -112,12 +117,19 @@ def build(
             )
             return pending.y
 
-        def dense_expand() -> None:
-            kernels.lora_apply_shrink(
-                *args, info.row_order, offsets, info.max_seg_len, **by_seg
-            ).expand_into(out)
+        pending = kernels.lora_apply_shrink(
+            *args, info.row_order, offsets, info.max_seg_len, **by_seg
+        )
 
-        return dense_shrink, dense_expand, (tokens * k + adapters * slices * rank * k) * es
+        def dense_expand() -> None:
+            pending.expand_into(out)
+
+        return (
+            dense_shrink,
+            dense_expand,
+            (tokens * k + adapters * slices * rank * k) * es,
+            (tokens * slices * rank + adapters * n * rank + 2 * tokens * n) * es,
+        )
     pairs = tokens * mod.topk
     x_rows = pairs if mod.pairs_input else tokens
     topk = 1 if mod.pairs_input else mod.topk
@@ -138,12 +150,19 @@ def build(
             x, a, pair_expert, pair_slot, ranks, slices, topk=topk, routing=routing
         )
 
+    y = moe_shrink()
+
     def moe_expand() -> None:
         kernels.moe_lora_expand(
-            moe_shrink(), b, pair_expert, pair_slot, ranks, scal, offsets, out, routing=routing
+            y, b, pair_expert, pair_slot, ranks, scal, offsets, out, routing=routing
         )
 
-    return moe_shrink, moe_expand, (x_rows * k + used * slices * rank * k) * es
+    return (
+        moe_shrink,
+        moe_expand,
+        (x_rows * k + used * slices * rank * k) * es,
+        (pairs * slices * rank + used * n * rank + 2 * pairs * n) * es,
+    )
 
 
 def _set(config: tuple[int, int, int] | None, target: int) -> None:
@@ -191,7 +210,7 @@ def main(out_path: str, max_seconds: float, jobs: int) -> None:
     for case in CASES:
         if time.monotonic() - t0 > max_seconds:
             break
-        shrink, _, nbytes = build(*case)
+        shrink, _, nbytes, _ = build(*case)
         name, tokens, rank, adapters = case
         row: dict[str, Any] = {
             "module": name,
@@ -254,7 +273,7 @@ def ncu(kernel: str, case: str, variant: str | None) -> None:
     if variant:
         bk, w, st, target = (int(v) for v in variant.split(","))
         _set((bk, w, st), target)
-    shrink, expand, nbytes = build(name, tokens, rank, adapters)
+    shrink, expand, nbytes, _ = build(name, tokens, rank, adapters)
     for _ in range(5):
         (shrink if kernel == "shrink" else expand)()
     torch.cuda.synchronize()
