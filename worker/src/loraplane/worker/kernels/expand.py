@@ -102,7 +102,6 @@ def _lora_expand_kernel(
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
     RANK_ALIGN: tl.constexpr = 1,  # loads round the rank up to this (rank_max a multiple of it)
-    B_FIRST: tl.constexpr = False,  # one slice: B and y loaded before out
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
@@ -159,35 +158,13 @@ def _lora_expand_kernel(
 
     out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
     out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
+    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
     y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
     y_mask = s_mask[:, None] & r_mask[None, :]
     y_load = s_mask[:, None] & r_load[None, :]
-    if B_FIRST and NUM_SLICES == 1:
-        acc = slice_term(
-            y_ptrs,
-            b_ptrs,
-            offs_n,
-            offs_r,
-            y_mask,
-            r_mask,
-            y_load,
-            r_load,
-            0,
-            n_total,
-            DOT_PRECISION,
-            RANK_ALIGN > 1,
-        )
-        base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-        tl.store(
-            out_ptrs,
-            (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty),
-            mask=out_mask,
-        )
-        return
-    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
     for i in tl.static_range(NUM_SLICES):
         # a column block may straddle slices: each slice's B columns are masked to its range
         col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
@@ -215,9 +192,6 @@ def _lora_expand_kernel(
         out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
     )
 
-
-# Experiment switch (bench/probes/load_order.py): with one slice, B and y before out.
-B_FIRST = False
 
 # Rank columns an expand load rounds up to (bench/probes/switches.py ralign=1 turns it off).
 RANK_ALIGN = 8
@@ -287,7 +261,6 @@ def launch_expand(
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
         RANK_ALIGN=rank_align(weights.shape[2]),
-        B_FIRST=B_FIRST,
         num_warps=config.num_warps,
     )
 

@@ -64,7 +64,6 @@ def _lora_shrink_kernel(
     # the last of a tile's SPLIT_K programs to finish sums the partials into y
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
-    A_FIRST: tl.constexpr = False,  # issue each step's A load before its x load
 ):
     # As in the expand: the segment's loads first and no early return after them, so the
     # first x and A tiles leave one memory round trip after the program starts.
@@ -109,12 +108,8 @@ def _lora_shrink_kernel(
     acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)  # [BLOCK_S, BLOCK_R]
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         k_mask = (k0 + offs_k) < HIDDEN
-        if A_FIRST:
-            a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
-        else:
-            x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
-            a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        x_tile = tl.load(x_ptrs, mask=s_mask[:, None] & k_mask[None, :], other=0.0)
+        a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
@@ -147,9 +142,6 @@ def _lora_shrink_kernel(
             tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
-
-# Experiment switch (bench/probes/load_order.py): A's load before x's in each K step.
-A_FIRST = False
 
 # Tiles (program groups that split K) a fix-up count buffer covers. K is split only for grids
 # under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that. The
@@ -283,7 +275,6 @@ def launch_shrink(
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
-        A_FIRST=A_FIRST,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
