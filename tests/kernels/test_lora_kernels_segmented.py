@@ -469,3 +469,24 @@ def test_a_stream_first_met_in_a_graph_capture_gets_zeroed_counts(monkeypatch) -
     captured = shrink.split_counts(device)
     assert captured is spares[-1] and captured is not eager and not captured.any()
     assert len(shrink._spares[device]) == shrink._SPARES - 1  # nothing allocated in capture
+
+
+def test_bfloat16_on_the_cpu_is_refused_naming_the_operand() -> None:
+    """The interpreter multiplies bfloat16 as raw integers: the wrappers refuse, not compute."""
+    x = torch.randn(4, 32).bfloat16()
+    a = torch.randn(2, 8, 32).bfloat16()
+    b = torch.randn(2, 16, 8).bfloat16()
+    indptr = torch.tensor([0, 2, 4], dtype=torch.int32)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    ranks = torch.tensor([8, 8], dtype=torch.int32)
+    scalings = torch.ones(2)
+    offsets = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"lora_shrink: x is bfloat16 on the CPU"):
+        shrink.lora_shrink(x, a, indptr, slots, ranks, None, 1, 2)
+    y = torch.zeros(4, 8).bfloat16()
+    out = torch.zeros(4, 16).bfloat16()
+    with pytest.raises(ValueError, match=r"lora_expand: y is bfloat16 on the CPU"):
+        expand.lora_expand(y, b, indptr, slots, ranks, scalings, None, offsets, out, 2)
+    with pytest.raises(ValueError, match=r"lora_apply: x is bfloat16 on the CPU"):
+        expand.lora_apply(x, a, b, indptr, slots, ranks, scalings, None, offsets, out, 2)
+    assert not out.any()  # nothing was written

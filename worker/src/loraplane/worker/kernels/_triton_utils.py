@@ -32,6 +32,22 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+# Registers per thread the shrink and expand may use (ptxas ``.maxnreg``), None: the
+# compiler's choice (bench/probes/kernel_variants.py). Fewer registers let more programs
+# share a multiprocessor, at the risk of spills.
+MAXNREG: int | None = None
+
+
+def launch_options(num_warps: int, num_stages: int | None = None) -> dict[str, int]:
+    """Launch keywords of the LoRA kernels: warps, pipeline stages, and ``MAXNREG`` if set."""
+    options = {"num_warps": num_warps}
+    if num_stages is not None:
+        options["num_stages"] = num_stages
+    if MAXNREG is not None:
+        options["maxnreg"] = MAXNREG
+    return options
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact IEEE fp32 for fp32 (no TF32), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -71,6 +87,17 @@ def check_tensor(
             f"{tuple(tensor.stride())}"
         )
     return tensor
+
+
+def check_interpretable(fn: str, name: str, tensor: torch.Tensor) -> None:
+    """Refuse bfloat16 on the CPU: Triton runs there through its interpreter, which keeps
+    bfloat16 values as raw uint16 and multiplies them as integers in ``tl.dot``."""
+    if tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
+        raise ValueError(
+            f"{fn}: {name} is bfloat16 on the CPU, where Triton runs through its interpreter, "
+            "whose tl.dot multiplies bfloat16 operands as raw 16-bit integers; use float32 or "
+            "float16 tensors on the CPU (or the torch reference kernels)"
+        )
 
 
 def check_dim(fn: str, name: str, tensor: torch.Tensor, dim: int, expected: int, why: str) -> None:

@@ -21,11 +21,13 @@ from loraplane.worker.kernels._triton_utils import (
     ExpandConfig,
     cdiv,
     check_dim,
+    check_interpretable,
     check_max_seg_len,
     check_same_dtype,
     check_tensor,
     dot_precision,
     expand_config,
+    launch_options,
 )
 from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, shrink_segments
 
@@ -261,7 +263,7 @@ def launch_expand(
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
         RANK_ALIGN=rank_align(weights.shape[2]),
-        num_warps=config.num_warps,
+        **launch_options(config.num_warps),
     )
 
 
@@ -277,6 +279,7 @@ def check_expand_operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks shared by ``lora_expand`` and ``moe_lora_expand``; returns the typed tensors."""
     y = check_tensor(fn, "y", y_arg, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, "y", y)
     b, offsets = check_expand_weights(
         fn, lora_b, slot_scalings, slice_offsets, y.device, y.dtype, "y", weight_ndim=weight_ndim
     )

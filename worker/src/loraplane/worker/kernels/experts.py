@@ -24,6 +24,7 @@ from loraplane.worker.kernels._triton_utils import (
     MIN_DOT_BLOCK,
     cdiv,
     check_dim,
+    check_interpretable,
     check_same_dtype,
     check_tensor,
     dot_precision,
@@ -119,6 +120,7 @@ def moe_grouped_matmul(
     """
     fn = "moe_grouped_matmul"
     x = check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, "x", x)
     w = check_tensor(fn, "w", w, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
     check_same_dtype(fn, "w", w, "x", x.dtype)
     check_dim(fn, "w", w, 2, x.shape[1], "the hidden size of x")

@@ -31,6 +31,7 @@ from loraplane.worker.kernels._triton_utils import (
     ExpandConfig,
     cdiv,
     check_dim,
+    check_interpretable,
     check_same_dtype,
     check_tensor,
     expand_config,
@@ -298,6 +299,7 @@ def moe_lora_shrink(
     """
     fn = "moe_lora_shrink"
     check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, "x", x)
     check_tensor(
         fn, "lora_a", lora_a, ndim=4, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True
     )

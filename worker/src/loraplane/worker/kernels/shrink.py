@@ -19,10 +19,12 @@ from loraplane.worker.kernels._triton_utils import (
     ShrinkConfig,
     cdiv,
     check_dim,
+    check_interpretable,
     check_max_seg_len,
     check_same_dtype,
     check_tensor,
     dot_precision,
+    launch_options,
     shrink_config,
     split_k_for,
 )
@@ -275,8 +277,7 @@ def launch_shrink(
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **launch_options(config.num_warps, config.num_stages),
     )
     return y
 
@@ -401,6 +402,7 @@ def check_shrink_operands(
 ) -> tuple[int, ShrinkConfig]:
     """Checks of ``lora_shrink``'s operands; returns (positions, the launch config)."""
     x = check_tensor(fn, "x", x_arg, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, "x", x)
     lora_a = check_tensor(
         fn, "lora_a", lora_a_arg, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True
     )

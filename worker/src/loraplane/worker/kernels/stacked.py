@@ -36,6 +36,7 @@ from loraplane.worker.kernels._triton_utils import (
     StageInfo,
     cdiv,
     check_dim,
+    check_interpretable,
     check_same_dtype,
     check_tensor,
     dot_precision,
@@ -168,6 +169,7 @@ def check_stacked(
     """Shapes, dtypes and devices only: nothing here reads a device tensor back. ``name``:
     what the caller calls ``full`` (errors name it)."""
     f = check_tensor(fn, name, full, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, name, f)
     b = check_tensor(
         fn, "lora_b", lora_b, ndim=3, dtypes=FLOAT_DTYPES, device=f.device, unit_last_stride=True
     )

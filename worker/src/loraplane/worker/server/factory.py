@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplane.worker.config import ConfigError, LoRARuntimeConfig
+from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.executor import Executor
 
 
@@ -82,7 +82,24 @@ def unsupported_reason(config: ServeConfig) -> str | None:
 
         if torch.cuda.device_count() < config.tp:
             return f"--tp {config.tp} needs {config.tp} GPUs; this machine has {torch.cuda.device_count()}"
+    elif config.lora_backend == "triton" and _serving_dtype(config) == "bfloat16":
+        return (
+            "--lora-backend triton on the CPU runs Triton's interpreter, whose tl.dot multiplies "
+            "bfloat16 values as raw 16-bit integers, so LoRA outputs would be garbage: serve "
+            "this bfloat16 model on the CPU with --dtype float32 or --lora-backend torch"
+        )
     return None
+
+
+def _serving_dtype(config: ServeConfig) -> str | None:
+    """--dtype, else the checkpoint's own (None if its config.json cannot be read: loading
+    the model reports that)."""
+    if config.dtype is not None:
+        return config.dtype
+    try:
+        return ModelConfig.from_dir(config.model).torch_dtype
+    except ConfigError:
+        return None
 
 
 def make_executor(config: ServeConfig, max_len: int) -> Executor:
