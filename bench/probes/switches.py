@@ -6,8 +6,8 @@ Switches (unset ones keep their defaults, so one device call can compare setting
 docs/performance.md):
 
 - ``fold``: o/down LoRA added into the residual (``RowLoRA.fold_residual``);
-- ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: two K steps per
-  split at least, ``MIN_K_STEPS_PER_SPLIT``);
+- ``split``: a fixed cap on the shrink's K splits (``MAX_SPLIT_K``; unset: 512 columns per
+  split at least, ``MIN_K_PER_SPLIT``);
 - ``rope``: rotation, per-head norms and KV write in one kernel, a staged qkv LoRA inside it
   (``Attention.fused_rope``; 0: the torch ops and ``stacked_plain``);
 - ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops);

@@ -274,8 +274,8 @@ def test_decode_one_token_per_segment_and_long_hidden() -> None:
 
 
 def test_decode_with_k_split_in_many_parts() -> None:
-    # hidden 2000 at one token per segment: the shrink splits K over 8 programs per segment
-    # and slice (16 K steps, two per split), and the last of them sums their fp32 partials. A
+    # hidden 2000 at one token per segment: the shrink splits K over 4 programs per segment
+    # and slice (512 columns each), and the last of them sums their fp32 partials. A
     # rank-0 slot's segment and the base rows are never written by the shrink nor read by
     # the expand.
     case = make_case(
@@ -287,7 +287,7 @@ def test_decode_with_k_split_in_many_parts() -> None:
         permute=True,
     )
     block_k = shrink.shrink_config(1, 16, 2000).block_k
-    assert shrink.split_k_for(5 * 2, 2000, block_k) == 8  # five segments, two slices
+    assert shrink.split_k_for(5 * 2, 2000, block_k) == 4  # five segments, two slices
     check_case(case)
 
 

@@ -221,13 +221,16 @@ def _shrink_config(
 
 # Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 264
-# Each K split covers at least this many BLOCK_K steps. The shrink's last program per tile
+# Each K split covers at least this many columns of K. The shrink's last program per tile
 # sums the splits, so their number no longer costs every expand column block a re-read; what
-# is left is each program's fixed cost against its share of K. Measured on an H200 at decode
-# (bench/probes/shrink_split.py, session 6, rank 16, 1/4 adapters, 16-128 tokens), graph-timed
-# shrink: K 4096 best at 8 splits (one step each at 16: up to 1.9 us slower), K 14336 at 28
-# (8 splits: 7.7-9.6 us, 28: 5.9-8.4 us). Two steps per split picks both.
-MIN_K_STEPS_PER_SPLIT = 2
+# is left is each program's fixed cost against its share of K, and that last program's serial
+# sum. Measured on an H200 at decode (bench/probes/shrink_split.py, session 6, rank 16, 1/4
+# adapters, 16-128 tokens), graph-timed shrink: K 4096 best at 8 splits (one 256-column step
+# each at 16: up to 1.9 us slower), K 14336 at 28 (8 splits: 7.7-9.6 us, 28: 5.9-8.4 us): 512
+# columns per split picks both. (Session 13 halved the K step to 128 with the splits counted
+# in steps, two per split: a one-adapter down shrink at rank 64 split 56 ways and its last
+# program summed 56 partials, 14 -> 20 us; bench/results/2026-11-30-h200-s13/kernels.json.)
+MIN_K_PER_SPLIT = 512
 # A fixed cap on the splits instead of the rule above when set (bench/probes/switches.py split=N).
 MAX_SPLIT_K: int | None = None
 
@@ -235,15 +238,16 @@ MAX_SPLIT_K: int | None = None
 def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None) -> int:
     """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU.
 
-    At most one split per ``MIN_K_STEPS_PER_SPLIT`` K steps, or ``cap`` (``MAX_SPLIT_K`` when
-    set) splits; 1 keeps the shrink on few programs."""
+    At most one split per ``MIN_K_PER_SPLIT`` columns (whole K steps), or ``cap``
+    (``MAX_SPLIT_K`` when set) splits; 1 keeps the shrink on few programs."""
     k_blocks = max(1, cdiv(hidden, block_k))
     # Past a quarter of the target the extra partial buffer and reduction cost more than the
     # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
     if programs <= 0 or programs >= TARGET_PROGRAMS // 4:
         return 1
     if cap is None:
-        cap = MAX_SPLIT_K if MAX_SPLIT_K is not None else k_blocks // MIN_K_STEPS_PER_SPLIT
+        steps = max(1, MIN_K_PER_SPLIT // block_k)
+        cap = MAX_SPLIT_K if MAX_SPLIT_K is not None else k_blocks // steps
     return max(1, min(k_blocks, cap, cdiv(TARGET_PROGRAMS, programs)))
 
 
