@@ -3,9 +3,10 @@
     python bench/probes/shrink_tune.py OUT.json [MAX_SECONDS] [JOBS]
     python bench/probes/shrink_tune.py --ncu shrink|expand CASE [BLOCK_K,WARPS,STAGES,TARGET]
 
-The shrink's launch config was a fixed rule (``_triton_utils.shrink_config``: K steps of 256
-columns at rank 16-64, 4 warps, Triton's default pipeline of 3 stages) and only its K splits
-were ever measured (``shrink_split.py``). At the decode cases where a device copy of the same
+The shrink's launch config is a fixed rule (``_triton_utils.shrink_config``: 4 warps, Triton's
+default pipeline of 3 stages, K steps of 256 columns at rank 16-64 until this probe's first
+run, session 13, put 128 closer to each case's best) and only its K splits had been measured
+(``shrink_split.py``). At the decode cases where a device copy of the same
 bytes reaches 45-98% of the peak, the shrink reached 30-57% (session 11's ``kernels.json``).
 For those cases (``CASES``: Llama-3-8B-shaped and Qwen3-30B-A3B-shaped modules, interleaved
 adapters as ``bench/kernels.py`` builds them) this graph-times the runtime's shrink
