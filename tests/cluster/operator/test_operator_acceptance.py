@@ -394,6 +394,39 @@ def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
     indivisible = _pool_manifest(stack, "indivisible", 1, tp=3, dp=2)  # enableDPAttention is set
     rejected = stack.cluster.apply(indivisible, check=False)
     assert rejected.returncode != 0 and "divisible" in rejected.stderr
+    negative_stage = _pool_manifest(stack, "negative-stage", 1, stageSlots=-1)
+    rejected = stack.cluster.apply(negative_stage, check=False)
+    assert rejected.returncode != 0 and "spec.stageSlots" in rejected.stderr
+
+    # spec.stageSlots reaches the workers' command; given twice, the pool reports which field.
+    # (No replicas: only what the operator renders is checked.)
+    args = _pool_manifest(stack, "-", 0)["spec"]["engineArgs"]
+    stack.cluster.apply(
+        [
+            _pool_manifest(stack, "staged", 0, stageSlots=2),
+            _pool_manifest(
+                stack, "twice", 0, stageSlots=2, engineArgs=[*args, "--stage-slots", "4"]
+            ),
+        ]
+    )
+
+    def staged_command() -> list[str] | None:
+        found = stack.cluster.kubectl(
+            "get", "statefulset", "staged", "-n", stack.ns, "-o", "json", check=False
+        )
+        if found.returncode != 0:
+            return None
+        return json.loads(found.stdout)["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    command = wait_for(staged_command, what="pool staged's StatefulSet")
+    assert command[command.index("--stage-slots") + 1] == "2"
+    wait_for(
+        lambda: _condition(stack.pool("twice"), "Validated").get("reason") == "InvalidSpec",
+        what="pool twice reported InvalidSpec",
+    )
+    assert "spec.stageSlots" in _condition(stack.pool("twice"), "Validated")["message"]
+    for name in ("staged", "twice"):
+        stack.cluster.kubectl("delete", "lorapool", name, "-n", stack.ns, "--timeout=120s")
 
     stack.cluster.apply(
         _adapter_manifest(stack, "orphan", stack.adapters["spare"], pool="no-such-pool")

@@ -115,6 +115,18 @@ def test_worker_command_is_loraplane_worker_serve_with_pool_settings() -> None:
     assert container["ports"][0]["containerPort"] == 8000
 
 
+def test_stage_slots_reach_the_worker_command_only_when_set() -> None:
+    # Unset keeps the command (and so the pod template) of pools made before the field.
+    assert "--stage-slots" not in builders.worker_command(PoolSpec(model="/m"))
+    for value in (0, 16):
+        command = builders.worker_command(PoolSpec.from_spec({"model": "/m", "stageSlots": value}))
+        assert command[command.index("--stage-slots") + 1] == str(value)
+    command = builders.worker_command(
+        PoolSpec.from_spec({"model": "/m", "stageSlots": 16, "engineArgs": ["--max-running", "8"]})
+    )
+    assert command[-4:] == ["--stage-slots", "16", "--max-running", "8"]
+
+
 def test_pod_labels_merge_operator_defaults_pool_labels_and_fixed_selector_labels() -> None:
     defaults = WorkerDefaults(pod_labels={"loraplane.io/local-run": "true", "team": "default"})
     spec = PoolSpec.from_spec(
@@ -155,6 +167,15 @@ def test_scheduling_fields_and_image_defaults() -> None:
         ({"model": ""}, "spec.model"),
         ({"model": "/m", "maxLorasPerBatch": 0}, "spec.maxLorasPerBatch"),
         ({"model": "/m", "maxLorasPerBatch": 8, "maxLoadedLoras": 4}, "spec.maxLoadedLoras"),
+        ({"model": "/m", "stageSlots": -1}, "spec.stageSlots: -1 must be >= 0"),
+        (
+            {"model": "/m", "stageSlots": 8, "engineArgs": ["--stage-slots", "4"]},
+            "spec.stageSlots: --stage-slots is also in spec.engineArgs",
+        ),
+        (
+            {"model": "/m", "stageSlots": 8, "engineArgs": ["--stage-slots=4"]},
+            "spec.stageSlots: --stage-slots is also in spec.engineArgs",
+        ),
     ],
 )
 def test_bad_pool_specs_name_the_field(spec: dict, field: str) -> None:

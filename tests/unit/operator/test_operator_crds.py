@@ -63,6 +63,8 @@ def with_spec(obj: dict[str, Any], **spec: Any) -> dict[str, Any]:
 
 def test_good_objects_validate() -> None:
     assert errors(POOL, GOOD_POOL) == []
+    assert errors(POOL, with_spec(GOOD_POOL, stageSlots=0)) == []
+    assert errors(POOL, with_spec(GOOD_POOL, stageSlots=16)) == []
     assert errors(ADAPTER, GOOD_ADAPTER) == []
 
 
@@ -111,6 +113,8 @@ def test_other_uris_are_rejected(uri: str) -> None:
         ({"imagePullPolicy": "Sometimes"}, "spec.imagePullPolicy"),
         ({"tolerations": [{"operator": "Maybe"}]}, "spec.tolerations.0.operator"),
         ({"engineArgs": [3]}, "spec.engineArgs.0"),
+        ({"stageSlots": -1}, "spec.stageSlots"),
+        ({"stageSlots": 1000}, "spec.stageSlots"),
     ],
 )
 def test_bad_pool_fields_are_rejected(spec: dict[str, Any], field: str) -> None:

@@ -34,6 +34,7 @@ class PoolSpec:
     max_loras_per_batch: int = 4
     max_loaded_loras: int = 8
     max_lora_rank: int = 64
+    stage_slots: int | None = None  # None: the worker's default
     image: str | None = None
     image_pull_policy: str | None = None
     resources: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -63,6 +64,15 @@ class PoolSpec:
                 f"spec.maxLoadedLoras: {self.max_loaded_loras} must be >= "
                 f"spec.maxLorasPerBatch={self.max_loras_per_batch}"
             )
+        if self.stage_slots is not None:
+            if self.stage_slots < 0:
+                raise ValueError(f"spec.stageSlots: {self.stage_slots} must be >= 0")
+            if any(
+                a == "--stage-slots" or a.startswith("--stage-slots=") for a in self.engine_args
+            ):
+                raise ValueError(
+                    "spec.stageSlots: --stage-slots is also in spec.engineArgs; set it in one place"
+                )
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -76,6 +86,7 @@ class PoolSpec:
             max_loras_per_batch=int(spec.get("maxLorasPerBatch", 4)),
             max_loaded_loras=int(spec.get("maxLoadedLoras", 8)),
             max_lora_rank=int(spec.get("maxLoraRank", 64)),
+            stage_slots=int(spec["stageSlots"]) if spec.get("stageSlots") is not None else None,
             image=spec.get("image"),
             image_pull_policy=spec.get("imagePullPolicy"),
             resources=dict(spec.get("resources") or {}),
@@ -181,6 +192,8 @@ def worker_command(spec: PoolSpec) -> list[str]:
     ]
     if spec.enable_dp_attention:
         command.append("--dp-attention")
+    if spec.stage_slots is not None:  # unset adds nothing: existing pods keep their template
+        command += ["--stage-slots", str(spec.stage_slots)]
     return [*command, *spec.engine_args]
 
 
