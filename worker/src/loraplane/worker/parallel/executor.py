@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as std_mp
+import os
 import queue
+import sys
 import traceback
 from typing import Any
 
@@ -60,11 +62,13 @@ def _rank_loop(
     except BaseException:
         outbox.put(("error", rank, traceback.format_exc()))
         return
+    stopped = False
     while True:
         cmd, args = inbox.get()
         try:
             if cmd == "stop":
                 outbox.put(("ok", rank, None))
+                stopped = True
                 break
             if cmd == "step":
                 work: list[SeqWork] = args[ps.dp_rank]
@@ -120,6 +124,16 @@ def _rank_loop(
             break
     with contextlib.suppress(Exception):  # best effort on the way out
         torch.distributed.destroy_process_group()
+    if stopped:
+        # Every rank got "stop" between steps, so no collective is in flight. Leave without
+        # interpreter teardown, whose C++ destructors of gloo's and torch's state can abort
+        # ("terminate called without an active exception"; see launch.finish_rank), once the
+        # reply and the logs are out.
+        outbox.close()
+        outbox.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class MultiRankExecutor:
