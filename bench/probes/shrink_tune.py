@@ -41,7 +41,7 @@ import torch
 
 from loraplane.worker import kernels
 from loraplane.worker.bench.common import copy_bandwidth, copy_of, time_graph
-from loraplane.worker.bench.kernels import SHAPES, ModuleShape
+from loraplane.worker.bench.kernels import SHAPES, ModuleShape, case_tables
 from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
@@ -91,14 +91,8 @@ def build(
     dev, dt, es = "cuda", torch.bfloat16, 2
     mod = MODULES[name]
     g = torch.Generator(device=dev).manual_seed(tokens * 1000 + rank * 10 + adapters)
-    k, slices = mod.hidden, len(mod.slices)
-    offs = [0]
-    for w in mod.slices:
-        offs.append(offs[-1] + w)
-    n = offs[-1]
-    offsets = torch.tensor(offs, dtype=torch.int32, device=dev)
-    ranks = torch.full((adapters,), rank, dtype=torch.int32, device=dev)
-    scal = torch.full((adapters,), 2.0, dtype=torch.float32, device=dev)
+    k, slices, n = mod.hidden, len(mod.slices), sum(mod.slices)
+    offsets, ranks, scal = case_tables(mod, adapters, rank, dev)
     token_slots = [i % adapters for i in range(tokens)]
     if grouped:
         token_slots.sort()

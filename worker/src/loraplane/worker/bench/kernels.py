@@ -110,6 +110,21 @@ PREFILL_MIN_TOKENS = 512  # a token count at or above this is labelled "prefill"
 REF_MAX_MOE_PAIRS = 1024
 
 
+def case_tables(
+    mod: ModuleShape, adapters: int, rank: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a case's kernels take besides data: the slices' column offsets (int32), and every
+    adapter's rank (int32) and scaling (2.0, float32)."""
+    offsets = [0]
+    for w in mod.slices:
+        offsets.append(offsets[-1] + w)
+    return (
+        torch.tensor(offsets, dtype=torch.int32, device=device),
+        torch.full((adapters,), rank, dtype=torch.int32, device=device),
+        torch.full((adapters,), 2.0, dtype=torch.float32, device=device),
+    )
+
+
 def _randn(
     shape: tuple[int, ...], scale: float, dtype: torch.dtype, device: str, gen: torch.Generator
 ) -> torch.Tensor:
@@ -145,13 +160,8 @@ def run_case(
         else torch.tensor([], dtype=dtype).element_size()
     )
     K, n_slices = mod.hidden, len(mod.slices)
-    offsets = [0]
-    for w in mod.slices:
-        offsets.append(offsets[-1] + w)
-    N = offsets[-1]
-    slice_offsets = torch.tensor(offsets, dtype=torch.int32, device=device)
-    slot_ranks = torch.full((adapters,), rank, dtype=torch.int32, device=device)
-    slot_scalings = torch.full((adapters,), 2.0, dtype=torch.float32, device=device)
+    slice_offsets, slot_ranks, slot_scalings = case_tables(mod, adapters, rank, device)
+    N = sum(mod.slices)
     token_slots = [i % adapters for i in range(tokens)]
     row: dict[str, Any] = {
         "module": mod.name,
