@@ -8,7 +8,12 @@ A variant is ``base`` or comma-separated ``key=value`` settings:
   the expand at 114 registers fits 4 programs per multiprocessor, the shrink at 120 as many);
 - ``ewarps=W``, ``bn=N``: the expand's warps and column block (``EXPAND_OVERRIDE``);
 - ``sk=K,sw=W,ss=S``: the shrink's K step, warps and stages (``SHRINK_OVERRIDE``);
-- ``grouped=1``: tokens in adapter order (dense: no row gather) instead of interleaved.
+- ``grouped=1``: tokens in adapter order (dense: no row gather) instead of interleaved;
+- ``ci=N,pf=P``: the expand's column blocks per program and their prefetch (1: by hand, 0:
+  Triton's pipeliner) (``EXPAND_COLUMNS_OVERRIDE``).
+
+``--cases moe`` (first argument) times every MoE decode case (both modules, 16/64/128 tokens,
+ranks 16/64, 1/4/16 adapters) and the dense ones at 16 adapters instead of ``CASES``.
 
 Per case (``shrink_tune.build``: decode shapes of Llama-3-8B and Qwen3-30B-A3B where a copy of
 the same bytes is fast) each variant's shrink and expand are graph-timed from cold L2, with a
@@ -41,7 +46,19 @@ CASES = [
     ("moe_gate_up", 64, 64, 4),
     ("moe_down", 64, 16, 4),
 ]
-KEYS = {"maxnreg", "ewarps", "bn", "sk", "sw", "ss", "grouped"}
+WIDE_CASES = [
+    (module, tokens, rank, adapters)
+    for module in ("moe_gate_up", "moe_down")
+    for tokens in (16, 64, 128)
+    for rank in (16, 64)
+    for adapters in (1, 4, 16)
+] + [
+    (module, tokens, rank, 16)
+    for module in ("qkv", "o", "gate_up", "down")
+    for tokens in (16, 128)
+    for rank in (16, 64)
+]
+KEYS = {"maxnreg", "ewarps", "bn", "sk", "sw", "ss", "grouped", "ci", "pf"}
 
 
 def parse(variant: str) -> dict[str, int]:
@@ -62,6 +79,9 @@ def apply(settings: dict[str, int]) -> None:
     _triton_utils.EXPAND_OVERRIDE = (
         (settings.get("bn", 128), settings.get("ewarps", 4)) if any(expand) else None
     )
+    _triton_utils.EXPAND_COLUMNS_OVERRIDE = (
+        (settings.get("ci", 1), settings.get("pf", 1)) if "ci" in settings else None
+    )
     shrink = ("sk" in settings, "sw" in settings, "ss" in settings)
     _triton_utils.SHRINK_OVERRIDE = (
         (settings.get("sk", 128), settings.get("sw", 4), settings.get("ss", 3))
@@ -70,14 +90,14 @@ def apply(settings: dict[str, int]) -> None:
     )
 
 
-def main(out_path: str, variants: list[str]) -> None:
+def main(out_path: str, variants: list[str], cases: list[tuple[str, int, int, int]]) -> None:
     parsed = {v: parse(v) for v in variants}
     peak = copy_bandwidth("cuda")["gbytes_per_s"]
     rows: list[dict[str, Any]] = []
-    for case in CASES:
+    for case in cases:
         row: dict[str, Any] = dict(zip(("module", "tokens", "rank", "adapters"), case, strict=True))
         reference: dict[str, torch.Tensor] = {}
-        diff = 0.0
+        diff = expand_diff = 0.0
         for name, settings in parsed.items():
             apply({})
             shrink_fn, expand_fn, s_bytes, e_bytes = build(
@@ -85,14 +105,19 @@ def main(out_path: str, variants: list[str]) -> None:
             )
             apply(settings)
             y = shrink_fn().float()
+            out = expand_fn().float()  # the expand's output after one call, from fresh inputs
             if "y" not in reference:
-                reference["y"] = y
+                reference["y"], reference["out"] = y, out
             elif not settings.get("grouped"):
                 diff = max(diff, float((y - reference["y"]).abs().max() / y.abs().max()))
+                expand_diff = max(
+                    expand_diff, float((out - reference["out"]).abs().max() / out.abs().max())
+                )
             row[f"shrink_{name}"] = round(time_graph(shrink_fn, "cuda") or 0.0, 2)
             row[f"expand_{name}"] = round(time_graph(expand_fn, "cuda") or 0.0, 2)
         apply({})
         row["max_diff"] = diff
+        row["expand_max_diff"] = expand_diff
         for kind, nbytes in (("shrink", s_bytes), ("expand", e_bytes)):
             copy_us = time_graph(copy_of(nbytes, "cuda"), "cuda") or 0.0
             row[f"{kind}_bytes"] = nbytes
@@ -118,4 +143,8 @@ def main(out_path: str, variants: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:] or ["base"])
+    args = sys.argv[1:]
+    chosen = CASES
+    if args[:2] == ["--cases", "moe"]:
+        chosen, args = WIDE_CASES, args[2:]
+    main(args[0], args[1:] or ["base"], chosen)

@@ -83,8 +83,9 @@ def _variants(mod: ModuleShape) -> list[tuple[tuple[int, int, int] | None, int]]
 
 def build(
     name: str, tokens: int, rank: int, adapters: int, *, grouped: bool = False
-) -> tuple[Callable[[], torch.Tensor], Callable[[], None], int, int]:
-    """The case's shrink (returning y), its expand (of one shrink's y), and the bytes each
+) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], int, int]:
+    """The case's shrink (returning y), its expand (of one shrink's y, returning its output,
+    which each call adds to), and the bytes each
     moves as ``bench/kernels.py`` counts them. Tokens interleave over the adapters (``i % adapters``, so the kernels
     gather rows through ``row_order``), or with ``grouped`` come in adapter order (dense: no
     ``row_order``)."""
@@ -116,8 +117,9 @@ def build(
             *args, info.row_order, offsets, info.max_seg_len, **by_seg
         )
 
-        def dense_expand() -> None:
+        def dense_expand() -> torch.Tensor:
             pending.expand_into(out)
+            return out
 
         return (
             dense_shrink,
@@ -147,10 +149,11 @@ def build(
 
     y = moe_shrink()
 
-    def moe_expand() -> None:
+    def moe_expand() -> torch.Tensor:
         kernels.moe_lora_expand(
             y, b, pair_expert, pair_slot, ranks, scal, offsets, out, routing=routing
         )
+        return out
 
     return (
         moe_shrink,
