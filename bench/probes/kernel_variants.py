@@ -9,11 +9,12 @@ A variant is ``base`` or comma-separated ``key=value`` settings:
 - ``ewarps=W``, ``bn=N``: the expand's warps and column block (``EXPAND_OVERRIDE``);
 - ``sk=K,sw=W,ss=S``: the shrink's K step, warps and stages (``SHRINK_OVERRIDE``);
 - ``grouped=1``: tokens in adapter order (dense: no row gather) instead of interleaved;
-- ``ci=N,pf=P``: the expand's column blocks per program and their prefetch (1: by hand, 0:
-  Triton's pipeliner) (``EXPAND_COLUMNS_OVERRIDE``).
+- ``fs=N``: stacked shrinks (qkv, gate_up) fuse their slices into one program when their rows
+  fit ``N`` (``FUSE_SLICES_ROWS``; 0: never).
 
-``--cases moe`` (first argument) times every MoE decode case (both modules, 16/64/128 tokens,
-ranks 16/64, 1/4/16 adapters) and the dense ones at 16 adapters instead of ``CASES``.
+``--cases stacked`` (first argument) times the decode cases of the stacked modules instead of
+``CASES``: MoE gate_up at 16/64/128 tokens, ranks 16/64, 1/4/16 adapters, and qkv and gate_up
+at 16 adapters (and 1/4 at 64 tokens, rank 16).
 
 Per case (``shrink_tune.build``: decode shapes of Llama-3-8B and Qwen3-30B-A3B where a copy of
 the same bytes is fast) each variant's shrink and expand are graph-timed from cold L2, with a
@@ -46,19 +47,23 @@ CASES = [
     ("moe_gate_up", 64, 64, 4),
     ("moe_down", 64, 16, 4),
 ]
-WIDE_CASES = [
-    (module, tokens, rank, adapters)
-    for module in ("moe_gate_up", "moe_down")
-    for tokens in (16, 64, 128)
-    for rank in (16, 64)
-    for adapters in (1, 4, 16)
-] + [
-    (module, tokens, rank, 16)
-    for module in ("qkv", "o", "gate_up", "down")
-    for tokens in (16, 128)
-    for rank in (16, 64)
-]
-KEYS = {"maxnreg", "ewarps", "bn", "sk", "sw", "ss", "grouped", "ci", "pf"}
+STACKED_CASES = (
+    [
+        (module, tokens, rank, adapters)
+        for module in ("moe_gate_up",)
+        for tokens in (16, 64, 128)
+        for rank in (16, 64)
+        for adapters in (1, 4, 16)
+    ]
+    + [
+        (module, tokens, rank, 16)
+        for module in ("qkv", "gate_up")
+        for tokens in (16, 64, 128)
+        for rank in (16, 64)
+    ]
+    + [(module, 64, 16, adapters) for module in ("qkv", "gate_up") for adapters in (1, 4)]
+)
+KEYS = {"maxnreg", "ewarps", "bn", "sk", "sw", "ss", "grouped", "fs"}
 
 
 def parse(variant: str) -> dict[str, int]:
@@ -75,12 +80,10 @@ def parse(variant: str) -> dict[str, int]:
 
 def apply(settings: dict[str, int]) -> None:
     _triton_utils.MAXNREG = settings.get("maxnreg")
+    _triton_utils.FUSE_SLICES_ROWS = settings.get("fs")
     expand = ("bn" in settings, "ewarps" in settings)
     _triton_utils.EXPAND_OVERRIDE = (
         (settings.get("bn", 128), settings.get("ewarps", 4)) if any(expand) else None
-    )
-    _triton_utils.EXPAND_COLUMNS_OVERRIDE = (
-        (settings.get("ci", 1), settings.get("pf", 1)) if "ci" in settings else None
     )
     shrink = ("sk" in settings, "sw" in settings, "ss" in settings)
     _triton_utils.SHRINK_OVERRIDE = (
@@ -145,6 +148,6 @@ def main(out_path: str, variants: list[str], cases: list[tuple[str, int, int, in
 if __name__ == "__main__":
     args = sys.argv[1:]
     chosen = CASES
-    if args[:2] == ["--cases", "moe"]:
-        chosen, args = WIDE_CASES, args[2:]
+    if args[:2] == ["--cases", "stacked"]:
+        chosen, args = STACKED_CASES, args[2:]
     main(args[0], args[1:] or ["base"], chosen)

@@ -63,9 +63,7 @@ def expand_cases() -> dict[str, int]:
     ints += ("b_stride_row", "weights_per_slot")
     div16 = set(ptrs) | set(ints) - {"weights_per_slot"}
     out = {}
-    # the MoE expand: the rank is loaded per (slot, expert) group; one column block per
-    # program, or a loop over 4 with the next block's loads issued by hand or by the pipeliner
-    for align, col_iters, prefetch in ((8, 1, 1), (1, 1, 1), (8, 4, 1), (8, 4, 0)):
+    for align in (8, 1):  # the MoE expand: the rank is loaded per (slot, expert) group
         consts = dict(
             NUM_SLICES=1,
             HAS_ROW_ORDER=True,
@@ -76,16 +74,9 @@ def expand_cases() -> dict[str, int]:
             BLOCK_R=64,
             BLOCK_N=128,
             RANK_ALIGN=align,
-            RANK_BY_SEG=False,
-            Y_SEG_COL=False,
-            COL_ITERS=col_iters,
-            PREFETCH=prefetch,
         )
         kernel = expand._lora_expand_kernel
-        key = f"expand_rank_align_{align}" + (
-            f"_cols{col_iters}_pf{prefetch}" if col_iters > 1 else ""
-        )
-        out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
+        out[f"expand_rank_align_{align}"] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
     return out
 
 

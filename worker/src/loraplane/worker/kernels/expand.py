@@ -26,7 +26,6 @@ from loraplane.worker.kernels._triton_utils import (
     check_same_dtype,
     check_tensor,
     dot_precision,
-    expand_col_iters,
     expand_config,
     launch_options,
 )
@@ -105,8 +104,6 @@ def _lora_expand_kernel(
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
     RANK_ALIGN: tl.constexpr = 1,  # loads round the rank up to this (rank_max a multiple of it)
-    COL_ITERS: tl.constexpr = 1,  # column blocks per program (> 1: a loop, see below)
-    PREFETCH: tl.constexpr = 1,  # COL_ITERS > 1: 1 = next block's loads issued by hand, 0 = Triton's pipeliner
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
@@ -146,6 +143,8 @@ def _lora_expand_kernel(
     else:
         y_rows = offs_s.to(tl.int64)
 
+    n0 = tl.program_id(2) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_mask = offs_r < rank  # columns of B at or beyond the rank never reach the sum
     if RANK_ALIGN > 1:
@@ -158,46 +157,16 @@ def _lora_expand_kernel(
     else:
         r_load = r_mask
     b_base = b_ptr + weight_slot * b_stride_slot
-    y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
-    y_mask = s_mask[:, None] & r_mask[None, :]
-    y_load = s_mask[:, None] & r_load[None, :]
-    if COL_ITERS > 1:
-        _expand_columns(
-            y_ptrs,
-            b_base,
-            out_ptr,
-            slice_offsets_ptr,
-            rows,
-            s_mask,
-            offs_r,
-            r_mask,
-            r_load,
-            y_mask,
-            y_load,
-            scaling,
-            n_total,
-            rank_max,
-            out_stride_row,
-            b_stride_row,
-            NUM_SLICES,
-            DOT_PRECISION,
-            BLOCK_S,
-            BLOCK_R,
-            BLOCK_N,
-            RANK_ALIGN,
-            COL_ITERS,
-            PREFETCH,
-        )
-        return
 
-    n0 = tl.program_id(2) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]  # [BLOCK_S, BLOCK_N]
     out_mask = s_mask[:, None] & (offs_n < n_total)[None, :]
     base = tl.load(out_ptrs, mask=out_mask, other=0.0)
 
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)  # [BLOCK_S, BLOCK_N]
     b_ptrs = b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
+    y_ptrs = y_base + y_rows[:, None] * y_stride_row  # [BLOCK_S, 1]
+    y_mask = s_mask[:, None] & r_mask[None, :]
+    y_load = s_mask[:, None] & r_load[None, :]
     for i in tl.static_range(NUM_SLICES):
         # a column block may straddle slices: each slice's B columns are masked to its range
         col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
@@ -224,171 +193,6 @@ def _lora_expand_kernel(
     tl.store(
         out_ptrs, (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty), mask=out_mask
     )
-
-
-@triton.jit
-def _expand_columns(
-    y_ptrs,  # [BLOCK_S, 1]: each row's first y column
-    b_base,  # the segment's B
-    out_ptr,
-    slice_offsets_ptr,
-    rows,  # [BLOCK_S] out rows
-    s_mask,
-    offs_r,
-    r_mask,
-    r_load,
-    y_mask,
-    y_load,
-    scaling,
-    n_total,
-    rank_max,
-    out_stride_row,
-    b_stride_row,
-    NUM_SLICES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANK_ALIGN: tl.constexpr,
-    COL_ITERS: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
-    """``COL_ITERS`` consecutive column blocks of one program: the segment's loads above are
-    paid once, and B's and out's tiles stream. One B load per block whatever slices it
-    overlaps (B's rows are output columns); each overlapped slice masks its columns of that
-    tile in registers. ``PREFETCH``: the next block's B and out tiles are loaded before this
-    block's dot and store, so their round trip overlaps this block's work."""
-    offs_c = tl.arange(0, BLOCK_N)
-    n0 = tl.program_id(2) * (COL_ITERS * BLOCK_N)
-    if PREFETCH:
-        offs_n = n0 + offs_c
-        n_ok = offs_n < n_total
-        b_cur = tl.load(
-            b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None],
-            mask=r_load[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        out_cur = tl.load(
-            out_ptr + rows[:, None] * out_stride_row + offs_n[None, :],
-            mask=s_mask[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        for it in tl.range(0, COL_ITERS, num_stages=1):
-            offs_n = n0 + offs_c
-            offs_next = offs_n + BLOCK_N
-            next_ok = (offs_next < n_total) & (it + 1 < COL_ITERS)
-            b_next = tl.load(
-                b_base + offs_next[None, :].to(tl.int64) * b_stride_row + offs_r[:, None],
-                mask=r_load[:, None] & next_ok[None, :],
-                other=0.0,
-            )
-            out_next = tl.load(
-                out_ptr + rows[:, None] * out_stride_row + offs_next[None, :],
-                mask=s_mask[:, None] & next_ok[None, :],
-                other=0.0,
-            )
-            acc = _block_sum(
-                y_ptrs,
-                b_cur,
-                slice_offsets_ptr,
-                offs_n,
-                offs_r,
-                r_mask,
-                y_mask,
-                y_load,
-                n0,
-                n_total,
-                rank_max,
-                NUM_SLICES,
-                DOT_PRECISION,
-                BLOCK_S,
-                BLOCK_N,
-                RANK_ALIGN,
-            )
-            tl.store(
-                out_ptr + rows[:, None] * out_stride_row + offs_n[None, :],
-                (out_cur.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty),
-                mask=s_mask[:, None] & (offs_n < n_total)[None, :],
-            )
-            b_cur = b_next
-            out_cur = out_next
-            n0 += BLOCK_N
-    else:
-        for it in tl.range(0, COL_ITERS, num_stages=3):
-            c0 = n0 + it * BLOCK_N
-            offs_n = c0 + offs_c
-            n_ok = offs_n < n_total
-            b = tl.load(
-                b_base + offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None],
-                mask=r_load[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            out_ptrs = out_ptr + rows[:, None] * out_stride_row + offs_n[None, :]
-            out_mask = s_mask[:, None] & n_ok[None, :]
-            base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-            acc = _block_sum(
-                y_ptrs,
-                b,
-                slice_offsets_ptr,
-                offs_n,
-                offs_r,
-                r_mask,
-                y_mask,
-                y_load,
-                c0,
-                n_total,
-                rank_max,
-                NUM_SLICES,
-                DOT_PRECISION,
-                BLOCK_S,
-                BLOCK_N,
-                RANK_ALIGN,
-            )
-            tl.store(
-                out_ptrs,
-                (base.to(tl.float32) + scaling * acc).to(out_ptr.dtype.element_ty),
-                mask=out_mask,
-            )
-
-
-@triton.jit
-def _block_sum(
-    y_ptrs,
-    b,  # [BLOCK_R, BLOCK_N]: B's tile, loaded with the rank rounded up (RANK_ALIGN)
-    slice_offsets_ptr,
-    offs_n,
-    offs_r,
-    r_mask,
-    y_mask,
-    y_load,
-    n0,
-    n_total,
-    rank_max,
-    NUM_SLICES: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANK_ALIGN: tl.constexpr,
-):
-    """``sum_i y_i B_i`` over one column block, from one B tile in registers."""
-    if RANK_ALIGN > 1:
-        b = tl.where(r_mask[:, None], b, 0.0)
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-    for i in tl.static_range(NUM_SLICES):
-        col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_total, NUM_SLICES)
-        overlaps = True
-        if NUM_SLICES > 1:
-            overlaps = (col_lo < n0 + BLOCK_N) & (col_hi > n0)
-        if overlaps:
-            y_i = tl.load(y_ptrs + i * rank_max + offs_r[None, :], mask=y_load, other=0.0)
-            if RANK_ALIGN > 1:
-                y_i = tl.where(y_mask, y_i, 0.0)
-            b_i = b
-            if NUM_SLICES > 1:
-                in_slice = (offs_n >= col_lo) & (offs_n < col_hi)
-                b_i = tl.where(in_slice[None, :], b, 0.0)
-            acc += tl.dot(y_i, b_i, input_precision=DOT_PRECISION)
-    return acc
 
 
 # Rank columns an expand load rounds up to (bench/probes/switches.py ralign=1 turns it off).
@@ -427,9 +231,7 @@ def launch_expand(
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
-    col_blocks = cdiv(n_total, config.block_n)
-    col_iters, prefetch = expand_col_iters(grid_blocks * grid_segments * col_blocks, col_blocks)
-    grid = (grid_blocks, grid_segments, cdiv(col_blocks, col_iters))
+    grid = (grid_blocks, grid_segments, cdiv(n_total, config.block_n))
     _lora_expand_kernel[grid](
         y,
         weights,
@@ -461,8 +263,6 @@ def launch_expand(
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
         RANK_ALIGN=rank_align(weights.shape[2]),
-        COL_ITERS=col_iters,
-        PREFETCH=prefetch,
         **launch_options(config.num_warps),
     )
 
