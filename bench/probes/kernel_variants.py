@@ -8,9 +8,7 @@ A variant is ``base`` or comma-separated ``key=value`` settings:
   the expand at 114 registers fits 4 programs per multiprocessor, the shrink at 120 as many);
 - ``ewarps=W``, ``bn=N``: the expand's warps and column block (``EXPAND_OVERRIDE``);
 - ``sk=K,sw=W,ss=S``: the shrink's K step, warps and stages (``SHRINK_OVERRIDE``);
-- ``grouped=1``: tokens in adapter order (dense: no row gather) instead of interleaved;
-- ``fs=N``: stacked shrinks (qkv, gate_up) fuse their slices into one program when their rows
-  fit ``N`` (``FUSE_SLICES_ROWS``; 0: never).
+- ``grouped=1``: tokens in adapter order (dense: no row gather) instead of interleaved.
 
 ``--cases stacked`` (first argument) times the decode cases of the stacked modules instead of
 ``CASES``: MoE gate_up at 16/64/128 tokens, ranks 16/64, 1/4/16 adapters, and qkv and gate_up
@@ -63,7 +61,7 @@ STACKED_CASES = (
     ]
     + [(module, 64, 16, adapters) for module in ("qkv", "gate_up") for adapters in (1, 4)]
 )
-KEYS = {"maxnreg", "ewarps", "bn", "sk", "sw", "ss", "grouped", "fs"}
+KEYS = {"maxnreg", "ewarps", "bn", "sk", "sw", "ss", "grouped"}
 
 
 def parse(variant: str) -> dict[str, int]:
@@ -80,7 +78,6 @@ def parse(variant: str) -> dict[str, int]:
 
 def apply(settings: dict[str, int]) -> None:
     _triton_utils.MAXNREG = settings.get("maxnreg")
-    _triton_utils.FUSE_SLICES_ROWS = settings.get("fs")
     expand = ("bn" in settings, "ewarps" in settings)
     _triton_utils.EXPAND_OVERRIDE = (
         (settings.get("bn", 128), settings.get("ewarps", 4)) if any(expand) else None

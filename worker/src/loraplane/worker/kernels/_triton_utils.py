@@ -219,18 +219,6 @@ def _shrink_config(
     )
 
 
-# Stacked shrinks (qkv, gate_up) computed one program per tile for all slices, instead of one
-# per slice, when the slices' rows together fit this many (BLOCK_R); 0: never. None: the rule.
-# (bench/probes/kernel_variants.py fs=N)
-FUSE_SLICES_ROWS: int | None = None
-
-
-def fuse_slices(num_slices: int, rank_max: int) -> bool:
-    """Whether one shrink program covers all ``num_slices`` slices of a tile."""
-    limit = FUSE_SLICES_ROWS if FUSE_SLICES_ROWS is not None else 0
-    return num_slices > 1 and next_power_of_2(num_slices * rank_max) <= limit
-
-
 # Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 264
 # Each K split covers at least this many columns of K. The shrink's last program per tile
@@ -285,3 +273,17 @@ def _expand_config(
         block_n, num_warps = override
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
     return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=num_warps)
+
+
+# (column blocks per program, prefetch mode) for every expand instead of the rule below when
+# set (bench/probes/kernel_variants.py ci=N,pf=M).
+EXPAND_COLUMNS_OVERRIDE: tuple[int, int] | None = None
+
+
+def expand_col_iters(programs: int, col_blocks: int) -> tuple[int, int]:
+    """Column blocks each expand program loops over, and the loop's prefetch mode (1: by
+    hand, 0: Triton's pipeliner), for a grid of ``programs`` one-block programs."""
+    if EXPAND_COLUMNS_OVERRIDE is not None:
+        iters, prefetch = EXPAND_COLUMNS_OVERRIDE
+        return max(1, min(iters, col_blocks)), prefetch
+    return 1, 1

@@ -10,8 +10,6 @@ tile map instead of the ``(b, s)`` grid axes.
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
@@ -26,9 +24,7 @@ from loraplane.worker.kernels._triton_utils import (
     check_same_dtype,
     check_tensor,
     dot_precision,
-    fuse_slices,
     launch_options,
-    rank_block,
     shrink_config,
     split_k_for,
 )
@@ -70,8 +66,6 @@ def _lora_shrink_kernel(
     # the last of a tile's SPLIT_K programs to finish sums the partials into y
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
-    FUSED_SLICES: tl.constexpr = 1,  # > 1: one program computes that many slices (BLOCK_R
-    # covers all their rows; grid axis 2 has no slices, only splits)
 ):
     # As in the expand: the segment's loads first and no early return after them, so the
     # first x and A tiles leave one memory round trip after the program starts.
@@ -106,13 +100,7 @@ def _lora_shrink_kernel(
         y_rows = offs_s.to(tl.int64)
 
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
-    if FUSED_SLICES > 1:
-        # rows i * rank_max + j of A, j < rank, for every slice i: one y row's whole width
-        y_cols = FUSED_SLICES * rank_max
-        r_mask = (offs_r < y_cols) & ((offs_r % rank_max) < rank)
-    else:
-        y_cols = rank_max
-        r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
+    r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
     k_first = split * K_PER_SPLIT
     offs_k = k_first + tl.arange(0, BLOCK_K)  # [BLOCK_K]
     x_ptrs = x_ptr + x_rows[:, None] * x_stride_row + offs_k[None, :]  # [BLOCK_S, BLOCK_K]
@@ -129,7 +117,7 @@ def _lora_shrink_kernel(
         a_ptrs += BLOCK_K
 
     y_offs = y_rows[:, None] * y_stride_row + slice_id * rank_max + offs_r[None, :]
-    y_mask = s_mask[:, None] & (offs_r < y_cols)[None, :]
+    y_mask = s_mask[:, None] & (offs_r < rank_max)[None, :]
     if SPLIT_K == 1:
         tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
@@ -243,11 +231,7 @@ def launch_shrink(
     rank_max = weights.shape[1] // num_slices
     hidden = x.shape[1]
     width = weights.shape[1]
-    fused = num_slices if num_slices > 1 and fuse_slices(num_slices, rank_max) else 1
-    if fused > 1:
-        config = dataclasses.replace(config, block_r=rank_block(width))
-    grid_slices = num_slices // fused
-    tiles = grid_blocks * grid_segments * grid_slices
+    tiles = grid_blocks * grid_segments * num_slices
     split_k = split_k_for(tiles, hidden, config.block_k, split_cap)
     k_per_split = cdiv(cdiv(hidden, split_k), config.block_k) * config.block_k
     split_k = cdiv(hidden, k_per_split) if hidden > 0 else 1
@@ -262,7 +246,7 @@ def launch_shrink(
     else:
         parts = counts = y  # never read
     tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
-    _lora_shrink_kernel[(grid_blocks, grid_segments, grid_slices * split_k)](
+    _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
         x,
         weights,
         y,
@@ -293,7 +277,6 @@ def launch_shrink(
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
-        FUSED_SLICES=fused,
         **launch_options(config.num_warps, config.num_stages),
     )
     return y
