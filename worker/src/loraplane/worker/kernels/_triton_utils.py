@@ -273,17 +273,3 @@ def _expand_config(
         block_n, num_warps = override
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_total)))
     return ExpandConfig(block_s=block_s, block_r=block_r, block_n=block_n, num_warps=num_warps)
-
-
-# (column blocks per program, prefetch mode) for every expand instead of the rule below when
-# set (bench/probes/kernel_variants.py ci=N,pf=M).
-EXPAND_COLUMNS_OVERRIDE: tuple[int, int] | None = None
-
-
-def expand_col_iters(programs: int, col_blocks: int) -> tuple[int, int]:
-    """Column blocks each expand program loops over, and the loop's prefetch mode (1: by
-    hand, 0: Triton's pipeliner), for a grid of ``programs`` one-block programs."""
-    if EXPAND_COLUMNS_OVERRIDE is not None:
-        iters, prefetch = EXPAND_COLUMNS_OVERRIDE
-        return max(1, min(iters, col_blocks)), prefetch
-    return 1, 1
