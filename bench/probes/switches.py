@@ -14,7 +14,9 @@ docs/performance.md):
 - ``attn``: a fixed number of decode-attention splits over positions
   (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10);
 - ``ralign``: rank columns an expand load rounds up to (``expand.RANK_ALIGN``; 1: the loaded
-  rank masks every column, as before session 11).
+  rank masks every column, as before session 11);
+- ``extents``: ``0`` makes the staged GEMM read exactly the rows its stage positions need,
+  not the GPU table's wider extent (``lora/extents.py``).
 
 (Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
 measured, c0a6763, and removed once the branch past them stayed.)
@@ -34,6 +36,7 @@ import sys
 
 from loraplane.worker.bench import decode
 from loraplane.worker.kernels import _triton_utils, attention, expand
+from loraplane.worker.lora import extents
 from loraplane.worker.lora.layers import RowLoRA
 from loraplane.worker.models.layers import RMSNorm
 from loraplane.worker.models.model import Attention
@@ -54,9 +57,11 @@ def apply_switches(spec: str) -> None:
             attention.SPLITS_OVERRIDE = int(value)
         elif key == "ralign":
             expand.RANK_ALIGN = int(value)
+        elif key == "extents":
+            extents.ENABLED = value == "1"
         else:
             raise SystemExit(
-                f"unknown switch {key!r}: expected fold, split, rope, norm, attn or ralign"
+                f"unknown switch {key!r}: expected fold, split, rope, norm, attn, ralign or extents"
             )
 
 

@@ -110,9 +110,21 @@ def test_silu_mul_adds_gate_and_up_loras_before_the_activation(
     _close(got, reference.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage), dtype)
 
 
+def test_columns_past_the_stage_positions_are_never_read() -> None:
+    """The staged GEMM may read more weight rows than the positions need (lora/extents.py):
+    its extra output columns, NaN here, change nothing."""
+    rows, n_base = 24, 72
+    full, b, stage = _batch(rows, n_base, 1, torch.float32)
+    wide = torch.cat([full, torch.full((rows, 40), float("nan"), device=DEVICE)], dim=1)
+    residual = torch.randn(rows, n_base, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    want = stacked.stacked_residual(full, n_base, R, b, stage, residual.clone())
+    got = stacked.stacked_residual(wide, n_base, R, b, stage, residual.clone())
+    assert torch.equal(got, want)
+
+
 def test_stacked_kernels_name_a_bad_input() -> None:
     full, b, stage = _batch(12, 72, 1, torch.float32)
-    with pytest.raises(ValueError, match=r"stacked_residual: full must have 136 columns"):
+    with pytest.raises(ValueError, match=r"stacked_residual: full must have at least 136 columns"):
         stacked.stacked_residual(full[:, :100], 72, R, b, stage, torch.zeros(12, 72))
     with pytest.raises(ValueError, match=r"stacked_residual: residual.shape\[1\] must be 72"):
         stacked.stacked_residual(full, 72, R, b, stage, torch.zeros(12, 70, device=DEVICE))

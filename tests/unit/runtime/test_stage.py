@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from loraplane.worker.lora import extents
 from loraplane.worker.lora.stage import Stage, stage_width
 
 pytestmark = pytest.mark.unit
@@ -90,3 +91,31 @@ def test_the_gemm_width_is_a_power_of_two_past_the_highest_position() -> None:
     assert stage_width([0, 2], 4) == 4
     assert stage_width([4], 6) == 6  # never past the positions there are
     assert stage_width([], 4) == 0
+
+
+def test_the_gemm_reads_a_wider_extent_only_where_the_gpu_table_has_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h200 = "NVIDIA H200"
+    # o_proj-shaped at 32 rows: the table reads 384 rows past N instead of the 16 needed
+    assert extents.extent_for(h200, 4096, 4096, 16, 32, available=512) == 384
+    assert extents.extent_for(h200, 4096, 4096, 16, 32, available=300) == 16  # not allocated
+    assert extents.extent_for(h200, 4096, 4096, 16, 16, available=512) == 16  # 16 rows: none
+    assert extents.extent_for(h200, 4096, 4096, 16, 64, available=512) == 16  # no entry
+    assert extents.extent_for(h200, 14336, 4096, 64, 32, available=128) == 128  # down_proj
+    assert extents.extent_for(h200, 4096, 6144, 48, 32, available=512) == 48  # qkv: none
+    assert extents.extent_for("NVIDIA A100", 4096, 4096, 16, 32, available=512) == 16
+    assert extents.extent_for("", 4096, 4096, 16, 32, available=512) == 16  # CPU
+    monkeypatch.setattr(extents, "ENABLED", False)
+    assert extents.extent_for(h200, 4096, 4096, 16, 32, available=512) == 16
+
+
+def test_a_stacked_weight_is_padded_for_the_widest_extent_of_its_own_needs() -> None:
+    h200 = "NVIDIA H200"
+    # 4 positions x rank 16 of o_proj: needs up to 64, whose extent is 384 rows
+    assert extents.pad_rows(h200, 4096, 4096, stage_rows=64) == 384 - 64
+    # down_proj: 128 rows for needs up to 64; none past a stage of 128 rows
+    assert extents.pad_rows(h200, 14336, 4096, stage_rows=64) == 128 - 64
+    assert extents.pad_rows(h200, 14336, 4096, stage_rows=256) == 0
+    assert extents.pad_rows(h200, 4096, 6144, stage_rows=192) == 0  # qkv: no entry
+    assert extents.pad_rows("", 4096, 4096, stage_rows=64) == 0

@@ -187,10 +187,11 @@ def check_stacked(
             f"{slices * stage.rank} (y columns per stage position), got {n_r}"
         )
     want = n_base + stage.width * n_r
-    if f.shape[1] != want:
+    if f.shape[1] < want:
         raise ValueError(
-            f"{fn}: {name} must have {want} columns (N {n_base} + width {stage.width} x nR "
-            f"{n_r}, the stacked GEMM's output), got shape {tuple(f.shape)}"
+            f"{fn}: {name} must have at least {want} columns (N {n_base} + width "
+            f"{stage.width} x nR {n_r}, the stacked GEMM's output; columns past them are not "
+            f"read), got shape {tuple(f.shape)}"
         )
     segments = stage.full_slots.shape[0] if stage.full_slots.dim() == 1 else -1
     for name, t, dtype, length in (

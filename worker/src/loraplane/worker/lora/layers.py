@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplane.worker.lora import extents
 from loraplane.worker.lora.backend import Aside, LoRABackend, StackedOp
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 from loraplane.worker.models.layers import (
@@ -75,6 +76,7 @@ class LoRALayer(nn.Module):
 
     # [N + P * n_slices * R, K]: the base weight, then P stage positions (None: not stacking)
     stacked: torch.Tensor | None = None
+    _device_name = ""  # the GPU model, for the GEMM extent table (lora/extents.py)
     n_base = 0  # N: base output rows of `stacked`
     n_slices = 1  # A slices per position (q | k | v, gate | up)
     lora_a: torch.Tensor
@@ -85,11 +87,14 @@ class LoRALayer(nn.Module):
     ) -> None:
         """Move ``base.weight [N, K]`` into the first rows of ``stacked`` (no copy kept)."""
         w = base.weight
-        rows = n_base + positions * n_slices * max_rank
-        stacked = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        device_name = torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else ""
+        stage_rows = positions * n_slices * max_rank
+        pad = extents.pad_rows(device_name, w.shape[1], n_base, stage_rows)
+        stacked = torch.zeros(n_base + stage_rows + pad, w.shape[1], dtype=w.dtype, device=w.device)
         stacked[:n_base].copy_(w)
         base.weight = nn.Parameter(stacked[:n_base], requires_grad=False)
         self.stacked, self.n_base, self.n_slices = stacked, n_base, n_slices
+        self._device_name = device_name
 
     def stage_copy(self, position: int, slot: int, rank: int) -> None:
         """``slot``'s first ``rank`` A rows of each slice into ``position`` (``n * rank`` rows)."""
@@ -106,7 +111,12 @@ class LoRALayer(nn.Module):
         stage = info.stage
         if stage is None or self.stacked is None:
             return None
-        return F.linear(x, self.stacked[: self.n_base + stage.width * self.n_slices * stage.rank])
+        k, n = self.stacked.shape[1], self.n_base
+        need = stage.width * self.n_slices * stage.rank
+        extent = extents.extent_for(
+            self._device_name, k, n, need, x.shape[0], self.stacked.shape[0] - n
+        )
+        return F.linear(x, self.stacked[: n + extent])
 
     def _stacked_op(
         self,
