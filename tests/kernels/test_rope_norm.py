@@ -191,6 +191,6 @@ def test_rope_qkv_names_a_bad_input() -> None:
     inp = _rope_inputs(12, torch.float32)
     args = list(_args(inp))
     with pytest.raises(
-        ValueError, match=r"rope_qkv: qkv must have 448 columns \(N 256 \+ width 4 x nR 48"
+        ValueError, match=r"rope_qkv: qkv must have at least 448 columns \(N 256 \+ width 4 x nR 48"
     ):
         rope.rope_qkv(*args, H, lora_b=b, stage=stage)
