@@ -85,10 +85,9 @@ def build(
     name: str, tokens: int, rank: int, adapters: int, *, grouped: bool = False
 ) -> tuple[Callable[[], torch.Tensor], Callable[[], torch.Tensor], int, int]:
     """The case's shrink (returning y), its expand (of one shrink's y, returning its output,
-    which each call adds to), and the bytes each
-    moves as ``bench/kernels.py`` counts them. Tokens interleave over the adapters (``i % adapters``, so the kernels
-    gather rows through ``row_order``), or with ``grouped`` come in adapter order (dense: no
-    ``row_order``)."""
+    which each call adds to), and the bytes each moves as ``bench/kernels.py`` counts them.
+    Tokens interleave over the adapters (``i % adapters``, so the kernels gather rows through
+    ``row_order``), or with ``grouped`` come in adapter order (dense: no ``row_order``)."""
     dev, dt, es = "cuda", torch.bfloat16, 2
     mod = MODULES[name]
     g = torch.Generator(device=dev).manual_seed(tokens * 1000 + rank * 10 + adapters)
