@@ -129,14 +129,11 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
     pos = torch.full((bs,), CTX - 1, dtype=torch.int64, device=dev)
     word = torch.zeros(1, dtype=torch.int32, device=dev)
     y_cols = {name: seg_slots * a.shape[1] for name, (a, _, _) in layers[0].lora.items()}
-    # every row has an adapter here: the full segments are the segments and an empty one
+    # every row has an adapter here: segment i's rows at stage position i, in slot i
     stage = StageInfo(
-        full_indptr=torch.cat([indptr, indptr[-1:]]),
-        full_order=rows,
-        full_slots=torch.cat([seg_slots, seg_slots[:1]]),
-        full_pos=torch.cat([seg_slots, torch.full_like(seg_slots[:1], -1)]),
-        full_scalings=torch.cat([seg_scal, seg_scal[:1]]),
-        max_len=per,
+        row_pos=torch.arange(bs, dtype=torch.int32, device=dev) // per,
+        pos_slots=seg_slots.clone(),
+        pos_scalings=seg_scal.clone(),
         width=n_ad,
         rank=R,
     )

@@ -59,15 +59,14 @@ STACKED_CONFIGS = [
 def _stage(rows: int, adapters: int, dev: str) -> StageInfo:
     """Rows sorted by adapter (as the engine orders a batch), every row with one."""
     per = rows // adapters
-    indptr = [i * per for i in range(adapters)] + [rows, rows]
+    width = 1 << (adapters - 1).bit_length()
     return StageInfo(
-        full_indptr=torch.tensor(indptr, dtype=torch.int32, device=dev),
-        full_order=torch.arange(rows, dtype=torch.int64, device=dev),
-        full_slots=torch.tensor([*range(adapters), 0], dtype=torch.int32, device=dev),
-        full_pos=torch.tensor([*range(adapters), -1], dtype=torch.int32, device=dev),
-        full_scalings=torch.full((adapters + 1,), 2.0, dtype=torch.float32, device=dev),
-        max_len=per,
-        width=1 << (adapters - 1).bit_length(),
+        row_pos=torch.arange(rows, dtype=torch.int32, device=dev) // per,
+        pos_slots=torch.tensor(
+            [*range(adapters), *[-1] * (width - adapters)], dtype=torch.int32, device=dev
+        ),
+        pos_scalings=torch.full((width,), 2.0, dtype=torch.float32, device=dev),
+        width=width,
         rank=R,
     )
 

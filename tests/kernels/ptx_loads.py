@@ -82,9 +82,10 @@ def expand_cases() -> dict[str, int]:
 
 def stacked_cases() -> dict[str, int]:
     ptrs = {n: "*bf16" for n in ("full_ptr", "b_ptr", "res_ptr", "out_ptr")}
-    ptrs |= {n: "*i32" for n in ("indptr_ptr", "slots_ptr", "pos_ptr", "slice_offsets_ptr")}
-    ptrs |= {"order_ptr": "*i64", "scal_ptr": "*fp32"}
-    ints = ("n_cols", "n_base", "n_r", "rank_max", "full_stride", "res_stride", "out_stride")
+    ptrs |= {n: "*i32" for n in ("row_pos_ptr", "pos_slots_ptr", "slice_offsets_ptr")}
+    ptrs |= {"pos_scal_ptr": "*fp32"}
+    ints = ("n_rows", "n_cols", "n_base", "n_r", "rank_max", "full_stride", "res_stride")
+    ints += ("out_stride",)
     ints += ("b_stride_slot", "b_stride_row")
     # A stage rank of 16 (every int a multiple of 16, as Triton then specializes them) and
     # one of 8: rank_max and n_r are 8 and the full output's rows N + 8 elements apart.
@@ -93,9 +94,15 @@ def stacked_cases() -> dict[str, int]:
     for mode, name in ((1, "residual"), (2, "silu_mul")):
         for rank, odd in layouts.items():
             consts = dict(
-                MODE=mode, NUM_SLICES=1, DOT_PRECISION="tf32", BLOCK_S=16, BLOCK_R=16, BLOCK_N=64
+                MODE=mode,
+                NUM_SLICES=1,
+                WIDTH=4,
+                DOT_PRECISION="tf32",
+                BLOCK_S=16,
+                BLOCK_R=16,
+                BLOCK_N=64,
             )
-            div16 = (set(ptrs) | set(ints)) - odd
+            div16 = (set(ptrs) | set(ints)) - odd - {"n_rows"}
             kernel = stacked._stacked_lora_kernel
             key = f"stacked_{name}_stage_rank_{rank}"
             out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
@@ -108,9 +115,9 @@ def rope_cases() -> dict[str, int]:
         for n in ("src_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr", "cos_sin_ptr", "b_ptr")
     }
     ptrs |= {n: "*bf16" for n in ("q_norm_ptr", "k_norm_ptr")}
-    ptrs |= {n: "*i32" for n in ("indptr_ptr", "slots_ptr", "pos_ptr")}
-    ptrs |= {n: "*i64" for n in ("order_ptr", "cache_rows_ptr", "positions_ptr")}
-    ptrs |= {"scal_ptr": "*fp32"}
+    ptrs |= {n: "*i32" for n in ("row_pos_ptr", "pos_slots_ptr")}
+    ptrs |= {n: "*i64" for n in ("cache_rows_ptr", "positions_ptr")}
+    ptrs |= {"pos_scal_ptr": "*fp32"}
     ints = ("n_tokens", "num_heads", "num_kv_heads", "half", "n_base", "n_r", "rank_max")
     ints += ("src_stride", "q_stride_t", "q_stride_h", "c_stride_row", "c_stride_pos")
     ints += ("c_stride_head", "cs_stride", "b_stride_slot", "b_stride_row")
@@ -119,7 +126,13 @@ def rope_cases() -> dict[str, int]:
     out = {}
     for rank, odd in layouts.items():
         consts = dict(
-            HAS_LORA=True, QK_NORM=False, DOT_PRECISION="tf32", BLOCK_S=16, BLOCK_D=64, BLOCK_R=16
+            HAS_LORA=True,
+            WIDTH=4,
+            QK_NORM=False,
+            DOT_PRECISION="tf32",
+            BLOCK_S=16,
+            BLOCK_D=64,
+            BLOCK_R=16,
         )
         div16 = (set(ptrs) | set(ints)) - odd - {"n_tokens"}
         kernel = rope._rope_qkv_kernel

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
-from tests.kernels.test_stacked import R, _batch
+from tests.kernels.test_stacked import R, _batch, _rows
 
 from loraplane.worker.kernels import norm, reference, rope
 from loraplane.worker.models.layers import RMSNorm, RotaryEmbedding
@@ -150,7 +150,7 @@ def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(dtype: torch.dtype
     _close(q, want_q, dtype)
     _close(inp["k_cache"], ref["k_cache"], dtype)
     _close(inp["v_cache"], ref["v_cache"], dtype)
-    no_adapter, with_adapter = stage.full_order[9:], stage.full_order[:9]
+    with_adapter, no_adapter = _rows(stage)
     assert torch.equal(q[no_adapter], base_q[no_adapter])
     for cache in ("k_cache", "v_cache"):  # and the cache slots they wrote
         slots = (base["cache_rows"][no_adapter], base["positions"][no_adapter])

@@ -1,8 +1,9 @@
 """The stacked-GEMM LoRA epilogues (kernels/stacked.py) against their torch references.
 
-A batch here has what the runtime's graphs give: adapter segments in a gathered row order,
-an empty padding segment, a segment of rows with no adapter, an adapter below the buffers'
-rank, and a GEMM that computes more stage positions than the batch reads. The expected
+A batch here has what the runtime's graphs give, and more: each adapter's rows scattered
+through the batch, rows with no adapter, an adapter below the buffers' rank, a stage
+position that names a slot no row reads, one that names none, and a GEMM that computes more
+stage positions than the batch reads. The expected
 values come from ``full = x [W; A_stage]^T`` computed here and the reference's fp32 math.
 """
 
@@ -31,12 +32,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 def _batch(
     rows: int, n_base: int, n_slices: int, dtype: torch.dtype, width: int = 4, k: int = 48
 ) -> tuple[torch.Tensor, torch.Tensor, StageInfo]:
-    """``full`` of a stacked GEMM, ``lora_b`` of 3 slots, and the full segments.
+    """``full`` of a stacked GEMM, ``lora_b`` of 3 slots, and each row's stage position.
 
     Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16), ``perm[5:9]`` slot 0 at
-    position 0 with rank 5 (A/B past the rank are zero, as in the slot buffers), an empty
-    padding segment, and the rest no adapter. B is of rank ``R_MAX``, with nonzero columns
-    past the stage rank ``R``: the kernels must not read them."""
+    position 0 with rank 5 (A/B past the rank are zero, as in the slot buffers), the rest
+    no adapter. Position 1 names slot 1, which no row reads; position 2 names none. B is of
+    rank ``R_MAX``, with nonzero columns past the stage rank ``R``: the kernels must not read
+    them."""
     g = torch.Generator().manual_seed(rows * 31 + n_base)
     n_r = n_slices * R
     x = torch.randn(rows, k, generator=g)
@@ -47,26 +49,23 @@ def _batch(
     b[0, :, 5:R] = 0
     full = (x @ torch.cat([w, a.reshape(-1, k)]).T).to(dtype)
     perm = torch.randperm(rows, generator=g)
-    indptr = [0, 5, 9, 9, rows]
+    row_pos = torch.full((rows,), -1, dtype=torch.int32)
+    row_pos[perm[:5]] = 3
+    row_pos[perm[5:9]] = 0
     stage = StageInfo(
-        full_indptr=torch.tensor(indptr, dtype=torch.int32),
-        full_order=perm.to(torch.int64),
-        full_slots=torch.tensor([2, 0, 1, 0], dtype=torch.int32),
-        full_pos=torch.tensor([3, 0, 1, -1], dtype=torch.int32),
-        full_scalings=torch.tensor([0.5, 2.0, 1.0, 7.0]),
-        max_len=rows - 9,
+        row_pos=row_pos.to(DEVICE),
+        pos_slots=torch.tensor([0, 1, -1, 2], dtype=torch.int32, device=DEVICE),
+        pos_scalings=torch.tensor([2.0, 1.0, 0.0, 0.5], device=DEVICE),
         width=width,
         rank=R,
     )
-    dev = StageInfo(
-        *(t.to(DEVICE) for t in (stage.full_indptr, stage.full_order, stage.full_slots)),
-        stage.full_pos.to(DEVICE),
-        stage.full_scalings.to(DEVICE),
-        stage.max_len,
-        stage.width,
-        stage.rank,
-    )
-    return full.to(DEVICE), b.to(dtype).to(DEVICE), dev
+    return full.to(DEVICE), b.to(dtype).to(DEVICE), stage
+
+
+def _rows(stage: StageInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows with an adapter, rows without one)."""
+    pos = stage.row_pos.cpu()
+    return (pos >= 0).nonzero()[:, 0].to(DEVICE), (pos < 0).nonzero()[:, 0].to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -80,10 +79,9 @@ def test_plain_adds_each_rows_own_lora_over_unequal_slices(dtype: torch.dtype, r
     want = reference.stacked_plain(full, n_base, 3 * R, b, stage, offsets)
     _close(got, want, dtype)
     # rows without an adapter are the base output, bit for bit
-    base_rows = stage.full_order[9:]
+    lora_rows, base_rows = _rows(stage)
     assert torch.equal(got[base_rows], full[base_rows, :n_base])
     # and the LoRA is really there for the others (not a copy of the base)
-    lora_rows = stage.full_order[:9]
     assert (got[lora_rows].float() - full[lora_rows, :n_base].float()).abs().max() > 0.1
 
 
@@ -137,29 +135,43 @@ def test_stacked_kernels_name_a_bad_input() -> None:
         stacked.stacked_plain(full, 72, R, b, stage, offsets.long())
     with pytest.raises(ValueError, match=r"stacked_silu_mul: n_r must be 2 slices x stage.rank 16"):
         stacked.stacked_silu_mul(full, 72, R, b, stage)
-    with pytest.raises(ValueError, match=r"stacked_residual: stage.full_pos must have dtype"):
-        bad = dataclasses.replace(stage, full_pos=stage.full_pos.long())
+    with pytest.raises(ValueError, match=r"stacked_residual: stage.row_pos must have dtype"):
+        bad = dataclasses.replace(stage, row_pos=stage.row_pos.long())
+        stacked.stacked_residual(full, 72, R, b, bad, torch.zeros(12, 72, device=DEVICE))
+    with pytest.raises(
+        ValueError, match=r"stacked_residual: stage.pos_slots.shape\[0\] must be 4 \(one per stage"
+    ):
+        bad = dataclasses.replace(stage, pos_slots=stage.pos_slots[:3])
+        stacked.stacked_residual(full, 72, R, b, bad, torch.zeros(12, 72, device=DEVICE))
+    with pytest.raises(
+        ValueError, match=r"stacked_residual: stage.row_pos.shape\[0\] must be 12 \(one per row"
+    ):
+        bad = dataclasses.replace(stage, row_pos=stage.row_pos[:11])
         stacked.stacked_residual(full, 72, R, b, bad, torch.zeros(12, 72, device=DEVICE))
     stage.rank = 64
     with pytest.raises(ValueError, match=r"stacked_plain: stage.rank must be in 1..32"):
         stacked.stacked_plain(full, 72, R, b, stage, offsets)
 
 
-def test_rows_without_an_adapter_never_read_a_slots_b() -> None:
-    """A NaN in the B of the slot the no-adapter segment names (slot 0, the padding value)
-    must not reach rows that use no adapter: they get the base value exactly."""
+def test_a_row_only_ever_reads_its_own_positions_b() -> None:
+    """A NaN in one adapter's B reaches that adapter's rows only: rows of another position
+    and rows with no adapter come out as without it, and B of a slot no row reads (or past
+    the stage rank) is never read."""
     full, b, stage = _batch(40, 72, 1, torch.float32)
-    b[0, :, R:] = float("nan")  # past the stage rank: never read by anyone
-    b[1] = float("nan")  # slot 1: only the empty padding segment names it
-    b_base = b.clone()
-    b_base[0] = float("nan")  # the no-adapter segment's slot entry is 0
-    residual = torch.zeros(40, 72, device=DEVICE)
-    assert stage.full_slots[3].item() == 0 and stage.full_pos[3].item() == -1
-    got = stacked.stacked_residual(full, 72, R, b_base, stage, residual.clone())
-    base_rows = stage.full_order[9:]
-    assert torch.equal(got[base_rows], full[base_rows, :72])
-    ok = stacked.stacked_residual(full, 72, R, b, stage, residual.clone())
-    assert torch.isfinite(ok).all()
+    residual = torch.randn(40, 72, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    want = stacked.stacked_residual(full, 72, R, b, stage, residual.clone())
+    unread = b.clone()
+    unread[0, :, R:] = float("nan")  # past the stage rank
+    unread[1] = float("nan")  # slot 1: position 1 names it, no row reads it
+    got = stacked.stacked_residual(full, 72, R, unread, stage, residual.clone())
+    assert torch.equal(got, want)
+    poisoned = b.clone()
+    poisoned[2] = float("nan")  # slot 2: the rows at position 3
+    got = stacked.stacked_residual(full, 72, R, poisoned, stage, residual.clone())
+    at_3 = (stage.row_pos == 3).nonzero()[:, 0]
+    others = (stage.row_pos != 3).nonzero()[:, 0]
+    assert torch.isnan(got[at_3]).all()
+    assert torch.equal(got[others], want[others])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -155,6 +155,30 @@ def test_static_lora_batch_pads_segments_and_rows() -> None:
         few.fill([0, 1, 2, 2])
 
 
+def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
+    """A staged graph's epilogues read each row's stage position and each position's slot
+    and scaling; a position this batch does not read names no slot."""
+    ranks = torch.tensor([8, 16, 4], dtype=torch.int32)
+    static = StaticLoRABatch(
+        6, 2, ranks, torch.zeros(3), torch.device("cpu"), stage_width=4, stage_rank=16
+    )
+    values = ([8, 16, 4], [1.0, 2.0, 0.5])
+    static.fill([2, NO_ADAPTER, 0, 2], positions={0: 3, 2: 0, 1: 1}, slot_values=values)
+    stage = static.info().stage
+    assert stage is not None and (stage.width, stage.rank) == (4, 16)
+    assert stage.row_pos.tolist() == [0, -1, 3, 0, -1, -1]  # padding rows: no adapter
+    assert stage.pos_slots.tolist() == [2, -1, -1, 0]  # slot 1 sits at 1, unread here
+    assert stage.pos_scalings.tolist() == [0.5, 0.0, 0.0, 1.0]
+    assert static.seg_scalings.tolist() == [1.0, 0.5]  # the segments' view beside it
+    static.fill([1, 1], positions={1: 2}, slot_values=values)  # refilled in place
+    assert stage.row_pos.tolist() == [2, 2, -1, -1, -1, -1]
+    assert stage.pos_slots.tolist() == [-1, -1, 1, -1]
+    with pytest.raises(ValueError, match="positions must give a stage position for every slot"):
+        static.fill([0, 1], positions={1: 2})
+    with pytest.raises(ValueError, match=r"positions must lie in 0..3"):
+        static.fill([0], positions={0: 4})
+
+
 def test_lora_graphs_are_keyed_by_adapter_count_and_longest_segment() -> None:
     """One adapter launches one segment's programs; 3 adapters get 4 segments; a 40-row
     segment needs the bucket's row bound."""

@@ -124,23 +124,23 @@ def check_max_seg_len(fn: str, max_seg_len: object) -> int:
 
 @dataclass(slots=True)
 class StageInfo:
-    """Which rows read which stage position: the batch's full segments (all rows).
+    """Which rows read which stage position, row by row (no segments, no row order).
 
-    ``full_indptr`` int32 [F + 1] bounds into ``full_order`` (int64 [T], a permutation of the
-    rows: adapter rows by segment, then the rows without one); ``full_slots`` int32 [F]: the
-    weight slot whose B a segment reads; ``full_pos`` int32 [F]: its stage position (-1: no
-    LoRA, the base value only); ``full_scalings`` float32 [F]. ``max_len`` bounds the rows of
-    any full segment (it sizes the grid); ``width`` is how many stage positions the stacked
-    GEMM computes (every ``full_pos`` is below it); ``rank``: y columns per slice of a
-    position (the stage rank, at most B's last dimension).
+    ``row_pos`` int32 [T]: each row's stage position (-1: no LoRA, the base value only);
+    ``pos_slots`` int32 [width]: the weight slot whose B a position reads (-1: no row of this
+    batch uses it); ``pos_scalings`` float32 [width]: that adapter's scaling. ``width`` is how
+    many stage positions the stacked GEMM computes (every ``row_pos`` is below it; kernels
+    loop over them, so it is small: the stage's positions, 4 by default); ``rank``: y columns
+    per slice of a position (the stage rank, at most B's last dimension).
+
+    The epilogues read rows in place, one block of consecutive rows per program, and each
+    row's position picks its own ``y`` columns of the stacked GEMM's output: no load waits on
+    a segment's bounds or a row index (ADR 0007).
     """
 
-    full_indptr: torch.Tensor
-    full_order: torch.Tensor
-    full_slots: torch.Tensor
-    full_pos: torch.Tensor
-    full_scalings: torch.Tensor
-    max_len: int
+    row_pos: torch.Tensor
+    pos_slots: torch.Tensor
+    pos_scalings: torch.Tensor
     width: int
     rank: int
 

@@ -20,7 +20,6 @@ Layouts (see ``docs/kernels.md``):
 
 from __future__ import annotations
 
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -225,27 +224,26 @@ def stacked_lora_terms(
     stage: Any,
     col_slices: list[tuple[int, int, int]],
 ) -> torch.Tensor:
-    """fp32 ``[T, cols]``: each row's ``s * y B`` over ``col_slices`` ``(lo, hi, y offset)``;
-    zero for rows in a segment at stage position -1. ``stage`` is a ``StageInfo``."""
+    """fp32 ``[T, cols]``: each row's ``s * y B`` over ``col_slices`` ``(lo, hi, y offset)``,
+    from the y columns of its stage position; zero for rows at position -1. ``stage`` is a
+    ``StageInfo``."""
     rank_max = stage.rank
     cols = max(hi for _, hi, _ in col_slices)
     terms = torch.zeros(full.shape[0], cols, dtype=torch.float32, device=full.device)
-    bounds = stage.full_indptr.tolist()
-    order = stage.full_order.tolist()
-    slots, pos, scal = (
-        stage.full_slots.tolist(),
-        stage.full_pos.tolist(),
-        stage.full_scalings.tolist(),
-    )
-    for f, (lo_pos, hi_pos) in enumerate(pairwise(bounds)):
-        if pos[f] < 0 or hi_pos <= lo_pos:
+    row_pos = stage.row_pos.tolist()
+    slots, scal = stage.pos_slots.tolist(), stage.pos_scalings.tolist()
+    for p in range(stage.width):
+        at = [t for t, q in enumerate(row_pos) if q == p]
+        if not at:
             continue
-        rows = torch.tensor(order[lo_pos:hi_pos], dtype=torch.long, device=full.device)
-        y0 = n_base + pos[f] * n_r
+        if slots[p] < 0:
+            raise ValueError(f"rows {at} read stage position {p}, which holds no slot")
+        rows = torch.tensor(at, dtype=torch.long, device=full.device)
+        y0 = n_base + p * n_r
         for lo, hi, y_off in col_slices:
             y = full[rows, y0 + y_off : y0 + y_off + rank_max].float()
-            b = lora_b[slots[f], lo:hi, :rank_max].float()  # [hi - lo, r]
-            terms[rows, lo:hi] += scal[f] * (y @ b.T)
+            b = lora_b[slots[p], lo:hi, :rank_max].float()  # [hi - lo, r]
+            terms[rows, lo:hi] += scal[p] * (y @ b.T)
     return terms
 
 

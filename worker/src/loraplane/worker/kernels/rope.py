@@ -17,8 +17,14 @@ H200 (``bench decode --profile-graphs``, session 9).
 (``kernels/stacked.py``): ``[T, N + width * nR]``, row ``t``'s ``y`` for stage position ``p``
 in columns ``N + p * nR ..`` (q, k, v slices of ``stage.rank`` columns each). Each head adds
 ``s * y_slice B[head columns]`` to its base value before the norm and rotation, so a staged
-batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). Rows are visited
-by the stage's full segments; rows of the no-adapter segment load no ``y`` and no ``B``.
+batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). Rows are read in
+place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) picks its ``y``
+(see ``kernels/stacked.py``): a position no row of a block uses costs no load.
+
+Every load that needs no loaded value is issued first: the rows' values, positions, cache rows
+and stage positions; then the ``cos | sin`` of the positions and ``y`` and B. The rotation's
+table lookup then waits one round trip, as without LoRA, instead of queuing behind the
+segment bounds, the row indices and the LoRA's dot (sessions 10 to 14: four round trips).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -60,11 +66,9 @@ def _rope_qkv_kernel(
     q_norm_ptr,  # [d] (QK_NORM)
     k_norm_ptr,
     b_ptr,  # [slots, N, R] (HAS_LORA)
-    indptr_ptr,  # int32 [F + 1] (HAS_LORA)
-    order_ptr,  # int64 [T]
-    slots_ptr,  # int32 [F]
-    pos_ptr,  # int32 [F]
-    scal_ptr,  # float32 [F]
+    row_pos_ptr,  # int32 [T]: each row's stage position, -1 for none (HAS_LORA)
+    pos_slots_ptr,  # int32 [WIDTH]: the slot whose B a position reads, -1 for none
+    pos_scal_ptr,  # float32 [WIDTH]
     n_tokens,
     num_heads,
     num_kv_heads,
@@ -83,6 +87,7 @@ def _rope_qkv_kernel(
     b_stride_slot,
     b_stride_row,
     HAS_LORA: tl.constexpr,
+    WIDTH: tl.constexpr,
     QK_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -90,46 +95,45 @@ def _rope_qkv_kernel(
     BLOCK_R: tl.constexpr,
 ):
     head = tl.program_id(2)
-    if HAS_LORA:
-        seg = tl.program_id(1)
-        seg_start = tl.load(indptr_ptr + seg)
-        seg_end = tl.load(indptr_ptr + seg + 1)
-        first = seg_start + tl.program_id(0) * BLOCK_S
-        if first >= seg_end:
-            return
-        offs_s = first + tl.arange(0, BLOCK_S)
-        s_mask = offs_s < seg_end
-        rows = tl.load(order_ptr + offs_s, mask=s_mask, other=0)  # [BLOCK_S] int64
-    else:
-        offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-        s_mask = offs_s < n_tokens
-        rows = offs_s.to(tl.int64)
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = offs_s < n_tokens
+    rows = offs_s.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < half
     mask = s_mask[:, None] & d_mask[None, :]
     col = head * 2 * half  # the head's first column in q | k | v
+    v_start = num_heads + num_kv_heads
     src_row = src_ptr + rows[:, None] * src_stride  # [BLOCK_S, 1]
+    # Loads that need no loaded value first (see the module docstring).
     lo = tl.load(src_row + col + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(src_row + col + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
-    v_start = num_heads + num_kv_heads
+    cache_rows = tl.load(cache_rows_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
+    rotate = mask & (head < v_start)  # q and k heads
+    cs = cos_sin_ptr + positions[:, None] * cs_stride + offs_d[None, :]
+    cos = tl.load(cs, mask=rotate, other=0.0).to(tl.float32)
+    sin = tl.load(cs + half, mask=rotate, other=0.0).to(tl.float32)
     if HAS_LORA:
-        pos = tl.load(pos_ptr + seg)
-        if pos >= 0:  # the no-adapter segment loads no y and no B
-            slot = tl.load(slots_ptr + seg).to(tl.int64)
-            scaling = tl.load(scal_ptr + seg)
-            qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
-            offs_r = tl.arange(0, BLOCK_R)
-            r_mask = offs_r < rank_max
-            y_cols = n_base + pos.to(tl.int64) * n_r + qkv_slice * rank_max + offs_r[None, :]
-            y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
-            b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
-            b_tile = b_ptr + slot * b_stride_slot + b_cols  # [BLOCK_R, BLOCK_D]
-            b_mask = r_mask[:, None] & d_mask[None, :]
-            b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
-            b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
-            lo += scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION)
-            hi += scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION)
+        row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
+        qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank_max
+        b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
+        for p in tl.static_range(WIDTH):
+            slot = tl.load(pos_slots_ptr + p)
+            scaling = tl.load(pos_scal_ptr + p)
+            hit = s_mask & (row_pos == p)  # the block's rows at position p
+            if tl.max(hit.to(tl.int32), axis=0) > 0:  # no loads for a position none uses
+                y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
+                y = tl.load(src_row + y_cols, mask=hit[:, None] & r_mask[None, :], other=0.0)
+                b_tile = b_ptr + slot.to(tl.int64) * b_stride_slot + b_cols  # [BLOCK_R, BLOCK_D]
+                b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
+                b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
+                b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
+                t_lo = tl.dot(y, b_lo, input_precision=DOT_PRECISION)
+                t_hi = tl.dot(y, b_hi, input_precision=DOT_PRECISION)
+                lo += tl.where(hit[:, None], scaling * t_lo, 0.0)
+                hi += tl.where(hit[:, None], scaling * t_hi, 0.0)
     dtype = q_ptr.dtype.element_ty
     if head < v_start:  # q or k: norm (Qwen3), then rotate
         if QK_NORM:
@@ -144,16 +148,12 @@ def _rope_qkv_kernel(
             # rounded as the torch RMSNorm rounds: the normed value, then the weighted one
             lo = (w_lo[None, :] * (lo * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             hi = (w_hi[None, :] * (hi * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        cs = cos_sin_ptr + positions[:, None] * cs_stride + offs_d[None, :]
-        cos = tl.load(cs, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(cs + half, mask=mask, other=0.0).to(tl.float32)
         lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
     if head < num_heads:
         q_row = q_ptr + rows[:, None] * q_stride_t + head * q_stride_h
         tl.store(q_row + offs_d[None, :], lo.to(dtype), mask=mask)
         tl.store(q_row + half + offs_d[None, :], hi.to(dtype), mask=mask)
     else:
-        cache_rows = tl.load(cache_rows_ptr + rows, mask=s_mask, other=0)
         slot_off = cache_rows * c_stride_row + positions * c_stride_pos  # [BLOCK_S]
         if head < v_start:
             c_row = k_cache_ptr + slot_off[:, None] + (head - num_heads) * c_stride_head
@@ -251,19 +251,14 @@ def rope_qkv(
         return q
     heads = num_heads + 2 * kv_heads
     half = d // 2
+    grid = (cdiv(t, BLOCK_S), 1, heads)
     if b is not None and stage is not None:
-        segments = stage.full_slots.shape[0]
-        if segments == 0:  # the full segments cover every row: none means a broken stage
-            raise ValueError(f"{fn}: stage has no full segments for {t} rows")
-        grid = (cdiv(max(1, stage.max_len), BLOCK_S), segments, heads)
-        lora_args = (b, stage.full_indptr, stage.full_order, stage.full_slots, stage.full_pos)
-        lora_more = (stage.full_scalings,)
+        lora_args = (b, stage.row_pos, stage.pos_slots, stage.pos_scalings)
         rank, block_r, b_strides = stage.rank, rank_block(stage.rank), (b.stride(0), b.stride(1))
+        width = stage.width
     else:
-        grid = (cdiv(t, BLOCK_S), 1, heads)
-        lora_args = (x, positions, positions, positions, positions)  # not read
-        lora_more = (positions,)
-        rank, block_r, b_strides = 0, MIN_DOT_BLOCK, (0, 0)
+        lora_args = (x, positions, positions, positions)  # not read
+        rank, block_r, b_strides, width = 0, MIN_DOT_BLOCK, (0, 0), 0
     _rope_qkv_kernel[grid](
         x,
         q,
@@ -275,7 +270,6 @@ def rope_qkv(
         norms[0] if norms else cs,
         norms[1] if norms else cs,
         *lora_args,
-        *lora_more,
         t,
         num_heads,
         kv_heads,
@@ -293,6 +287,7 @@ def rope_qkv(
         cs.stride(0),
         *b_strides,
         HAS_LORA=b is not None,
+        WIDTH=width,
         QK_NORM=bool(norms),
         DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_S=BLOCK_S,

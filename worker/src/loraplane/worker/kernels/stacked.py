@@ -14,11 +14,17 @@ take the base value), so it replaces that work instead of adding a launch:
 * ``stacked_silu_mul``: ``act = silu(g + s * y_g B_g) * (u + s * y_u B_u)`` (gate_up and
   the SwiGLU after it).
 
-Rows are visited by **full segments** (``StageInfo``): the batch's adapter segments, then
-one segment of the rows with no adapter (stage position -1: no LoRA term). Every sum is in
-fp32 and rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``,
-session 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with
-1 or 4 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
+Each program takes a block of consecutive rows in place and reads every row's stage position
+(``StageInfo.row_pos``); for each position ``p`` of the stacked GEMM that a row of the block
+uses, it loads that position's ``y`` columns (zero for the block's other rows) and its
+adapter's B, and adds ``s_p * y B`` to those rows only (``tl.where``: a NaN in one adapter's
+B cannot reach another's rows, nor rows with no adapter). No load waits on a segment's
+bounds or a gathered row index: the base value, the residual and the rows' positions leave
+together, then ``y`` and B, so an epilogue costs two round trips to memory where the
+segment-by-segment version (session 7 to 14) cost three or four. Every sum is in fp32 and
+rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
+7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
+adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
 ``reference.stacked_plain`` / ``stacked_residual`` / ``stacked_silu_mul``.
 """
 
@@ -42,7 +48,6 @@ from loraplane.worker.kernels._triton_utils import (
     dot_precision,
     next_power_of_2,
     rank_block,
-    segment_block,
 )
 from loraplane.worker.kernels.expand import slice_bounds, slice_term
 
@@ -62,12 +67,11 @@ def _stacked_lora_kernel(
     b_ptr,  # [slots, N, R]
     res_ptr,  # [T, N]: residual (MODE _RESIDUAL; may be out)
     out_ptr,  # [T, N] (PLAIN, RESIDUAL) or [T, N / 2] (SILU_MUL)
-    indptr_ptr,  # int32 [F + 1]
-    order_ptr,  # int64 [T]
-    slots_ptr,  # int32 [F]
-    pos_ptr,  # int32 [F]
-    scal_ptr,  # float32 [F]
+    row_pos_ptr,  # int32 [T]: each row's stage position, -1 for none
+    pos_slots_ptr,  # int32 [WIDTH]: the slot whose B a position reads, -1 for none
+    pos_scal_ptr,  # float32 [WIDTH]
     slice_offsets_ptr,  # int32 [NUM_SLICES + 1] (MODE _PLAIN with NUM_SLICES > 1)
+    n_rows,
     n_cols,  # output columns: N, or N / 2 for SILU_MUL
     n_base,  # N: where y starts in a row of full
     n_r,  # nR: y columns per stage position
@@ -79,77 +83,79 @@ def _stacked_lora_kernel(
     b_stride_row,
     MODE: tl.constexpr,
     NUM_SLICES: tl.constexpr,
+    WIDTH: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    seg = tl.program_id(1)
-    seg_start = tl.load(indptr_ptr + seg)
-    seg_end = tl.load(indptr_ptr + seg + 1)
-    slot = tl.load(slots_ptr + seg).to(tl.int64)
-    pos = tl.load(pos_ptr + seg)
-    scaling = tl.load(scal_ptr + seg)
-    offs_s = seg_start + tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    if seg_start + tl.program_id(0) * BLOCK_S >= seg_end:
-        return
-    s_mask = offs_s < seg_end
-    rows = tl.load(order_ptr + offs_s, mask=s_mask, other=0)  # [BLOCK_S] int64
-    has_lora = pos >= 0  # the no-adapter segment reads no y and no B (a NaN in some
-    # slot's B must not reach rows that use no adapter)
-    lora = s_mask & has_lora
-
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = offs_s < n_rows
+    rows = offs_s.to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < n_cols
+    n0 = tl.program_id(1) * BLOCK_N
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = (offs_r < rank_max) & has_lora
+    r_mask = offs_r < rank_max
     mask = s_mask[:, None] & n_mask[None, :]
     row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
-    y_row = row_full + n_base + pos.to(tl.int64) * n_r  # [BLOCK_S, 1]: this position's y
-    y_mask = lora[:, None] & r_mask[None, :]
-    b_base = b_ptr + slot * b_stride_slot
     b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
 
-    # The base, y and slice-bound loads are issued first (see kernels/expand.py); B's wait
-    # only for the branch past the no-adapter segment and the slices a block misses.
+    # Everything that needs no loaded value leaves first: the rows' positions, the base
+    # (and up, and the residual). y and B follow once the positions are in.
+    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
     base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
     if MODE == 2:  # gate | up: gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
         up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
-        y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-        b_mask = r_mask[:, None] & n_mask[None, :]
-        gate = base
-        if has_lora:  # the no-adapter segment loads no B and runs no dot
-            b_g = tl.load(b_base + b_cols, mask=b_mask, other=0.0)
-            b_u = tl.load(b_base + n_cols * b_stride_row + b_cols, mask=b_mask, other=0.0)
-            gate += scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-            up += scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+        acc_u = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+    if MODE == 1:
+        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
+    for p in tl.static_range(WIDTH):
+        slot = tl.load(pos_slots_ptr + p)
+        scaling = tl.load(pos_scal_ptr + p)
+        hit = s_mask & (row_pos == p)  # the block's rows at position p
+        # no loads or dot for a position no row of the block uses
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
+            y_mask = hit[:, None] & r_mask[None, :]
+            b_rows = r_mask & (slot >= 0)
+            b_base = b_ptr + slot.to(tl.int64) * b_stride_slot
+            if MODE == 2:
+                b_mask = b_rows[:, None] & n_mask[None, :]
+                y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
+                y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+                b_g = tl.load(b_base + b_cols, mask=b_mask, other=0.0)
+                b_u = tl.load(b_base + n_cols * b_stride_row + b_cols, mask=b_mask, other=0.0)
+                t_g = tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+                t_u = tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+                acc += tl.where(hit[:, None], scaling * t_g, 0.0)
+                acc_u += tl.where(hit[:, None], scaling * t_u, 0.0)
+            else:
+                for i in tl.static_range(NUM_SLICES):
+                    col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
+                    if (col_lo < n0 + BLOCK_N) & (col_hi > n0):  # no dot for a missed slice
+                        term = slice_term(
+                            y_row + i * rank_max,
+                            b_base + b_cols,
+                            offs_n,
+                            offs_r,
+                            y_mask,
+                            b_rows,
+                            y_mask,
+                            b_rows,
+                            col_lo,
+                            col_hi,
+                            DOT_PRECISION,
+                            False,  # the stage rank is a launch argument: its mask is not split
+                        )
+                        acc += tl.where(hit[:, None], scaling * term, 0.0)
+    if MODE == 2:
+        gate = base + acc
+        up += acc_u
         val = gate / (1.0 + tl.exp(-gate)) * up
     else:
-        if MODE == 1:
-            res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
-        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-        n0 = tl.program_id(2) * BLOCK_N
-        for i in tl.static_range(NUM_SLICES):
-            col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
-            # no loads or dot for the no-adapter segment or a slice the block misses
-            if has_lora & (col_lo < n0 + BLOCK_N) & (col_hi > n0):
-                y_i = y_row + i * rank_max
-                acc += slice_term(
-                    y_i,
-                    b_base + b_cols,
-                    offs_n,
-                    offs_r,
-                    y_mask,
-                    r_mask,
-                    y_mask,
-                    r_mask,
-                    col_lo,
-                    col_hi,
-                    DOT_PRECISION,
-                    False,  # the stage rank is a launch argument: its mask is not split
-                )
-        val = base + scaling * acc
+        val = base + acc
         if MODE == 1:
             val = res.to(tl.float32) + val
     out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
@@ -193,16 +199,15 @@ def check_stacked(
             f"{stage.width} x nR {n_r}, the stacked GEMM's output; columns past them are not "
             f"read), got shape {tuple(f.shape)}"
         )
-    segments = stage.full_slots.shape[0] if stage.full_slots.dim() == 1 else -1
-    for name, t, dtype, length in (
-        ("full_indptr", stage.full_indptr, torch.int32, segments + 1),
-        ("full_slots", stage.full_slots, torch.int32, segments),
-        ("full_pos", stage.full_pos, torch.int32, segments),
-        ("full_scalings", stage.full_scalings, torch.float32, segments),
-        ("full_order", stage.full_order, torch.int64, f.shape[0]),
+    for field, t, dtype, length, what in (
+        ("row_pos", stage.row_pos, torch.int32, f.shape[0], f"one per row of {name}"),
+        ("pos_slots", stage.pos_slots, torch.int32, stage.width, "one per stage position"),
+        ("pos_scalings", stage.pos_scalings, torch.float32, stage.width, "one per stage position"),
     ):
-        t = check_tensor(fn, f"stage.{name}", t, ndim=1, dtypes=(dtype,), device=f.device)
-        check_dim(fn, f"stage.{name}", t, 0, length, "one per full segment (+1), or per row")
+        t = check_tensor(
+            fn, f"stage.{field}", t, ndim=1, dtypes=(dtype,), device=f.device, contiguous=True
+        )
+        check_dim(fn, f"stage.{field}", t, 0, length, what)
     return f, b
 
 
@@ -231,32 +236,30 @@ def _launch(
     n_base: int,
     n_r: int,
 ) -> None:
-    segments = stage.full_slots.shape[0]
-    if full.shape[0] == 0 or n_cols == 0 or segments == 0:
+    rows = full.shape[0]
+    if rows == 0 or n_cols == 0:
         return
     # 16 x 64 tiles: many programs for a decode batch (a [T, 4096] output at 16-128 rows is
     # 64-512 of them, not 32 of 64 x 128). The SwiGLU epilogue reads two tiles per output
     # tile and does better with fewer, larger ones from 128 rows on. Measured on an H200
     # (bench/probes/stacked_tune.py, session 9): against session 7's segment-sized rows and
     # 128 columns, 0.4-3.1 us less per launch at 32-128 rows, within 0.2 us at 16.
-    block_s, block_n = (32, 128) if mode == _SILU_MUL and full.shape[0] >= 128 else (16, 64)
-    block_s = min(block_s, segment_block(stage.max_len))
+    block_s, block_n = (32, 128) if mode == _SILU_MUL and rows >= 128 else (16, 64)
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    grid = (cdiv(max(1, stage.max_len), block_s), segments, cdiv(n_cols, block_n))
+    grid = (cdiv(rows, block_s), cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
         b,
         res,
         out,
-        stage.full_indptr,
-        stage.full_order,
-        stage.full_slots,
-        stage.full_pos,
-        stage.full_scalings,
-        slice_offsets if slice_offsets is not None else stage.full_indptr,
+        stage.row_pos,
+        stage.pos_slots,
+        stage.pos_scalings,
+        slice_offsets if slice_offsets is not None else stage.pos_slots,
+        rows,
         n_cols,
         n_base,
         n_r,
@@ -268,6 +271,7 @@ def _launch(
         b.stride(1),
         MODE=mode,
         NUM_SLICES=slice_offsets.shape[0] - 1 if slice_offsets is not None else 1,
+        WIDTH=stage.width,
         DOT_PRECISION=dot_precision(b.dtype),
         BLOCK_S=block_s,
         BLOCK_R=rank_block(stage.rank),

@@ -137,26 +137,21 @@ class StaticLoRABatch:
         self.stage_width = stage_width  # > 0: the batch is staged (StageInfo in `info`)
         self.stage_rank = stage_rank  # y columns per slice of a stage position
         pin = device.type == "cuda"
-        s = self.segments
-        # token_slots [rows] | seg_indptr [S + 1] | rows | seg_slots [S] | 0 | seg_pos [S] | -1
-        # | seg_ranks [S] | scalings [S + 1] (float32 bits): with the trailing entries, the full
-        # segments (adapter segments, then the rows with no adapter) are views of the same
-        # buffer, and the scalings a float32 view of it.
-        n_ints = rows + 5 * s + 5
+        s, w = self.segments, stage_width
+        # token_slots [rows] | seg_indptr [S + 1] | seg_slots [S] | seg_ranks [S] |
+        # seg_scalings [S] (float32 bits) | row_pos [rows] | pos_slots [W] | pos_scalings [W]
+        # (float32 bits): one buffer, one host-to-device copy; the scalings are float32 views.
+        n_ints = 2 * rows + 4 * s + 1 + 2 * w
         self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
-        # every row: adapter rows by segment, then the others (row_order is its prefix use)
+        # every row: adapter rows by segment, then the others (the kernels read its prefix)
         self.row_order = torch.zeros(rows, dtype=torch.int64, device=device)
         self._order_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
-        self.token_slots = self._ints[:rows]
-        self.seg_indptr = self._ints[rows : rows + s + 1]
-        self.full_indptr = self._ints[rows : rows + s + 2]
-        self.seg_slots = self._ints[rows + s + 2 : rows + 2 * s + 2]
-        self.full_slots = self._ints[rows + s + 2 : rows + 2 * s + 3]
-        self.full_pos = self._ints[rows + 2 * s + 3 : rows + 3 * s + 4]
-        self.seg_ranks = self._ints[rows + 3 * s + 4 : rows + 4 * s + 4]
-        self.full_scalings = self._ints[rows + 4 * s + 4 :].view(torch.float32)
-        self.seg_scalings = self.full_scalings[:s]
+        views = self._ints.split([rows, s + 1, s, s, s, rows, w, w])
+        self.token_slots, self.seg_indptr, self.seg_slots, self.seg_ranks = views[:4]
+        self.seg_scalings = views[4].view(torch.float32)
+        self.row_pos, self.pos_slots = views[5], views[6]
+        self.pos_scalings = views[7].view(torch.float32)
 
     def fill(
         self,
@@ -197,16 +192,23 @@ class StaticLoRABatch:
                     f"width), got {positions}"
                 )
         pad = self.segments - len(slots)
-        pos = [positions[s] for s in slots] if positions is not None else [NO_ADAPTER] * len(slots)
-        ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
-        ints += [self.rows, *slots, *[0] * pad, 0, *pos, *[NO_ADAPTER] * (pad + 1)]
         if slot_values is None:
             slot_values = (self.slot_ranks.tolist(), self.slot_scalings.tolist())
         ranks, scalings = slot_values
-        full = [*slots, *[0] * (pad + 1)]  # the full segments' slots (padding reads slot 0)
-        ints += [ranks[s] for s in full[: self.segments]]
-        bits = torch.tensor([scalings[s] for s in full], dtype=torch.float32).view(torch.int32)
-        ints += bits.tolist()
+        padded = [*slots, *[0] * pad]  # padding segments are empty (and read slot 0)
+        ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
+        floats = [scalings[s] for s in padded]
+        ints += [*padded, *(ranks[s] for s in padded), *_bits(floats)]
+        if self.stage_width:
+            assert positions is not None
+            at = {positions[s]: s for s in slots}  # the positions this batch reads
+            ints += [positions[s] if s != NO_ADAPTER else -1 for s in token_slots]
+            ints += [-1] * (self.rows - n)
+            pos_slots = [at.get(p, -1) for p in range(self.stage_width)]
+            ints += pos_slots
+            ints += _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots])
+        else:
+            ints += [-1] * self.rows
         in_segment = set(order)
         rest = [i for i in range(self.rows) if i not in in_segment]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
@@ -233,12 +235,15 @@ class StaticLoRABatch:
 
     def _stage_info(self) -> StageInfo:
         return StageInfo(
-            full_indptr=self.full_indptr,
-            full_order=self.row_order,
-            full_slots=self.full_slots,
-            full_pos=self.full_pos,
-            full_scalings=self.full_scalings,
-            max_len=self.rows,  # the no-adapter segment may hold every row
+            row_pos=self.row_pos,
+            pos_slots=self.pos_slots,
+            pos_scalings=self.pos_scalings,
             width=self.stage_width,
             rank=self.stage_rank,
         )
+
+
+def _bits(values: Sequence[float]) -> list[int]:
+    """float32 values as the int32 words that hold their bits."""
+    bits: list[int] = torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+    return bits
