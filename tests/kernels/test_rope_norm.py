@@ -137,7 +137,7 @@ def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(dtype: torch.dtype
     """``qkv`` is a stacked GEMM's ``full``: the LoRA of each row's stage position goes in
     first; rows without an adapter come out exactly as the base path's."""
     rows = 40
-    full, b, stage = _batch(rows, N_QKV, 3, dtype)
+    full, b, stage = _batch(rows, N_QKV, 3, dtype, width=8)
     inp = _rope_inputs(rows, dtype)
     inp["qkv"] = full
     ref = _rope_inputs(rows, dtype)

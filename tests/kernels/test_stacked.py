@@ -36,9 +36,10 @@ def _batch(
 
     Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16), ``perm[5:9]`` slot 0 at
     position 0 with rank 5 (A/B past the rank are zero, as in the slot buffers), the rest
-    no adapter. Position 1 names slot 1, which no row reads; position 2 names none. B is of
-    rank ``R_MAX``, with nonzero columns past the stage rank ``R``: the kernels must not read
-    them."""
+    no adapter. Position 1 names slot 1, which no row reads; position 2 names none. Wider
+    than 4 (the kernels take positions 4 at a time), rows ``perm[9:12]`` use slot 1 at the
+    last position. B is of rank ``R_MAX``, with nonzero columns past the stage rank ``R``:
+    the kernels must not read them."""
     g = torch.Generator().manual_seed(rows * 31 + n_base)
     n_r = n_slices * R
     x = torch.randn(rows, k, generator=g)
@@ -52,10 +53,15 @@ def _batch(
     row_pos = torch.full((rows,), -1, dtype=torch.int32)
     row_pos[perm[:5]] = 3
     row_pos[perm[5:9]] = 0
+    pos_slots, pos_scalings = [0, 1, -1, 2] + [-1] * (width - 4), [2.0, 1.0, 0.0, 0.5]
+    pos_scalings += [0.0] * (width - 4)
+    if width > 4:
+        row_pos[perm[9:12]] = width - 1
+        pos_slots[-1], pos_scalings[-1] = 1, 3.0
     stage = StageInfo(
         row_pos=row_pos.to(DEVICE),
-        pos_slots=torch.tensor([0, 1, -1, 2], dtype=torch.int32, device=DEVICE),
-        pos_scalings=torch.tensor([2.0, 1.0, 0.0, 0.5], device=DEVICE),
+        pos_slots=torch.tensor(pos_slots, dtype=torch.int32, device=DEVICE),
+        pos_scalings=torch.tensor(pos_scalings, device=DEVICE),
         width=width,
         rank=R,
     )
@@ -86,9 +92,12 @@ def test_plain_adds_each_rows_own_lora_over_unequal_slices(dtype: torch.dtype, r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_residual_adds_base_and_lora_into_the_residual_in_place(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width", [4, 6, 8])
+def test_residual_adds_base_and_lora_into_the_residual_in_place(
+    dtype: torch.dtype, width: int
+) -> None:
     rows, n_base = 40, 72
-    full, b, stage = _batch(rows, n_base, 1, dtype)
+    full, b, stage = _batch(rows, n_base, 1, dtype, width)
     residual = torch.randn(rows, n_base).to(dtype).to(DEVICE)
     want = reference.stacked_residual(full, n_base, R, b, stage, residual.clone())
     got = stacked.stacked_residual(full, n_base, R, b, stage, residual)
@@ -102,7 +111,7 @@ def test_silu_mul_adds_gate_and_up_loras_before_the_activation(
     dtype: torch.dtype, inter: int
 ) -> None:
     rows = 40
-    full, b, stage = _batch(rows, 2 * inter, 2, dtype)
+    full, b, stage = _batch(rows, 2 * inter, 2, dtype, width=6)
     got = stacked.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage)
     assert got.shape == (rows, inter)
     _close(got, reference.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage), dtype)

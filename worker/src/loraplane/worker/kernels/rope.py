@@ -47,7 +47,7 @@ from loraplane.worker.kernels._triton_utils import (
     next_power_of_2,
     rank_block,
 )
-from loraplane.worker.kernels.stacked import check_stacked
+from loraplane.worker.kernels.stacked import check_stacked, stage_terms
 
 __all__ = ["rope_qkv"]
 
@@ -118,22 +118,29 @@ def _rope_qkv_kernel(
         qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank_max
-        b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
-        for p in tl.static_range(WIDTH):
-            slot = tl.load(pos_slots_ptr + p)
-            scaling = tl.load(pos_scal_ptr + p)
-            hit = s_mask & (row_pos == p)  # the block's rows at position p
-            if tl.max(hit.to(tl.int32), axis=0) > 0:  # no loads for a position none uses
-                y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
-                y = tl.load(src_row + y_cols, mask=hit[:, None] & r_mask[None, :], other=0.0)
-                b_tile = b_ptr + slot.to(tl.int64) * b_stride_slot + b_cols  # [BLOCK_R, BLOCK_D]
-                b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
-                b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
-                b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
-                t_lo = tl.dot(y, b_lo, input_precision=DOT_PRECISION)
-                t_hi = tl.dot(y, b_hi, input_precision=DOT_PRECISION)
-                lo += tl.where(hit[:, None], scaling * t_lo, 0.0)
-                hi += tl.where(hit[:, None], scaling * t_hi, 0.0)
+        y_ptrs = src_row + n_base + qkv_slice * rank_max + offs_r[None, :]  # position 0's y
+        b_lo = b_ptr + (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
+        for p0 in tl.static_range(0, WIDTH, 4):
+            lo, hi = stage_terms(
+                lo,
+                hi,
+                y_ptrs,
+                y_ptrs,
+                b_lo,
+                b_lo + half * b_stride_row,
+                row_pos,
+                s_mask,
+                r_mask,
+                d_mask,
+                pos_slots_ptr,
+                pos_scal_ptr,
+                n_r,
+                b_stride_slot,
+                p0,
+                WIDTH,
+                True,
+                DOT_PRECISION,
+            )
     dtype = q_ptr.dtype.element_ty
     if head < v_start:  # q or k: norm (Qwen3), then rotate
         if QK_NORM:
