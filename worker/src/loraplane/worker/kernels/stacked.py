@@ -14,14 +14,15 @@ take the base value), so it replaces that work instead of adding a launch:
 * ``stacked_silu_mul``: ``act = silu(g + s * y_g B_g) * (u + s * y_u B_u)`` (gate_up and
   the SwiGLU after it).
 
-Each program takes a block of consecutive rows in place and reads every row's stage position
-(``StageInfo.row_pos``); for each position ``p`` of the stacked GEMM that a row of the block
-uses, it loads that position's ``y`` columns (zero for the block's other rows) and its
-adapter's B, and adds ``s_p * y B`` to those rows only (``tl.where``: a NaN in one adapter's
-B cannot reach another's rows, nor rows with no adapter). No load waits on a segment's
-bounds or a gathered row index: the base value, the residual and the rows' positions leave
-together, then ``y`` and B, so an epilogue costs two round trips to memory where the
-segment-by-segment version (session 7 to 14) cost three or four. Every sum is in fp32 and
+Rows are read in place, by blocks of consecutive rows, and each row's stage position
+(``StageInfo.row_pos``) says which program writes it: program ``(block, p, columns)`` takes
+the block's rows at position ``p`` and adds ``s_p * y_p B_p`` to them; one more program per
+block (``p == width``) takes its rows with no adapter, which get the base value exactly. A
+program with no rows of its own returns after its first round trip. No load waits on a
+segment's bounds or a gathered row index: the rows' positions and the position's slot and
+scaling come first, then the base (the residual, up), ``y`` and B together, so an epilogue
+costs two round trips to memory where the segment-by-segment version (sessions 7 to 14) cost
+three. A row only ever reads its own position's B. Every sum is in fp32 and
 rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
@@ -62,118 +63,10 @@ STACKED_OVERRIDE: tuple[int, int, int] | None = None
 
 
 @triton.jit
-def _y_at(y_ptrs, s_mask, r_mask, p, n_r):
-    """Stage position ``p``'s y ``[BLOCK_S, BLOCK_R]`` for every row of the block."""
-    return tl.load(y_ptrs + p * n_r, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
-
-
-@triton.jit
-def _b_at(b_ptrs, slot, used, r_mask, n_valid, b_stride_slot):
-    """``slot``'s B tile ``[BLOCK_R, BLOCK_N]``; nothing is read when no row uses it."""
-    mask = (r_mask & (slot >= 0) & used)[:, None] & n_valid[None, :]
-    return tl.load(b_ptrs + slot.to(tl.int64) * b_stride_slot, mask=mask, other=0.0)
-
-
-@triton.jit
-def _add_at(acc, hit, scaling, y, b, DOT_PRECISION: tl.constexpr):
-    """``acc + s y B`` on the rows ``hit`` (the others keep ``acc``, whatever B holds)."""
-    term = scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
-    return acc + tl.where(hit[:, None], term, 0.0)
-
-
-@triton.jit
-def stage_terms(
-    acc,  # [BLOCK_S, BLOCK_N] fp32
-    acc2,  # the second tile's (TWO), else anything: returned as given
-    y_ptrs,  # [BLOCK_S, BLOCK_R]: each row's y of stage position 0 (this slice's columns)
-    y2_ptrs,  # the second tile's y (TWO)
-    b_ptrs,  # [BLOCK_R, BLOCK_N]: B of slot 0 over the tile's columns
-    b2_ptrs,  # the second tile's B (TWO)
-    row_pos,  # [BLOCK_S] int32: each row's stage position, -1 for none
-    s_mask,
-    r_mask,
-    n_valid,  # [BLOCK_N]: the B rows (output columns) to read
-    pos_slots_ptr,
-    pos_scal_ptr,
-    n_r,
-    b_stride_slot,
-    P0: tl.constexpr,
-    WIDTH: tl.constexpr,
-    TWO: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """``acc`` (and ``acc2``) plus each row's ``s y B`` over stage positions ``P0 .. P0 + 3``
-    (those below ``WIDTH``); a row takes only its own position's term.
-
-    No load here waits on a dot, and only B waits on the rows' positions: every position's y,
-    slot and scaling leave first, then the B tiles of the positions some row of the block
-    reads, then the dots. (Branching per position, ``if any row reads p``, held each
-    position's loads behind the previous position's dot: 4 adapters in 16 rows ran 1.3-1.6x
-    slower on an H200.) Written out for four positions, as Triton keeps no list of tiles."""
-    ya0 = _y_at(y_ptrs, s_mask, r_mask, P0, n_r)
-    slot0 = tl.load(pos_slots_ptr + P0)
-    sc0 = tl.load(pos_scal_ptr + P0)
-    if TWO:
-        yb0 = _y_at(y2_ptrs, s_mask, r_mask, P0, n_r)
-    if P0 + 1 < WIDTH:
-        ya1 = _y_at(y_ptrs, s_mask, r_mask, P0 + 1, n_r)
-        slot1 = tl.load(pos_slots_ptr + P0 + 1)
-        sc1 = tl.load(pos_scal_ptr + P0 + 1)
-        if TWO:
-            yb1 = _y_at(y2_ptrs, s_mask, r_mask, P0 + 1, n_r)
-    if P0 + 2 < WIDTH:
-        ya2 = _y_at(y_ptrs, s_mask, r_mask, P0 + 2, n_r)
-        slot2 = tl.load(pos_slots_ptr + P0 + 2)
-        sc2 = tl.load(pos_scal_ptr + P0 + 2)
-        if TWO:
-            yb2 = _y_at(y2_ptrs, s_mask, r_mask, P0 + 2, n_r)
-    if P0 + 3 < WIDTH:
-        ya3 = _y_at(y_ptrs, s_mask, r_mask, P0 + 3, n_r)
-        slot3 = tl.load(pos_slots_ptr + P0 + 3)
-        sc3 = tl.load(pos_scal_ptr + P0 + 3)
-        if TWO:
-            yb3 = _y_at(y2_ptrs, s_mask, r_mask, P0 + 3, n_r)
-
-    hit0 = s_mask & (row_pos == P0)
-    used0 = tl.max(hit0.to(tl.int32), axis=0) > 0
-    ba0 = _b_at(b_ptrs, slot0, used0, r_mask, n_valid, b_stride_slot)
-    if TWO:
-        bb0 = _b_at(b2_ptrs, slot0, used0, r_mask, n_valid, b_stride_slot)
-    if P0 + 1 < WIDTH:
-        hit1 = s_mask & (row_pos == P0 + 1)
-        used1 = tl.max(hit1.to(tl.int32), axis=0) > 0
-        ba1 = _b_at(b_ptrs, slot1, used1, r_mask, n_valid, b_stride_slot)
-        if TWO:
-            bb1 = _b_at(b2_ptrs, slot1, used1, r_mask, n_valid, b_stride_slot)
-    if P0 + 2 < WIDTH:
-        hit2 = s_mask & (row_pos == P0 + 2)
-        used2 = tl.max(hit2.to(tl.int32), axis=0) > 0
-        ba2 = _b_at(b_ptrs, slot2, used2, r_mask, n_valid, b_stride_slot)
-        if TWO:
-            bb2 = _b_at(b2_ptrs, slot2, used2, r_mask, n_valid, b_stride_slot)
-    if P0 + 3 < WIDTH:
-        hit3 = s_mask & (row_pos == P0 + 3)
-        used3 = tl.max(hit3.to(tl.int32), axis=0) > 0
-        ba3 = _b_at(b_ptrs, slot3, used3, r_mask, n_valid, b_stride_slot)
-        if TWO:
-            bb3 = _b_at(b2_ptrs, slot3, used3, r_mask, n_valid, b_stride_slot)
-
-    acc = _add_at(acc, hit0, sc0, ya0, ba0, DOT_PRECISION)
-    if TWO:
-        acc2 = _add_at(acc2, hit0, sc0, yb0, bb0, DOT_PRECISION)
-    if P0 + 1 < WIDTH:
-        acc = _add_at(acc, hit1, sc1, ya1, ba1, DOT_PRECISION)
-        if TWO:
-            acc2 = _add_at(acc2, hit1, sc1, yb1, bb1, DOT_PRECISION)
-    if P0 + 2 < WIDTH:
-        acc = _add_at(acc, hit2, sc2, ya2, ba2, DOT_PRECISION)
-        if TWO:
-            acc2 = _add_at(acc2, hit2, sc2, yb2, bb2, DOT_PRECISION)
-    if P0 + 3 < WIDTH:
-        acc = _add_at(acc, hit3, sc3, ya3, ba3, DOT_PRECISION)
-        if TWO:
-            acc2 = _add_at(acc2, hit3, sc3, yb3, bb3, DOT_PRECISION)
-    return acc, acc2
+def rows_at(row_pos, s_mask, p, WIDTH: tl.constexpr):
+    """The rows of a block that program ``p`` writes: those at stage position ``p``, or for
+    ``p == WIDTH`` those with none (-1)."""
+    return s_mask & ((row_pos == p) | ((row_pos < 0) & (p == WIDTH)))
 
 
 @triton.jit
@@ -204,46 +97,41 @@ def _stacked_lora_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # Program (row block, p, column block) writes the block's rows at stage position p
+    # (p == WIDTH: the rows with no adapter). First round trip: the rows' positions and p's
+    # slot and scaling; second: the base (and up, or the residual), y and B, all at once.
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = offs_s < n_rows
+    p = tl.program_id(1)
+    lora = p < WIDTH
+    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
+    slot = tl.load(pos_slots_ptr + p, mask=lora, other=-1).to(tl.int64)
+    scaling = tl.load(pos_scal_ptr + p, mask=lora, other=0.0)
+    mine = rows_at(row_pos, s_mask, p, WIDTH)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:
+        return
     rows = offs_s.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < n_cols
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank_max
-    mask = s_mask[:, None] & n_mask[None, :]
+    mask = mine[:, None] & n_mask[None, :]
     row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
-    b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
+    y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
+    y_mask = mine[:, None] & (lora & (offs_r < rank_max))[None, :]
+    b_rows = lora & (slot >= 0) & (offs_r < rank_max)  # [BLOCK_R]
+    b_tile = b_ptr + slot * b_stride_slot
+    b_tile += offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
 
-    # Everything that needs no loaded value leaves first: the rows' positions, the base
-    # (and up, and the residual), then y; B once the positions are in (``stage_terms``).
-    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
     base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    y_ptrs = row_full + n_base + offs_r[None, :]  # [BLOCK_S, BLOCK_R]: position 0's y
-    b_ptrs = b_ptr + b_cols
     if MODE == 2:  # gate | up: gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
         up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        for p0 in tl.static_range(0, WIDTH, 4):
-            base, up = stage_terms(
-                base,
-                up,
-                y_ptrs,
-                y_ptrs + rank_max,
-                b_ptrs,
-                b_ptrs + n_cols * b_stride_row,
-                row_pos,
-                s_mask,
-                r_mask,
-                n_mask,
-                pos_slots_ptr,
-                pos_scal_ptr,
-                n_r,
-                b_stride_slot,
-                p0,
-                WIDTH,
-                True,
-                DOT_PRECISION,
-            )
+        y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
+        y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+        b_mask = b_rows[:, None] & n_mask[None, :]
+        b_g = tl.load(b_tile, mask=b_mask, other=0.0)
+        b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
+        base += scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+        up += scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
         val = base / (1.0 + tl.exp(-base)) * up
     else:
         if MODE == 1:
@@ -251,27 +139,9 @@ def _stacked_lora_kernel(
         for i in tl.static_range(NUM_SLICES):
             col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
             in_slice = n_mask & (offs_n >= col_lo) & (offs_n < col_hi)
-            for p0 in tl.static_range(0, WIDTH, 4):
-                base, _ = stage_terms(
-                    base,
-                    base,
-                    y_ptrs + i * rank_max,
-                    y_ptrs,
-                    b_ptrs,
-                    b_ptrs,
-                    row_pos,
-                    s_mask,
-                    r_mask,
-                    in_slice,
-                    pos_slots_ptr,
-                    pos_scal_ptr,
-                    n_r,
-                    b_stride_slot,
-                    p0,
-                    WIDTH,
-                    False,
-                    DOT_PRECISION,
-                )
+            y = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+            b = tl.load(b_tile, mask=b_rows[:, None] & in_slice[None, :], other=0.0)
+            base += scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
         val = base
         if MODE == 1:
             val = res.to(tl.float32) + val
@@ -366,7 +236,7 @@ def _launch(
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    grid = (cdiv(rows, block_s), cdiv(n_cols, block_n))
+    grid = (cdiv(rows, block_s), stage.width + 1, cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
         b,
