@@ -19,11 +19,11 @@ in columns ``N + p * nR ..`` (q, k, v slices of ``stage.rank`` columns each). Ea
 ``s * y_slice B[head columns]`` to its base value before the norm and rotation, so a staged
 batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). Rows are read in
 place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) says which
-program rotates it: one per (row block, stage position, head), plus one per block and head for
-the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows' positions,
-cache rows and stage positions first, then their values, ``cos | sin``, ``y`` and B at once:
-two round trips, as without LoRA (the segment-by-segment version, sessions 10 to 14, waited
-on the segment's bounds, then its row indices, then the positions, then the table).
+program adds its LoRA: one per (row block, stage position, head), the one of position 0 also
+taking the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows'
+values, positions, cache rows, stage positions and ``y`` first, then ``cos | sin`` and B: two
+round trips, as without LoRA (the segment-by-segment version, sessions 10 to 14, waited on the
+segment's bounds, then its row indices, then the positions, then the table).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -97,44 +97,46 @@ def _rope_qkv_kernel(
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = offs_s < n_tokens
     rows = offs_s.to(tl.int64)
-    # First round trip: the rows' positions and cache rows (and, with LoRA, their stage
-    # positions and this program's slot and scaling); the rest leaves in the second.
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < half
+    in_rows = s_mask[:, None] & d_mask[None, :]
+    col = head * 2 * half  # the head's first column in q | k | v
+    v_start = num_heads + num_kv_heads
+    src_row = src_ptr + rows[:, None] * src_stride  # [BLOCK_S, 1]
+    # First round trip: the rows' values, positions and cache rows (with LoRA, also their
+    # stage positions and y, and this program's slot and scaling); then cos | sin (and B).
+    lo = tl.load(src_row + col + offs_d[None, :], mask=in_rows, other=0.0).to(tl.float32)
+    hi = tl.load(src_row + col + half + offs_d[None, :], mask=in_rows, other=0.0).to(tl.float32)
     positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
     cache_rows = tl.load(cache_rows_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
     if HAS_LORA:  # program (block, p, head): the block's rows at stage position p (see stacked)
         p = tl.program_id(1)
-        lora = p < WIDTH
+        qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank_max
+        y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
+        y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-        slot = tl.load(pos_slots_ptr + p, mask=lora, other=-1).to(tl.int64)
-        scaling = tl.load(pos_scal_ptr + p, mask=lora, other=0.0)
-        s_mask = rows_at(row_pos, s_mask, p, WIDTH)
-        if tl.max(s_mask.to(tl.int32), axis=0) == 0:
+        slot = tl.load(pos_slots_ptr + p).to(tl.int64)
+        scaling = tl.load(pos_scal_ptr + p)
+        mine = rows_at(row_pos, s_mask, p)
+        if tl.max(mine.to(tl.int32), axis=0) == 0:
             return
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < half
+        hit = (s_mask & (row_pos == p))[:, None]
+        s_mask = mine  # the rows this program rotates and stores
     mask = s_mask[:, None] & d_mask[None, :]
-    col = head * 2 * half  # the head's first column in q | k | v
-    v_start = num_heads + num_kv_heads
-    src_row = src_ptr + rows[:, None] * src_stride  # [BLOCK_S, 1]
-    lo = tl.load(src_row + col + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(src_row + col + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     rotate = mask & (head < v_start)  # q and k heads
     cs = cos_sin_ptr + positions[:, None] * cs_stride + offs_d[None, :]
     cos = tl.load(cs, mask=rotate, other=0.0).to(tl.float32)
     sin = tl.load(cs + half, mask=rotate, other=0.0).to(tl.float32)
     if HAS_LORA:
-        qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = lora & (offs_r < rank_max)
-        y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
-        y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_ok[None, :], other=0.0)
         b_tile = b_ptr + slot * b_stride_slot + offs_r[:, None]
         b_tile += (col + offs_d[None, :]).to(tl.int64) * b_stride_row  # [BLOCK_R, BLOCK_D]
-        b_mask = (r_ok & (slot >= 0))[:, None] & d_mask[None, :]
+        b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
         b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
         b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
-        lo += scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION)
-        hi += scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION)
+        lo += tl.where(hit, scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION), 0.0)
+        hi += tl.where(hit, scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION), 0.0)
     dtype = q_ptr.dtype.element_ty
     if head < v_start:  # q or k: norm (Qwen3), then rotate
         if QK_NORM:
@@ -252,7 +254,7 @@ def rope_qkv(
         return q
     heads = num_heads + 2 * kv_heads
     half = d // 2
-    grid = (cdiv(t, BLOCK_S), stage.width + 1 if stage is not None else 1, heads)
+    grid = (cdiv(t, BLOCK_S), stage.width if stage is not None else 1, heads)
     if b is not None and stage is not None:
         lora_args = (b, stage.row_pos, stage.pos_slots, stage.pos_scalings)
         rank, block_r, b_strides = stage.rank, rank_block(stage.rank), (b.stride(0), b.stride(1))

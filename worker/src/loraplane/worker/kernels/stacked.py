@@ -16,13 +16,13 @@ take the base value), so it replaces that work instead of adding a launch:
 
 Rows are read in place, by blocks of consecutive rows, and each row's stage position
 (``StageInfo.row_pos``) says which program writes it: program ``(block, p, columns)`` takes
-the block's rows at position ``p`` and adds ``s_p * y_p B_p`` to them; one more program per
-block (``p == width``) takes its rows with no adapter, which get the base value exactly. A
-program with no rows of its own returns after its first round trip. No load waits on a
-segment's bounds or a gathered row index: the rows' positions and the position's slot and
-scaling come first, then the base (the residual, up), ``y`` and B together, so an epilogue
-costs two round trips to memory where the segment-by-segment version (sessions 7 to 14) cost
-three. A row only ever reads its own position's B. Every sum is in fp32 and
+the block's rows at position ``p`` and adds ``s_p * y_p B_p`` to them (``tl.where``: nothing
+from B reaches another row); program ``p = 0`` also takes the rows with no adapter, which get
+the base value exactly. A program with no rows of its own returns after its first round trip.
+No load waits on a segment's bounds or a gathered row index: the rows' positions, their base
+(residual, up) and ``y``, the position's slot and scaling leave first, then its B, so an
+epilogue costs two round trips to memory where the segment-by-segment version (sessions 7 to
+14) cost three. Every sum is in fp32 and
 rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
@@ -63,10 +63,10 @@ STACKED_OVERRIDE: tuple[int, int, int] | None = None
 
 
 @triton.jit
-def rows_at(row_pos, s_mask, p, WIDTH: tl.constexpr):
-    """The rows of a block that program ``p`` writes: those at stage position ``p``, or for
-    ``p == WIDTH`` those with none (-1)."""
-    return s_mask & ((row_pos == p) | ((row_pos < 0) & (p == WIDTH)))
+def rows_at(row_pos, s_mask, p):
+    """The rows of a block that program ``p`` writes: those at stage position ``p``, and for
+    ``p == 0`` also those with none (-1), which get the base value only."""
+    return s_mask & ((row_pos == p) | ((row_pos < 0) & (p == 0)))
 
 
 @triton.jit
@@ -97,54 +97,61 @@ def _stacked_lora_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # Program (row block, p, column block) writes the block's rows at stage position p
-    # (p == WIDTH: the rows with no adapter). First round trip: the rows' positions and p's
-    # slot and scaling; second: the base (and up, or the residual), y and B, all at once.
+    # Program (row block, p, column block) writes the block's rows at stage position p (and
+    # for p == 0 the rows with no adapter). First round trip: the rows' positions, their base
+    # (up, residual) and y, p's slot and scaling; second: p's B. The LoRA term goes to the
+    # rows at p only (tl.where: nothing from B reaches another row).
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = offs_s < n_rows
-    p = tl.program_id(1)
-    lora = p < WIDTH
-    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-    slot = tl.load(pos_slots_ptr + p, mask=lora, other=-1).to(tl.int64)
-    scaling = tl.load(pos_scal_ptr + p, mask=lora, other=0.0)
-    mine = rows_at(row_pos, s_mask, p, WIDTH)
-    if tl.max(mine.to(tl.int32), axis=0) == 0:
-        return
     rows = offs_s.to(tl.int64)
+    p = tl.program_id(1)
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_mask = offs_n < n_cols
     offs_r = tl.arange(0, BLOCK_R)
-    mask = mine[:, None] & n_mask[None, :]
+    r_mask = offs_r < rank_max
+    in_rows = s_mask[:, None] & n_mask[None, :]
     row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
     y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
-    y_mask = mine[:, None] & (lora & (offs_r < rank_max))[None, :]
-    b_rows = lora & (slot >= 0) & (offs_r < rank_max)  # [BLOCK_R]
-    b_tile = b_ptr + slot * b_stride_slot
-    b_tile += offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
+    y_mask = s_mask[:, None] & r_mask[None, :]
 
-    base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
+    slot = tl.load(pos_slots_ptr + p).to(tl.int64)
+    scaling = tl.load(pos_scal_ptr + p)
+    base = tl.load(row_full + offs_n[None, :], mask=in_rows, other=0.0).to(tl.float32)
     if MODE == 2:  # gate | up: gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-        up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row_full + n_cols + offs_n[None, :], mask=in_rows, other=0.0).to(tl.float32)
         y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
         y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+    if MODE == 1:
+        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=in_rows)
+    mine = rows_at(row_pos, s_mask, p)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
+        return
+    hit = (s_mask & (row_pos == p))[:, None]
+    b_rows = r_mask & (slot >= 0)
+    b_tile = b_ptr + slot * b_stride_slot
+    b_tile += offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
+    if MODE == 2:
         b_mask = b_rows[:, None] & n_mask[None, :]
         b_g = tl.load(b_tile, mask=b_mask, other=0.0)
         b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
-        base += scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-        up += scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+        t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+        t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+        base += tl.where(hit, t_g, 0.0)
+        up += tl.where(hit, t_u, 0.0)
         val = base / (1.0 + tl.exp(-base)) * up
     else:
-        if MODE == 1:
-            res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
         for i in tl.static_range(NUM_SLICES):
             col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
             in_slice = n_mask & (offs_n >= col_lo) & (offs_n < col_hi)
             y = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
             b = tl.load(b_tile, mask=b_rows[:, None] & in_slice[None, :], other=0.0)
-            base += scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
+            term = scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
+            base += tl.where(hit, term, 0.0)
         val = base
         if MODE == 1:
             val = res.to(tl.float32) + val
+    mask = mine[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
     tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -236,7 +243,7 @@ def _launch(
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    grid = (cdiv(rows, block_s), stage.width + 1, cdiv(n_cols, block_n))
+    grid = (cdiv(rows, block_s), stage.width, cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
         b,
