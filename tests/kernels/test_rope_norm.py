@@ -133,11 +133,14 @@ def test_rope_qkv_applies_qwen3s_per_head_norms_first(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width", [1, 8])
+def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(
+    dtype: torch.dtype, width: int
+) -> None:
     """``qkv`` is a stacked GEMM's ``full``: the LoRA of each row's stage position goes in
     first; rows without an adapter come out exactly as the base path's."""
     rows = 40
-    full, b, stage = _batch(rows, N_QKV, 3, dtype, width=8)
+    full, b, stage = _batch(rows, N_QKV, 3, dtype, width)
     inp = _rope_inputs(rows, dtype)
     inp["qkv"] = full
     ref = _rope_inputs(rows, dtype)

@@ -34,11 +34,11 @@ def _batch(
 ) -> tuple[torch.Tensor, torch.Tensor, StageInfo]:
     """``full`` of a stacked GEMM, ``lora_b`` of 3 slots, and each row's stage position.
 
-    Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16), ``perm[5:9]`` slot 0 at
-    position 0 with rank 5 (A/B past the rank are zero, as in the slot buffers), the rest
-    no adapter. Position 1 names slot 1, which no row reads; position 2 names none. Wider
-    than 4 (the kernels take positions 4 at a time), rows ``perm[9:12]`` use slot 1 at the
-    last position. B is of rank ``R_MAX``, with nonzero columns past the stage rank ``R``:
+    Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16; with a width of 4 or more),
+    ``perm[5:9]`` slot 0 at position 0 with rank 5 (A/B past the rank are zero, as in the
+    slot buffers), the rest no adapter. Position 1 names slot 1, which no row reads;
+    position 2 names none. Wider than 4, rows ``perm[9:12]`` use slot 1 at the last
+    position. B is of rank ``R_MAX``, with nonzero columns past the stage rank ``R``:
     the kernels must not read them."""
     g = torch.Generator().manual_seed(rows * 31 + n_base)
     n_r = n_slices * R
@@ -51,9 +51,11 @@ def _batch(
     full = (x @ torch.cat([w, a.reshape(-1, k)]).T).to(dtype)
     perm = torch.randperm(rows, generator=g)
     row_pos = torch.full((rows,), -1, dtype=torch.int32)
-    row_pos[perm[:5]] = 3
     row_pos[perm[5:9]] = 0
-    pos_slots, pos_scalings = [0, 1, -1, 2] + [-1] * (width - 4), [2.0, 1.0, 0.0, 0.5]
+    pos_slots, pos_scalings = [0, 1, -1, 2][:width], [2.0, 1.0, 0.0, 0.5][:width]
+    if width > 3:
+        row_pos[perm[:5]] = 3
+    pos_slots += [-1] * (width - 4)
     pos_scalings += [0.0] * (width - 4)
     if width > 4:
         row_pos[perm[9:12]] = width - 1
@@ -92,7 +94,7 @@ def test_plain_adds_each_rows_own_lora_over_unequal_slices(dtype: torch.dtype, r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [4, 6, 8])
+@pytest.mark.parametrize("width", [1, 2, 4, 6, 8])
 def test_residual_adds_base_and_lora_into_the_residual_in_place(
     dtype: torch.dtype, width: int
 ) -> None:
@@ -106,12 +108,12 @@ def test_residual_adds_base_and_lora_into_the_residual_in_place(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("inter", [40, 200])
+@pytest.mark.parametrize(("inter", "width"), [(40, 6), (200, 6), (40, 1)])
 def test_silu_mul_adds_gate_and_up_loras_before_the_activation(
-    dtype: torch.dtype, inter: int
+    dtype: torch.dtype, inter: int, width: int
 ) -> None:
     rows = 40
-    full, b, stage = _batch(rows, 2 * inter, 2, dtype, width=6)
+    full, b, stage = _batch(rows, 2 * inter, 2, dtype, width)
     got = stacked.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage)
     assert got.shape == (rows, inter)
     _close(got, reference.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage), dtype)

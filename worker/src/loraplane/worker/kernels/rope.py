@@ -21,8 +21,8 @@ batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). R
 place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) says which
 program adds its LoRA: one per (row block, stage position, head), the one of position 0 also
 taking the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows'
-values, positions, cache rows, stage positions and ``y`` first, then ``cos | sin`` and B: two
-round trips, as without LoRA (the segment-by-segment version, sessions 10 to 14, waited on the
+positions, cache rows, stage positions and ``y`` first, then their values, ``cos | sin`` and
+B: two round trips, as without LoRA (the segment-by-segment version, sessions 10 to 14, waited on the
 segment's bounds, then its row indices, then the positions, then the table).
 """
 
@@ -99,14 +99,12 @@ def _rope_qkv_kernel(
     rows = offs_s.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < half
-    in_rows = s_mask[:, None] & d_mask[None, :]
     col = head * 2 * half  # the head's first column in q | k | v
     v_start = num_heads + num_kv_heads
     src_row = src_ptr + rows[:, None] * src_stride  # [BLOCK_S, 1]
-    # First round trip: the rows' values, positions and cache rows (with LoRA, also their
-    # stage positions and y, and this program's slot and scaling); then cos | sin (and B).
-    lo = tl.load(src_row + col + offs_d[None, :], mask=in_rows, other=0.0).to(tl.float32)
-    hi = tl.load(src_row + col + half + offs_d[None, :], mask=in_rows, other=0.0).to(tl.float32)
+    # First round trip: the rows' positions and cache rows (with LoRA, also their stage
+    # positions and y, and this program's slot and scaling); then the values, cos | sin (and
+    # B). With one stage position, or none, the values leave in the first round trip too.
     positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
     cache_rows = tl.load(cache_rows_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
     if HAS_LORA:  # program (block, p, head): the block's rows at stage position p (see stacked)
@@ -119,12 +117,14 @@ def _rope_qkv_kernel(
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
         slot = tl.load(pos_slots_ptr + p).to(tl.int64)
         scaling = tl.load(pos_scal_ptr + p)
-        mine = rows_at(row_pos, s_mask, p)
-        if tl.max(mine.to(tl.int32), axis=0) == 0:
-            return
         hit = (s_mask & (row_pos == p))[:, None]
-        s_mask = mine  # the rows this program rotates and stores
+        if WIDTH > 1:  # (with one position its program owns every row)
+            s_mask = rows_at(row_pos, s_mask, p)  # the rows this program rotates and stores
+            if tl.max(s_mask.to(tl.int32), axis=0) == 0:
+                return
     mask = s_mask[:, None] & d_mask[None, :]
+    lo = tl.load(src_row + col + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(src_row + col + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     rotate = mask & (head < v_start)  # q and k heads
     cs = cos_sin_ptr + positions[:, None] * cs_stride + offs_d[None, :]
     cos = tl.load(cs, mask=rotate, other=0.0).to(tl.float32)

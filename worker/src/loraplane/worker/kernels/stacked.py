@@ -19,10 +19,11 @@ Rows are read in place, by blocks of consecutive rows, and each row's stage posi
 the block's rows at position ``p`` and adds ``s_p * y_p B_p`` to them (``tl.where``: nothing
 from B reaches another row); program ``p = 0`` also takes the rows with no adapter, which get
 the base value exactly. A program with no rows of its own returns after its first round trip.
-No load waits on a segment's bounds or a gathered row index: the rows' positions, their base
-(residual, up) and ``y``, the position's slot and scaling leave first, then its B, so an
-epilogue costs two round trips to memory where the segment-by-segment version (sessions 7 to
-14) cost three. Every sum is in fp32 and
+No load waits on a segment's bounds or a gathered row index: the rows' positions, ``y``, the
+position's slot and scaling leave first, then the program's rows' base (residual, up) and B,
+so an epilogue costs two round trips to memory where the segment-by-segment version (sessions
+7 to 14) cost three. With one stage position (one adapter) the program owns every row of its
+block and loads the base in the first round trip. Every sum is in fp32 and
 rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
@@ -98,9 +99,10 @@ def _stacked_lora_kernel(
     BLOCK_N: tl.constexpr,
 ):
     # Program (row block, p, column block) writes the block's rows at stage position p (and
-    # for p == 0 the rows with no adapter). First round trip: the rows' positions, their base
-    # (up, residual) and y, p's slot and scaling; second: p's B. The LoRA term goes to the
-    # rows at p only (tl.where: nothing from B reaches another row).
+    # for p == 0 the rows with no adapter). First round trip: the rows' positions and y, p's
+    # slot and scaling; second: its rows' base (up, residual) and p's B. With one position
+    # the one program owns every row, so the base leaves in the first round trip too. The
+    # LoRA term goes to the rows at p only (tl.where: nothing from B reaches another row).
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = offs_s < n_rows
     rows = offs_s.to(tl.int64)
@@ -109,7 +111,6 @@ def _stacked_lora_kernel(
     n_mask = offs_n < n_cols
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank_max
-    in_rows = s_mask[:, None] & n_mask[None, :]
     row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
     y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
     y_mask = s_mask[:, None] & r_mask[None, :]
@@ -117,16 +118,21 @@ def _stacked_lora_kernel(
     row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
     slot = tl.load(pos_slots_ptr + p).to(tl.int64)
     scaling = tl.load(pos_scal_ptr + p)
-    base = tl.load(row_full + offs_n[None, :], mask=in_rows, other=0.0).to(tl.float32)
-    if MODE == 2:  # gate | up: gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-        up = tl.load(row_full + n_cols + offs_n[None, :], mask=in_rows, other=0.0).to(tl.float32)
+    if MODE == 2:  # gate | up: y of gate in the position's first rank_max columns, then up's
         y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
         y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+    if WIDTH == 1:
+        mine = s_mask
+    else:
+        mine = rows_at(row_pos, s_mask, p)
+        if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
+            return
+    mask = mine[:, None] & n_mask[None, :]
+    base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
+        up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if MODE == 1:
-        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=in_rows)
-    mine = rows_at(row_pos, s_mask, p)
-    if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
-        return
+        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
     hit = (s_mask & (row_pos == p))[:, None]
     b_rows = r_mask & (slot >= 0)
     b_tile = b_ptr + slot * b_stride_slot
@@ -151,7 +157,6 @@ def _stacked_lora_kernel(
         val = base
         if MODE == 1:
             val = res.to(tl.float32) + val
-    mask = mine[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
     tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
