@@ -19,8 +19,8 @@ Rows are read in place, by blocks of consecutive rows, and each row's stage posi
 the block's rows at position ``p`` and adds ``s_p * y_p B_p`` to them (``tl.where``: nothing
 from B reaches another row); program ``p = 0`` also takes the rows with no adapter, which get
 the base value exactly. A program with no rows of its own returns after its first round trip.
-No load waits on a segment's bounds or a gathered row index: the rows' positions, ``y``, the
-position's slot and scaling leave first, then the program's rows' base (residual, up) and B,
+No load waits on a segment's bounds or a gathered row index: the rows' positions and the
+position's slot and scaling leave first, then B and the program's rows' base (residual, up),
 so an epilogue costs two round trips to memory where the segment-by-segment version (sessions
 7 to 14) cost three. With one stage position (one adapter) the program owns every row of its
 block and loads the base in the first round trip. Every sum is in fp32 and
@@ -99,10 +99,11 @@ def _stacked_lora_kernel(
     BLOCK_N: tl.constexpr,
 ):
     # Program (row block, p, column block) writes the block's rows at stage position p (and
-    # for p == 0 the rows with no adapter). First round trip: the rows' positions and y, p's
-    # slot and scaling; second: its rows' base (up, residual) and p's B. With one position
-    # the one program owns every row, so the base leaves in the first round trip too. The
-    # LoRA term goes to the rows at p only (tl.where: nothing from B reaches another row).
+    # for p == 0 the rows with no adapter). First round trip: the rows' positions, p's slot
+    # and scaling (and gate_up's y); second: p's B and the rest of y, and the program's rows'
+    # base (up, residual). With one position the one program owns every row, so the base
+    # leaves in the first round trip. The LoRA term goes to the rows at p only (tl.where:
+    # nothing from B reaches another row).
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = offs_s < n_rows
     rows = offs_s.to(tl.int64)
