@@ -58,10 +58,9 @@ STACKED_CONFIGS = [
 
 def _stage(rows: int, adapters: int, dev: str) -> StageInfo:
     """Rows sorted by adapter (as the engine orders a batch), every row with one."""
-    per = rows // adapters
     width = 1 << (adapters - 1).bit_length()
     return StageInfo(
-        row_pos=torch.arange(rows, dtype=torch.int32, device=dev) // per,
+        row_pos=torch.arange(rows, dtype=torch.int32, device=dev) * adapters // rows,
         pos_slots=torch.tensor(
             [*range(adapters), *[-1] * (width - adapters)], dtype=torch.int32, device=dev
         ),

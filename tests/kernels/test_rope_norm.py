@@ -133,7 +133,7 @@ def test_rope_qkv_applies_qwen3s_per_head_norms_first(dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [1, 8])
+@pytest.mark.parametrize("width", [1, 2, 8])
 def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(
     dtype: torch.dtype, width: int
 ) -> None:

@@ -37,8 +37,8 @@ def _batch(
     Rows ``perm[:5]`` use slot 2 at stage position 3 (rank 16; with a width of 4 or more),
     ``perm[5:9]`` slot 0 at position 0 with rank 5 (A/B past the rank are zero, as in the
     slot buffers), the rest no adapter. Position 1 names slot 1, which no row reads;
-    position 2 names none. Wider than 4, rows ``perm[9:12]`` use slot 1 at the last
-    position. B is of rank ``R_MAX``, with nonzero columns past the stage rank ``R``:
+    position 2 names none. At a width of 2 or above 4, rows ``perm[9:12]`` use slot 1 at
+    the last position. B is of rank ``R_MAX``, with nonzero columns past the stage rank ``R``:
     the kernels must not read them."""
     g = torch.Generator().manual_seed(rows * 31 + n_base)
     n_r = n_slices * R
@@ -57,7 +57,7 @@ def _batch(
         row_pos[perm[:5]] = 3
     pos_slots += [-1] * (width - 4)
     pos_scalings += [0.0] * (width - 4)
-    if width > 4:
+    if width == 2 or width > 4:
         row_pos[perm[9:12]] = width - 1
         pos_slots[-1], pos_scalings[-1] = 1, 3.0
     stage = StageInfo(
@@ -77,10 +77,12 @@ def _rows(stage: StageInfo) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [12, 40])
-def test_plain_adds_each_rows_own_lora_over_unequal_slices(dtype: torch.dtype, rows: int) -> None:
+@pytest.mark.parametrize(("rows", "width"), [(12, 4), (40, 4), (40, 1)])
+def test_plain_adds_each_rows_own_lora_over_unequal_slices(
+    dtype: torch.dtype, rows: int, width: int
+) -> None:
     n_base = 96 + 2 * 40  # q | k | v, GQA widths; column blocks straddle the slices
-    full, b, stage = _batch(rows, n_base, 3, dtype)
+    full, b, stage = _batch(rows, n_base, 3, dtype, width)
     offsets = torch.tensor([0, 96, 136, 176], dtype=torch.int32, device=DEVICE)
     got = stacked.stacked_plain(full, n_base, 3 * R, b, stage, offsets)
     assert got.shape == (rows, n_base) and got.is_contiguous()
@@ -183,6 +185,29 @@ def test_a_row_only_ever_reads_its_own_positions_b() -> None:
     others = (stage.row_pos != 3).nonzero()[:, 0]
     assert torch.isnan(got[at_3]).all()
     assert torch.equal(got[others], want[others])
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_rows_at_no_readable_position_get_the_base_value_bit_for_bit(width: int) -> None:
+    """A row at -1, at a position past the width or at a position that names no slot (none
+    of which ``StaticLoRABatch`` gives with an adapter) is written once, with the base value;
+    a -0.0 there stays -0.0."""
+    rows, n_base = 40, 72
+    full, b, stage = _batch(rows, n_base, 1, torch.float32, width)
+    _, base_rows = _rows(stage)
+    odd = base_rows[:6]
+    stage.row_pos[odd[:3]] = width + 3  # past the width
+    if width == 4:
+        stage.row_pos[odd[3:]] = 2  # position 2 names no slot
+    full[base_rows, 0] = -0.0
+    offsets = torch.tensor([0, n_base], dtype=torch.int32, device=DEVICE)
+    got = stacked.stacked_plain(full, n_base, R, b, stage, offsets)
+    assert torch.equal(got[base_rows], full[base_rows, :n_base])
+    assert torch.signbit(got[base_rows, 0]).all()
+    _close(got, reference.stacked_plain(full, n_base, R, b, stage, offsets), torch.float32)
+    residual = torch.zeros(rows, n_base, device=DEVICE)
+    got = stacked.stacked_residual(full, n_base, R, b, stage, residual)
+    assert torch.equal(got[base_rows], full[base_rows, :n_base])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

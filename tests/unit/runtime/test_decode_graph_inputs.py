@@ -177,6 +177,8 @@ def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
         static.fill([0, 1], positions={1: 2})
     with pytest.raises(ValueError, match=r"positions must lie in 0..3"):
         static.fill([0], positions={0: 4})
+    with pytest.raises(ValueError, match=r"its own stage position, got \{0: 1, 2: 1\}"):
+        static.fill([0, 2], positions={0: 1, 2: 1})
 
 
 def test_lora_graphs_are_keyed_by_adapter_count_and_longest_segment() -> None:

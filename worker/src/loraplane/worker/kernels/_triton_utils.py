@@ -129,13 +129,14 @@ class StageInfo:
     ``row_pos`` int32 [T]: each row's stage position (-1: no LoRA, the base value only);
     ``pos_slots`` int32 [width]: the weight slot whose B a position reads (-1: no row of this
     batch uses it); ``pos_scalings`` float32 [width]: that adapter's scaling. ``width`` is how
-    many stage positions the stacked GEMM computes (every ``row_pos`` is below it; kernels
-    loop over them, so it is small: the stage's positions, 4 by default); ``rank``: y columns
-    per slice of a position (the stage rank, at most B's last dimension).
+    many stage positions the stacked GEMM computes (the kernels launch programs for each: the
+    stage's positions, 4 by default); ``rank``: y columns per slice of a position (the stage
+    rank, at most B's last dimension).
 
-    The epilogues read rows in place, one block of consecutive rows per program, and each
-    row's position picks its own ``y`` columns of the stacked GEMM's output: no load waits on
-    a segment's bounds or a row index (ADR 0007).
+    The epilogues read rows in place, one block of consecutive rows and one stage position per
+    program, and each row's position picks its own ``y`` columns of the stacked GEMM's
+    output: no load waits on a segment's bounds or a row index (ADR 0007). A row at -1, at a
+    position past ``width`` or at one with no slot gets the base value.
     """
 
     row_pos: torch.Tensor

@@ -225,8 +225,8 @@ def stacked_lora_terms(
     col_slices: list[tuple[int, int, int]],
 ) -> torch.Tensor:
     """fp32 ``[T, cols]``: each row's ``s * y B`` over ``col_slices`` ``(lo, hi, y offset)``,
-    from the y columns of its stage position; zero for rows at position -1. ``stage`` is a
-    ``StageInfo``."""
+    from the y columns of its stage position; zero for rows at position -1, past the width or
+    at a position with no slot. ``stage`` is a ``StageInfo``."""
     rank_max = stage.rank
     cols = max(hi for _, hi, _ in col_slices)
     terms = torch.zeros(full.shape[0], cols, dtype=torch.float32, device=full.device)
@@ -236,8 +236,8 @@ def stacked_lora_terms(
         at = [t for t, q in enumerate(row_pos) if q == p]
         if not at:
             continue
-        if slots[p] < 0:
-            raise ValueError(f"rows {at} read stage position {p}, which holds no slot")
+        if slots[p] < 0:  # a position with no slot adds nothing (as in the kernels)
+            continue
         rows = torch.tensor(at, dtype=torch.long, device=full.device)
         y0 = n_base + p * n_r
         for lo, hi, y_off in col_slices:

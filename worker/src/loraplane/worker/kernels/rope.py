@@ -117,9 +117,9 @@ def _rope_qkv_kernel(
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
         slot = tl.load(pos_slots_ptr + p).to(tl.int64)
         scaling = tl.load(pos_scal_ptr + p)
-        hit = (s_mask & (row_pos == p))[:, None]
+        hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]
         if WIDTH > 1:  # (with one position its program owns every row)
-            s_mask = rows_at(row_pos, s_mask, p)  # the rows this program rotates and stores
+            s_mask = rows_at(row_pos, s_mask, p, WIDTH)  # the rows this program rotates and stores
             if tl.max(s_mask.to(tl.int32), axis=0) == 0:
                 return
     mask = s_mask[:, None] & d_mask[None, :]
@@ -135,8 +135,8 @@ def _rope_qkv_kernel(
         b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
         b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
         b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
-        lo += tl.where(hit, scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION), 0.0)
-        hi += tl.where(hit, scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION), 0.0)
+        lo = tl.where(hit, lo + scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION), lo)
+        hi = tl.where(hit, hi + scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION), hi)
     dtype = q_ptr.dtype.element_ty
     if head < v_start:  # q or k: norm (Qwen3), then rotate
         if QK_NORM:

@@ -64,10 +64,11 @@ STACKED_OVERRIDE: tuple[int, int, int] | None = None
 
 
 @triton.jit
-def rows_at(row_pos, s_mask, p):
+def rows_at(row_pos, s_mask, p, WIDTH: tl.constexpr):
     """The rows of a block that program ``p`` writes: those at stage position ``p``, and for
-    ``p == 0`` also those with none (-1), which get the base value only."""
-    return s_mask & ((row_pos == p) | ((row_pos < 0) & (p == 0)))
+    ``p == 0`` also those at none (-1, or a position past ``WIDTH``, which ``StaticLoRABatch``
+    never gives), which get the base value only: every row is written once."""
+    return s_mask & ((row_pos == p) | (((row_pos < 0) | (row_pos >= WIDTH)) & (p == 0)))
 
 
 @triton.jit
@@ -125,7 +126,7 @@ def _stacked_lora_kernel(
     if WIDTH == 1:
         mine = s_mask
     else:
-        mine = rows_at(row_pos, s_mask, p)
+        mine = rows_at(row_pos, s_mask, p, WIDTH)
         if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
             return
     mask = mine[:, None] & n_mask[None, :]
@@ -134,7 +135,7 @@ def _stacked_lora_kernel(
         up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     if MODE == 1:
         res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
-    hit = (s_mask & (row_pos == p))[:, None]
+    hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]  # (a position with no slot: none)
     b_rows = r_mask & (slot >= 0)
     b_tile = b_ptr + slot * b_stride_slot
     b_tile += offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
@@ -144,8 +145,8 @@ def _stacked_lora_kernel(
         b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
         t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
         t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
-        base += tl.where(hit, t_g, 0.0)
-        up += tl.where(hit, t_u, 0.0)
+        base = tl.where(hit, base + t_g, base)  # the other rows keep their bits
+        up = tl.where(hit, up + t_u, up)
         val = base / (1.0 + tl.exp(-base)) * up
     else:
         for i in tl.static_range(NUM_SLICES):
@@ -154,7 +155,7 @@ def _stacked_lora_kernel(
             y = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
             b = tl.load(b_tile, mask=b_rows[:, None] & in_slice[None, :], other=0.0)
             term = scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
-            base += tl.where(hit, term, 0.0)
+            base = tl.where(hit, base + term, base)
         val = base
         if MODE == 1:
             val = res.to(tl.float32) + val

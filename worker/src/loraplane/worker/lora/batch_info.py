@@ -110,8 +110,10 @@ class StaticLoRABatch:
     fixed: ``rows`` token slots, ``segments`` segments (unused ones are empty: their
     ``seg_indptr`` bounds are equal, so the kernels' programs for them return at once), a
     ``row_order`` of ``rows`` positions (always given, so the kernels gather rows whatever the
-    batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the launch
-    grids. ``fill`` writes one step's values with two host-to-device copies (pinned memory on
+    batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the shrink's
+    and expand's grids. A staged graph (``stage_width > 0``) also gets each row's stage
+    position and each position's slot and scaling (``StageInfo``): the epilogues' grids are
+    the rows and the width only. ``fill`` writes one step's values with two host-to-device copies (pinned memory on
     CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
     ``index_select`` per value was three launches, ~6 us of a Llama-3-8B-shaped 8-layer step
     on an H200 at 32 rows, before session 11), so a LoRA graph launches no more kernels than
@@ -140,7 +142,8 @@ class StaticLoRABatch:
         s, w = self.segments, stage_width
         # token_slots [rows] | seg_indptr [S + 1] | seg_slots [S] | seg_ranks [S] |
         # seg_scalings [S] (float32 bits) | row_pos [rows] | pos_slots [W] | pos_scalings [W]
-        # (float32 bits): one buffer, one host-to-device copy; the scalings are float32 views.
+        # (float32 bits): one buffer and one host-to-device copy (row_order is the other); the
+        # scalings are float32 views.
         n_ints = 2 * rows + 4 * s + 1 + 2 * w
         self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
@@ -202,6 +205,11 @@ class StaticLoRABatch:
         if self.stage_width:
             assert positions is not None
             at = {positions[s]: s for s in slots}  # the positions this batch reads
+            if len(at) != len(slots):
+                raise ValueError(
+                    f"positions must give each slot of the batch its own stage position, got "
+                    f"{ {s: positions[s] for s in slots} }"
+                )
             ints += [positions[s] if s != NO_ADAPTER else -1 for s in token_slots]
             ints += [-1] * (self.rows - n)
             pos_slots = [at.get(p, -1) for p in range(self.stage_width)]
