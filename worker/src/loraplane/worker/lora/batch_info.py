@@ -113,8 +113,8 @@ class StaticLoRABatch:
     batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the shrink's
     and expand's grids. A staged graph (``stage_width > 0``) also gets each row's stage
     position and each position's slot and scaling (``StageInfo``): the epilogues' grids are
-    the rows and the width only. ``fill`` writes one step's values with two host-to-device copies (pinned memory on
-    CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
+    the rows and the width only. ``fill`` writes one step's values with two host-to-device
+    copies (pinned memory on CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
     ``index_select`` per value was three launches, ~6 us of a Llama-3-8B-shaped 8-layer step
     on an H200 at 32 rows, before session 11), so a LoRA graph launches no more kernels than
     the LoRA-off graph besides the ones that do LoRA math.
@@ -141,16 +141,17 @@ class StaticLoRABatch:
         pin = device.type == "cuda"
         s, w = self.segments, stage_width
         # token_slots [rows] | seg_indptr [S + 1] | seg_slots [S] | seg_ranks [S] |
-        # seg_scalings [S] (float32 bits) | row_pos [rows] | pos_slots [W] | pos_scalings [W]
-        # (float32 bits): one buffer and one host-to-device copy (row_order is the other); the
-        # scalings are float32 views.
-        n_ints = 2 * rows + 4 * s + 1 + 2 * w
+        # seg_scalings [S] (float32 bits), and when staged row_pos [rows] | pos_slots [W] |
+        # pos_scalings [W] (float32 bits): one buffer and one host-to-device copy (row_order is
+        # the other); the scalings are float32 views.
+        staged_rows = rows if w else 0
+        n_ints = rows + 4 * s + 1 + staged_rows + 2 * w
         self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
-        # every row: adapter rows by segment, then the others (the kernels read its prefix)
+        # the adapter rows by segment, then zeros (the shrink and expand read only the prefix)
         self.row_order = torch.zeros(rows, dtype=torch.int64, device=device)
         self._order_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
-        views = self._ints.split([rows, s + 1, s, s, s, rows, w, w])
+        views = self._ints.split([rows, s + 1, s, s, s, staged_rows, w, w])
         self.token_slots, self.seg_indptr, self.seg_slots, self.seg_ranks = views[:4]
         self.seg_scalings = views[4].view(torch.float32)
         self.row_pos, self.pos_slots = views[5], views[6]
@@ -215,12 +216,8 @@ class StaticLoRABatch:
             pos_slots = [at.get(p, -1) for p in range(self.stage_width)]
             ints += pos_slots
             ints += _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots])
-        else:
-            ints += [-1] * self.rows
-        in_segment = set(order)
-        rest = [i for i in range(self.rows) if i not in in_segment]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
-        self._order_host.copy_(torch.tensor(order + rest))
+        self._order_host.copy_(torch.tensor(order + [0] * (self.rows - len(order))))
         self._ints.copy_(self._ints_host, non_blocking=True)
         self.row_order.copy_(self._order_host, non_blocking=True)
 
