@@ -54,17 +54,19 @@ def expand_cases() -> dict[str, int]:
             "slot_ranks_ptr",
             "slice_offsets_ptr",
             "tile_seg_ptr",
-            "tile_blk_ptr",
+            "tile_len_ptr",
+            "tile_rank_ptr",
             "y_seg_col_ptr",
         )
     }
-    ptrs |= {"slot_scalings_ptr": "*fp32", "row_order_ptr": "*i64"}
+    ptrs |= {"slot_scalings_ptr": "*fp32", "row_order_ptr": "*i64", "tile_rows_ptr": "*i64"}
     ints = ("n_total", "rank_max", "y_stride_row", "out_stride_row", "b_stride_slot")
     ints += ("b_stride_row", "weights_per_slot")
     div16 = set(ptrs) | set(ints) - {"weights_per_slot"}
     out = {}
-    for align in (8, 1):  # the MoE expand: the rank is loaded per (slot, expert) group
+    for align in (8, 1):  # the MoE expand: the rank comes with the tile
         consts = dict(
+            TILE_RANK=True,
             NUM_SLICES=1,
             HAS_ROW_ORDER=True,
             USE_TILE_MAP=True,

@@ -242,6 +242,47 @@ def test_moe_routing_tiles_cover_long_groups() -> None:
     assert sorted(routing.row_order.tolist()[1:41]) == list(range(40))
 
 
+def test_moe_routing_tiles_list_their_pairs_and_ranks() -> None:
+    """Each tile names its pairs (what its program reads in place of segment bounds and the
+    sorted order) and, given the slot ranks, its slot's rank."""
+    pair_expert = torch.tensor([2] * 40 + [0, 1, 2], dtype=torch.int32, device=DEVICE)
+    pair_slot = torch.tensor([1] * 40 + [0, -1, 0], dtype=torch.int32, device=DEVICE)
+    ranks = torch.tensor([4, 12], dtype=torch.int32, device=DEVICE)
+    routing = moe.moe_lora_routing(pair_expert, pair_slot, 2, 3, slot_ranks=ranks)
+    assert routing.tile_rank is not None and routing.ranks_of is ranks
+    seen: dict[int, list[int]] = {}
+    for t, key in enumerate(routing.tile_seg.tolist()):
+        if key < 0:
+            continue
+        n = int(routing.tile_len[t])
+        assert 1 <= n <= 16
+        pairs = routing.tile_rows[t * 16 : t * 16 + n].tolist()
+        assert all(int(pair_slot[p]) * 3 + int(pair_expert[p]) == key for p in pairs)
+        assert int(routing.tile_rank[t]) == int(ranks[key // 3])
+        seen.setdefault(key, []).extend(pairs)
+    assert {k: sorted(v) for k, v in seen.items()} == {0: [40], 2: [42], 5: list(range(40))}
+    # Without the ranks the tiles carry none, and the kernels read slot_ranks themselves.
+    plain = moe.moe_lora_routing(pair_expert, pair_slot, 2, 3)
+    assert plain.tile_rank is None and plain.tile_map(ranks).ranks is None
+
+
+def test_moe_kernels_read_the_ranks_they_are_given() -> None:
+    """A routing whose tiles carry other ranks than the kernels' slot_ranks is not trusted:
+    the kernels read the ranks passed to them (weights past each rank are NaN here)."""
+    case = make_moe_case(token_slots=TOKEN_SLOTS, topk=2, slot_ranks=SLOT_RANKS)
+    num_pairs = case.pair_expert.shape[0]
+    out_ref = torch.zeros(num_pairs, 40, device=DEVICE)
+    run_pipeline(reference, case, out_ref)
+    full = torch.full_like(case.slot_ranks, 16)
+    for ranks_of in (case.slot_ranks, full):
+        routing = moe.moe_lora_routing(
+            case.pair_expert, case.pair_slot, len(SLOT_RANKS), 4, slot_ranks=ranks_of
+        )
+        out = torch.zeros_like(out_ref)
+        run_pipeline(moe, case, out, routing=routing)
+        torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+
+
 def test_moe_all_pairs_without_adapter_and_no_pairs() -> None:
     for token_slots in ([-1, -1, -1], []):
         case = make_moe_case(token_slots=token_slots, topk=2, slot_ranks=[4, 8])

@@ -322,3 +322,18 @@ def test_routing_built_for_other_weights_is_rejected() -> None:
     )
     with pytest.raises(ValueError, match="routing was built for 3 slots x 8 experts"):
         moe.moe_lora_shrink(**args, routing=routing)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "message"),
+    [
+        (torch.zeros(SLOTS, dtype=torch.int64), "slot_ranks must have dtype in (torch.int32)"),
+        (torch.zeros(SLOTS + 1, dtype=torch.int32), "slot_ranks.shape[0] must be 3"),
+    ],
+    ids=["dtype", "slots"],
+)
+def test_routing_rejects_bad_slot_ranks(ranks: torch.Tensor, message: str) -> None:
+    args = moe_shrink_args()
+    with pytest.raises(ValueError) as excinfo:
+        moe.moe_lora_routing(args["pair_expert"], args["pair_slot"], SLOTS, 4, slot_ranks=ranks)
+    assert message in str(excinfo.value) and "moe_lora_routing" in str(excinfo.value)

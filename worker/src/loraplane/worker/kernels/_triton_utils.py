@@ -147,6 +147,22 @@ class StageInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TileMap:
+    """Programs over tiles whose rows are listed, not derived (the MoE kernels' grid).
+
+    Program ``t`` computes the rows ``rows[t * BLOCK_S : t * BLOCK_S + lens[t]]`` of weight slot
+    ``segs[t]`` (-1: a padding tile, the program returns); ``ranks[t]`` is that slot's rank
+    (None: the kernel reads ``slot_ranks`` at the slot, one round trip later). Built on the
+    device by ``moe_lora_routing``.
+    """
+
+    segs: torch.Tensor  # int32 [tiles]
+    lens: torch.Tensor  # int32 [tiles]
+    rows: torch.Tensor  # int64 [tiles * BLOCK_S]
+    ranks: torch.Tensor | None  # int32 [tiles]
+
+
+@dataclass(frozen=True, slots=True)
 class ShrinkConfig:
     block_s: int
     block_r: int

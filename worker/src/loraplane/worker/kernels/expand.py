@@ -19,6 +19,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ExpandConfig,
+    TileMap,
     cdiv,
     check_dim,
     check_interpretable,
@@ -29,7 +30,13 @@ from loraplane.worker.kernels._triton_utils import (
     expand_config,
     launch_options,
 )
-from loraplane.worker.kernels.shrink import check_segments, check_shrink_operands, shrink_segments
+from loraplane.worker.kernels.shrink import (
+    check_segments,
+    check_shrink_operands,
+    shrink_segments,
+    tile_map_args,
+    tile_rows,
+)
 
 __all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
 
@@ -83,8 +90,10 @@ def _lora_expand_kernel(
     slot_scalings_ptr,  # float32 [num_slots], or [S] when RANK_BY_SEG
     row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
     slice_offsets_ptr,  # int32 [NUM_SLICES + 1]
-    tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
-    tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP; so are the next three)
+    tile_len_ptr,  # int32 [tiles]
+    tile_rows_ptr,  # int64 [tiles * BLOCK_S]
+    tile_rank_ptr,  # int32 [tiles] (read only when TILE_RANK)
     y_seg_col_ptr,  # int32 [S]: first column of each segment's y (read only when Y_SEG_COL)
     n_total,
     rank_max,
@@ -95,7 +104,7 @@ def _lora_expand_kernel(
     weights_per_slot,  # rank/scaling index = seg_slot // weights_per_slot (MoE: experts)
     NUM_SLICES: tl.constexpr,
     HAS_ROW_ORDER: tl.constexpr,
-    USE_TILE_MAP: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,  # programs over a TileMap (y indexed by row then)
     Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
     DOT_PRECISION: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -104,44 +113,59 @@ def _lora_expand_kernel(
     RANK_BY_SEG: tl.constexpr = False,  # rank/scaling given per segment: no load waits on the slot
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
     RANK_ALIGN: tl.constexpr = 1,  # loads round the rank up to this (rank_max a multiple of it)
+    TILE_RANK: tl.constexpr = False,  # the tile map gives each tile's rank
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
     # bounds arrive (two round trips to memory, not five). A program past its segment's end,
     # or on a rank-0 slot, masks everything off instead. The one branch is per slice of a
     # stacked projection, on slice bounds that arrive with the segment's.
+    # With a tile map, the tile's slot, rows and rank arrive in the first round trip and the
+    # y, B and out loads leave in the second (tile_rows).
     if USE_TILE_MAP:
-        seg = tl.load(tile_seg_ptr + tl.program_id(0))
-        blk = tl.load(tile_blk_ptr + tl.program_id(0))
+        seg, weight_slot, rank, rows, s_mask = tile_rows(
+            tile_seg_ptr,
+            tile_len_ptr,
+            tile_rows_ptr,
+            tile_rank_ptr,
+            slot_ranks_ptr,
+            rank_max,
+            weights_per_slot,
+            BLOCK_S,
+            TILE_RANK,
+        )
         if seg < 0:  # tile map padding
             return
+        scaling = tl.load(slot_scalings_ptr + weight_slot // weights_per_slot)
+        y_rows = rows
+        y_base = y_ptr
     else:
         blk = tl.program_id(0)
         seg = tl.program_id(1)
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    if RANK_BY_SEG:
-        rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
-        scaling = tl.load(slot_scalings_ptr + seg)
-    else:
-        slot = weight_slot // weights_per_slot
-        rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
-        scaling = tl.load(slot_scalings_ptr + slot)
-    y_base = y_ptr
-    if Y_SEG_COL:
-        y_base = y_ptr + tl.load(y_seg_col_ptr + seg)
+        seg_start = tl.load(seg_indptr_ptr + seg)
+        seg_end = tl.load(seg_indptr_ptr + seg + 1)
+        weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+        if RANK_BY_SEG:
+            rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
+            scaling = tl.load(slot_scalings_ptr + seg)
+        else:
+            slot = weight_slot // weights_per_slot
+            rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
+            scaling = tl.load(slot_scalings_ptr + slot)
+        y_base = y_ptr
+        if Y_SEG_COL:
+            y_base = y_ptr + tl.load(y_seg_col_ptr + seg)
 
-    offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
-    s_mask = (offs_s < seg_end) & (rank > 0)
-    if HAS_ROW_ORDER:
-        rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
-    else:
-        rows = offs_s.to(tl.int64)
-    if Y_BY_ROW:
-        y_rows = rows
-    else:
-        y_rows = offs_s.to(tl.int64)
+        offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+        s_mask = (offs_s < seg_end) & (rank > 0)
+        if HAS_ROW_ORDER:
+            rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
+        else:
+            rows = offs_s.to(tl.int64)
+        if Y_BY_ROW:
+            y_rows = rows
+        else:
+            y_rows = offs_s.to(tl.int64)
 
     n0 = tl.program_id(2) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
@@ -218,7 +242,7 @@ def launch_expand(
     grid_blocks: int,
     grid_segments: int,
     *,
-    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile_map: TileMap | None = None,
     weights_per_slot: int = 1,
     y_by_row: bool = False,
     rank_by_seg: bool = False,
@@ -230,7 +254,6 @@ def launch_expand(
     n_total = weights.shape[1]
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
-    tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
     grid = (grid_blocks, grid_segments, cdiv(n_total, config.block_n))
     _lora_expand_kernel[grid](
         y,
@@ -242,8 +265,7 @@ def launch_expand(
         slot_scalings,
         row_order if row_order is not None else seg_indptr,
         slice_offsets,
-        tile_seg,
-        tile_blk,
+        *tile_map_args(tile_map, seg_indptr),
         y_seg_cols if y_seg_cols is not None else seg_indptr,
         n_total,
         weights.shape[2],
@@ -263,6 +285,7 @@ def launch_expand(
         RANK_BY_SEG=rank_by_seg,
         Y_SEG_COL=y_seg_cols is not None,
         RANK_ALIGN=rank_align(weights.shape[2]),
+        TILE_RANK=tile_map is not None and tile_map.ranks is not None,
         **launch_options(config.num_warps),
     )
 

@@ -2,8 +2,9 @@
 
 ``out[p] = x[p // x_row_div] @ w[expert(p)]^T`` for every ``(token, k)`` pair ``p``. The pairs
 are grouped by expert on the device by the same counting sort the expert LoRA uses
-(``moe_lora_routing`` with one slot), and the kernel runs over its tile map: tile ``t`` is
-block ``tile_blk[t]`` of expert ``tile_seg[t]`` (``-1`` = padding, the program returns).
+(``moe_lora_routing`` with one slot), and the kernel runs over its tile map: tile ``t`` holds
+the pairs ``tile_rows[t * BLOCK_M:][:tile_len[t]]`` of expert ``tile_seg[t]`` (``-1`` = padding,
+the program returns).
 Because the number of tiles has a host-known bound, nothing is read back to the host, so a
 decode step of an MoE model can be captured in a CUDA graph.
 
@@ -40,10 +41,9 @@ def _grouped_matmul_kernel(
     x_ptr,  # [rows of x, K]
     w_ptr,  # [E, N, K]
     out_ptr,  # [P, N]
-    seg_indptr_ptr,  # int32 [E + 1]: pairs of expert e at sorted positions [e], [e + 1])
-    row_order_ptr,  # int64 [P]: pair at each sorted position
     tile_seg_ptr,  # int32 [tiles]: expert of the tile, -1 = padding
-    tile_blk_ptr,  # int32 [tiles]: block of the expert's pairs
+    tile_len_ptr,  # int32 [tiles]: pairs in the tile
+    tile_rows_ptr,  # int64 [tiles * BLOCK_M]: the tile's pairs (the first tile_len)
     n_out,
     x_stride_row,
     w_stride_expert,
@@ -56,15 +56,15 @@ def _grouped_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    expert = tl.load(tile_seg_ptr + tl.program_id(0))
+    # The tile's expert, length and pairs in one round trip; x and w in the next.
+    tile = tl.program_id(0)
+    expert = tl.load(tile_seg_ptr + tile)
+    n_rows = tl.load(tile_len_ptr + tile)
+    pairs = tl.load(tile_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     if expert < 0:
         return
-    blk = tl.load(tile_blk_ptr + tl.program_id(0))
-    start = tl.load(seg_indptr_ptr + expert) + blk * BLOCK_M
-    end = tl.load(seg_indptr_ptr + expert + 1)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    pairs = tl.load(row_order_ptr + offs_m, mask=m_mask, other=0)
+    m_mask = tl.arange(0, BLOCK_M) < n_rows
+    pairs = tl.where(m_mask, pairs, 0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
@@ -155,10 +155,9 @@ def moe_grouped_matmul(
         x,
         w,
         out,
-        routing.seg_indptr,
-        routing.row_order,
         routing.tile_seg,
-        routing.tile_blk,
+        routing.tile_len,
+        routing.tile_rows,
         n_out,
         x.stride(0),
         w.stride(0),

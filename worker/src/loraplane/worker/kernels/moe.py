@@ -10,6 +10,12 @@ non-empty groups is only known on the device, the kernels run over a tile map: t
 block ``tile_blk[t]`` of segment ``tile_seg[t]`` (``-1`` for padding tiles), with a host-known
 bound ``ceil(P / BLOCK_S) + min(G, P)`` on the number of tiles. No host syncs.
 
+Each tile also carries what its program needs, at the tile's own index: its pairs
+(``tile_rows[t * BLOCK_S + i]``, the first ``tile_len[t]`` valid) and, when the routing was
+given the slot ranks, its rank (``tile_rank[t]``). So a program's first round trip to memory
+brings its key, rows and rank, and its second the weights and activations: no load waits on a
+segment's bounds or on a sorted position's row (ADR 0007's rule for the staged epilogues).
+
 ``y`` is indexed by pair ``p`` (original order), so shrink and expand need no shared state
 beyond an optional precomputed ``routing`` (build it once per MoE layer and pass it to both).
 """
@@ -29,6 +35,7 @@ from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
     ExpandConfig,
+    TileMap,
     cdiv,
     check_dim,
     check_interpretable,
@@ -59,6 +66,15 @@ class MoeLoraRouting:
     row_order: torch.Tensor  # int64 [P]: pair index at each sorted position
     tile_seg: torch.Tensor  # int32 [tiles]: segment of each tile, -1 = padding
     tile_blk: torch.Tensor  # int32 [tiles]: block of the segment
+    tile_len: torch.Tensor  # int32 [tiles]: pairs in the tile (padding tiles: unset)
+    tile_rows: torch.Tensor  # int64 [tiles * block_s]: the tile's pairs, first tile_len valid
+    tile_rank: torch.Tensor | None = None  # int32 [tiles]: slot_ranks at the tile's slot
+    ranks_of: torch.Tensor | None = None  # the slot_ranks tile_rank was read from
+
+    def tile_map(self, slot_ranks: torch.Tensor) -> TileMap:
+        """The kernels' view; the tiles' ranks only if they were read from ``slot_ranks``."""
+        ranks = self.tile_rank if self.ranks_of is slot_ranks else None
+        return TileMap(self.tile_seg, self.tile_len, self.tile_rows, ranks)
 
     def __post_init__(self) -> None:
         groups = self.num_slots * self.num_experts
@@ -85,12 +101,17 @@ def _moe_lora_routing_kernel(
     row_order_ptr,  # int64 [P] out
     tile_seg_ptr,  # int32 [max_tiles] out, -1 = padding
     tile_blk_ptr,  # int32 [max_tiles] out
+    tile_len_ptr,  # int32 [max_tiles] out (real tiles only)
+    tile_rows_ptr,  # int64 [max_tiles * BLOCK_S] out (the first tile_len of each real tile)
+    slot_ranks_ptr,  # int32 [num_slots] (read only when HAS_RANKS)
+    tile_rank_ptr,  # int32 [max_tiles] out (real tiles, when HAS_RANKS)
     num_pairs,
     num_experts,
     groups,
     max_tiles,
     BLOCK_S: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
 ):
     """One program: counting sort of the pairs by key = slot * E + expert (G for no adapter).
 
@@ -141,7 +162,9 @@ def _moe_lora_routing_kernel(
         g0 += BLOCK
     tl.debug_barrier()
 
-    # Scatter: row_order[start(key) + rank] = pair; the first pair of each tile names it.
+    # Scatter: row_order[start(key) + rank] = pair, and the pair's place in its tile's rows
+    # (a key's tiles are consecutive: tile_start * BLOCK_S + rank); the first pair of each
+    # tile names it, counts it and gives its rank.
     p0 = 0
     while p0 < num_pairs:
         pairs = p0 + offs
@@ -152,10 +175,18 @@ def _moe_lora_routing_kernel(
         rank = tl.load(pair_rank_ptr + pairs, mask=p_mask, other=0)
         start = tl.load(seg_indptr_ptr + key, mask=p_mask, other=0)
         tl.store(row_order_ptr + start + rank, pairs.to(tl.int64), mask=p_mask)
-        heads = p_mask & (key < groups) & (rank % BLOCK_S == 0)
-        tile = tl.load(tile_start_ptr + key, mask=heads, other=0) + rank // BLOCK_S
+        routed = p_mask & (key < groups)
+        first_tile = tl.load(tile_start_ptr + key, mask=routed, other=0)
+        tl.store(tile_rows_ptr + first_tile * BLOCK_S + rank, pairs.to(tl.int64), mask=routed)
+        heads = routed & (rank % BLOCK_S == 0)
+        tile = first_tile + rank // BLOCK_S
+        count = tl.load(counts_ptr + key, mask=heads, other=0)
         tl.store(tile_seg_ptr + tile, key, mask=heads)
         tl.store(tile_blk_ptr + tile, rank // BLOCK_S, mask=heads)
+        tl.store(tile_len_ptr + tile, tl.minimum(count - rank, BLOCK_S), mask=heads)
+        if HAS_RANKS:
+            tile_rank = tl.load(slot_ranks_ptr + key // num_experts, mask=heads, other=0)
+            tl.store(tile_rank_ptr + tile, tile_rank, mask=heads)
         p0 += BLOCK
 
 
@@ -165,11 +196,15 @@ def moe_lora_routing(
     num_slots: int,
     num_experts: int,
     block_s: int = MOE_BLOCK_S,
+    slot_ranks: torch.Tensor | None = None,
 ) -> MoeLoraRouting:
     """Group the ``P`` pairs by ``(slot, expert)`` on the device: one launch, no host sync.
 
     Pairs with no adapter take the positions after ``seg_indptr[G]``. The order of pairs
-    within a group is unspecified (it does not change any result).
+    within a group is unspecified (it does not change any result). With ``slot_ranks``
+    (int32 ``[num_slots]``) each tile records its slot's rank, and ``moe_lora_shrink`` /
+    ``moe_lora_expand`` given that same tensor read the rank with the tile instead of after
+    it (the weights' loads then leave one round trip sooner).
     """
     fn = "moe_lora_routing"
     check_tensor(fn, "pair_expert", pair_expert, ndim=1, dtypes=(torch.int32,), contiguous=True)
@@ -188,6 +223,17 @@ def moe_lora_routing(
     if block_s < MIN_DOT_BLOCK or block_s & (block_s - 1):
         raise ValueError(f"{fn}: block_s must be a power of 2 >= {MIN_DOT_BLOCK}, got {block_s}")
     device = pair_expert.device
+    if slot_ranks is not None:
+        ranks = check_tensor(
+            fn,
+            "slot_ranks",
+            slot_ranks,
+            ndim=1,
+            dtypes=(torch.int32,),
+            device=device,
+            contiguous=True,
+        )
+        check_dim(fn, "slot_ranks", ranks, 0, num_slots, "one rank per slot: num_slots")
     num_pairs = pair_expert.shape[0]
     groups = num_slots * num_experts
     max_tiles = cdiv(num_pairs, block_s) + min(groups, num_pairs)
@@ -199,6 +245,11 @@ def moe_lora_routing(
     row_order = torch.empty(num_pairs, dtype=torch.int64, device=device)
     tile_seg = torch.empty(max_tiles, dtype=torch.int32, device=device)
     tile_blk = torch.empty(max_tiles, dtype=torch.int32, device=device)
+    tile_len = torch.empty(max_tiles, dtype=torch.int32, device=device)
+    tile_rows = torch.empty(max_tiles * block_s, dtype=torch.int64, device=device)
+    tile_rank = (
+        torch.empty(max_tiles, dtype=torch.int32, device=device) if slot_ranks is not None else None
+    )
     _moe_lora_routing_kernel[(1,)](
         pair_expert,
         pair_slot,
@@ -209,12 +260,17 @@ def moe_lora_routing(
         row_order,
         tile_seg,
         tile_blk,
+        tile_len,
+        tile_rows,
+        slot_ranks if slot_ranks is not None else counts,
+        tile_rank if tile_rank is not None else tile_len,
         num_pairs,
         num_experts,
         groups,
         max_tiles,
         BLOCK_S=block_s,
         BLOCK=1024,
+        HAS_RANKS=slot_ranks is not None,
         num_warps=8,
     )
     return MoeLoraRouting(
@@ -226,6 +282,10 @@ def moe_lora_routing(
         row_order=row_order,
         tile_seg=tile_seg,
         tile_blk=tile_blk,
+        tile_len=tile_len,
+        tile_rows=tile_rows,
+        tile_rank=tile_rank,
+        ranks_of=slot_ranks,
     )
 
 
@@ -234,11 +294,14 @@ def _routing_for(
     routing: MoeLoraRouting | None,
     pair_expert: torch.Tensor,
     pair_slot: torch.Tensor,
+    slot_ranks: torch.Tensor,
     num_slots: int,
     num_experts: int,
 ) -> MoeLoraRouting:
     if routing is None:
-        return moe_lora_routing(pair_expert, pair_slot, num_slots, num_experts)
+        return moe_lora_routing(
+            pair_expert, pair_slot, num_slots, num_experts, slot_ranks=slot_ranks
+        )
     if not isinstance(routing, MoeLoraRouting):
         raise ValueError(
             f"{fn}: routing must be a MoeLoraRouting or None, got {type(routing).__name__}"
@@ -321,7 +384,7 @@ def moe_lora_shrink(
         raise ValueError(
             f"{fn}: x.shape[0] * topk must equal the number of pairs, got {x.shape[0]} * {topk} != {num_pairs}"
         )
-    routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
+    routing = _routing_for(fn, routing, pair_expert, pair_slot, slot_ranks, num_slots, num_experts)
 
     rank_max = lora_a.shape[2] // num_slices
     config = dataclasses.replace(
@@ -342,7 +405,7 @@ def moe_lora_shrink(
         config,
         grid_blocks=routing.tile_seg.shape[0],
         grid_segments=1,
-        tile_map=(routing.tile_seg, routing.tile_blk),
+        tile_map=routing.tile_map(slot_ranks),
         weights_per_slot=num_experts,
         x_row_div=topk,
         y_by_row=True,
@@ -373,7 +436,7 @@ def moe_lora_expand(
     num_pairs = pair_expert.shape[0]
     check_dim(fn, "y", y, 0, num_pairs, "one row per pair")
     check_dim(fn, "out", out, 0, num_pairs, "one row per pair")
-    routing = _routing_for(fn, routing, pair_expert, pair_slot, num_slots, num_experts)
+    routing = _routing_for(fn, routing, pair_expert, pair_slot, slot_ranks, num_slots, num_experts)
 
     heuristic = expand_config(routing.block_s, b.shape[3], b.shape[2])
     config = ExpandConfig(
@@ -396,7 +459,7 @@ def moe_lora_expand(
         config,
         grid_blocks=routing.tile_seg.shape[0],
         grid_segments=1,
-        tile_map=(routing.tile_seg, routing.tile_blk),
+        tile_map=routing.tile_map(slot_ranks),
         weights_per_slot=num_experts,
         y_by_row=True,
     )

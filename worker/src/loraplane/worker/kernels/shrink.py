@@ -17,6 +17,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ShrinkConfig,
+    TileMap,
     cdiv,
     check_dim,
     check_interpretable,
@@ -33,6 +34,37 @@ __all__ = ["lora_shrink"]
 
 
 @triton.jit
+def tile_rows(
+    tile_seg_ptr,
+    tile_len_ptr,
+    tile_rows_ptr,
+    tile_rank_ptr,
+    slot_ranks_ptr,
+    rank_max,
+    weights_per_slot,
+    BLOCK_S: tl.constexpr,
+    TILE_RANK: tl.constexpr,
+):
+    """The tile of this program (``TileMap``): ``(seg, weight slot, rank, rows, row mask)``.
+
+    The tile's slot, length, rows and (with ``TILE_RANK``) rank are all loaded at the
+    program's own index, in one round trip; without ``TILE_RANK`` the rank comes one later,
+    from ``slot_ranks`` at ``seg // weights_per_slot``. ``seg`` is -1 on a padding tile (the
+    caller returns). Rows past the tile's length are 0 and masked off."""
+    tile = tl.program_id(0)
+    seg = tl.load(tile_seg_ptr + tile)
+    n_rows = tl.load(tile_len_ptr + tile)
+    rows = tl.load(tile_rows_ptr + tile * BLOCK_S + tl.arange(0, BLOCK_S))
+    if TILE_RANK:
+        rank = tl.load(tile_rank_ptr + tile)
+    else:
+        rank = tl.load(slot_ranks_ptr + tl.maximum(seg, 0) // weights_per_slot)
+    rank = tl.minimum(rank, rank_max)
+    s_mask = (tl.arange(0, BLOCK_S) < n_rows) & (rank > 0) & (seg >= 0)
+    return seg, tl.maximum(seg, 0).to(tl.int64), rank, tl.where(s_mask, rows, 0), s_mask
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [weight_slots, num_slices * R, K]
@@ -43,8 +75,10 @@ def _lora_shrink_kernel(
     seg_slots_ptr,  # int32 [S]: index into the weight buffer's first axis
     slot_ranks_ptr,  # int32 [num_slots], or [S] when RANK_BY_SEG
     row_order_ptr,  # int64 [positions] (read only when HAS_ROW_ORDER)
-    tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
-    tile_blk_ptr,  # int32 [tiles] (read only when USE_TILE_MAP)
+    tile_seg_ptr,  # int32 [tiles] (read only when USE_TILE_MAP; so are the next three)
+    tile_len_ptr,  # int32 [tiles]
+    tile_rows_ptr,  # int64 [tiles * BLOCK_S]
+    tile_rank_ptr,  # int32 [tiles] (read only when TILE_RANK)
     rank_max,
     x_stride_row,
     y_stride_row,
@@ -54,7 +88,7 @@ def _lora_shrink_kernel(
     x_row_div,  # x row = row // x_row_div (MoE: topk)
     part_stride_split,  # between the SPLIT_K partials
     HAS_ROW_ORDER: tl.constexpr,
-    USE_TILE_MAP: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,  # programs over a TileMap (y indexed by row then)
     Y_BY_ROW: tl.constexpr,  # y indexed by row (MoE: pair) instead of segment position
     DOT_PRECISION: tl.constexpr,
     HIDDEN: tl.constexpr,  # K; constexpr: fixed per model layer, and a runtime loop bound
@@ -66,38 +100,49 @@ def _lora_shrink_kernel(
     # the last of a tile's SPLIT_K programs to finish sums the partials into y
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
+    TILE_RANK: tl.constexpr = False,  # the tile map gives each tile's rank
 ):
     # As in the expand: the segment's loads first and no early return after them, so the
     # first x and A tiles leave one memory round trip after the program starts.
+    slice_id = tl.program_id(2) // SPLIT_K
+    split = tl.program_id(2) % SPLIT_K
     if USE_TILE_MAP:
-        seg = tl.load(tile_seg_ptr + tl.program_id(0))
-        blk = tl.load(tile_blk_ptr + tl.program_id(0))
+        seg, weight_slot, rank, rows, s_mask = tile_rows(
+            tile_seg_ptr,
+            tile_len_ptr,
+            tile_rows_ptr,
+            tile_rank_ptr,
+            slot_ranks_ptr,
+            rank_max,
+            weights_per_slot,
+            BLOCK_S,
+            TILE_RANK,
+        )
         if seg < 0:  # tile map padding
             return
+        y_rows = rows
     else:
         blk = tl.program_id(0)
         seg = tl.program_id(1)
-    slice_id = tl.program_id(2) // SPLIT_K
-    split = tl.program_id(2) % SPLIT_K
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
-    if RANK_BY_SEG:
-        rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
-    else:
-        rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
+        seg_start = tl.load(seg_indptr_ptr + seg)
+        seg_end = tl.load(seg_indptr_ptr + seg + 1)
+        weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
+        if RANK_BY_SEG:
+            rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
+        else:
+            rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
 
-    offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
-    s_mask = (offs_s < seg_end) & (rank > 0)
-    if HAS_ROW_ORDER:
-        rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
-    else:
-        rows = offs_s.to(tl.int64)
+        offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
+        s_mask = (offs_s < seg_end) & (rank > 0)
+        if HAS_ROW_ORDER:
+            rows = tl.load(row_order_ptr + offs_s, mask=s_mask, other=0)
+        else:
+            rows = offs_s.to(tl.int64)
+        if Y_BY_ROW:
+            y_rows = rows
+        else:
+            y_rows = offs_s.to(tl.int64)
     x_rows = rows // x_row_div
-    if Y_BY_ROW:
-        y_rows = rows
-    else:
-        y_rows = offs_s.to(tl.int64)
 
     offs_r = tl.arange(0, BLOCK_R)  # [BLOCK_R]
     r_mask = offs_r < rank  # rows of A at or beyond the rank are never read
@@ -209,7 +254,7 @@ def launch_shrink(
     grid_blocks: int,
     grid_segments: int,
     *,
-    tile_map: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tile_map: TileMap | None = None,
     weights_per_slot: int = 1,
     x_row_div: int = 1,
     y_by_row: bool = False,
@@ -245,7 +290,7 @@ def launch_shrink(
         counts = split_counts(x.device)
     else:
         parts = counts = y  # never read
-    tile_seg, tile_blk = tile_map if tile_map is not None else (seg_indptr, seg_indptr)
+    tiles_args = tile_map_args(tile_map, seg_indptr)
     _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
         x,
         weights,
@@ -256,8 +301,7 @@ def launch_shrink(
         seg_slots,
         slot_ranks,
         row_order if row_order is not None else seg_indptr,
-        tile_seg,
-        tile_blk,
+        *tiles_args,
         rank_max,
         x.stride(0),
         width,
@@ -277,9 +321,18 @@ def launch_shrink(
         SPLIT_K=split_k,
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
+        TILE_RANK=tile_map is not None and tile_map.ranks is not None,
         **launch_options(config.num_warps, config.num_stages),
     )
     return y
+
+
+def tile_map_args(tile_map: TileMap | None, unused: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The four tile-map pointers of a launch (``unused`` in place of those not read)."""
+    if tile_map is None:
+        return (unused, unused, unused, unused)
+    ranks = tile_map.ranks if tile_map.ranks is not None else unused
+    return (tile_map.segs, tile_map.lens, tile_map.rows, ranks)
 
 
 def check_segments(

@@ -220,12 +220,20 @@ class LoRABackend:
         return stream
 
     def moe_routing(
-        self, pair_expert: torch.Tensor, pair_slot: torch.Tensor, num_slots: int, num_experts: int
+        self,
+        pair_expert: torch.Tensor,
+        pair_slot: torch.Tensor,
+        num_slots: int,
+        num_experts: int,
+        info: LoRABatchInfo,
     ) -> Any:
-        """Pairs grouped by (slot, expert), computed once per MoE layer and reused."""
+        """Pairs grouped by (slot, expert), computed once per MoE layer and reused; its tiles
+        carry ``info.slot_ranks`` (which ``moe_shrink`` and ``moe_expand`` pass on)."""
         if self._routing is None:
             return None
-        return self._routing(pair_expert, pair_slot, num_slots, num_experts)
+        return self._routing(
+            pair_expert, pair_slot, num_slots, num_experts, slot_ranks=info.slot_ranks
+        )
 
     def moe_shrink(
         self,

@@ -368,6 +368,7 @@ class ExpertsLoRA(LoRALayer):
                 self._pair_slots,
                 self.a_gate_up.shape[0],
                 self.a_gate_up.shape[1],
+                info,
             )
             return backend.moe_shrink(
                 x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing
