@@ -24,9 +24,9 @@ step() {  # step NAME SECONDS CMD...
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; "$PY" -c 'import torch,triton;print(torch.__version__,triton.__version__)'; } >>"$LOG" 2>&1
 
 # 1. kernels: decode T=16/64/128 + prefill 2048, ranks 16/64, 1/4/16 adapters, both shapes.
-step kernels 200 "$PY" -m loraplane.worker.bench.kernels --device cuda \
+step kernels 250 "$PY" -m loraplane.worker.bench.kernels --device cuda \
   --shapes llama3-8b,qwen3-30b-a3b --ranks 16,64 --adapters 1,4,16 --tokens 16,64,128,2048 \
-  --rep-ms 6 --max-seconds 150 --out "$OUT/kernels.json"
+  --rep-ms 6 --max-seconds 200 --out "$OUT/kernels.json"
 # 2. dense decode (8 of 32 layers, real vocab), eager + CUDA graphs, with a short eager profile
 #    and the kernel time per graph step at bs 16 and 32 (what limits the LoRA there).
 step decode_dense 170 "$PY" -m loraplane.worker.bench.decode --device cuda --shape llama3-8b \

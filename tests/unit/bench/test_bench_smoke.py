@@ -31,6 +31,8 @@ def test_kernels_bench_tiny(tmp_path):
             "dense_us",
             "shrink_bytes",
             "expand_bytes",
+            "shrink_weight_bytes",
+            "expand_weight_bytes",
             "shrink_pct_peak",
             "expand_pct_peak",
             "lora_pct_peak",

@@ -16,7 +16,7 @@ import statistics
 import subprocess
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,12 @@ def copy_of(nbytes: int, device: str) -> Callable[[], object]:
 
 
 def time_graph(
-    fn: Callable[[], object], device: str, *, inner: int = 20, replays: int = 15
+    fn: Callable[[], object],
+    device: str,
+    *,
+    inner: int = 20,
+    replays: int = 15,
+    warm: Sequence[torch.Tensor] = (),
 ) -> float | None:
     """GPU time (us) of ``fn`` without its host launch cost, from cold L2; CUDA only.
 
@@ -107,6 +112,10 @@ def time_graph(
     ``replays`` times between CUDA events, and the difference of the median replays, over
     ``inner``, is the time of one ``fn`` as it runs inside a captured decode step (where a
     layer's weights were last read one whole step earlier). Returns None off CUDA.
+
+    ``warm``: tensors read back into L2 after each eviction, in both graphs (so their reads
+    are not in the difference): what a decode step has just written or keeps reading (the
+    activations, the batch's index tables), leaving only the rest (the weights) cold.
     """
     if not is_cuda(device):
         return None
@@ -123,6 +132,8 @@ def time_graph(
         with torch.cuda.graph(graph):
             for _ in range(inner):
                 scratch.zero_()
+                for t in warm:
+                    t.sum()  # a reduction reads every element (its result is not needed)
                 if with_fn:
                     fn()
         graphs.append(graph)
