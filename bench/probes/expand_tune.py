@@ -67,7 +67,9 @@ def _case(
         scores = torch.rand((tokens, experts), device=dev, generator=g)
         pair_expert = scores.topk(topk, dim=-1).indices.reshape(-1).to(torch.int32)
         pair_slot = torch.tensor(token_slots, dtype=torch.int32, device=dev).repeat_interleave(topk)
-        routing = kernels.moe_lora_routing(pair_expert, pair_slot, adapters, experts)
+        routing = kernels.moe_lora_routing(
+            pair_expert, pair_slot, adapters, experts, slot_ranks=ranks
+        )  # as the runtime builds it: the tiles carry the ranks
         used = int(torch.unique(pair_slot.long() * experts + pair_expert.long()).numel())
 
         def call() -> None:

@@ -110,3 +110,61 @@ def test_fused_rope_and_norm_match_the_torch_ops(suite, arch: str, monkeypatch) 
     # the fused path ran, and for the staged graph steps with the qkv LoRA inside it (Qwen2's
     # qkv bias keeps its qkv unstaged)
     assert staged and (any(staged) == (arch != "qwen2"))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_eager_staged_steps_keep_base_rows_bitwise(suite, arch: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """Eager steps stage on CUDA (LoRAManager._staged_info): rows without an adapter get the
+    LoRA-off step's logits bit for bit (the base GEMM runs as in the LoRA-off step, the stage's
+    rows apart), and rows with one get the shrink + expand kernels' logits to tolerance.
+    Fixed tokens (no sampling), prefill then decode steps, no graphs."""
+    from loraplane.worker.config import LoRARuntimeConfig
+    from loraplane.worker.engine.runner import (
+        ModelRunner,
+        RunnerConfig,
+        decode_batch,
+        prefill_batch,
+    )
+
+    model_dir, adapters = suite[arch]
+    cfg = RunnerConfig(
+        str(model_dir), device="cuda", dtype=dtype, max_seqs=8, max_len=48, cuda_graphs=False
+    )
+    runner = ModelRunner(
+        cfg, LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32)
+    )
+    lora = runner.lora
+    assert lora is not None and lora.eager_stage_rows > 0
+    for slot, (name, path) in enumerate(adapters[:2]):
+        lora.load_slot(slot, runner.read_adapter(name, path))
+    prompts, per_row = PROMPTS[:4], [0, -1, 1, 0]
+    rows, lengths = [0, 1, 2, 3], [len(p) for p in PROMPTS[:4]]
+
+    def run(slots_per_row: list[int], stage_rows: int) -> list[torch.Tensor]:
+        lora.eager_stage_rows = stage_rows
+        slots = [s for p, s in zip(prompts, slots_per_row, strict=True) for _ in p]
+        out = [runner.forward(prefill_batch(prompts, rows, all_logits=True, device="cuda"), slots)]
+        for step in range(4):
+            tokens = [(7 * step + 3 * r) % 200 + 1 for r in rows]
+            lens = [n + step for n in lengths]
+            out.append(runner.forward(decode_batch(tokens, rows, lens, "cuda"), slots_per_row))
+        return [t.float().cpu() for t in out]
+
+    copies = lora.stage.copies
+    staged = run(per_row, 256)
+    assert lora.stage.copies > copies, "the eager steps staged their adapters"
+    unstaged = run(per_row, 0)
+    off = run([-1] * 4, 256)
+    prefill_base = [i for i, p in enumerate(prompts) for _ in p if per_row[i] < 0]
+    for step, (s, u, o) in enumerate(zip(staged, unstaged, off, strict=True)):
+        base = prefill_base if step == 0 else [1]
+        assert torch.equal(s[base], o[base]), f"step {step}: base rows changed"
+        assert torch.equal(u[base], o[base]), f"step {step}: base rows changed (unstaged)"
+        if dtype == "float32":
+            torch.testing.assert_close(s, u, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        else:  # bf16: the fused epilogues round once where the kernels round twice
+            rel = float((s - u).norm() / u.norm())
+            assert rel < 1e-2, f"step {step}: staged vs unstaged relative error {rel:.2e}"
+        assert not torch.allclose(s, o, atol=1e-3), f"step {step}: the adapters did nothing"
+    lora.eager_stage_rows = 256

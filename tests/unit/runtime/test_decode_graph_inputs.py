@@ -329,3 +329,40 @@ def test_a_higher_rank_adapter_restages_and_every_step_keeps_its_adapters(suite)
         torch.testing.assert_close(got, want[name], rtol=0, atol=2e-5, msg=name)
         ranks.append(stage.rank)
     assert ranks == [16, 32, 32]
+
+
+@pytest.mark.parametrize("slots", [[NO_ADAPTER, 1, 0, 1], [2, 2, 2, 2]], ids=["mixed", "one"])
+def test_an_eager_step_stages_and_matches_the_unstaged_step(
+    runner: ModelRunner, slots: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eager step whose adapters fit the stage runs the stage's GEMM and the fused
+    epilogues (no graph involved) and gives the logits of the shrink + expand kernels; a
+    batch of more rows than ``eager_stage_rows`` keeps the kernels. (On CUDA eager steps
+    stage by default; on the CPU only when asked, as here: tests/gpu checks the CUDA bits.)"""
+    lora = runner.lora
+    assert lora is not None and lora.eager_stage_rows == 0  # the CPU default
+    tokens = [11, 12, 13, 14]
+    want = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+    seen: list[object] = []  # the decode step's staged info (the prefill has no adapter)
+    original = type(lora)._staged_info
+
+    def spy(self, batch_slots):  # type: ignore[no-untyped-def]
+        info = original(self, batch_slots)
+        if list(batch_slots) == slots:
+            seen.append(info)
+        return info
+
+    monkeypatch.setattr(type(lora), "_staged_info", spy)
+    monkeypatch.setattr(lora, "eager_stage_rows", len(slots))
+    got = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    assert len(seen) == 1 and seen[0] is not None
+    assert seen[0].stage is not None and seen[0].exact_base  # type: ignore[attr-defined]
+    used = {s for s in slots if s != NO_ADAPTER}
+    assert used <= {s for s in lora.stage.slot_at if s is not None}
+
+    seen.clear()
+    monkeypatch.setattr(lora, "eager_stage_rows", len(slots) - 1)
+    again = runner.forward(decode_step(runner, tokens), slots)  # type: ignore[arg-type]
+    assert seen == [None]  # more rows than eager_stage_rows: the shrink and expand kernels
+    torch.testing.assert_close(again, want, rtol=0, atol=2e-5)

@@ -226,8 +226,9 @@ def serve_cmd(
     stage_slots: Annotated[
         int,
         typer.Option(
-            help="P: adapters whose A rows sit under the base weights, so a decode batch of "
-            "at most P adapters shrinks inside the base GEMM (CUDA graphs, one rank); 0: off"
+            help="P: adapters whose A rows sit under the base weights, so a batch of at most "
+            "P adapters shrinks in one GEMM and expands inside the next kernel (CUDA, one "
+            "rank: decode graphs, and eager batches of up to 256 rows); 0: off"
         ),
     ] = 4,
     lora: Annotated[

@@ -153,8 +153,9 @@ class LoRARuntimeConfig:
     max_loaded_loras (M): adapters kept ready in host memory.
     max_lora_rank (R): every slot buffer is sized for this rank.
     stage_slots (P): stage positions under each attention/MLP weight (lora/stage.py): a
-        decode-graph batch of at most P adapters gets its shrink from the base GEMM and its
-        expand fused into the next kernel. 0 turns stacking off; at most K are used.
+        batch of at most P adapters (a decode graph's, or on CUDA an eager one of up to 256
+        rows) gets its shrink from one GEMM and its expand fused into the next kernel. 0 turns
+        stacking off; at most K are used.
     """
 
     max_loras_per_batch: int = 4

@@ -44,7 +44,6 @@ from loraplane.worker.lora.batch_info import (
     segments_of,
     static_shape,
 )
-from loraplane.worker.lora.stage import stage_width
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 
 if TYPE_CHECKING:
@@ -192,9 +191,7 @@ class DecodeGraphs:
         manager.check_slots(segments[2])
         shape: Shape | None = None
         if segments[2]:
-            positions = manager.stage.assign(segments[2])  # copies A rows where needed
-            width = stage_width(positions.values(), manager.stage.positions) if positions else 0
-            rank = manager.stage.rank if positions else 0
+            positions, width, rank = manager.assign_stage(segments[2])  # copies A where needed
             shape = (*static_shape(segments, bucket), width, rank)
             self._lora_batch(bucket, shape).fill(slots, segments, positions, manager.slot_values())
         # (the key after assign: a copy it made bumped the epoch)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,10 +67,6 @@ class ModelRunner:
         if lora is not None and config.lora_backend == "triton" and self.device.type == "cpu":
             # Triton runs on the CPU only through its interpreter, chosen at import time.
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        if lora is not None and self.device.type == "cuda" and not graphs:
-            # Staging serves only decode graphs (the CPU keeps it: its tests run the static
-            # graph path without capture); without graphs its buffers would be dead memory.
-            lora = dataclasses.replace(lora, stage_slots=0)
         self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
         self.graphs = (
             DecodeGraphs(self, config.graph_max_batch or config.max_seqs, config.max_seqs)

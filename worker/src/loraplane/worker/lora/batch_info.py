@@ -51,6 +51,9 @@ class LoRABatchInfo:
     num_lora_rows: int
     # Staged batches (lora/stage.py): every row's stage position, for the stacked GEMMs.
     stage: StageInfo | None = None
+    # A staged batch's GEMM runs as the base GEMM and the stage rows' GEMM apart, so rows
+    # without an adapter get the LoRA-off step's bits (eager steps; graphs run one GEMM).
+    exact_base: bool = False
 
     @classmethod
     def build(
@@ -130,6 +133,8 @@ class StaticLoRABatch:
         max_seg_len: int | None = None,
         stage_width: int = 0,
         stage_rank: int = 0,
+        pinned: bool = True,
+        exact_base: bool = False,
     ) -> None:
         self.rows = rows
         self.segments = max(1, segments)
@@ -138,7 +143,11 @@ class StaticLoRABatch:
         self.slot_scalings = slot_scalings
         self.stage_width = stage_width  # > 0: the batch is staged (StageInfo in `info`)
         self.stage_rank = stage_rank  # y columns per slice of a stage position
-        pin = device.type == "cuda"
+        self.exact_base = exact_base  # LoRABatchInfo.exact_base
+        # Pinned host buffers make fill's copies asynchronous: the caller must not refill
+        # before the last copies ran (graphs.py waits on an event); pageable ones copy
+        # before fill returns.
+        pin = pinned and device.type == "cuda"
         s, w = self.segments, stage_width
         # token_slots [rows] | seg_indptr [S + 1] | seg_slots [S] | seg_ranks [S] |
         # seg_scalings [S] (float32 bits), and when staged row_pos [rows] | pos_slots [W] |
@@ -236,6 +245,7 @@ class StaticLoRABatch:
             num_rows=self.rows,
             num_lora_rows=self.rows,  # an upper bound: the count lives on the device
             stage=self._stage_info() if self.stage_width else None,
+            exact_base=self.exact_base,
         )
 
     def _stage_info(self) -> StageInfo:

@@ -113,6 +113,12 @@ class LoRALayer(nn.Module):
             return None
         k, n = self.stacked.shape[1], self.n_base
         need = stage.width * self.n_slices * stage.rank
+        if info.exact_base:
+            # The base GEMM exactly as the LoRA-off step runs it (same weight view, same
+            # shape: the same bits for rows without an adapter), the stage's rows apart.
+            return torch.cat(
+                (F.linear(x, self.stacked[:n]), F.linear(x, self.stacked[n : n + need])), 1
+            )
         extent = extents.extent_for(
             self._device_name, k, n, need, x.shape[0], self.stacked.shape[0] - n
         )

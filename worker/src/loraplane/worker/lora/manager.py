@@ -14,10 +14,23 @@ import torch
 from loraplane.worker.config import ATTN_MODULES, MLP_MODULES, LoRARuntimeConfig
 from loraplane.worker.lora.adapter import AdapterWeights
 from loraplane.worker.lora.backend import LoRABackend, make_backend
-from loraplane.worker.lora.batch_info import NO_ADAPTER, LoRABatchInfo
+from loraplane.worker.lora.batch_info import (
+    NO_ADAPTER,
+    LoRABatchInfo,
+    Segments,
+    StaticLoRABatch,
+    segments_of,
+    static_shape,
+)
 from loraplane.worker.lora.layers import ColumnLoRA, ExpertsLoRA, LoRAContext, LoRALayer, RowLoRA
-from loraplane.worker.lora.stage import Stage
+from loraplane.worker.lora.stage import Stage, stage_width
 from loraplane.worker.models.model import MLP, CausalLM, SparseMoE
+
+# On CUDA, eager batches of at most this many rows are staged when their adapters fit the
+# stage (decode steps past the largest graph bucket or with graphs off, small prefills);
+# larger ones run the shrink and expand kernels. Staged eager metadata buffers kept, by shape.
+EAGER_STAGE_MAX_ROWS = 256
+EAGER_STAGE_CACHE = 16
 
 
 class LoRAManager:
@@ -79,6 +92,13 @@ class LoRAManager:
             rank_of=self._rank_of,
             max_rank=r,
         )
+        # Eager batches of up to this many rows are staged (_staged_info). Not on the CPU:
+        # there the LoRA-off step's SwiGLU and rotation are torch ops, which the fused
+        # epilogues do not reproduce bit for bit, and rows without an adapter must keep the
+        # LoRA-off bits (the kernels are interpreted there anyway).
+        self.eager_stage_rows = EAGER_STAGE_MAX_ROWS if device.type == "cuda" else 0
+        # Staged eager batches' metadata, by (rows, static shape).
+        self._eager_batches: dict[tuple[int, tuple[int, int, int, int]], StaticLoRABatch] = {}
 
     # --- slots -------------------------------------------------------------------------
 
@@ -152,7 +172,8 @@ class LoRAManager:
         group order; every rank must pass the same list.
         """
         self.check_slots([*local_slots, *(global_slots or [])])
-        self.ctx.local = LoRABatchInfo.build(
+        staged = None if self.ctx.dp_attention else self._staged_info(local_slots)
+        self.ctx.local = staged or LoRABatchInfo.build(
             local_slots, self.slot_ranks, self.slot_scalings, self.device
         )
         if self.ctx.dp_attention:
@@ -165,3 +186,52 @@ class LoRAManager:
 
     def reset_batch_state(self) -> None:
         self.ctx.reset_batch_state()
+
+    def assign_stage(self, slots: Sequence[int]) -> tuple[dict[int, int] | None, int, int]:
+        """Stage positions for a batch's distinct ``slots`` (``Stage.assign``: copies A rows
+        where needed), the stage width its stacked GEMMs compute and the stage rank; ``(None,
+        0, 0)`` when the batch is not staged."""
+        positions = self.stage.assign(slots) if slots else None
+        if not positions:
+            return None, 0, 0
+        return positions, stage_width(positions.values(), self.stage.positions), self.stage.rank
+
+    def _staged_info(self, slots: Sequence[int]) -> LoRABatchInfo | None:
+        """The batch info of an eager batch whose adapters all fit the stage, or None.
+
+        An eager step then runs each projection's shrink as a GEMM over the stage's A rows
+        and its expand fused into the epilogue that a staged decode graph runs, instead of a
+        shrink and an expand launch per projection (their host time dominated eager LoRA
+        steps: ~110 us a projection on an H200's host, docs/performance.md). Unlike a graph,
+        it runs the base GEMM apart from the stage's (``exact_base``), so rows without an
+        adapter keep the LoRA-off step's bits (on CUDA, where the LoRA-off SwiGLU and
+        rotation are the same Triton arithmetic as the epilogues). Batches of more than
+        ``eager_stage_rows`` rows (prefill) keep the shrink and expand kernels, which are
+        tuned for them.
+        """
+        if not self.stage.enabled or not 0 < len(slots) <= self.eager_stage_rows:
+            return None
+        segments: Segments = segments_of(slots)
+        positions, width, rank = self.assign_stage(segments[2])
+        if positions is None:
+            return None
+        shape = (*static_shape(segments, len(slots)), width, rank)
+        key = (len(slots), shape)
+        batch = self._eager_batches.get(key)
+        if batch is None:
+            if len(self._eager_batches) >= EAGER_STAGE_CACHE:
+                self._eager_batches.clear()
+            batch = self._eager_batches[key] = StaticLoRABatch(
+                len(slots),
+                shape[0],
+                self.slot_ranks,
+                self.slot_scalings,
+                self.device,
+                max_seg_len=shape[1],
+                stage_width=width,
+                stage_rank=rank,
+                pinned=False,  # refilled every step: pageable copies finish before fill returns
+                exact_base=True,
+            )
+        batch.fill(slots, segments, positions, self.slot_values())
+        return batch.info()
