@@ -112,13 +112,15 @@ def test_fused_rope_and_norm_match_the_torch_ops(suite, arch: str, monkeypatch) 
     assert staged and (any(staged) == (arch != "qwen2"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
-def test_eager_staged_steps_keep_base_rows_bitwise(suite, arch: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
-    """Eager steps stage on CUDA (LoRAManager._staged_info): rows without an adapter get the
-    LoRA-off step's logits bit for bit (the base GEMM runs as in the LoRA-off step, the stage's
-    rows apart), and rows with one get the shrink + expand kernels' logits to tolerance.
-    Fixed tokens (no sampling), prefill then decode steps, no graphs."""
+def test_eager_staged_steps_keep_base_rows_bitwise(suite, arch: str) -> None:  # type: ignore[no-untyped-def]
+    """Eager bf16 steps stage on CUDA (LoRAManager._staged_info): rows without an adapter get
+    the LoRA-off step's logits bit for bit (the base GEMM runs as in the LoRA-off step, the
+    stage's rows apart), and rows with one get the shrink + expand kernels' logits to bf16
+    tolerance. Fixed tokens (no sampling), prefill then 4 decode steps, no graphs. (In fp32
+    the fused epilogues differ from the LoRA-off ops in the last bits: fp32 models do not
+    stage eager batches, checked last.)"""
+    dtype = "bfloat16"
     from loraplane.worker.config import LoRARuntimeConfig
     from loraplane.worker.engine.runner import (
         ModelRunner,
@@ -156,15 +158,22 @@ def test_eager_staged_steps_keep_base_rows_bitwise(suite, arch: str, dtype: str)
     assert lora.stage.copies > copies, "the eager steps staged their adapters"
     unstaged = run(per_row, 0)
     off = run([-1] * 4, 256)
-    prefill_base = [i for i, p in enumerate(prompts) for _ in p if per_row[i] < 0]
+    token_slots = [s for p, s in zip(prompts, per_row, strict=True) for _ in p]
+    prefill_base = [t for t, s in enumerate(token_slots) if s < 0]  # the prefill's base rows
+    assert prefill_base
     for step, (s, u, o) in enumerate(zip(staged, unstaged, off, strict=True)):
         base = prefill_base if step == 0 else [1]
         assert torch.equal(s[base], o[base]), f"step {step}: base rows changed"
         assert torch.equal(u[base], o[base]), f"step {step}: base rows changed (unstaged)"
-        if dtype == "float32":
-            torch.testing.assert_close(s, u, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-        else:  # bf16: the fused epilogues round once where the kernels round twice
+        # The fused epilogues round once where the kernels round twice. On the MoE model that
+        # flips some tokens' experts after a few steps (teacher-forced rows then drift
+        # apart), so its rows are compared on the prefill and the first decode step.
+        if arch == "llama" or step <= 1:
             rel = float((s - u).norm() / u.norm())
             assert rel < 1e-2, f"step {step}: staged vs unstaged relative error {rel:.2e}"
         assert not torch.allclose(s, o, atol=1e-3), f"step {step}: the adapters did nothing"
-    lora.eager_stage_rows = 256
+    fp32 = ModelRunner(
+        RunnerConfig(str(model_dir), device="cuda", dtype="float32", max_seqs=8, max_len=48),
+        LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32),
+    )
+    assert fp32.lora is not None and fp32.lora.eager_stage_rows == 0

@@ -92,11 +92,16 @@ class LoRAManager:
             rank_of=self._rank_of,
             max_rank=r,
         )
-        # Eager batches of up to this many rows are staged (_staged_info). Not on the CPU:
-        # there the LoRA-off step's SwiGLU and rotation are torch ops, which the fused
-        # epilogues do not reproduce bit for bit, and rows without an adapter must keep the
-        # LoRA-off bits (the kernels are interpreted there anyway).
-        self.eager_stage_rows = EAGER_STAGE_MAX_ROWS if device.type == "cuda" else 0
+        # Eager batches of up to this many rows are staged (_staged_info): on CUDA, for 16-bit
+        # models. Rows without an adapter then go through the fused epilogues instead of the
+        # LoRA-off SwiGLU, rotation and residual add. In fp32 on an H200 those differ in the
+        # last bits; rounded to bf16 they matched the LoRA-off step bit for bit in every
+        # checked step (tests/gpu/test_decode_graphs.py), as staged graphs do (ADR 0007). An
+        # fp32 model (a numerics check) keeps the unstaged kernels, whose rows without an
+        # adapter are the LoRA-off bits by construction; so does the CPU, whose LoRA-off ops
+        # are torch's.
+        sixteen_bit = model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
+        self.eager_stage_rows = EAGER_STAGE_MAX_ROWS if device.type == "cuda" and sixteen_bit else 0
         # Staged eager batches' metadata, by (rows, static shape).
         self._eager_batches: dict[tuple[int, tuple[int, int, int, int]], StaticLoRABatch] = {}
 
@@ -203,9 +208,9 @@ class LoRAManager:
         and its expand fused into the epilogue that a staged decode graph runs, instead of a
         shrink and an expand launch per projection (their host time dominated eager LoRA
         steps: ~110 us a projection on an H200's host, docs/performance.md). Unlike a graph,
-        it runs the base GEMM apart from the stage's (``exact_base``), so rows without an
-        adapter keep the LoRA-off step's bits (on CUDA, where the LoRA-off SwiGLU and
-        rotation are the same Triton arithmetic as the epilogues). Batches of more than
+        it runs the base GEMM apart from the stage's (``exact_base``): rows without an
+        adapter get the LoRA-off step's GEMM output, and the epilogues' arithmetic on it
+        (see ``eager_stage_rows``). Batches of more than
         ``eager_stage_rows`` rows (prefill) keep the shrink and expand kernels, which are
         tuned for them.
         """
