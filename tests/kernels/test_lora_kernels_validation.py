@@ -337,3 +337,14 @@ def test_routing_rejects_bad_slot_ranks(ranks: torch.Tensor, message: str) -> No
     with pytest.raises(ValueError) as excinfo:
         moe.moe_lora_routing(args["pair_expert"], args["pair_slot"], SLOTS, 4, slot_ranks=ranks)
     assert message in str(excinfo.value) and "moe_lora_routing" in str(excinfo.value)
+
+
+def test_routing_with_too_few_tile_rows_is_rejected() -> None:
+    """The kernels load a tile's rows without a mask: a routing built by hand must hold
+    block_s rows per tile."""
+    import dataclasses
+
+    args = moe_shrink_args()
+    routing = moe.moe_lora_routing(args["pair_expert"], args["pair_slot"], SLOTS, 4)
+    with pytest.raises(ValueError, match="tile_rows must have shape"):
+        dataclasses.replace(routing, tile_rows=routing.tile_rows[:-1])

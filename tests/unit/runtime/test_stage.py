@@ -48,6 +48,20 @@ def test_a_full_stage_replaces_the_least_recently_used_position_the_batch_does_n
     assert stage.slot_at == [0, 2]  # and nothing was evicted for it
 
 
+def test_a_touched_slot_is_not_the_one_evicted() -> None:
+    """A graph step that reuses its batch's metadata touches its positions (no assign), so an
+    eager batch in between evicts a position that neither of them uses."""
+    w = Recorder()
+    stage = make(2, w)
+    stage.assign([0])
+    stage.assign([1])
+    stage.touch([0])  # slot 0's graph ran again; slot 1 is now the least recently used
+    assert stage.assign([2]) == {2: 1}
+    assert stage.slot_at == [0, 2]
+    stage.touch([7])  # a slot not staged: nothing happens to the positions
+    assert stage.slot_at == [0, 2]
+
+
 def test_forgetting_a_reloaded_slot_restages_it() -> None:
     w = Recorder()
     stage = make(2, w)

@@ -186,6 +186,7 @@ class DecodeGraphs:
         key = (bucket, tuple(slots), manager.stage.epoch, manager.version)
         if key == self._last_slots:
             manager.check_slots(self._last_adapters)
+            manager.stage.touch(self._last_adapters)
             return self._last_shape
         segments = segments_of(slots)
         manager.check_slots(segments[2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +68,16 @@ class ModelRunner:
         if lora is not None and config.lora_backend == "triton" and self.device.type == "cpu":
             # Triton runs on the CPU only through its interpreter, chosen at import time.
             os.environ.setdefault("TRITON_INTERPRET", "1")
+        if (
+            lora is not None
+            and self.device.type == "cuda"
+            and not graphs
+            and self.dtype not in (torch.bfloat16, torch.float16)
+        ):
+            # Staging serves decode graphs and 16-bit eager batches (LoRAManager
+            # eager_stage_rows); an fp32 model without graphs would keep its buffers unused.
+            # (The CPU keeps them: its tests run the static graph path without capture.)
+            lora = dataclasses.replace(lora, stage_slots=0)
         self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
         self.graphs = (
             DecodeGraphs(self, config.graph_max_batch or config.max_seqs, config.max_seqs)

@@ -68,7 +68,10 @@ class MoeLoraRouting:
     tile_blk: torch.Tensor  # int32 [tiles]: block of the segment
     tile_len: torch.Tensor  # int32 [tiles]: pairs in the tile (padding tiles: unset)
     tile_rows: torch.Tensor  # int64 [tiles * block_s]: the tile's pairs, first tile_len valid
-    tile_rank: torch.Tensor | None = None  # int32 [tiles]: slot_ranks at the tile's slot
+    # int32 [tiles]: slot_ranks at the tile's slot, read when the routing was built. A
+    # routing serves one step: a slot loaded or cleared since then (its rank written into
+    # the same slot_ranks tensor in place) is not seen by these copies.
+    tile_rank: torch.Tensor | None = None
     ranks_of: torch.Tensor | None = None  # the slot_ranks tile_rank was read from
 
     def tile_map(self, slot_ranks: torch.Tensor) -> TileMap:
@@ -83,11 +86,19 @@ class MoeLoraRouting:
                 f"MoeLoraRouting: seg_indptr must have shape ({groups + 1},) for "
                 f"{self.num_slots} slots x {self.num_experts} experts, got {tuple(self.seg_indptr.shape)}"
             )
-        if self.tile_seg.shape != self.tile_blk.shape:
-            raise ValueError(
-                f"MoeLoraRouting: tile_seg and tile_blk must have one shape, got "
-                f"{tuple(self.tile_seg.shape)} and {tuple(self.tile_blk.shape)}"
-            )
+        tiles = tuple(self.tile_seg.shape)
+        # (the kernels load a tile's rows unmasked: tile_rows must hold block_s per tile)
+        for name, tensor, shape in (
+            ("tile_blk", self.tile_blk, tiles),
+            ("tile_len", self.tile_len, tiles),
+            ("tile_rank", self.tile_rank, tiles),
+            ("tile_rows", self.tile_rows, (tiles[0] * self.block_s,) if tiles else None),
+        ):
+            if tensor is not None and tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"MoeLoraRouting: {name} must have shape {shape} ({tiles[0] if tiles else '?'} "
+                    f"tiles of {self.block_s} pairs), got {tuple(tensor.shape)}"
+                )
 
 
 @triton.jit

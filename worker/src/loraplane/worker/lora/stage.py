@@ -102,6 +102,15 @@ class Stage:
             self._last_use[p] = self._clock
         return where
 
+    def touch(self, slots: Iterable[int]) -> None:
+        """``slots`` were used again without a new ``assign`` (a graph step that found its
+        batch unchanged): their positions become the most recently used, so an eager step
+        in between evicts another position first."""
+        self._clock += 1
+        for p, s in enumerate(self.slot_at):
+            if s is not None and s in slots:
+                self._last_use[p] = self._clock
+
     def _fill(self, slot: int, busy: set[int]) -> int:
         free = [p for p, s in enumerate(self.slot_at) if s is None and p not in busy]
         if free:
