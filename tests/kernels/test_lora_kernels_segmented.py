@@ -179,6 +179,20 @@ def run_apply(case: Case, out: torch.Tensor, per_segment: bool = False) -> None:
     expand.lora_apply(*apply_operands(case), out, case.max_seg_len, **seg_meta)
 
 
+def split_k_case(dtype: torch.dtype) -> Case:
+    """Three segments (one of a rank-0 slot) of gate_up over K = 1024: decode-sized, so the
+    shrink splits K."""
+    return make_case(
+        seg_lens=[3, 5, 1],
+        seg_slots=[1, 0, 2],
+        slot_ranks=[16, 7, 0],
+        hidden=1024,
+        offsets=SLICES["gate_up"],
+        permute=True,
+        dtype=dtype,
+    )
+
+
 def apply_operands(case: Case) -> tuple[object, ...]:
     """``lora_apply``'s (and ``lora_apply_shrink``'s) leading operands for ``case``."""
     return (
@@ -417,15 +431,7 @@ def test_split_k_shrink_is_one_launch_that_repeats_bit_for_bit(dtype: torch.dtyp
     compared on a GPU in tests/gpu), so: the result matches the reference, repeats exactly
     over launches, and each launch leaves its fix-up counts zero for the next one.
     """
-    case = make_case(
-        seg_lens=[3, 5, 1],
-        seg_slots=[1, 0, 2],
-        slot_ranks=[16, 7, 0],
-        hidden=1024,
-        offsets=SLICES["gate_up"],
-        permute=True,
-        dtype=dtype,
-    )
+    case = split_k_case(dtype)
     config = shrink.shrink_config(case.max_seg_len, 16, 1024, case.x.element_size())
     tiles = case.seg_slots.shape[0] * 2  # one row block per segment, two slices
     assert shrink.split_k_for(tiles, 1024, config.block_k) > 1, (
@@ -490,3 +496,22 @@ def test_bfloat16_on_the_cpu_is_refused_naming_the_operand() -> None:
     with pytest.raises(ValueError, match=r"lora_apply: x is bfloat16 on the CPU"):
         expand.lora_apply(x, a, b, indptr, slots, ranks, scalings, None, offsets, out, 2)
     assert not out.any()  # nothing was written
+
+
+def test_the_runtime_apply_skips_only_checks() -> None:
+    """``runtime_apply_shrink`` (what ``LoRABackend`` calls, no operand checks) adds exactly
+    what ``lora_apply`` adds with per-segment ranks and scalings, and still refuses an ``x``
+    whose columns are not contiguous (the kernels would read the wrong elements)."""
+    case = split_k_case(torch.float32)
+    want = base_output(case)
+    got = want.clone()
+    run_apply(case, want, per_segment=True)
+    seg_ranks = case.slot_ranks.index_select(0, case.seg_slots)
+    seg_scalings = case.slot_scalings.index_select(0, case.seg_slots)
+    operands = (case.lora_a, case.lora_b, case.seg_indptr, case.seg_slots, seg_ranks)
+    operands += (seg_scalings, case.row_order, case.slice_offsets, case.max_seg_len)
+    expand.runtime_apply_shrink(case.x, *operands, got).expand_into(got)  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+    x_t = case.x.t().contiguous().t()  # the same values, column stride != 1
+    with pytest.raises(ValueError, match="x must be 2-D with unit column stride"):
+        expand.runtime_apply_shrink(x_t, *operands, got)  # type: ignore[arg-type]

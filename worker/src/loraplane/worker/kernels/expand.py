@@ -19,6 +19,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     ExpandConfig,
+    ShrinkConfig,
     TileMap,
     cdiv,
     check_dim,
@@ -29,6 +30,7 @@ from loraplane.worker.kernels._triton_utils import (
     dot_precision,
     expand_config,
     launch_options,
+    shrink_config,
 )
 from loraplane.worker.kernels.shrink import (
     check_segments,
@@ -38,7 +40,13 @@ from loraplane.worker.kernels.shrink import (
     tile_rows,
 )
 
-__all__ = ["PendingLoRA", "lora_apply", "lora_apply_shrink", "lora_expand"]
+__all__ = [
+    "PendingLoRA",
+    "lora_apply",
+    "lora_apply_shrink",
+    "lora_expand",
+    "runtime_apply_shrink",
+]
 
 
 @triton.jit
@@ -565,14 +573,104 @@ def lora_apply_shrink(
         slot_ranks, slot_scalings = seg_ranks, seg_scalings
     if out is not None:
         check_apply_out(fn, out, b, x.shape[0], x.device)
-    by_seg = seg_ranks is not None
+    return _start_apply(
+        fn,
+        x,
+        lora_a,
+        b,
+        positions,
+        shrink_cfg,
+        seg_indptr,
+        seg_slots,
+        slot_ranks,
+        slot_scalings,
+        row_order,
+        offsets,
+        max_seg_len,
+        seg_ranks is not None,
+        out,
+        max_split_k,
+    )
+
+
+def runtime_apply_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    seg_ranks: torch.Tensor,
+    seg_scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    max_seg_len: int,
+    out: torch.Tensor | None = None,
+    max_split_k: int | None = None,
+) -> PendingLoRA:
+    """``lora_apply_shrink`` without its operand checks, for the runtime (``LoRABackend``).
+
+    Every operand comes from the runtime's own buffers: a wrapper's slot weights and
+    ``slice_offsets``, which it built and checked once, and a ``LoRABatchInfo``, whose
+    ``seg_ranks``/``seg_scalings`` it always fills; they checked per launch were about a third
+    of an eager projection's host time in our own code (``bench/probes/host_overhead.py``).
+    What the runtime does not build itself is ``x`` (and ``out``): only its layout is checked,
+    as the kernels index its rows by stride and assume unit column stride."""
+    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(
+            f"runtime_apply_shrink: x must be 2-D with unit column stride, got shape "
+            f"{tuple(x.shape)} and strides {tuple(x.stride())}"
+        )
+    num_slices = slice_offsets.shape[0] - 1
+    positions = row_order.shape[0] if row_order is not None else x.shape[0]
+    config = shrink_config(max_seg_len, lora_a.shape[1] // num_slices, x.shape[1], x.element_size())
+    return _start_apply(
+        "lora_apply",
+        x,
+        lora_a,
+        lora_b,
+        positions,
+        config,
+        seg_indptr,
+        seg_slots,
+        seg_ranks,
+        seg_scalings,
+        row_order,
+        slice_offsets,
+        max_seg_len,
+        True,
+        out,
+        max_split_k,
+    )
+
+
+def _start_apply(
+    fn: str,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    positions: int,
+    shrink_cfg: ShrinkConfig,
+    seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    row_order: torch.Tensor | None,
+    slice_offsets: torch.Tensor,
+    max_seg_len: int,
+    by_seg: bool,
+    out: torch.Tensor | None,
+    max_split_k: int | None,
+) -> PendingLoRA:
+    """The shrink launched over checked operands; the expand pending (``expand_into``).
+    ``ranks``/``scalings`` are per segment when ``by_seg``, else per slot."""
+    num_slices = slice_offsets.shape[0] - 1
     y = shrink_segments(
         x,
         lora_a,
         positions,
         seg_indptr,
         seg_slots,
-        slot_ranks,
+        ranks,
         row_order,
         num_slices,
         shrink_cfg,
@@ -585,13 +683,13 @@ def lora_apply_shrink(
         fn=fn,
         rows=x.shape[0],
         y=y,
-        lora_b=b,
+        lora_b=lora_b,
         seg_indptr=seg_indptr,
         seg_slots=seg_slots,
-        ranks=slot_ranks,
-        scalings=slot_scalings,
+        ranks=ranks,
+        scalings=scalings,
         row_order=row_order,
-        slice_offsets=offsets,
+        slice_offsets=slice_offsets,
         max_seg_len=max_seg_len,
         rank_by_seg=by_seg,
         checked_out=out,

@@ -173,22 +173,21 @@ class LoRABackend:
         out: torch.Tensor | None = None,
         max_split_k: int | None = None,
     ) -> Any:
-        """``kernels.lora_apply_shrink`` over ``info``: the shrink launched, the expand pending."""
-        return self._kernels.lora_apply_shrink(
+        """``kernels.runtime_apply_shrink`` over ``info`` (``lora_apply_shrink`` without the
+        checks of operands the runtime built): the shrink launched, the expand pending."""
+        return self._kernels.runtime_apply_shrink(
             x,
             lora_a,
             lora_b,
             info.seg_indptr,
             info.seg_slots,
-            info.slot_ranks,
-            info.slot_scalings,
+            info.seg_ranks,
+            info.seg_scalings,
             info.row_order,
             slice_offsets,
             info.max_seg_len,
-            seg_ranks=info.seg_ranks,
-            seg_scalings=info.seg_scalings,
-            out=out,
-            max_split_k=max_split_k,
+            out,
+            max_split_k,
         )
 
     # --- staged batches: the shrink came out of the base GEMM (lora/stage.py) -----------
