@@ -235,3 +235,23 @@ def test_expand_reads_each_segments_y_from_its_own_columns(dtype: torch.dtype) -
     want = base.clone()
     reference.lora_expand(compact, b, indptr, seg_slots, ranks, scal, None, offsets, want, 6)
     _close(got, want, dtype)
+
+
+def test_the_runtime_entry_gives_the_checked_wrappers_bits() -> None:
+    """``runtime_stacked`` (what ``LoRABackend.stacked`` calls, no operand checks) returns
+    what each checked wrapper returns, bit for bit, and names an unknown op."""
+    rows, inter = 40, 40
+    full, b, stage = _batch(rows, 2 * inter, 2, torch.float32, 4)
+    want = stacked.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage)
+    assert torch.equal(stacked.runtime_stacked("silu_mul", full, 2 * inter, 2 * R, b, stage), want)
+    full, b, stage = _batch(rows, 72, 1, torch.float32, 4)
+    residual = torch.randn(rows, 72).to(DEVICE)
+    want = stacked.stacked_residual(full, 72, R, b, stage, residual.clone())
+    got = stacked.runtime_stacked("residual", full, 72, R, b, stage, residual)
+    assert got.data_ptr() == residual.data_ptr() and torch.equal(got, want)
+    full, b, stage = _batch(rows, 176, 3, torch.float32, 4)
+    offsets = torch.tensor([0, 96, 136, 176], dtype=torch.int32, device=DEVICE)
+    want = stacked.stacked_plain(full, 176, 3 * R, b, stage, offsets)
+    assert torch.equal(stacked.runtime_stacked("plain", full, 176, 3 * R, b, stage, offsets), want)
+    with pytest.raises(ValueError, match="op must be plain, residual or silu_mul"):
+        stacked.runtime_stacked("gelu", full, 176, 3 * R, b, stage)

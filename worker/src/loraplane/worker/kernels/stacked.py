@@ -53,7 +53,13 @@ from loraplane.worker.kernels._triton_utils import (
 )
 from loraplane.worker.kernels.expand import slice_bounds
 
-__all__ = ["StageInfo", "stacked_plain", "stacked_residual", "stacked_silu_mul"]
+__all__ = [
+    "StageInfo",
+    "runtime_stacked",
+    "stacked_plain",
+    "stacked_residual",
+    "stacked_silu_mul",
+]
 
 _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 
@@ -297,9 +303,7 @@ def stacked_plain(
     device = full.device if isinstance(full, torch.Tensor) else None
     offsets = _check_offsets(fn, slice_offsets, n_base, device)
     f, b = check_stacked(fn, full, n_base, lora_b, stage, n_r, offsets.shape[0] - 1)
-    out = torch.empty((f.shape[0], n_base), dtype=f.dtype, device=f.device)
-    _launch(_PLAIN, f, b, out, out, stage, offsets, n_base, n_base, n_r)
-    return out
+    return runtime_stacked("plain", f, n_base, n_r, b, stage, offsets)
 
 
 def stacked_residual(
@@ -318,8 +322,7 @@ def stacked_residual(
     )
     check_dim(fn, "residual", res, 0, f.shape[0], "one row per row of full")
     check_dim(fn, "residual", res, 1, n_base, "the projection's output width")
-    _launch(_RESIDUAL, f, b, res, res, stage, None, n_base, n_base, n_r)
-    return res
+    return runtime_stacked("residual", f, n_base, n_r, b, stage, res)
 
 
 def stacked_silu_mul(
@@ -335,7 +338,35 @@ def stacked_silu_mul(
     f, b = check_stacked(fn, full, n_base, lora_b, stage, n_r, 2)
     if n_base % 2:
         raise ValueError(f"{fn}: n_base must be 2 x intermediate (gate | up), got {n_base}")
-    inter = n_base // 2
-    out = torch.empty((f.shape[0], inter), dtype=f.dtype, device=f.device)
-    _launch(_SILU_MUL, f, b, out, out, stage, None, inter, n_base, n_r)
-    return out
+    return runtime_stacked("silu_mul", f, n_base, n_r, b, stage)
+
+
+def runtime_stacked(
+    op: str,
+    full: torch.Tensor,
+    n_base: int,
+    n_r: int,
+    lora_b: torch.Tensor,
+    stage: StageInfo,
+    *extra: torch.Tensor,
+) -> torch.Tensor:
+    """``stacked_<op>(full, n_base, n_r, lora_b, stage, *extra)`` without the operand checks,
+    for the runtime (``LoRABackend.stacked``), which built every operand: ``full`` from its own
+    stacked GEMM, ``lora_b`` and ``slice_offsets`` its slot buffers, ``stage`` a
+    ``StaticLoRABatch``'s, the residual its model's. An eager staged step launches these once
+    per projection, so their checks were host time on every step."""
+    rows = full.shape[0]
+    if op == "plain":
+        out = torch.empty((rows, n_base), dtype=full.dtype, device=full.device)
+        _launch(_PLAIN, full, lora_b, out, out, stage, extra[0], n_base, n_base, n_r)
+        return out
+    if op == "residual":
+        res = extra[0]
+        _launch(_RESIDUAL, full, lora_b, res, res, stage, None, n_base, n_base, n_r)
+        return res
+    if op == "silu_mul":
+        inter = n_base // 2
+        out = torch.empty((rows, inter), dtype=full.dtype, device=full.device)
+        _launch(_SILU_MUL, full, lora_b, out, out, stage, None, inter, n_base, n_r)
+        return out
+    raise ValueError(f"runtime_stacked: op must be plain, residual or silu_mul, got {op!r}")

@@ -203,7 +203,10 @@ class LoRABackend:
         *extra: torch.Tensor,
     ) -> torch.Tensor:
         """``kernels.stacked_<op>(full, n_base, n_r, lora_b, stage, *extra)``: each row's
-        LoRA added to ``full[:, :N]`` inside the op after the projection (kernels/stacked.py)."""
+        LoRA added to ``full[:, :N]`` inside the op after the projection (kernels/stacked.py;
+        on the Triton backend without the operand checks, ``runtime_stacked``)."""
+        if self.name == "triton":
+            return self._kernels.runtime_stacked(op, full, n_base, n_r, lora_b, stage, *extra)  # type: ignore[no-any-return]
         kernel = getattr(self._kernels, f"stacked_{op}")
         return kernel(full, n_base, n_r, lora_b, stage, *extra)  # type: ignore[no-any-return]
 
