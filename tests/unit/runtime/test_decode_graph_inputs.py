@@ -346,8 +346,8 @@ def test_an_eager_step_stages_and_matches_the_unstaged_step(
     seen: list[object] = []  # the decode step's staged info (the prefill has no adapter)
     original = type(lora)._staged_info
 
-    def spy(self, batch_slots):  # type: ignore[no-untyped-def]
-        info = original(self, batch_slots)
+    def spy(self, batch_slots, segments):  # type: ignore[no-untyped-def]
+        info = original(self, batch_slots, segments)
         if list(batch_slots) == slots:
             seen.append(info)
         return info

@@ -14,7 +14,7 @@ from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graphs_enabled
 from loraplane.worker.lora.adapter import AdapterWeights, load_adapter
 from loraplane.worker.lora.batch_info import NO_ADAPTER
-from loraplane.worker.lora.manager import LoRAManager
+from loraplane.worker.lora.manager import LoRAManager, stages_eager_batches
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 from loraplane.worker.models.kv_cache import KVCache
 from loraplane.worker.models.loader import load_model, resolve_dtype
@@ -72,11 +72,11 @@ class ModelRunner:
             lora is not None
             and self.device.type == "cuda"
             and not graphs
-            and self.dtype not in (torch.bfloat16, torch.float16)
+            and not stages_eager_batches(self.device, self.dtype)
         ):
-            # Staging serves decode graphs and 16-bit eager batches (LoRAManager
-            # eager_stage_rows); an fp32 model without graphs would keep its buffers unused.
-            # (The CPU keeps them: its tests run the static graph path without capture.)
+            # Staging serves decode graphs and eager batches where they stage; without
+            # either its buffers would be unused. (The CPU keeps them: its tests run the
+            # static graph path without capture.)
             lora = dataclasses.replace(lora, stage_slots=0)
         self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
         self.graphs = (

@@ -19,7 +19,10 @@ from loraplane.worker.kernels._triton_utils import StageInfo
 NO_ADAPTER = -1
 
 
-def segments_of(token_slots: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+Segments = tuple[list[int], list[int], list[int]]  # segments_of's (order, indptr, slots)
+
+
+def segments_of(token_slots: Sequence[int]) -> Segments:
     """Rows with an adapter sorted by slot (stable), segment bounds into them, segment slots."""
     order = sorted(
         (i for i, s in enumerate(token_slots) if s != NO_ADAPTER), key=lambda i: token_slots[i]
@@ -62,9 +65,11 @@ class LoRABatchInfo:
         slot_ranks: torch.Tensor,
         slot_scalings: torch.Tensor,
         device: torch.device | str,
+        segments: Segments | None = None,
     ) -> LoRABatchInfo | None:
-        """Segments for `token_slots`, or None when no row has an adapter (base path)."""
-        order, indptr, slots = segments_of(token_slots)
+        """Segments for `token_slots`, or None when no row has an adapter (base path).
+        ``segments``: ``segments_of(token_slots)`` when the caller has it already."""
+        order, indptr, slots = segments or segments_of(token_slots)
         if not order:
             return None
         identity = order == list(range(len(order)))
@@ -87,9 +92,6 @@ class LoRABatchInfo:
     @property
     def num_segments(self) -> int:
         return int(self.seg_slots.numel())
-
-
-Segments = tuple[list[int], list[int], list[int]]  # segments_of's (order, indptr, slots)
 
 
 def static_shape(segments: Segments, rows: int) -> tuple[int, int]:

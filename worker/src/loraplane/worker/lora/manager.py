@@ -33,6 +33,18 @@ EAGER_STAGE_MAX_ROWS = 256
 EAGER_STAGE_CACHE = 16
 
 
+def stages_eager_batches(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether eager batches stage (``LoRAManager._staged_info``): on CUDA, for 16-bit models.
+
+    Rows without an adapter then go through the fused epilogues instead of the LoRA-off
+    SwiGLU, rotation and residual add. In fp32 on an H200 those differ in the last bits;
+    rounded to bf16 they matched the LoRA-off step bit for bit in every checked step
+    (tests/gpu/test_decode_graphs.py), as staged graphs do (ADR 0007). An fp32 model (a
+    numerics check) keeps the unstaged kernels, whose rows without an adapter are the LoRA-off
+    bits by construction; so does the CPU, whose LoRA-off ops are torch's."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
 class LoRAManager:
     def __init__(
         self, model: CausalLM, config: LoRARuntimeConfig, backend: str | LoRABackend = "triton"
@@ -92,16 +104,9 @@ class LoRAManager:
             rank_of=self._rank_of,
             max_rank=r,
         )
-        # Eager batches of up to this many rows are staged (_staged_info): on CUDA, for 16-bit
-        # models. Rows without an adapter then go through the fused epilogues instead of the
-        # LoRA-off SwiGLU, rotation and residual add. In fp32 on an H200 those differ in the
-        # last bits; rounded to bf16 they matched the LoRA-off step bit for bit in every
-        # checked step (tests/gpu/test_decode_graphs.py), as staged graphs do (ADR 0007). An
-        # fp32 model (a numerics check) keeps the unstaged kernels, whose rows without an
-        # adapter are the LoRA-off bits by construction; so does the CPU, whose LoRA-off ops
-        # are torch's.
-        sixteen_bit = model.embed_tokens.weight.dtype in (torch.bfloat16, torch.float16)
-        self.eager_stage_rows = EAGER_STAGE_MAX_ROWS if device.type == "cuda" and sixteen_bit else 0
+        # Eager batches of up to this many rows are staged (stages_eager_batches).
+        eager = stages_eager_batches(device, model.embed_tokens.weight.dtype)
+        self.eager_stage_rows = EAGER_STAGE_MAX_ROWS if eager else 0
         # Staged eager batches' metadata, by (rows, static shape).
         self._eager_batches: dict[tuple[int, tuple[int, int, int, int]], StaticLoRABatch] = {}
 
@@ -177,9 +182,10 @@ class LoRAManager:
         group order; every rank must pass the same list.
         """
         self.check_slots([*local_slots, *(global_slots or [])])
-        staged = None if self.ctx.dp_attention else self._staged_info(local_slots)
+        segments = segments_of(local_slots)
+        staged = None if self.ctx.dp_attention else self._staged_info(local_slots, segments)
         self.ctx.local = staged or LoRABatchInfo.build(
-            local_slots, self.slot_ranks, self.slot_scalings, self.device
+            local_slots, self.slot_ranks, self.slot_scalings, self.device, segments
         )
         if self.ctx.dp_attention:
             assert global_slots is not None, "DP attention needs the all-gathered adapter slots"
@@ -201,7 +207,7 @@ class LoRAManager:
             return None, 0, 0
         return positions, stage_width(positions.values(), self.stage.positions), self.stage.rank
 
-    def _staged_info(self, slots: Sequence[int]) -> LoRABatchInfo | None:
+    def _staged_info(self, slots: Sequence[int], segments: Segments) -> LoRABatchInfo | None:
         """The batch info of an eager batch whose adapters all fit the stage, or None.
 
         An eager step then runs each projection's shrink as a GEMM over the stage's A rows
@@ -210,13 +216,12 @@ class LoRAManager:
         steps: ~110 us a projection on an H200's host, docs/performance.md). Unlike a graph,
         it runs the base GEMM apart from the stage's (``exact_base``): rows without an
         adapter get the LoRA-off step's GEMM output, and the epilogues' arithmetic on it
-        (see ``eager_stage_rows``). Batches of more than
+        (see ``stages_eager_batches``). ``segments``: ``segments_of(slots)``. Batches of more than
         ``eager_stage_rows`` rows (prefill) keep the shrink and expand kernels, which are
         tuned for them.
         """
         if not self.stage.enabled or not 0 < len(slots) <= self.eager_stage_rows:
             return None
-        segments: Segments = segments_of(slots)
         positions, width, rank = self.assign_stage(segments[2])
         if positions is None:
             return None
