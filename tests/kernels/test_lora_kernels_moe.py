@@ -290,3 +290,75 @@ def test_moe_all_pairs_without_adapter_and_no_pairs() -> None:
         out = out0.clone()
         y = run_pipeline(moe, case, out)
         assert torch.equal(out, out0) and not y.any()
+
+
+def _tiles(routing: moe.MoeLoraRouting) -> dict[int, list[int]]:
+    """Each key's pairs over the routing's tiles (the order within a key is unspecified)."""
+    seen: dict[int, list[int]] = {}
+    for t, key in enumerate(routing.tile_seg.tolist()):
+        if key >= 0:
+            n = int(routing.tile_len[t])
+            seen.setdefault(key, []).extend(routing.tile_rows[t * 16 : t * 16 + n].tolist())
+    return {key: sorted(pairs) for key, pairs in seen.items()}
+
+
+def test_moe_routing_reads_each_tokens_slot_in_place() -> None:
+    """``slot_div=topk`` routes pair p with the slot of token p // topk: the same groups as a
+    per-pair copy of the slots, without making that copy; ``pair_slot=None`` is slot 0 for
+    every pair (the base experts' grouping)."""
+    case = make_moe_case(token_slots=TOKEN_SLOTS, topk=2, slot_ranks=SLOT_RANKS)
+    token_slots = torch.tensor(TOKEN_SLOTS, dtype=torch.int32, device=DEVICE)
+    per_pair = moe.moe_lora_routing(case.pair_expert, case.pair_slot, 4, 4)
+    per_token = moe.moe_lora_routing(case.pair_expert, token_slots, 4, 4, slot_div=2)
+    assert torch.equal(per_token.seg_indptr, per_pair.seg_indptr)
+    assert _tiles(per_token) == _tiles(per_pair) and len(_tiles(per_pair)) > 3
+
+    base = moe.moe_lora_routing(case.pair_expert, None, 1, 4)
+    zeros = moe.moe_lora_routing(case.pair_expert, torch.zeros_like(case.pair_expert), 1, 4)
+    assert _tiles(base) == _tiles(zeros)
+    assert sum(len(p) for p in _tiles(base).values()) == case.pair_expert.shape[0]
+    assert base.seg_slots.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("pair_slot", "num_slots", "slot_div", "message"),
+    [
+        (torch.zeros(5, dtype=torch.int32), 2, 2, "pair_slot.shape[0] * slot_div must equal"),
+        (torch.zeros(6, dtype=torch.int32), 2, 0, "slot_div must be an int >= 1, got 0"),
+        (None, 2, 1, "pair_slot=None puts every pair in slot 0, so num_slots must be 1"),
+    ],
+    ids=["length", "slot_div", "none_with_slots"],
+)
+def test_moe_routing_rejects_slots_that_do_not_match_the_pairs(
+    pair_slot: torch.Tensor | None, num_slots: int, slot_div: int, message: str
+) -> None:
+    pair_expert = torch.zeros(12, dtype=torch.int32, device=DEVICE)
+    slots = pair_slot.to(DEVICE) if pair_slot is not None else None
+    with pytest.raises(ValueError, match="moe_lora_routing") as excinfo:
+        moe.moe_lora_routing(pair_expert, slots, num_slots, 3, slot_div=slot_div)
+    assert message in str(excinfo.value)
+
+
+@pytest.mark.parametrize("topk", [2, 1], ids=["gate_up_top2", "down_top1"])
+def test_runtime_moe_kernels_match_the_checked_ones(topk: int) -> None:
+    """The runtime's shrink leaves the rows of pairs with no adapter unwritten (no fill) and
+    its expand never reads them: the output is the checked kernels' to the bit."""
+    case = make_moe_case(token_slots=TOKEN_SLOTS, topk=topk, slot_ranks=SLOT_RANKS)
+    token_slots = torch.tensor(TOKEN_SLOTS, dtype=torch.int32, device=DEVICE)
+    routing = moe.moe_lora_routing(
+        case.pair_expert, token_slots, 4, 4, slot_ranks=case.slot_ranks, slot_div=topk
+    )
+    num_pairs = case.pair_expert.shape[0]
+    out0 = torch.randn(num_pairs, 40, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    checked = out0.clone()
+    y_checked = run_pipeline(moe, case, checked, routing=routing)
+
+    runtime = out0.clone()
+    y = moe.runtime_moe_shrink(case.x, case.lora_a, case.slot_ranks, 2, topk, routing)
+    moe.runtime_moe_expand(
+        y, case.lora_b, case.slot_ranks, case.slot_scalings, case.slice_offsets, runtime, routing
+    )
+    assert torch.equal(runtime, checked)
+    routed = (case.pair_slot >= 0) & (case.slot_ranks[case.pair_slot.clamp(min=0).long()] > 0)
+    assert torch.equal(y[routed], y_checked[routed])
+    assert not y_checked[~routed].any()

@@ -101,8 +101,7 @@ def moe_expert_routing(
         raise ValueError(f"{fn}: num_experts must be an int >= 1, got {num_experts!r}")
     if block_m is None:
         block_m = expert_block_m(pair_expert.shape[0], num_experts)
-    one_slot = torch.zeros_like(pair_expert)
-    return moe_lora_routing(pair_expert, one_slot, 1, num_experts, block_s=block_m)
+    return moe_lora_routing(pair_expert, None, 1, num_experts, block_s=block_m)
 
 
 def moe_grouped_matmul(

@@ -48,7 +48,14 @@ from loraplane.worker.kernels._triton_utils import (
 from loraplane.worker.kernels.expand import check_expand_operands, launch_expand
 from loraplane.worker.kernels.shrink import launch_shrink
 
-__all__ = ["MoeLoraRouting", "moe_lora_expand", "moe_lora_routing", "moe_lora_shrink"]
+__all__ = [
+    "MoeLoraRouting",
+    "moe_lora_expand",
+    "moe_lora_routing",
+    "moe_lora_shrink",
+    "runtime_moe_expand",
+    "runtime_moe_shrink",
+]
 
 # Routed groups are small (a few pairs per (slot, expert) at decode): the smallest dot block.
 MOE_BLOCK_S = MIN_DOT_BLOCK
@@ -62,7 +69,6 @@ class MoeLoraRouting:
     num_experts: int
     block_s: int
     seg_indptr: torch.Tensor  # int32 [G + 1], G = num_slots * num_experts
-    seg_slots: torch.Tensor  # int32 [G]: key = slot * E + expert
     row_order: torch.Tensor  # int64 [P]: pair index at each sorted position
     tile_seg: torch.Tensor  # int32 [tiles]: segment of each tile, -1 = padding
     tile_blk: torch.Tensor  # int32 [tiles]: block of the segment
@@ -73,6 +79,13 @@ class MoeLoraRouting:
     # the same slot_ranks tensor in place) is not seen by these copies.
     tile_rank: torch.Tensor | None = None
     ranks_of: torch.Tensor | None = None  # the slot_ranks tile_rank was read from
+
+    @property
+    def seg_slots(self) -> torch.Tensor:
+        """int32 [G]: the weight slot of each segment, its key ``slot * E + expert`` (made on
+        each access: the kernels run over the tile map and never read it)."""
+        groups = self.num_slots * self.num_experts
+        return torch.arange(groups, dtype=torch.int32, device=self.seg_indptr.device)
 
     def tile_map(self, slot_ranks: torch.Tensor) -> TileMap:
         """The kernels' view; the tiles' ranks only if they were read from ``slot_ranks``."""
@@ -102,9 +115,22 @@ class MoeLoraRouting:
 
 
 @triton.jit
+def _pair_key(
+    pair_slot_ptr, pairs, p_mask, expert, slot_div, num_experts, groups, HAS_SLOTS: tl.constexpr
+):
+    """Each pair's key ``slot * E + expert``, or ``groups`` for a pair with no adapter."""
+    if HAS_SLOTS:
+        slot = tl.load(pair_slot_ptr + pairs // slot_div, mask=p_mask, other=-1)
+        key = tl.where(slot >= 0, slot * num_experts + expert, groups)
+    else:
+        key = expert
+    return key
+
+
+@triton.jit
 def _moe_lora_routing_kernel(
     pair_expert_ptr,  # int32 [P]
-    pair_slot_ptr,  # int32 [P]
+    pair_slot_ptr,  # int32 [P // slot_div] (read only when HAS_SLOTS; else every slot is 0)
     counts_ptr,  # int32 [G + 1] scratch (key G = no adapter)
     pair_rank_ptr,  # int32 [P] scratch: rank of the pair within its key
     tile_start_ptr,  # int32 [G] scratch: first tile of each key
@@ -120,9 +146,11 @@ def _moe_lora_routing_kernel(
     num_experts,
     groups,
     max_tiles,
+    slot_div,  # pair p has the slot at p // slot_div (top-k: the slot of the pair's token)
     BLOCK_S: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RANKS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     """One program: counting sort of the pairs by key = slot * E + expert (G for no adapter).
 
@@ -147,9 +175,10 @@ def _moe_lora_routing_kernel(
     while p0 < num_pairs:
         pairs = p0 + offs
         p_mask = pairs < num_pairs
-        slot = tl.load(pair_slot_ptr + pairs, mask=p_mask, other=-1)
         expert = tl.load(pair_expert_ptr + pairs, mask=p_mask, other=0)
-        key = tl.where(slot >= 0, slot * num_experts + expert, groups)
+        key = _pair_key(
+            pair_slot_ptr, pairs, p_mask, expert, slot_div, num_experts, groups, HAS_SLOTS
+        )
         rank = tl.atomic_add(counts_ptr + key, 1, mask=p_mask)
         tl.store(pair_rank_ptr + pairs, rank, mask=p_mask)
         p0 += BLOCK
@@ -180,9 +209,10 @@ def _moe_lora_routing_kernel(
     while p0 < num_pairs:
         pairs = p0 + offs
         p_mask = pairs < num_pairs
-        slot = tl.load(pair_slot_ptr + pairs, mask=p_mask, other=-1)
         expert = tl.load(pair_expert_ptr + pairs, mask=p_mask, other=0)
-        key = tl.where(slot >= 0, slot * num_experts + expert, groups)
+        key = _pair_key(
+            pair_slot_ptr, pairs, p_mask, expert, slot_div, num_experts, groups, HAS_SLOTS
+        )
         rank = tl.load(pair_rank_ptr + pairs, mask=p_mask, other=0)
         start = tl.load(seg_indptr_ptr + key, mask=p_mask, other=0)
         tl.store(row_order_ptr + start + rank, pairs.to(tl.int64), mask=p_mask)
@@ -203,34 +233,51 @@ def _moe_lora_routing_kernel(
 
 def moe_lora_routing(
     pair_expert: torch.Tensor,
-    pair_slot: torch.Tensor,
+    pair_slot: torch.Tensor | None,
     num_slots: int,
     num_experts: int,
     block_s: int = MOE_BLOCK_S,
     slot_ranks: torch.Tensor | None = None,
+    *,
+    slot_div: int = 1,
 ) -> MoeLoraRouting:
     """Group the ``P`` pairs by ``(slot, expert)`` on the device: one launch, no host sync.
 
-    Pairs with no adapter take the positions after ``seg_indptr[G]``. The order of pairs
-    within a group is unspecified (it does not change any result). With ``slot_ranks``
-    (int32 ``[num_slots]``) each tile records its slot's rank, and ``moe_lora_shrink`` /
-    ``moe_lora_expand`` given that same tensor read the rank with the tile instead of after
-    it (the weights' loads then leave one round trip sooner).
+    Pair ``p``'s slot is ``pair_slot[p // slot_div]``: ``slot_div=1`` takes one slot per pair,
+    ``slot_div=topk`` the slot of each token (pair ``p`` is token ``p // topk``), with no
+    per-pair copy made first. ``pair_slot=None``: every pair is in slot 0 (the base experts'
+    grouping, ``num_slots`` 1). Pairs with no adapter take the positions after
+    ``seg_indptr[G]``. The order of pairs within a group is unspecified (it does not change
+    any result). With ``slot_ranks`` (int32 ``[num_slots]``) each tile records its slot's rank,
+    and ``moe_lora_shrink`` / ``moe_lora_expand`` given that same tensor read the rank with the
+    tile instead of after it (the weights' loads then leave one round trip sooner).
     """
     fn = "moe_lora_routing"
     check_tensor(fn, "pair_expert", pair_expert, ndim=1, dtypes=(torch.int32,), contiguous=True)
-    check_tensor(
-        fn,
-        "pair_slot",
-        pair_slot,
-        ndim=1,
-        dtypes=(torch.int32,),
-        device=pair_expert.device,
-        contiguous=True,
-    )
-    check_dim(
-        fn, "pair_slot", pair_slot, 0, pair_expert.shape[0], "one slot per pair, like pair_expert"
-    )
+    num_pairs = pair_expert.shape[0]
+    if isinstance(slot_div, bool) or not isinstance(slot_div, int) or slot_div < 1:
+        raise ValueError(f"{fn}: slot_div must be an int >= 1, got {slot_div!r}")
+    if pair_slot is not None:
+        check_tensor(
+            fn,
+            "pair_slot",
+            pair_slot,
+            ndim=1,
+            dtypes=(torch.int32,),
+            device=pair_expert.device,
+            contiguous=True,
+        )
+        if pair_slot.shape[0] * slot_div != num_pairs:
+            raise ValueError(
+                f"{fn}: pair_slot.shape[0] * slot_div must equal the pairs in pair_expert "
+                f"(one slot per {slot_div} pair(s)), got {pair_slot.shape[0]} * {slot_div} != "
+                f"{num_pairs}"
+            )
+    elif num_slots != 1:
+        raise ValueError(
+            f"{fn}: pair_slot=None puts every pair in slot 0, so num_slots must be 1, "
+            f"got {num_slots}"
+        )
     if block_s < MIN_DOT_BLOCK or block_s & (block_s - 1):
         raise ValueError(f"{fn}: block_s must be a power of 2 >= {MIN_DOT_BLOCK}, got {block_s}")
     device = pair_expert.device
@@ -245,7 +292,6 @@ def moe_lora_routing(
             contiguous=True,
         )
         check_dim(fn, "slot_ranks", ranks, 0, num_slots, "one rank per slot: num_slots")
-    num_pairs = pair_expert.shape[0]
     groups = num_slots * num_experts
     max_tiles = cdiv(num_pairs, block_s) + min(groups, num_pairs)
 
@@ -263,7 +309,7 @@ def moe_lora_routing(
     )
     _moe_lora_routing_kernel[(1,)](
         pair_expert,
-        pair_slot,
+        pair_slot if pair_slot is not None else pair_expert,
         counts,
         pair_rank,
         tile_start,
@@ -279,9 +325,11 @@ def moe_lora_routing(
         num_experts,
         groups,
         max_tiles,
+        slot_div,
         BLOCK_S=block_s,
         BLOCK=1024,
         HAS_RANKS=slot_ranks is not None,
+        HAS_SLOTS=pair_slot is not None,
         num_warps=8,
     )
     return MoeLoraRouting(
@@ -289,7 +337,6 @@ def moe_lora_routing(
         num_experts=num_experts,
         block_s=block_s,
         seg_indptr=seg_indptr,
-        seg_slots=torch.arange(groups, device=device, dtype=torch.int32),
         row_order=row_order,
         tile_seg=tile_seg,
         tile_blk=tile_blk,
@@ -396,7 +443,24 @@ def moe_lora_shrink(
             f"{fn}: x.shape[0] * topk must equal the number of pairs, got {x.shape[0]} * {topk} != {num_pairs}"
         )
     routing = _routing_for(fn, routing, pair_expert, pair_slot, slot_ranks, num_slots, num_experts)
+    return runtime_moe_shrink(x, lora_a, slot_ranks, num_slices, topk, routing, zeroed=True)
 
+
+def runtime_moe_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    num_slices: int,
+    topk: int,
+    routing: MoeLoraRouting,
+    *,
+    zeroed: bool = False,
+) -> torch.Tensor:
+    """``moe_lora_shrink`` over a ``routing`` built for these pairs, without operand checks
+    (the runtime's own buffers). With ``zeroed=False`` the rows of pairs with no adapter
+    (or rank 0) are left unwritten: ``runtime_moe_expand`` never reads them, and no fill
+    kernel runs."""
+    num_slots, num_experts = lora_a.shape[0], lora_a.shape[1]
     rank_max = lora_a.shape[2] // num_slices
     config = dataclasses.replace(
         shrink_config(routing.block_s, rank_max, x.shape[1], x.element_size()),
@@ -407,9 +471,9 @@ def moe_lora_shrink(
     return launch_shrink(
         x,
         weights,
-        num_pairs,
+        routing.row_order.shape[0],
         routing.seg_indptr,
-        routing.seg_slots,
+        routing.seg_indptr,  # segment slots: not read over a tile map
         slot_ranks,
         routing.row_order,
         num_slices,
@@ -420,6 +484,7 @@ def moe_lora_shrink(
         weights_per_slot=num_experts,
         x_row_div=topk,
         y_by_row=True,
+        zeroed=zeroed,
     )
 
 
@@ -448,25 +513,38 @@ def moe_lora_expand(
     check_dim(fn, "y", y, 0, num_pairs, "one row per pair")
     check_dim(fn, "out", out, 0, num_pairs, "one row per pair")
     routing = _routing_for(fn, routing, pair_expert, pair_slot, slot_ranks, num_slots, num_experts)
+    runtime_moe_expand(y, b, slot_ranks, slot_scalings, offsets, out, routing)
 
-    heuristic = expand_config(routing.block_s, b.shape[3], b.shape[2])
+
+def runtime_moe_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    slot_ranks: torch.Tensor,
+    slot_scalings: torch.Tensor,
+    slice_offsets: torch.Tensor,
+    out: torch.Tensor,
+    routing: MoeLoraRouting,
+) -> None:
+    """``moe_lora_expand`` over a ``routing`` built for these pairs, without operand checks."""
+    num_slots, num_experts = lora_b.shape[0], lora_b.shape[1]
+    heuristic = expand_config(routing.block_s, lora_b.shape[3], lora_b.shape[2])
     config = ExpandConfig(
         block_s=routing.block_s,
         block_r=heuristic.block_r,
         block_n=heuristic.block_n,
         num_warps=heuristic.num_warps,
     )
-    weights = b.view(num_slots * num_experts, b.shape[2], b.shape[3])
+    weights = lora_b.view(num_slots * num_experts, lora_b.shape[2], lora_b.shape[3])
     launch_expand(
         y,
         weights,
         out,
         routing.seg_indptr,
-        routing.seg_slots,
+        routing.seg_indptr,  # segment slots: not read over a tile map
         slot_ranks,
         slot_scalings,
         routing.row_order,
-        offsets,
+        slice_offsets,
         config,
         grid_blocks=routing.tile_seg.shape[0],
         grid_segments=1,

@@ -41,6 +41,15 @@ class Aside(Generic[T]):
         return self.value
 
 
+@dataclass(frozen=True, slots=True)
+class MoePairs:
+    """One MoE layer's (token, k) pairs as its LoRA kernels read them (``moe_pairs``)."""
+
+    expert: torch.Tensor  # int32 [P]: each pair's expert
+    routing: Any  # Triton: the pairs' MoeLoraRouting by (slot, expert); torch: None
+    slots: torch.Tensor | None  # torch: int32 [P], each pair's slot (-1: none); Triton: None
+
+
 class LoRABackend:
     """Dispatch to one kernel family. `name` is 'triton' or 'torch'."""
 
@@ -57,12 +66,10 @@ class LoRABackend:
             from loraplane.worker.kernels import reference
 
             self._kernels: Any = reference
-            self._routing: Any = None
         elif name == "triton":
             from loraplane.worker import kernels
 
             self._kernels = kernels
-            self._routing = kernels.moe_lora_routing  # type: ignore[attr-defined]
         else:
             raise ValueError(
                 f"LoRA backend {name!r} is not supported; expected 'triton' or 'torch'"
@@ -221,65 +228,76 @@ class LoRABackend:
             stream = self._side_streams[device] = torch.cuda.Stream(device)
         return stream
 
-    def moe_routing(
+    def moe_pairs(
         self,
         pair_expert: torch.Tensor,
-        pair_slot: torch.Tensor,
+        topk: int,
         num_slots: int,
         num_experts: int,
         info: LoRABatchInfo,
-    ) -> Any:
-        """Pairs grouped by (slot, expert), computed once per MoE layer and reused; its tiles
-        carry ``info.slot_ranks`` (which ``moe_shrink`` and ``moe_expand`` pass on)."""
-        if self._routing is None:
-            return None
-        return self._routing(
-            pair_expert, pair_slot, num_slots, num_experts, slot_ranks=info.slot_ranks
-        )
+    ) -> MoePairs:
+        """One MoE layer's pairs, built once and read by its shrinks and expands. Pair ``p``
+        is token ``p // topk`` and has that token's slot (``info.token_slots``).
+
+        Triton: the pairs grouped by (slot, expert) on the device, the slots read per token
+        inside the routing kernel (no per-pair copy), each tile carrying ``info.slot_ranks``.
+        Torch: each pair's slot, which the references read."""
+        token_slots = info.token_slots[: pair_expert.shape[0] // topk]
+        if self.name == "triton":
+            routing = self._kernels.moe_lora_routing(
+                pair_expert,
+                token_slots,
+                num_slots,
+                num_experts,
+                slot_ranks=info.slot_ranks,
+                slot_div=topk,
+            )
+            return MoePairs(pair_expert, routing, None)
+        return MoePairs(pair_expert, None, token_slots.repeat_interleave(topk))
 
     def moe_shrink(
         self,
         x: torch.Tensor,
         lora_a: torch.Tensor,
-        pair_expert: torch.Tensor,
-        pair_slot: torch.Tensor,
+        pairs: MoePairs,
         info: LoRABatchInfo,
         num_slices: int,
         topk: int,
-        routing: Any,
     ) -> torch.Tensor:
+        """``y [P, num_slices * R]``: the pairs' shrink (pair ``p`` reads row ``p // topk`` of
+        ``x``). On Triton the rows of pairs with no adapter are left unwritten (unread)."""
+        if pairs.routing is not None:
+            return self._kernels.runtime_moe_shrink(  # type: ignore[no-any-return]
+                x, lora_a, info.slot_ranks, num_slices, topk, pairs.routing
+            )
         return self._kernels.moe_lora_shrink(  # type: ignore[no-any-return]
-            x,
-            lora_a,
-            pair_expert,
-            pair_slot,
-            info.slot_ranks,
-            num_slices,
-            topk=topk,
-            routing=routing,
+            x, lora_a, pairs.expert, pairs.slots, info.slot_ranks, num_slices, topk=topk
         )
 
     def moe_expand(
         self,
         y: torch.Tensor,
         lora_b: torch.Tensor,
-        pair_expert: torch.Tensor,
-        pair_slot: torch.Tensor,
+        pairs: MoePairs,
         info: LoRABatchInfo,
         slice_offsets: torch.Tensor,
         out: torch.Tensor,
-        routing: Any,
     ) -> None:
+        """``out [P, N] +=`` each pair's LoRA; pairs with no adapter are untouched."""
+        if pairs.routing is not None:
+            self._kernels.runtime_moe_expand(
+                y, lora_b, info.slot_ranks, info.slot_scalings, slice_offsets, out, pairs.routing
+            )
+            return
         self._kernels.moe_lora_expand(
             y,
             lora_b,
-            pair_expert,
-            pair_slot,
+            pairs.expert,
+            pairs.slots,
             info.slot_ranks,
             info.slot_scalings,
             slice_offsets,
             out,
-            routing=routing,
         )
 
 

@@ -357,28 +357,20 @@ class ExpertsLoRA(LoRALayer):
             buf[slot].zero_()
 
     def begin_gate_up(
-        self, x: torch.Tensor, pair_expert: torch.Tensor, pair_token: torch.Tensor, topk: int
+        self, x: torch.Tensor, pair_expert: torch.Tensor, topk: int
     ) -> Aside[torch.Tensor]:
-        """Routing by (slot, expert) and the gate/up shrink; overlaps the base gate_up GEMM.
-
-        Pair p reads token row ``pair_token[p]`` (``p // topk``) of ``x [T, H]``."""
+        """The pairs' routing by (slot, expert) and the gate/up shrink; overlaps the base
+        gate_up GEMM. Pair p is token ``p // topk``: it reads row ``p // topk`` of ``x [T, H]``
+        and that token's slot."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
 
         def shrink() -> torch.Tensor:
-            self._pair_slots = info.token_slots[pair_token]  # [P] int32, -1 = none
-            self._pair_expert = pair_expert.to(torch.int32)
-            self._routing = backend.moe_routing(
-                self._pair_expert,
-                self._pair_slots,
-                self.a_gate_up.shape[0],
-                self.a_gate_up.shape[1],
-                info,
+            self._pairs = backend.moe_pairs(
+                pair_expert, topk, self.a_gate_up.shape[0], self.a_gate_up.shape[1], info
             )
-            return backend.moe_shrink(
-                x, self.a_gate_up, self._pair_expert, self._pair_slots, info, 2, topk, self._routing
-            )
+            return backend.moe_shrink(x, self.a_gate_up, self._pairs, info, 2, topk)
 
         return backend.run_aside(x, shrink)
 
@@ -387,16 +379,7 @@ class ExpertsLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         assert info is not None
         y = pending.result()
-        self.ctx.backend.moe_expand(
-            y,
-            self.b_gate_up,
-            self._pair_expert,
-            self._pair_slots,
-            info,
-            self.gate_up_offsets,
-            gu,
-            self._routing,
-        )
+        self.ctx.backend.moe_expand(y, self.b_gate_up, self._pairs, info, self.gate_up_offsets, gu)
 
     def begin_down(self, act: torch.Tensor) -> Aside[torch.Tensor]:
         """The down shrink over the gate_up call's pairs and routing; overlaps the base GEMM."""
@@ -404,10 +387,7 @@ class ExpertsLoRA(LoRALayer):
         assert info is not None
         backend = self.ctx.backend
         return backend.run_aside(
-            act,
-            lambda: backend.moe_shrink(
-                act, self.a_down, self._pair_expert, self._pair_slots, info, 1, 1, self._routing
-            ),
+            act, lambda: backend.moe_shrink(act, self.a_down, self._pairs, info, 1, 1)
         )
 
     def end_down(self, pending: Aside[torch.Tensor], d: torch.Tensor) -> None:
@@ -415,12 +395,5 @@ class ExpertsLoRA(LoRALayer):
         info = self.ctx.info(self.section)
         assert info is not None
         self.ctx.backend.moe_expand(
-            pending.result(),
-            self.b_down,
-            self._pair_expert,
-            self._pair_slots,
-            info,
-            self.down_offsets,
-            d,
-            self._routing,
+            pending.result(), self.b_down, self._pairs, info, self.down_offsets, d
         )

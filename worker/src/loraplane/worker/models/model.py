@@ -26,6 +26,7 @@ from loraplane.worker.models.layers import (
     RopeKV,
     RotaryEmbedding,
     RowParallelLinear,
+    silu_mul,
     split_evenly,
 )
 from loraplane.worker.parallel.state import ParallelState
@@ -261,23 +262,23 @@ class Experts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         t, k = topk_ids.shape
-        pair_token = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
-        # [P] int32: what the routing kernels take (one conversion, shared with the LoRA's).
+        # [P] int32, pair p = token p // k: what the routing kernels take (one conversion,
+        # shared with the LoRA's).
         pair_expert = topk_ids.reshape(-1).to(torch.int32)
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
         # The LoRA's routing and shrinks only read x / act: begun before each base GEMM (on a
         # side stream while a CUDA graph is captured), ended by adding into its output.
-        pending = lora.begin_gate_up(x, pair_expert, pair_token, k) if lora is not None else None
+        pending = lora.begin_gate_up(x, pair_expert, k) if lora is not None else None
         if x.device.type == "cuda":
-            # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable.
+            # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable; each
+            # pair reads its token's row of x in place.
             routing = kernels.moe_expert_routing(pair_expert, self.num_experts)
             gu = kernels.moe_grouped_matmul(x, self.w_gate_up, routing, x_row_div=k)
         else:
-            gu = self.grouped(x[pair_token], self.w_gate_up, pair_expert)  # [P, 2I]
+            gu = self.grouped(x.repeat_interleave(k, dim=0), self.w_gate_up, pair_expert)
         if lora is not None:
             lora.end_gate_up(pending, gu)
-        gate, up = gu.chunk(2, dim=-1)
-        act = F.silu(gate) * up  # [P, I]
+        act = silu_mul(gu)  # [P, I]: as the dense MLP's, fp32 math, one kernel on CUDA
         pending = lora.begin_down(act) if lora is not None else None
         if x.device.type == "cuda":
             d = kernels.moe_grouped_matmul(act, self.w_down, routing)
