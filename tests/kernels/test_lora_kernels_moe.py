@@ -362,3 +362,42 @@ def test_runtime_moe_kernels_match_the_checked_ones(topk: int) -> None:
     routed = (case.pair_slot >= 0) & (case.slot_ranks[case.pair_slot.clamp(min=0).long()] > 0)
     assert torch.equal(y[routed], y_checked[routed])
     assert not y_checked[~routed].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_moe_shrink_splits_k_over_a_small_tile_map(dtype: torch.dtype, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """At decode an MoE tile holds a pair or two, so its program streams a whole (adapter,
+    expert) A slice: small tile maps split K (``TILE_TARGET_PROGRAMS``) and the last program
+    of each tile sums the partials. Same results as the reference and as the unsplit launch,
+    the same bits on every launch, and the fix-up counts left zero."""
+    from loraplane.worker.kernels import _triton_utils, shrink
+
+    hidden = 1024
+    case = make_moe_case(token_slots=TOKEN_SLOTS, topk=2, slot_ranks=SLOT_RANKS, hidden=hidden)
+    case.x = case.x.to(dtype)
+    case.lora_a, case.lora_b = case.lora_a.to(dtype), case.lora_b.to(dtype)
+    token_slots = torch.tensor(TOKEN_SLOTS, dtype=torch.int32, device=DEVICE)
+    routing = moe.moe_lora_routing(
+        case.pair_expert, token_slots, 4, 4, slot_ranks=case.slot_ranks, slot_div=2
+    )
+    config = shrink.shrink_config(16, 16, hidden, case.x.element_size())
+    programs = routing.tile_seg.shape[0] * 2
+    assert shrink.split_k_for(programs, hidden, config.block_k, tiled=True) > 1, (
+        "K must split, or this tests nothing"
+    )
+    counts = shrink.split_counts(case.x.device)
+    ys = [moe.runtime_moe_shrink(case.x, case.lora_a, case.slot_ranks, 2, 2, routing)]
+    ys.append(moe.runtime_moe_shrink(case.x, case.lora_a, case.slot_ranks, 2, 2, routing))
+    assert not counts.any(), "a launch left fix-up counts behind; the next would misread them"
+    monkeypatch.setattr(_triton_utils, "TILE_TARGET_PROGRAMS", 0)
+    assert shrink.split_k_for(programs, hidden, config.block_k, tiled=True) == 1
+    unsplit = moe.runtime_moe_shrink(case.x, case.lora_a, case.slot_ranks, 2, 2, routing)
+
+    routed = (case.pair_slot >= 0) & (case.slot_ranks[case.pair_slot.clamp(min=0).long()] > 0)
+    assert torch.equal(ys[1][routed], ys[0][routed])
+    y_ref = reference.moe_lora_shrink(
+        case.x, case.lora_a, case.pair_expert, case.pair_slot, case.slot_ranks, 2, topk=2
+    )
+    tol = TOL[dtype] * 10
+    for y in (ys[0], unsplit):
+        torch.testing.assert_close(y[routed].float(), y_ref[routed].float(), atol=tol, rtol=tol)
