@@ -252,36 +252,20 @@ MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K: int | None = None
 
 
-# Programs a split shrink over a tile map (the MoE experts) aims for. Its tiles hold one or
-# two pairs at decode, so a program is one (adapter, expert)'s A slice streamed over all of K:
-# few rows, many bytes, and the grid's bytes in flight grow with its programs. About eight per
-# multiprocessor fit (~24 KB of shared memory each), so such grids split up to this many
-# programs, and only grids this small split. 0: tile-map shrinks never split (as before
-# session 17).
-TILE_TARGET_PROGRAMS = 1056
-
-
-def split_k_for(
-    programs: int, hidden: int, block_k: int, cap: int | None = None, *, tiled: bool = False
-) -> int:
+def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None) -> int:
     """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU.
 
     At most one split per ``MIN_K_PER_SPLIT`` columns (whole K steps), or ``cap``
-    (``MAX_SPLIT_K`` when set) splits; 1 keeps the shrink on few programs. ``tiled``: the
-    grid runs over a tile map of a few rows per program (``TILE_TARGET_PROGRAMS``)."""
+    (``MAX_SPLIT_K`` when set) splits; 1 keeps the shrink on few programs."""
     k_blocks = max(1, cdiv(hidden, block_k))
-    if tiled:
-        target = limit = TILE_TARGET_PROGRAMS
-    else:
-        # Past a quarter of the target the extra partial buffer and reduction cost more than
-        # the idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
-        target, limit = TARGET_PROGRAMS, TARGET_PROGRAMS // 4
-    if programs <= 0 or programs >= limit:
+    # Past a quarter of the target the extra partial buffer and reduction cost more than the
+    # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
+    if programs <= 0 or programs >= TARGET_PROGRAMS // 4:
         return 1
     if cap is None:
         steps = max(1, MIN_K_PER_SPLIT // block_k)
         cap = MAX_SPLIT_K if MAX_SPLIT_K is not None else k_blocks // steps
-    return max(1, min(k_blocks, cap, cdiv(target, programs)))
+    return max(1, min(k_blocks, cap, cdiv(TARGET_PROGRAMS, programs)))
 
 
 # (block_n, num_warps) for every expand instead of the rule below when set

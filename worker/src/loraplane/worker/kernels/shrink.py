@@ -191,8 +191,7 @@ def _lora_shrink_kernel(
 
 
 # Tiles (program groups that split K) a fix-up count buffer covers. K is split only for grids
-# under TARGET_PROGRAMS // 4 programs (TILE_TARGET_PROGRAMS over a tile map), so a split launch
-# never has more tiles than that. The
+# under TARGET_PROGRAMS // 4 programs, so a split launch never has more tiles than that. The
 # split decode attention (kernels/attention.py) counts its (token, KV head) pairs in the same
 # buffer, launches on one stream running one after another.
 COUNT_SLOTS = 4096
@@ -278,7 +277,7 @@ def launch_shrink(
     hidden = x.shape[1]
     width = weights.shape[1]
     tiles = grid_blocks * grid_segments * num_slices
-    split_k = split_k_for(tiles, hidden, config.block_k, split_cap, tiled=tile_map is not None)
+    split_k = split_k_for(tiles, hidden, config.block_k, split_cap)
     k_per_split = cdiv(cdiv(hidden, split_k), config.block_k) * config.block_k
     split_k = cdiv(hidden, k_per_split) if hidden > 0 else 1
     y = (torch.zeros if zeroed else torch.empty)((positions, width), dtype=x.dtype, device=x.device)
