@@ -252,15 +252,31 @@ class Reconciler:
             by_name: dict[str, list[Placement]] = {}
             for placement in row.placements:
                 by_name.setdefault(placement.lora_name, []).append(placement)
+            # An operation evicting an adapter to make room (its rows "unloading") holds no
+            # claim on that adapter, only on its own: while any operation of the pool runs,
+            # such rows are its business, not a placement to restore (the eviction would be
+            # undone between its unload and its rows' removal, and the load it made room for
+            # would find the worker full). With none running, they are a leftover: forgotten
+            # if the worker no longer holds the adapter, else unloaded as a stray.
+            pool_busy = (
+                session.scalar(
+                    select(Adapter.id)
+                    .where(Adapter.pool_id == row.pool_id, Adapter.busy_operation_id.is_not(None))
+                    .limit(1)
+                )
+                is not None
+            )
             for name, rows in by_name.items():
                 adapter = rows[0].adapter
-                if adapter.busy_operation_id:
+                evicting = any(r.state == "unloading" for r in rows)
+                if adapter.busy_operation_id or (evicting and pool_busy):
                     busy.add(name)
                     continue
                 current = lora_name(adapter.namespace, adapter.name, adapter.version)
                 keep = (
                     adapter.desired == "loaded"
                     and name == current
+                    and not evicting
                     and all(r.state != "inconsistent" for r in rows)
                 )
                 present = set(seen.present_on(name))
