@@ -115,3 +115,52 @@ def test_bad_arguments_name_the_field(override: dict[str, object], message: str)
     override = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in override.items()}
     with pytest.raises(ValueError, match=re.escape(message)):
         bad_call(**override)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("tokens", "topk", "hidden"), [(5, 2, 40), (33, 8, 2100), (0, 8, 40)])
+def test_combine_weights_each_tokens_pairs(
+    dtype: torch.dtype, tokens: int, topk: int, hidden: int
+) -> None:
+    """``moe_combine``: each token's k pair rows (plus a LoRA delta) weighted by the router,
+    in fp32, against fp64; each token's bits do not depend on the other tokens (ADR 0001)."""
+    gen = torch.Generator().manual_seed(tokens + topk)
+    d = torch.randn(tokens * topk, hidden, generator=gen).to(DEVICE, dtype)
+    delta = torch.randn(tokens * topk, hidden, generator=gen).to(DEVICE, dtype) * 0.1
+    w = torch.rand(tokens, topk, generator=gen).to(DEVICE, dtype)
+    want = (
+        ((d.double() + delta.double()).view(tokens, topk, hidden) * w.double()[..., None])
+        .sum(1)
+        .cpu()
+    )
+    got = experts.moe_combine(d, w, delta)
+    assert got.shape == (tokens, hidden) and got.dtype == dtype
+    tol = TOL[dtype] * 4
+    torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+    plain = experts.moe_combine(d, w)
+    torch.testing.assert_close(
+        plain.double().cpu(),
+        (d.double().view(tokens, topk, hidden) * w.double()[..., None]).sum(1).cpu(),
+        atol=tol,
+        rtol=tol,
+    )
+    if tokens > 1:
+        head = experts.moe_combine(d[:topk], w[:1], delta[:topk])
+        assert torch.equal(head, got[:1])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"d": torch.zeros(6, 8)}, "moe_combine: d must have one row per (token, k) pair"),
+        ({"delta": torch.zeros(8, 7)}, "moe_combine: delta must have the shape of d"),
+        ({"topk_weights": torch.zeros(4)}, "moe_combine: topk_weights must be a 2-D tensor"),
+    ],
+    ids=["pairs", "delta", "weights"],
+)
+def test_combine_names_a_bad_input(args: dict[str, torch.Tensor], message: str) -> None:
+    call = {"d": torch.zeros(8, 8), "topk_weights": torch.zeros(4, 2), "delta": None, **args}
+    call = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in call.items()}
+    with pytest.raises(ValueError) as excinfo:
+        experts.moe_combine(**call)
+    assert message in str(excinfo.value)

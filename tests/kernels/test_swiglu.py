@@ -53,3 +53,22 @@ def test_silu_and_mul_reads_a_row_strided_view(dtype: torch.dtype) -> None:
     got = swiglu.silu_and_mul(gu)
     assert got.is_contiguous()
     _close(got, reference.silu_and_mul(gu.contiguous()), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_adds_a_delta_first(dtype: torch.dtype) -> None:
+    """The MoE experts add their LoRA's per-pair output inside the SwiGLU: ``silu(g + dg) *
+    (u + du)`` in fp32; a zero delta gives the bits of no delta (rows without an adapter)."""
+    gen = torch.Generator().manual_seed(7)
+    gu = (torch.randn(21, 2 * 40, generator=gen) * 3).to(dtype).to(DEVICE)
+    delta = (torch.randn(21, 2 * 40, generator=gen)).to(dtype).to(DEVICE)
+    delta[::3] = 0
+    got = swiglu.silu_and_mul(gu, delta)
+    _close(got, reference.silu_and_mul(gu, delta), dtype)
+    plain = swiglu.silu_and_mul(gu)
+    assert torch.equal(got[::3], plain[::3])
+    assert not torch.allclose(got[1::3].float(), plain[1::3].float(), atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match=r"silu_and_mul: delta must have the shape of gu"):
+        swiglu.silu_and_mul(gu, delta[:, :40])
+    with pytest.raises(ValueError, match=r"silu_and_mul: delta must have dtype in"):
+        swiglu.silu_and_mul(gu, delta.to(torch.float64))

@@ -33,7 +33,7 @@ from loraplane.worker.kernels._triton_utils import (
 )
 from loraplane.worker.kernels.moe import MoeLoraRouting, moe_lora_routing
 
-__all__ = ["expert_block_m", "moe_expert_routing", "moe_grouped_matmul"]
+__all__ = ["expert_block_m", "moe_combine", "moe_expert_routing", "moe_grouped_matmul"]
 
 
 @triton.jit
@@ -83,6 +83,86 @@ def _grouped_matmul_kernel(
 
     out_ptrs = out_ptr + pairs[:, None] * out_stride_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    d_ptr,  # [T * TOPK, H]: each pair's expert output
+    delta_ptr,  # [T * TOPK, H] added to d first (read only when HAS_DELTA)
+    w_ptr,  # [T, TOPK] contiguous: the router's weights
+    out_ptr,  # [T, H]
+    hidden,
+    d_stride_row,
+    delta_stride_row,
+    out_stride_row,
+    TOPK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # One token per program row: its pairs in a fixed order, so a token's result does not
+    # depend on the batch around it (docs/adr/0001-batch-invariant-experts.md).
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        pair = token * TOPK + j
+        value = tl.load(d_ptr + pair * d_stride_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            value += tl.load(delta_ptr + pair * delta_stride_row + offs, mask=mask, other=0.0).to(
+                tl.float32
+            )
+        acc += tl.load(w_ptr + pair).to(tl.float32) * value
+    tl.store(out_ptr + token * out_stride_row + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine(
+    d: torch.Tensor, topk_weights: torch.Tensor, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out [T, H]``: each token's ``k`` pair outputs weighted by the router, ``sum_j
+    w[t, j] * (d + delta)[t * k + j]`` in fp32, rounded once; one launch (torch takes a
+    multiply and a sum). ``d`` and ``delta`` (a LoRA's per-pair output, e.g.) ``[T * k, H]``,
+    ``topk_weights [T, k]``. Reference: ``reference.moe_combine``."""
+    fn = "moe_combine"
+    d = check_tensor(fn, "d", d, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, "d", d)
+    weights = check_tensor(
+        fn, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=d.device
+    )
+    tokens, topk = weights.shape
+    if tokens * topk != d.shape[0]:
+        raise ValueError(
+            f"{fn}: d must have one row per (token, k) pair: topk_weights {tuple(weights.shape)} "
+            f"gives {tokens * topk} pairs, d has shape {tuple(d.shape)}"
+        )
+    if delta is not None:
+        check_tensor(
+            fn, "delta", delta, ndim=2, dtypes=(d.dtype,), device=d.device, unit_last_stride=True
+        )
+        if delta.shape != d.shape:
+            raise ValueError(
+                f"{fn}: delta must have the shape of d {tuple(d.shape)}, got {tuple(delta.shape)}"
+            )
+    hidden = d.shape[1]
+    out = d.new_empty(tokens, hidden)
+    if tokens == 0 or hidden == 0:
+        return out
+    block_h = min(1024, next_power_of_2(hidden))
+    _combine_kernel[(tokens, cdiv(hidden, block_h))](
+        d,
+        delta if delta is not None else d,
+        weights.contiguous(),
+        out,
+        hidden,
+        d.stride(0),
+        delta.stride(0) if delta is not None else 0,
+        out.stride(0),
+        TOPK=topk,
+        HAS_DELTA=delta is not None,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
 
 
 def expert_block_m(num_pairs: int, num_experts: int) -> int:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 __all__ = [
     "lora_expand",
     "lora_shrink",
+    "moe_combine",
     "moe_lora_expand",
     "moe_lora_shrink",
     "rms_norm",
@@ -210,10 +211,23 @@ def moe_lora_expand(
             out[pairs, lo:hi] = (out[pairs, lo:hi].float() + delta).to(out.dtype)
 
 
-def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``gu [T, 2I]`` (gate | up), in fp32 and rounded once: ``[T, I]``."""
-    gate, up = gu.float().chunk(2, dim=-1)
+def silu_and_mul(gu: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gu [T, 2I]`` (gate | up) plus ``delta`` (same shape, added in
+    fp32), in fp32 and rounded once: ``[T, I]``."""
+    full = gu.float() if delta is None else gu.float() + delta.float()
+    gate, up = full.chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gu.dtype)
+
+
+def moe_combine(
+    d: torch.Tensor, topk_weights: torch.Tensor, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * (d + delta)[t * k + j]`` over each token's ``k`` pairs
+    (``d [T * k, H]``, ``topk_weights [T, k]``), in fp32 and rounded once: ``[T, H]``."""
+    t, k = topk_weights.shape
+    full = d.float() if delta is None else d.float() + delta.float()
+    weighted = full.view(t, k, d.shape[1]) * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(dim=1).to(d.dtype)
 
 
 def stacked_lora_terms(

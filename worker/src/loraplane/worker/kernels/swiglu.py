@@ -26,11 +26,14 @@ __all__ = ["silu_and_mul"]
 @triton.jit
 def _silu_mul_kernel(
     gu_ptr,  # [T, 2I]: gate | up
+    delta_ptr,  # [T, 2I] added to gu first (read only when HAS_DELTA)
     act_ptr,  # [T, I]
     rows,
     inter,
     gu_stride_row,
+    delta_stride_row,
     act_stride_row,
+    HAS_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -40,13 +43,18 @@ def _silu_mul_kernel(
     g_ptrs = gu_ptr + offs_m[:, None].to(tl.int64) * gu_stride_row + offs_n[None, :]
     gate = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK_N]
     up = tl.load(g_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:
+        d_ptrs = delta_ptr + offs_m[:, None].to(tl.int64) * delta_stride_row + offs_n[None, :]
+        gate += tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+        up += tl.load(d_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * act_stride_row + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
-    """``silu(gu[:, :I]) * gu[:, I:]`` as a new ``[T, I]`` tensor, in one launch."""
+def silu_and_mul(gu: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(g) * u`` of ``gu + delta`` (gate | up; ``delta``, if given, the same shape and
+    dtype as ``gu``, is added in fp32) as a new ``[T, I]`` tensor, in one launch."""
     fn = "silu_and_mul"
     gu = check_tensor(fn, "gu", gu, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     if gu.shape[1] % 2:
@@ -54,6 +62,20 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
             f"{fn}: gu must be [rows, 2 * intermediate] (gate | up), got an odd width "
             f"{gu.shape[1]} in shape {tuple(gu.shape)}"
         )
+    if delta is not None:
+        delta = check_tensor(
+            fn,
+            "delta",
+            delta,
+            ndim=2,
+            dtypes=(gu.dtype,),
+            device=gu.device,
+            unit_last_stride=True,
+        )
+        if delta.shape != gu.shape:
+            raise ValueError(
+                f"{fn}: delta must have the shape of gu {tuple(gu.shape)}, got {tuple(delta.shape)}"
+            )
     rows, inter = gu.shape[0], gu.shape[1] // 2
     act = torch.empty((rows, inter), dtype=gu.dtype, device=gu.device)
     if rows == 0 or inter == 0:
@@ -63,6 +85,16 @@ def silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
     block_n = min(128, next_power_of_2(inter))
     grid = (cdiv(rows, block_m), cdiv(inter, block_n))
     _silu_mul_kernel[grid](
-        gu, act, rows, inter, gu.stride(0), act.stride(0), BLOCK_M=block_m, BLOCK_N=block_n
+        gu,
+        delta if delta is not None else gu,
+        act,
+        rows,
+        inter,
+        gu.stride(0),
+        delta.stride(0) if delta is not None else 0,
+        act.stride(0),
+        HAS_DELTA=delta is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
     )
     return act

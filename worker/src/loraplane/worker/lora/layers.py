@@ -359,41 +359,36 @@ class ExpertsLoRA(LoRALayer):
     def begin_gate_up(
         self, x: torch.Tensor, pair_expert: torch.Tensor, topk: int
     ) -> Aside[torch.Tensor]:
-        """The pairs' routing by (slot, expert) and the gate/up shrink; overlaps the base
-        gate_up GEMM. Pair p is token ``p // topk``: it reads row ``p // topk`` of ``x [T, H]``
-        and that token's slot."""
+        """The pairs' gate/up LoRA ``[P, 2I]`` (zero for pairs without an adapter): their
+        routing by (slot, expert), the shrink and the expand into a zeroed buffer, beside the
+        base gate_up GEMM (``Experts.forward`` adds it in the SwiGLU). Pair p is token
+        ``p // topk``: it reads row ``p // topk`` of ``x [T, H]`` and that token's slot."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
 
-        def shrink() -> torch.Tensor:
+        def lora() -> torch.Tensor:
             self._pairs = backend.moe_pairs(
                 pair_expert, topk, self.a_gate_up.shape[0], self.a_gate_up.shape[1], info
             )
-            return backend.moe_shrink(x, self.a_gate_up, self._pairs, info, 2, topk)
+            y = backend.moe_shrink(x, self.a_gate_up, self._pairs, info, 2, topk)
+            delta = x.new_zeros(pair_expert.shape[0], self.b_gate_up.shape[2])
+            backend.moe_expand(y, self.b_gate_up, self._pairs, info, self.gate_up_offsets, delta)
+            return delta
 
-        return backend.run_aside(x, shrink)
-
-    def end_gate_up(self, pending: Aside[torch.Tensor], gu: torch.Tensor) -> None:
-        """``gu [P, 2I] +=`` the per-pair LoRA of gate/up (after the base GEMM wrote ``gu``)."""
-        info = self.ctx.info(self.section)
-        assert info is not None
-        y = pending.result()
-        self.ctx.backend.moe_expand(y, self.b_gate_up, self._pairs, info, self.gate_up_offsets, gu)
+        return backend.run_aside(x, lora)
 
     def begin_down(self, act: torch.Tensor) -> Aside[torch.Tensor]:
-        """The down shrink over the gate_up call's pairs and routing; overlaps the base GEMM."""
+        """The pairs' down LoRA ``[P, H]`` over the gate_up call's pairs and routing, beside
+        the base down GEMM (``Experts.forward`` adds it in the top-k combine)."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
-        return backend.run_aside(
-            act, lambda: backend.moe_shrink(act, self.a_down, self._pairs, info, 1, 1)
-        )
 
-    def end_down(self, pending: Aside[torch.Tensor], d: torch.Tensor) -> None:
-        """``d [P, H] +=`` the per-pair LoRA of down."""
-        info = self.ctx.info(self.section)
-        assert info is not None
-        self.ctx.backend.moe_expand(
-            pending.result(), self.b_down, self._pairs, info, self.down_offsets, d
-        )
+        def lora() -> torch.Tensor:
+            y = backend.moe_shrink(act, self.a_down, self._pairs, info, 1, 1)
+            delta = act.new_zeros(act.shape[0], self.b_down.shape[2])
+            backend.moe_expand(y, self.b_down, self._pairs, info, self.down_offsets, delta)
+            return delta
+
+        return backend.run_aside(act, lora)

@@ -144,15 +144,32 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of ``gu [T, 2I]`` (gate | up) in fp32, rounded once: one Triton kernel on CUDA
-    (``kernels/swiglu.py``), torch ops on the CPU (the same math as its reference)."""
+def silu_mul(gu: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of ``gu [T, 2I]`` (gate | up), plus ``delta`` if given (a LoRA's output, added
+    in fp32), in fp32 and rounded once: one Triton kernel on CUDA (``kernels/swiglu.py``),
+    torch ops on the CPU (the same math as its reference)."""
     if gu.is_cuda:
         from loraplane.worker import kernels
 
-        return kernels.silu_and_mul(gu)  # type: ignore[no-any-return]
-    gate, up = gu.float().chunk(2, dim=-1)
+        return kernels.silu_and_mul(gu, delta)  # type: ignore[no-any-return]
+    full = gu.float() if delta is None else gu.float() + delta.float()
+    gate, up = full.chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gu.dtype)
+
+
+def topk_combine(
+    d: torch.Tensor, topk_weights: torch.Tensor, delta: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each token's top-k expert outputs weighted by the router, ``sum_j w[t, j] * (d +
+    delta)[t * k + j]``, in fp32 and rounded once: one Triton kernel on CUDA
+    (``kernels.moe_combine``), torch ops on the CPU (its reference)."""
+    from loraplane.worker import kernels
+
+    if d.is_cuda:
+        return kernels.moe_combine(d, topk_weights, delta)  # type: ignore[no-any-return]
+    from loraplane.worker.kernels import reference
+
+    return reference.moe_combine(d, topk_weights, delta)
 
 
 def split_evenly(size: int, parts: int, what: str) -> int:

@@ -28,6 +28,7 @@ from loraplane.worker.models.layers import (
     RowParallelLinear,
     silu_mul,
     split_evenly,
+    topk_combine,
 )
 from loraplane.worker.parallel.state import ParallelState
 
@@ -261,13 +262,14 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        t, k = topk_ids.shape
+        k = topk_ids.shape[1]
         # [P] int32, pair p = token p // k: what the routing kernels take (one conversion,
         # shared with the LoRA's).
         pair_expert = topk_ids.reshape(-1).to(torch.int32)
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
-        # The LoRA's routing and shrinks only read x / act: begun before each base GEMM (on a
-        # side stream while a CUDA graph is captured), ended by adding into its output.
+        # The LoRA's per-pair outputs only read x / act: begun before each base GEMM (on a
+        # side stream while a CUDA graph is captured) and added where the next op reads the
+        # GEMM's output (the SwiGLU, the top-k combine), so no LoRA kernel waits on a GEMM.
         pending = lora.begin_gate_up(x, pair_expert, k) if lora is not None else None
         if x.device.type == "cuda":
             # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable; each
@@ -276,19 +278,16 @@ class Experts(nn.Module):
             gu = kernels.moe_grouped_matmul(x, self.w_gate_up, routing, x_row_div=k)
         else:
             gu = self.grouped(x.repeat_interleave(k, dim=0), self.w_gate_up, pair_expert)
-        if lora is not None:
-            lora.end_gate_up(pending, gu)
-        act = silu_mul(gu)  # [P, I]: as the dense MLP's, fp32 math, one kernel on CUDA
+        # [P, I]: as the dense MLP's, fp32 math, one kernel on CUDA
+        act = silu_mul(gu, pending.result() if pending is not None else None)
         pending = lora.begin_down(act) if lora is not None else None
         if x.device.type == "cuda":
             d = kernels.moe_grouped_matmul(act, self.w_down, routing)
         else:
             d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
-        if lora is not None:
-            lora.end_down(pending, d)
         # Each token's k pairs are adjacent (pair = token * k + j): a weighted sum over j.
-        weighted = d.view(t, k, d.shape[-1]) * topk_weights.to(d.dtype).unsqueeze(-1)
-        return self.reduce(weighted.sum(dim=1))
+        out = topk_combine(d, topk_weights, pending.result() if pending is not None else None)
+        return self.reduce(out)
 
 
 class SparseMoE(nn.Module):
