@@ -317,7 +317,6 @@ def test_moe_routing_reads_each_tokens_slot_in_place() -> None:
     zeros = moe.moe_lora_routing(case.pair_expert, torch.zeros_like(case.pair_expert), 1, 4)
     assert _tiles(base) == _tiles(zeros)
     assert sum(len(p) for p in _tiles(base).values()) == case.pair_expert.shape[0]
-    assert base.seg_slots.tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(
@@ -355,10 +354,11 @@ def test_runtime_moe_kernels_match_the_checked_ones(topk: int) -> None:
 
     runtime = out0.clone()
     y = moe.runtime_moe_shrink(case.x, case.lora_a, case.slot_ranks, 2, topk, routing)
+    routed = (case.pair_slot >= 0) & (case.slot_ranks[case.pair_slot.clamp(min=0).long()] > 0)
+    assert torch.equal(y[routed], y_checked[routed])
+    assert not y_checked[~routed].any() and (~routed).any()
+    y[~routed] = float("nan")  # what an unwritten row may hold: the expand must not read it
     moe.runtime_moe_expand(
         y, case.lora_b, case.slot_ranks, case.slot_scalings, case.slice_offsets, runtime, routing
     )
     assert torch.equal(runtime, checked)
-    routed = (case.pair_slot >= 0) & (case.slot_ranks[case.pair_slot.clamp(min=0).long()] > 0)
-    assert torch.equal(y[routed], y_checked[routed])
-    assert not y_checked[~routed].any()

@@ -63,10 +63,15 @@ def test_silu_and_mul_adds_a_delta_first(dtype: torch.dtype) -> None:
     gu = (torch.randn(21, 2 * 40, generator=gen) * 3).to(dtype).to(DEVICE)
     delta = (torch.randn(21, 2 * 40, generator=gen)).to(dtype).to(DEVICE)
     delta[::3] = 0
+    gu[0, :5] = -0.0  # silu(-0.0) * u is -0.0: a zero delta must keep it
     got = swiglu.silu_and_mul(gu, delta)
     _close(got, reference.silu_and_mul(gu, delta), dtype)
     plain = swiglu.silu_and_mul(gu)
-    assert torch.equal(got[::3], plain[::3])
+    # the same bits, the sign of a zero included (torch.equal takes -0.0 for 0.0)
+    assert torch.equal(
+        got[::3].view(torch.int16 if dtype != torch.float32 else torch.int32),
+        plain[::3].view(torch.int16 if dtype != torch.float32 else torch.int32),
+    )
     assert not torch.allclose(got[1::3].float(), plain[1::3].float(), atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match=r"silu_and_mul: delta must have the shape of gu"):
         swiglu.silu_and_mul(gu, delta[:, :40])

@@ -32,3 +32,22 @@ def test_mixed_batch_matches_peft_and_merged_torch_backend(suite, arch: str) -> 
     report = check_parity(model_dir, adapters, prompts=10, max_new_tokens=5, backend="torch")
     assert set(report.adapters) == {"a4", "a8", "a16", "a32", "<base>"}
     assert_parity(report)
+
+
+def test_moe_lora_added_by_the_swiglu_and_combine_matches_peft(suite, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A captured CUDA graph computes the experts' LoRA into buffers beside the grouped GEMMs
+    and the SwiGLU / top-k combine add them; the CPU takes that path only when told to. The
+    same parity figures, base rows bit for bit."""
+    from loraplane.worker.lora.layers import ExpertsLoRA
+
+    used: list[bool] = []
+
+    def use_deltas(self: ExpertsLoRA, x: object) -> bool:
+        used.append(True)
+        return True
+
+    monkeypatch.setattr(ExpertsLoRA, "_use_deltas", use_deltas)
+    model_dir, adapters = suite["qwen3-moe"]
+    report = check_parity(model_dir, adapters, prompts=10, max_new_tokens=5, backend="torch")
+    assert used, "the experts' LoRA never ran"
+    assert_parity(report)

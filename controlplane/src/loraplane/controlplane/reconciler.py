@@ -256,8 +256,9 @@ class Reconciler:
             # claim on that adapter, only on its own: while any operation of the pool runs,
             # such rows are its business, not a placement to restore (the eviction would be
             # undone between its unload and its rows' removal, and the load it made room for
-            # would find the worker full). With none running, they are a leftover: forgotten
-            # if the worker no longer holds the adapter, else unloaded as a stray.
+            # would find the worker full). With none running they are a leftover of an
+            # operation that died, whose load never ran: the adapter is placed there as
+            # before (marked loaded if the worker holds it, else loaded again).
             pool_busy = (
                 session.scalar(
                     select(Adapter.id)
@@ -276,7 +277,6 @@ class Reconciler:
                 keep = (
                     adapter.desired == "loaded"
                     and name == current
-                    and not evicting
                     and all(r.state != "inconsistent" for r in rows)
                 )
                 present = set(seen.present_on(name))

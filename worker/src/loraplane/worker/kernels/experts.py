@@ -10,6 +10,9 @@ decode step of an MoE model can be captured in a CUDA graph.
 
 Reference: ``Experts.grouped`` (one torch matmul per expert present), which the CPU path
 keeps (docs/adr/0001-batch-invariant-experts.md).
+
+``moe_combine`` sums each token's top-k pair outputs weighted by the router (plus a LoRA's
+per-pair output), one token per program in a fixed order; reference: ``reference.moe_combine``.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"

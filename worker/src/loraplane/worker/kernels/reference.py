@@ -214,7 +214,10 @@ def moe_lora_expand(
 def silu_and_mul(gu: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``gu [T, 2I]`` (gate | up) plus ``delta`` (same shape, added in
     fp32), in fp32 and rounded once: ``[T, I]``."""
-    full = gu.float() if delta is None else gu.float() + delta.float()
+    full = gu.float()
+    if delta is not None:  # a zero delta leaves the value as it is (-0.0 included)
+        extra = delta.float()
+        full = torch.where(extra != 0, full + extra, full)
     gate, up = full.chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gu.dtype)
 
@@ -226,7 +229,7 @@ def moe_combine(
     (``d [T * k, H]``, ``topk_weights [T, k]``), in fp32 and rounded once: ``[T, H]``."""
     t, k = topk_weights.shape
     full = d.float() if delta is None else d.float() + delta.float()
-    weighted = full.view(t, k, d.shape[1]) * topk_weights.float().unsqueeze(-1)
+    weighted = full.reshape(t, k, d.shape[1]) * topk_weights.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(d.dtype)
 
 

@@ -1,5 +1,8 @@
 """SwiGLU ``act = silu(gate) * up`` in Triton; reference: ``reference.silu_and_mul``.
 
+An optional ``delta`` of ``gu``'s shape is added first, in fp32: the routed experts' gate_up
+LoRA, computed beside their grouped GEMM (``lora.layers.ExpertsLoRA``).
+
 ``gu [T, 2I]`` is a gate_up projection's output: gate in columns ``[0, I)``, up in ``[I, 2I)``.
 One kernel where torch needs two (``silu``, then ``mul`` reading back what ``silu`` wrote):
 measured on an H200 at Llama-3-8B decode shapes, 2.8-5.3 us against torch's 7.6-15 us
@@ -45,8 +48,12 @@ def _silu_mul_kernel(
     up = tl.load(g_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:
         d_ptrs = delta_ptr + offs_m[:, None].to(tl.int64) * delta_stride_row + offs_n[None, :]
-        gate += tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
-        up += tl.load(d_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        # A zero delta (a row without an adapter) leaves the value as it is, -0.0 included:
+        # the row's bits are LoRA-off's.
+        d_gate = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+        d_up = tl.load(d_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.where(d_gate != 0.0, gate + d_gate, gate)
+        up = tl.where(d_up != 0.0, up + d_up, up)
     act = gate / (1.0 + tl.exp(-gate)) * up
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * act_stride_row + offs_n[None, :]
     tl.store(a_ptrs, act.to(act_ptr.dtype.element_ty), mask=mask)

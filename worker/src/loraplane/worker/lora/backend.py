@@ -3,7 +3,9 @@
 Both expose the same calls over a `LoRABatchInfo`; the wrappers never know which runs.
 
 Overlap (`apply_around`): the shrink reads only the projection's input, so on CUDA it can run
-on a side stream while the base projection runs, and only the expand waits for both. At
+on a side stream while the base projection runs, and only the expand waits for both. (The
+routed experts' LoRA goes further when it overlaps: its expands run on the side stream too,
+into buffers that the op after each grouped GEMM adds; `ExpertsLoRA`.) At
 decode the shrink is a few-program kernel bound by load latency and the base GEMM streams
 the weights, so the shrink's time leaves the step's critical path. The fork and join cost two
 events of host time per projection, which an eager step (host-bound) cannot afford; a
@@ -137,7 +139,7 @@ class LoRABackend:
         slice_offsets: torch.Tensor,
     ) -> torch.Tensor:
         """``base(x)`` plus the LoRA of ``apply``; the shrink overlaps ``base`` when it pays."""
-        if not self._overlaps(x):
+        if not self.overlaps(x):
             out = base(x)
             self.apply(x, lora_a, lora_b, info, slice_offsets, out)
             return out
@@ -162,7 +164,7 @@ class LoRABackend:
         that only the side stream used (a shrink's fp32 split-K partials) may be freed inside
         ``work``: the caching allocator reuses them only in that stream's order.
         """
-        if not self._overlaps(x):
+        if not self.overlaps(x):
             return Aside(work(), None)
         side = self._side_stream(x.device)
         side.wait_stream(torch.cuda.current_stream(x.device))
@@ -217,7 +219,8 @@ class LoRABackend:
         kernel = getattr(self._kernels, f"stacked_{op}")
         return kernel(full, n_base, n_r, lora_b, stage, *extra)  # type: ignore[no-any-return]
 
-    def _overlaps(self, x: torch.Tensor) -> bool:
+    def overlaps(self, x: torch.Tensor) -> bool:
+        """Whether ``run_aside`` puts work for ``x`` on the side stream now."""
         if self.name != "triton" or x.device.type != "cuda" or self.overlap == "off":
             return False
         return self.overlap == "on" or torch.cuda.is_current_stream_capturing()

@@ -359,36 +359,73 @@ class ExpertsLoRA(LoRALayer):
     def begin_gate_up(
         self, x: torch.Tensor, pair_expert: torch.Tensor, topk: int
     ) -> Aside[torch.Tensor]:
-        """The pairs' gate/up LoRA ``[P, 2I]`` (zero for pairs without an adapter): their
-        routing by (slot, expert), the shrink and the expand into a zeroed buffer, beside the
-        base gate_up GEMM (``Experts.forward`` adds it in the SwiGLU). Pair p is token
-        ``p // topk``: it reads row ``p // topk`` of ``x [T, H]`` and that token's slot."""
+        """The pairs' routing by (slot, expert) and the gate/up shrink, beside the base gate_up
+        GEMM; overlapping (a CUDA graph being captured), the expand too, into a zeroed
+        ``[P, 2I]`` buffer (zero for pairs without an adapter) that the SwiGLU adds, so no
+        LoRA kernel waits on the GEMM. Pair p is token ``p // topk``: it reads row
+        ``p // topk`` of ``x [T, H]`` and that token's slot. Finish with ``gate_up_delta``."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
+        self._deltas = self._use_deltas(x)
 
         def lora() -> torch.Tensor:
             self._pairs = backend.moe_pairs(
                 pair_expert, topk, self.a_gate_up.shape[0], self.a_gate_up.shape[1], info
             )
             y = backend.moe_shrink(x, self.a_gate_up, self._pairs, info, 2, topk)
+            if not self._deltas:
+                return y
             delta = x.new_zeros(pair_expert.shape[0], self.b_gate_up.shape[2])
             backend.moe_expand(y, self.b_gate_up, self._pairs, info, self.gate_up_offsets, delta)
             return delta
 
         return backend.run_aside(x, lora)
 
+    def _use_deltas(self, x: torch.Tensor) -> bool:
+        """Expands into buffers beside the GEMMs when the backend overlaps (a CUDA graph
+        being captured); else into the GEMMs' outputs."""
+        return self.ctx.backend.overlaps(x)
+
+    def gate_up_delta(self, pending: Aside[torch.Tensor], gu: torch.Tensor) -> torch.Tensor | None:
+        """What the SwiGLU adds to ``gu [P, 2I]``: the side stream's buffer, or (not
+        overlapping) nothing, the expand having added into ``gu`` itself: no extra buffer or
+        fill in an eager step, whose LoRA would gain nothing from a side stream."""
+        return self._finish(pending, gu, self.b_gate_up, self.gate_up_offsets)
+
     def begin_down(self, act: torch.Tensor) -> Aside[torch.Tensor]:
-        """The pairs' down LoRA ``[P, H]`` over the gate_up call's pairs and routing, beside
-        the base down GEMM (``Experts.forward`` adds it in the top-k combine)."""
+        """The down shrink (and, overlapping, its expand into a zeroed ``[P, H]`` buffer that
+        the top-k combine adds) over the gate_up call's pairs, beside the base down GEMM.
+        Finish with ``down_delta``."""
         info = self.ctx.info(self.section)
         assert info is not None
         backend = self.ctx.backend
 
         def lora() -> torch.Tensor:
             y = backend.moe_shrink(act, self.a_down, self._pairs, info, 1, 1)
+            if not self._deltas:
+                return y
             delta = act.new_zeros(act.shape[0], self.b_down.shape[2])
             backend.moe_expand(y, self.b_down, self._pairs, info, self.down_offsets, delta)
             return delta
 
         return backend.run_aside(act, lora)
+
+    def down_delta(self, pending: Aside[torch.Tensor], d: torch.Tensor) -> torch.Tensor | None:
+        """What the top-k combine adds to ``d [P, H]`` (as ``gate_up_delta``)."""
+        return self._finish(pending, d, self.b_down, self.down_offsets)
+
+    def _finish(
+        self,
+        pending: Aside[torch.Tensor],
+        out: torch.Tensor,
+        lora_b: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor | None:
+        value = pending.result()
+        if self._deltas:
+            return value
+        info = self.ctx.info(self.section)
+        assert info is not None
+        self.ctx.backend.moe_expand(value, lora_b, self._pairs, info, offsets, out)
+        return None

@@ -152,9 +152,9 @@ def silu_mul(gu: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tenso
         from loraplane.worker import kernels
 
         return kernels.silu_and_mul(gu, delta)  # type: ignore[no-any-return]
-    full = gu.float() if delta is None else gu.float() + delta.float()
-    gate, up = full.chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(gu.dtype)
+    from loraplane.worker.kernels import reference
+
+    return reference.silu_and_mul(gu, delta)
 
 
 def topk_combine(

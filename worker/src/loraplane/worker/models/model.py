@@ -268,8 +268,8 @@ class Experts(nn.Module):
         pair_expert = topk_ids.reshape(-1).to(torch.int32)
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
         # The LoRA's per-pair outputs only read x / act: begun before each base GEMM (on a
-        # side stream while a CUDA graph is captured) and added where the next op reads the
-        # GEMM's output (the SwiGLU, the top-k combine), so no LoRA kernel waits on a GEMM.
+        # side stream while a CUDA graph is captured, and then added where the next op reads
+        # the GEMM's output: the SwiGLU, the top-k combine; no LoRA kernel waits on a GEMM).
         pending = lora.begin_gate_up(x, pair_expert, k) if lora is not None else None
         if x.device.type == "cuda":
             # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable; each
@@ -279,14 +279,16 @@ class Experts(nn.Module):
         else:
             gu = self.grouped(x.repeat_interleave(k, dim=0), self.w_gate_up, pair_expert)
         # [P, I]: as the dense MLP's, fp32 math, one kernel on CUDA
-        act = silu_mul(gu, pending.result() if pending is not None else None)
+        act = silu_mul(gu, lora.gate_up_delta(pending, gu) if lora is not None else None)
         pending = lora.begin_down(act) if lora is not None else None
         if x.device.type == "cuda":
             d = kernels.moe_grouped_matmul(act, self.w_down, routing)
         else:
             d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
         # Each token's k pairs are adjacent (pair = token * k + j): a weighted sum over j.
-        out = topk_combine(d, topk_weights, pending.result() if pending is not None else None)
+        out = topk_combine(
+            d, topk_weights, lora.down_delta(pending, d) if lora is not None else None
+        )
         return self.reduce(out)
 
 
