@@ -259,7 +259,11 @@ class Reconciler:
             # would find the worker full). With none running they are a leftover of an
             # operation that died, whose load never ran: the adapter is placed there as
             # before (marked loaded if the worker holds it, else loaded again).
-            pool_busy = (
+            # (The pool is asked only when this worker has such rows: most passes have none.)
+            evicting = {
+                name for name, rows in by_name.items() if any(r.state == "unloading" for r in rows)
+            }
+            pool_busy = bool(evicting) and (
                 session.scalar(
                     select(Adapter.id)
                     .where(Adapter.pool_id == row.pool_id, Adapter.busy_operation_id.is_not(None))
@@ -269,8 +273,7 @@ class Reconciler:
             )
             for name, rows in by_name.items():
                 adapter = rows[0].adapter
-                evicting = any(r.state == "unloading" for r in rows)
-                if adapter.busy_operation_id or (evicting and pool_busy):
+                if adapter.busy_operation_id or (name in evicting and pool_busy):
                     busy.add(name)
                     continue
                 current = lora_name(adapter.namespace, adapter.name, adapter.version)

@@ -163,9 +163,9 @@ def topk_combine(
     """Each token's top-k expert outputs weighted by the router, ``sum_j w[t, j] * (d +
     delta)[t * k + j]``, in fp32 and rounded once: one Triton kernel on CUDA
     (``kernels.moe_combine``), torch ops on the CPU (its reference)."""
-    from loraplane.worker import kernels
-
     if d.is_cuda:
+        from loraplane.worker import kernels
+
         return kernels.moe_combine(d, topk_weights, delta)  # type: ignore[no-any-return]
     from loraplane.worker.kernels import reference
 
