@@ -246,6 +246,32 @@ def test_expert_grouped_matmul_bf16(tokens: int) -> None:
 
 
 @pytest.mark.parametrize("tokens", [16, 128])
+def test_experts_lora_inside_the_base_kernels_bf16(tokens: int) -> None:
+    """``moe_experts_lora`` at Qwen3-30B-A3B shapes (128 experts, top-8, rank 16 and lower
+    ranks): against fp64 references; pairs without an adapter equal the base kernels."""
+    from tests.kernels.test_expert_kernels import experts_lora_reference, lora_case
+
+    from loraplane.worker.kernels import experts, swiglu
+
+    x, w_gate_up, w_down, pair_expert, lora = lora_case(
+        tokens, 8, 128, (16, 8, 16, 4), torch.bfloat16, hidden=2048, inter=768
+    )
+    routing = experts.moe_expert_routing(pair_expert, 128)
+    d = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
+    max_abs, rel = _rel(d, want)
+    base = experts.moe_grouped_matmul(
+        swiglu.silu_and_mul(experts.moe_grouped_matmul(x, w_gate_up, routing, x_row_div=8)),
+        w_down,
+        routing,
+    )
+    without = lora.token_slots.repeat_interleave(8) < 0
+    RESULTS[f"experts-lora-T{tokens}"] = {"max_abs": max_abs, "rel": rel}
+    assert rel < 1e-2
+    assert without.any() and torch.equal(d[without], base[without])
+
+
+@pytest.mark.parametrize("tokens", [16, 128])
 def test_overlapped_lora_matches_serial_eager_and_in_a_graph(tokens: int) -> None:
     """The shrink on a side stream during the base GEMM gives the serial result bit for bit."""
     from loraplane.worker.lora.backend import LoRABackend

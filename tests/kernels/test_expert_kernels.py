@@ -164,3 +164,153 @@ def test_combine_names_a_bad_input(args: dict[str, torch.Tensor], message: str) 
     with pytest.raises(ValueError) as excinfo:
         experts.moe_combine(**call)
     assert message in str(excinfo.value)
+
+
+# --- the experts' LoRA inside the base kernels (moe_experts_lora) -------------------------
+
+
+def lora_case(
+    tokens: int,
+    topk: int,
+    num_experts: int,
+    ranks: tuple[int, ...],
+    dtype: torch.dtype,
+    hidden: int = 48,
+    inter: int = 40,
+    rank: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, experts.ExpertLoRA]:
+    """Random experts, routing and LoRA buffers as the runtime keeps them (zero past each
+    slot's rank), tokens spread over the slots and over no adapter (-1)."""
+    gen = torch.Generator().manual_seed(tokens * 7 + num_experts + len(ranks))
+    e, s = num_experts, len(ranks)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w_gate_up = torch.randn(e, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w_down = torch.randn(e, hidden, inter, generator=gen) * inter**-0.5
+    a_gate_up = torch.randn(s, e, 2 * rank, hidden, generator=gen) * hidden**-0.5
+    b_gate_up = torch.randn(s, e, 2 * inter, rank, generator=gen) * 0.3
+    a_down = torch.randn(s, e, rank, inter, generator=gen) * inter**-0.5
+    b_down = torch.randn(s, e, hidden, rank, generator=gen) * 0.3
+    for slot, r in enumerate(ranks):
+        a_gate_up[slot, :, r:rank] = 0
+        a_gate_up[slot, :, rank + r :] = 0
+        b_gate_up[slot, ..., r:] = 0
+        a_down[slot, :, r:] = 0
+        b_down[slot, ..., r:] = 0
+    choice = [torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)]
+    pair_expert = torch.stack(choice).flatten().to(torch.int32)
+    token_slots = torch.randint(-1, s, (tokens,), generator=gen).to(torch.int32)
+    scalings = torch.linspace(0.5, 2.0, s)
+
+    def dev(t: torch.Tensor) -> torch.Tensor:
+        return t.to(DEVICE, dtype) if t.is_floating_point() else t.to(DEVICE)
+
+    lora = experts.ExpertLoRA(
+        *(dev(t) for t in (a_gate_up, b_gate_up, a_down, b_down)),
+        token_slots=token_slots.to(DEVICE),
+        slot_ranks=torch.tensor(ranks, dtype=torch.int32, device=DEVICE),
+        slot_scalings=scalings.to(DEVICE),
+        topk=topk,
+    )
+    return dev(x), dev(w_gate_up), dev(w_down), pair_expert.to(DEVICE), lora
+
+
+def experts_lora_reference(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    pair_expert: torch.Tensor,
+    lora: experts.ExpertLoRA,
+) -> torch.Tensor:
+    """fp64: one matmul per expert, the LoRA from the per-pair references around the SwiGLU."""
+    from loraplane.worker.kernels import reference
+
+    topk, inter, hidden = lora.topk, w_down.shape[2], w_down.shape[1]
+    pair_slot = lora.token_slots.repeat_interleave(topk)
+    ranks, scalings = lora.slot_ranks, lora.slot_scalings.double()
+    gu = per_expert_reference(x, w_gate_up, pair_expert, topk)
+    y = reference.moe_lora_shrink(
+        x.double(), lora.a_gate_up.double(), pair_expert, pair_slot, ranks, 2, topk
+    )
+    offsets = torch.tensor([0, inter, 2 * inter], dtype=torch.int32, device=x.device)
+    reference.moe_lora_expand(
+        y, lora.b_gate_up.double(), pair_expert, pair_slot, ranks, scalings, offsets, gu
+    )
+    gate, up = gu.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    y = reference.moe_lora_shrink(act, lora.a_down.double(), pair_expert, pair_slot, ranks, 1)
+    d = per_expert_reference(act, w_down, pair_expert, 1)
+    offsets = torch.tensor([0, hidden], dtype=torch.int32, device=x.device)
+    reference.moe_lora_expand(
+        y, lora.b_down.double(), pair_expert, pair_slot, ranks, scalings, offsets, d
+    )
+    return d  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("tokens", "topk", "num_experts", "ranks", "block_m"),
+    [
+        (5, 2, 6, (16, 8, 0), None),  # decode; a slot of rank 0 adds nothing
+        (40, 2, 4, (16, 4, 12), 16),  # several slots in one expert tile, several tiles
+        (37, 3, 6, (8,), 32),  # one adapter, ragged tiles
+        (1, 1, 3, (16,), None),
+    ],
+)
+def test_experts_lora_matches_the_references(
+    dtype: torch.dtype,
+    tokens: int,
+    topk: int,
+    num_experts: int,
+    ranks: tuple[int, ...],
+    block_m: int | None,
+) -> None:
+    """Each pair's expert output with its token's LoRA (gate_up's in the GEMM and the
+    SwiGLU, down's in the SwiGLU and the down GEMM), against fp64 references; pairs with
+    no adapter (or a slot of rank 0) equal the base kernels' bits."""
+    x, w_gate_up, w_down, pair_expert, lora = lora_case(tokens, topk, num_experts, ranks, dtype)
+    routing = experts.moe_expert_routing(pair_expert, num_experts, block_m)
+    d = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
+    assert d.shape == (tokens * topk, w_down.shape[1]) and d.dtype == dtype
+    # y and act are rounded to the dtype on the way (as the separate LoRA kernels round them)
+    tol = TOL[dtype] * (4 if dtype == torch.float32 else 8)
+    torch.testing.assert_close(d.double(), want, atol=tol, rtol=tol)
+
+    from loraplane.worker.kernels import swiglu
+
+    gu = experts.moe_grouped_matmul(x, w_gate_up, routing, x_row_div=topk)
+    base = experts.moe_grouped_matmul(swiglu.silu_and_mul(gu), w_down, routing)
+    slots = lora.token_slots.repeat_interleave(topk).long()
+    without = (slots < 0) | (lora.slot_ranks[slots.clamp(min=0)] == 0)
+    assert torch.equal(d[without], base[without])
+    if (~without).any():  # the LoRA matters where there is one
+        assert (d[~without] - base[~without]).abs().max() > 10 * tol
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("b_down", torch.zeros(2, 3, 16, 8), "lora.b_down must have shape (2, 3, 16, 16)"),
+        ("slot_ranks", torch.zeros(2), "lora.slot_ranks must have dtype in (torch.int32)"),
+        ("slot_scalings", torch.zeros(3), "lora.slot_scalings.shape[0] must be 2 (one per slot)"),
+        ("token_slots", torch.zeros(5, dtype=torch.int32), "lora.token_slots.shape[0] must be 4"),
+        ("topk", 0, "lora.topk must be an int >= 1, got 0"),
+    ],
+    ids=["b-shape", "ranks-dtype", "scalings-size", "slots-size", "topk"],
+)
+def test_experts_lora_names_a_bad_operand(field: str, value: object, message: str) -> None:
+    import dataclasses
+
+    x, w_gate_up, w_down, pair_expert, lora = lora_case(
+        4, 2, 3, (16, 8), torch.float32, hidden=16, inter=16
+    )
+    routing = experts.moe_expert_routing(pair_expert, 3)
+    if isinstance(value, torch.Tensor):
+        value = value.to(DEVICE)
+    bad = dataclasses.replace(lora, **{field: value})
+    if field == "topk":
+        with pytest.raises(ValueError, match=re.escape(message)):
+            bad.check("moe_experts_lora", w_gate_up, w_down)
+        return
+    with pytest.raises(ValueError, match=re.escape(message)):
+        experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, bad)

@@ -101,3 +101,26 @@ def test_bad_layouts_fail_before_any_rank_starts(suite, kwargs: dict, message: s
         check_parity_dist(
             model_dir, adapters, prompts=4, max_new_tokens=2, backend="torch", **kwargs
         )
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(2, 1), (2, 2)], ids=["tp2", "tp2-dp2"])
+def test_moe_lora_inside_the_experts_kernels_over_ranks(
+    suite, monkeypatch, tp: int, dp: int
+) -> None:  # type: ignore[no-untyped-def]
+    """The experts' LoRA inside the base kernels (the CUDA path, here through Triton's
+    interpreter) with the intermediate size split over ranks: down's shrink is a partial
+    sum over the ranks' columns, reduced with the base output."""
+    monkeypatch.setenv("LORAPLANE_CPU_DEVICE_KERNELS", "1")
+    model_dir, adapters = suite["qwen3-moe"]
+    report = check_parity_dist(
+        model_dir,
+        adapters,
+        prompts=max(8, 4 * dp),
+        max_new_tokens=4,
+        backend="triton",
+        tp=tp,
+        dp=dp,
+        dp_attention=dp > 1,
+    )
+    assert_parity(report)
+    assert report.extra["vs_single_rank_max_abs_logprob_diff"] <= 1e-5, report.extra

@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "ExpertLoRA",
     "MoeLoraRouting",
     "PendingLoRA",
     "decode_attention",
@@ -22,6 +23,7 @@ __all__ = [
     "lora_shrink",
     "moe_combine",
     "moe_expert_routing",
+    "moe_experts_lora",
     "moe_grouped_matmul",
     "moe_lora_expand",
     "moe_lora_routing",
@@ -53,7 +55,9 @@ _TRITON_EXPORTS = {
     "moe_lora_expand": "loraplane.worker.kernels.moe",
     "runtime_moe_shrink": "loraplane.worker.kernels.moe",
     "runtime_moe_expand": "loraplane.worker.kernels.moe",
+    "ExpertLoRA": "loraplane.worker.kernels.experts",
     "moe_combine": "loraplane.worker.kernels.experts",
+    "moe_experts_lora": "loraplane.worker.kernels.experts",
     "moe_expert_routing": "loraplane.worker.kernels.experts",
     "moe_grouped_matmul": "loraplane.worker.kernels.experts",
     "rms_norm": "loraplane.worker.kernels.norm",

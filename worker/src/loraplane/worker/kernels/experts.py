@@ -19,6 +19,8 @@ per-pair output), one token per program in a fixed order; reference: ``reference
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,120 @@ from loraplane.worker.kernels._triton_utils import (
 )
 from loraplane.worker.kernels.moe import MoeLoraRouting, moe_lora_routing
 
-__all__ = ["expert_block_m", "moe_combine", "moe_expert_routing", "moe_grouped_matmul"]
+__all__ = [
+    "ExpertLoRA",
+    "expert_block_m",
+    "moe_combine",
+    "moe_expert_routing",
+    "moe_experts_lora",
+    "moe_grouped_matmul",
+]
+
+
+@triton.jit
+def _tile_lora_rows(slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, slot_div):
+    """Each row's slot (its token's), rank and scaling, and whether it has a LoRA (a slot
+    of rank > 0): one round trip after the rows' slots."""
+    slots = tl.load(slot_ptr + pairs // slot_div, mask=m_mask, other=-1)
+    has_slot = m_mask & (slots >= 0)
+    ranks = tl.load(ranks_ptr + slots, mask=has_slot, other=0)
+    scales = tl.load(scal_ptr + slots, mask=has_slot, other=0.0).to(tl.float32)
+    return slots, ranks, scales, has_slot & (ranks > 0)
+
+
+@triton.jit
+def _next_slot(slots, ranks, todo):
+    """One pass of a tile's per-slot loop: the smallest slot among the rows still to do,
+    its rows and its rank (from registers: no round trip)."""
+    slot = tl.min(tl.where(todo, slots, 2147483647), 0)
+    rows = todo & (slots == slot)
+    return slot, rows, tl.max(tl.where(rows, ranks, 0), 0)
+
+
+@triton.jit
+def _shrink_tile(
+    x_ptr,
+    a_ptr,  # [S * E, SLICES * RANK, HIDDEN]
+    y_ptr,  # [P, SLICES * RANK]
+    slot_ptr,
+    ranks_ptr,
+    scal_ptr,
+    pairs,
+    m_mask,
+    expert,
+    num_experts,
+    x_row_div,
+    slot_div,
+    x_stride_row,
+    y_stride_row,
+    DOT_PRECISION: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    RANK: tl.constexpr,
+    SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``y[p] = x[p // x_row_div] @ A[slot(p), expert]^T`` for the tile's rows with a LoRA:
+    one pass over K per distinct slot in the tile (one at decode with one adapter)."""
+    slots, ranks, _, todo = _tile_lora_rows(slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, slot_div)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, BLOCK_R)  # y's columns: slice * RANK + r
+    c_in = offs_c < SLICES * RANK
+    x_rows = x_ptr + (pairs // x_row_div)[:, None] * x_stride_row
+    y_ptrs = y_ptr + pairs[:, None] * y_stride_row + offs_c[None, :]
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        slot, rows, rank = _next_slot(slots, ranks, todo)
+        c_mask = c_in & (offs_c % RANK < rank)  # no bytes for the rank's padding
+        weight = (slot * num_experts + expert).to(tl.int64)
+        a_ptrs = a_ptr + weight * (SLICES * RANK * HIDDEN) + offs_c[None, :] * HIDDEN
+        a_ptrs += offs_k[:, None]  # [BLOCK_K, BLOCK_R]
+        x_ptrs = x_rows + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            k_mask = (k0 + offs_k) < HIDDEN
+            x_tile = tl.load(x_ptrs, mask=rows[:, None] & k_mask[None, :], other=0.0)
+            a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & c_mask[None, :], other=0.0)
+            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows[:, None] & c_in[None, :])
+        todo = todo & (slots != slot)
+
+
+@triton.jit
+def _expand_delta(
+    y,  # [BLOCK_M, BLOCK_R] fp32: the rows' shrink output (rows without a LoRA: not read)
+    b_ptr,  # [S * E, rows of B, RANK]
+    slots,
+    ranks,
+    lora,  # [BLOCK_M]: rows with a LoRA
+    expert,
+    num_experts,
+    b_stride_w,
+    offs_n,  # [BLOCK_N]: rows of B
+    n_mask,
+    DOT_PRECISION: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """``y @ B[slot, expert][offs_n]^T`` per row, fp32, unscaled (zero on rows without)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    todo = lora
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        slot, rows, rank = _next_slot(slots, ranks, todo)
+        weight = (slot * num_experts + expert).to(tl.int64)
+        b_ptrs = b_ptr + weight * b_stride_w + offs_n[None, :].to(tl.int64) * RANK
+        b_tile = tl.load(
+            b_ptrs + offs_r[:, None], mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0
+        )  # [BLOCK_R, BLOCK_N]
+        y_rows = tl.where(rows[:, None], y, 0.0).to(b_ptr.dtype.element_ty)
+        delta += tl.dot(y_rows, b_tile, input_precision=DOT_PRECISION)
+        todo = todo & (slots != slot)
+    return delta
 
 
 @triton.jit
@@ -47,17 +162,32 @@ def _grouped_matmul_kernel(
     tile_seg_ptr,  # int32 [tiles]: expert of the tile, -1 = padding
     tile_len_ptr,  # int32 [tiles]: pairs in the tile
     tile_rows_ptr,  # int64 [tiles * BLOCK_M]: the tile's pairs (the first tile_len)
+    lora_w_ptr,  # LORA 1: A [S * E, SLICES * RANK, K]; LORA 2: B [S * E, N, RANK]
+    y_ptr,  # LORA 1: y [P, SLICES * RANK] out; LORA 2: y partials [Y_PARTS, P, RANK] fp32 in
+    slot_ptr,  # int32 [P // slot_div]: each token's slot, -1 = none (LORA > 0)
+    ranks_ptr,  # int32 [S]
+    scal_ptr,  # [S] scalings (LORA 2)
     n_out,
     x_stride_row,
     w_stride_expert,
     w_stride_row,
     out_stride_row,
     x_row_div,  # x row = pair // x_row_div (top-k: the pair's token)
+    slot_div,  # slot of pair p at p // slot_div
+    num_experts,
+    y_stride_row,
+    y_stride_part,
+    lora_stride_w,
     DOT_PRECISION: tl.constexpr,
     HIDDEN: tl.constexpr,  # K; constexpr (a runtime loop bound breaks the 3.6 interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    LORA: tl.constexpr,  # 0 none; 1 the shrink in program column 0; 2 the expand, epilogue
+    RANK: tl.constexpr,
+    SLICES: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    Y_PARTS: tl.constexpr,
 ):
     # The tile's expert, length and pairs in one round trip; x and w in the next.
     tile = tl.program_id(0)
@@ -68,13 +198,95 @@ def _grouped_matmul_kernel(
         return
     m_mask = tl.arange(0, BLOCK_M) < n_rows
     pairs = tl.where(m_mask, pairs, 0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    if LORA == 1:
+        # Column 0 of the grid is the tile's LoRA shrink: the first programs to start, as
+        # the longest (one pass over K per distinct slot).
+        if pid_n == 0:
+            _shrink_tile(
+                x_ptr,
+                lora_w_ptr,
+                y_ptr,
+                slot_ptr,
+                ranks_ptr,
+                scal_ptr,
+                pairs,
+                m_mask,
+                expert,
+                num_experts,
+                x_row_div,
+                slot_div,
+                x_stride_row,
+                y_stride_row,
+                DOT_PRECISION,
+                HIDDEN,
+                RANK,
+                SLICES,
+                BLOCK_M,
+                BLOCK_R,
+                BLOCK_K,
+            )
+        else:
+            _base_tile(
+                x_ptr, w_ptr, out_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr,
+                pairs, m_mask, expert, pid_n - 1, n_out, x_stride_row, w_stride_expert,
+                w_stride_row, out_stride_row, x_row_div, slot_div, num_experts, y_stride_row,
+                y_stride_part, lora_stride_w, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N,
+                BLOCK_K, False, RANK, BLOCK_R, Y_PARTS,
+            )  # fmt: skip
+    else:
+        _base_tile(
+            x_ptr, w_ptr, out_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs,
+            m_mask, expert, pid_n, n_out, x_stride_row, w_stride_expert, w_stride_row,
+            out_stride_row, x_row_div, slot_div, num_experts, y_stride_row, y_stride_part,
+            lora_stride_w, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K, LORA == 2, RANK,
+            BLOCK_R, Y_PARTS,
+        )  # fmt: skip
+
+
+@triton.jit
+def _base_tile(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    b_ptr,
+    y_ptr,
+    slot_ptr,
+    ranks_ptr,
+    scal_ptr,
+    pairs,
+    m_mask,
+    expert,
+    pid_n,
+    n_out,
+    x_stride_row,
+    w_stride_expert,
+    w_stride_row,
+    out_stride_row,
+    x_row_div,
+    slot_div,
+    num_experts,
+    y_stride_row,
+    y_stride_part,
+    b_stride_w,
+    DOT_PRECISION: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EXPAND: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    Y_PARTS: tl.constexpr,
+):
+    """One block of N of the tile's rows; with ``EXPAND`` the rows' LoRA (B times the sum of
+    the ``Y_PARTS`` partial shrinks) added to the fp32 accumulator before it is rounded."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // x_row_div)[:, None] * x_stride_row + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * w_stride_expert
     w_ptrs = w_base + offs_n[None, :].to(tl.int64) * w_stride_row + offs_k[:, None]  # [BK, BN]
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         k_mask = (k0 + offs_k) < HIDDEN
@@ -84,8 +296,110 @@ def _grouped_matmul_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if EXPAND:
+        # The rows' slots and shrink (the sum of the partials, in a fixed order) loaded
+        # after the K loop (before it, they cost the unrolled loop registers).
+        slots, ranks, scales, lora = _tile_lora_rows(
+            slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, slot_div
+        )
+        offs_r = tl.arange(0, BLOCK_R)
+        y_ptrs = y_ptr + pairs[:, None] * y_stride_row + offs_r[None, :]
+        y_mask = lora[:, None] & (offs_r < RANK)[None, :]
+        y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for part in tl.static_range(Y_PARTS):
+            y += tl.load(y_ptrs + part * y_stride_part, mask=y_mask, other=0.0)
+
+    if EXPAND:
+        delta = _expand_delta(
+            y,
+            b_ptr,
+            slots,
+            ranks,
+            lora,
+            expert,
+            num_experts,
+            b_stride_w,
+            offs_n,
+            n_mask,
+            DOT_PRECISION,
+            RANK,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_R,
+        )
+        # Rows without a LoRA keep their value bit for bit (no + 0.0).
+        acc = tl.where(lora[:, None], acc + delta * scales[:, None], acc)
+
     out_ptrs = out_ptr + pairs[:, None] * out_stride_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _experts_silu_mul_lora_kernel(
+    gu_ptr,  # [P, 2I]: gate | up, the base gate_up GEMM's output
+    act_ptr,  # [P, I] out
+    y_ptr,  # [P, 2 * RANK]: gate_up's shrink (gate | up)
+    b_ptr,  # [S * E, 2I, RANK]: gate_up's B
+    a_ptr,  # [S * E, RANK, I]: down's A
+    part_ptr,  # [parts, P, RANK] fp32 out: down's shrink over this program's block of I
+    pair_expert_ptr,  # int32 [P]
+    slot_ptr,
+    ranks_ptr,
+    scal_ptr,
+    inter,
+    gu_stride_row,
+    act_stride_row,
+    y_stride_row,
+    b_stride_w,
+    a_stride_w,
+    part_stride_part,
+    part_stride_row,
+    num_experts,
+    slot_div,
+    RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One pair x one block of I: gate_up's LoRA expand added to gate and up (fp32), the
+    SwiGLU, and down's LoRA shrink over this block of I (a partial the down GEMM sums in a
+    fixed order). A pair without a LoRA gets the plain SwiGLU, bit for bit. One pair per
+    program: no per-slot loop, and the weights' loads leave in the second round trip (B
+    and A are zero past a slot's rank, so they are not masked by it)."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    expert = tl.load(pair_expert_ptr + pair)
+    slot = tl.load(slot_ptr + pair // slot_div)
+    g_ptrs = gu_ptr + pair * gu_stride_row + offs_n
+    gate = tl.load(g_ptrs, mask=n_mask, other=0.0).to(tl.float32)
+    up = tl.load(g_ptrs + inter, mask=n_mask, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    if slot >= 0:
+        rank = tl.load(ranks_ptr + slot)
+        scale = tl.load(scal_ptr + slot).to(tl.float32)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_in = offs_r < RANK
+        y_ptrs = y_ptr + pair * y_stride_row + offs_r
+        weight = (slot * num_experts + expert).to(tl.int64)
+        w_mask = n_mask[:, None] & r_in[None, :]
+        b_ptrs = b_ptr + weight * b_stride_w + offs_n[:, None] * RANK + offs_r[None, :]
+        a_ptrs = a_ptr + weight * a_stride_w + offs_r[None, :] * inter + offs_n[:, None]
+        b_gate = tl.load(b_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        b_up = tl.load(b_ptrs + inter * RANK, mask=w_mask, other=0.0).to(tl.float32)
+        a_tile = tl.load(a_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+        if rank > 0:
+            y_gate = tl.load(y_ptrs, mask=r_in, other=0.0).to(tl.float32)
+            y_up = tl.load(y_ptrs + RANK, mask=r_in, other=0.0).to(tl.float32)
+            g = gate + tl.sum(b_gate * y_gate[None, :], axis=1) * scale
+            u = up + tl.sum(b_up * y_up[None, :], axis=1) * scale
+            act = g / (1.0 + tl.exp(-g)) * u
+            rounded = act.to(act_ptr.dtype.element_ty).to(tl.float32)
+            part = tl.sum(a_tile * rounded[:, None], axis=0)  # [BLOCK_R]
+            part_ptrs = part_ptr + tl.program_id(1) * part_stride_part + pair * part_stride_row
+            tl.store(part_ptrs + offs_r, part, mask=r_in)
+    tl.store(
+        act_ptr + pair * act_stride_row + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask
+    )
 
 
 @triton.jit
@@ -201,6 +515,21 @@ def moe_grouped_matmul(
     gathered copy of ``x``). Every pair's row of ``out`` is written.
     """
     fn = "moe_grouped_matmul"
+    x, w = _check_grouped(fn, x, w, routing, x_row_div)
+    num_pairs = routing.row_order.shape[0]
+    if out is None:
+        out = x.new_empty(num_pairs, w.shape[1])
+    else:
+        check_tensor(fn, "out", out, ndim=2, dtypes=(x.dtype,), device=x.device, contiguous=True)
+        check_dim(fn, "out", out, 0, num_pairs, "one row per routed pair")
+        check_dim(fn, "out", out, 1, w.shape[1], "w.shape[1]")
+    _launch_grouped(x, w, out, routing, x_row_div)
+    return out
+
+
+def _check_grouped(
+    fn: str, x: torch.Tensor, w: torch.Tensor, routing: MoeLoraRouting, x_row_div: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     x = check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     check_interpretable(fn, "x", x)
     w = check_tensor(fn, "w", w, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
@@ -220,37 +549,256 @@ def moe_grouped_matmul(
             f"{fn}: x.shape[0] * x_row_div must equal the routed pairs, got "
             f"{x.shape[0]} * {x_row_div} != {num_pairs}"
         )
-    n_out, hidden = w.shape[1], w.shape[2]
-    if out is None:
-        out = x.new_empty(num_pairs, n_out)
-    else:
-        check_tensor(fn, "out", out, ndim=2, dtypes=(x.dtype,), device=x.device, contiguous=True)
-        check_dim(fn, "out", out, 0, num_pairs, "one row per routed pair")
-        check_dim(fn, "out", out, 1, n_out, "w.shape[1]")
-    tiles = routing.tile_seg.shape[0]
+    return x, w
+
+
+def _launch_grouped(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    routing: MoeLoraRouting,
+    x_row_div: int,
+    lora: ExpertLoRA | None = None,
+    lora_mode: int = 0,
+    y: torch.Tensor | None = None,
+) -> None:
+    """The grouped GEMM; ``lora_mode`` 1: gate_up's shrink into ``y`` in program column 0;
+    2: down's expand of the partial shrinks ``y [parts, P, R]`` in the epilogue."""
+    num_pairs, tiles = routing.row_order.shape[0], routing.tile_seg.shape[0]
     if num_pairs == 0 or tiles == 0:
-        return out
+        return
+    n_out, hidden = w.shape[1], w.shape[2]
     block_m = routing.block_s
     block_n = min(64 if block_m <= 16 else 128, max(MIN_DOT_BLOCK, next_power_of_2(n_out)))
     block_k = min(128, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
-    _grouped_matmul_kernel[(tiles, cdiv(n_out, block_n))](
+    n_blocks = cdiv(n_out, block_n)
+    rank, slices, block_r, parts = 1, 1, MIN_DOT_BLOCK, 1
+    if lora is None:
+        lora_w, y_arg, slots, ranks, scalings, slot_div = (
+            w,
+            out,
+            routing.tile_len,
+            routing.tile_len,
+            out,
+            1,
+        )
+        y_strides, lora_stride = (0, 0), 0
+    else:
+        assert y is not None
+        slots, ranks, scalings, slot_div = (
+            lora.token_slots,
+            lora.slot_ranks,
+            lora.slot_scalings,
+            lora.topk,
+        )
+        rank = lora.rank
+        if lora_mode == 1:
+            lora_w, slices = lora.a_gate_up, 2
+            n_blocks += 1
+            y_strides = (y.stride(0), 0)
+        else:
+            lora_w, parts = lora.b_down, y.shape[0]
+            y_strides = (y.stride(1), y.stride(0))
+        lora_stride = lora_w.stride(1)
+        block_r = max(MIN_DOT_BLOCK, next_power_of_2(slices * rank))
+        y_arg = y
+    _grouped_matmul_kernel[(tiles, n_blocks)](
         x,
         w,
         out,
         routing.tile_seg,
         routing.tile_len,
         routing.tile_rows,
+        lora_w,
+        y_arg,
+        slots,
+        ranks,
+        scalings,
         n_out,
         x.stride(0),
         w.stride(0),
         w.stride(1),
         out.stride(0),
         x_row_div,
+        slot_div,
+        routing.num_experts,
+        y_strides[0],
+        y_strides[1],
+        lora_stride,
         DOT_PRECISION=dot_precision(x.dtype),
         HIDDEN=hidden,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        LORA=lora_mode,
+        RANK=rank,
+        SLICES=slices,
+        BLOCK_R=block_r,
+        Y_PARTS=parts,
         num_warps=4,
     )
-    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLoRA:
+    """The routed experts' LoRA as the fused kernels read it (``lora.layers.ExpertsLoRA``).
+
+    Weights per (slot, expert), ``R`` the buffers' max rank: ``a_gate_up [S, E, 2R, H]``
+    (gate rows, then up rows), ``b_gate_up [S, E, 2I, R]``, ``a_down [S, E, R, I]``,
+    ``b_down [S, E, H, R]``; all contiguous. Pair ``p`` is token ``p // topk`` and has the
+    slot ``token_slots[p // topk]`` (``-1``: no adapter); ``slot_ranks`` int32 ``[S]`` (a
+    slot of rank 0 adds nothing), ``slot_scalings [S]``.
+    """
+
+    a_gate_up: torch.Tensor
+    b_gate_up: torch.Tensor
+    a_down: torch.Tensor
+    b_down: torch.Tensor
+    token_slots: torch.Tensor
+    slot_ranks: torch.Tensor
+    slot_scalings: torch.Tensor
+    topk: int
+
+    @property
+    def rank(self) -> int:
+        return int(self.a_down.shape[2])
+
+    def check(self, fn: str, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
+        """``ValueError`` naming the operand unless the buffers fit the experts' weights."""
+        num_slots, e, r = self.a_down.shape[0], w_gate_up.shape[0], self.rank
+        inter, hidden = w_down.shape[2], w_down.shape[1]
+        expected = {
+            "a_gate_up": (num_slots, e, 2 * r, hidden),
+            "b_gate_up": (num_slots, e, 2 * inter, r),
+            "a_down": (num_slots, e, r, inter),
+            "b_down": (num_slots, e, hidden, r),
+        }
+        for name, shape in expected.items():
+            tensor = check_tensor(
+                fn,
+                f"lora.{name}",
+                getattr(self, name),
+                ndim=4,
+                dtypes=(w_gate_up.dtype,),
+                device=w_gate_up.device,
+                contiguous=True,
+            )
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"{fn}: lora.{name} must have shape {shape} (slots, experts, ...) for "
+                    f"these experts' weights, got {tuple(tensor.shape)}"
+                )
+        for name, dtypes, size in (
+            ("token_slots", (torch.int32,), None),
+            ("slot_ranks", (torch.int32,), num_slots),
+            ("slot_scalings", FLOAT_DTYPES, num_slots),
+        ):
+            tensor = check_tensor(
+                fn,
+                f"lora.{name}",
+                getattr(self, name),
+                ndim=1,
+                dtypes=dtypes,
+                device=w_gate_up.device,
+                contiguous=True,
+            )
+            if size is not None:
+                check_dim(fn, f"lora.{name}", tensor, 0, size, "one per slot")
+        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
+            raise ValueError(f"{fn}: lora.topk must be an int >= 1, got {self.topk!r}")
+
+
+# The fused SwiGLU's block of I: fixed, so the down shrink's partials (one per block) are
+# summed in the same order whatever the batch.
+SILU_BLOCK_N = 128
+
+
+def moe_experts_lora(
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    pair_expert: torch.Tensor,
+    routing: MoeLoraRouting,
+    lora: ExpertLoRA,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """``d [P, H]``: the routed experts with each pair's LoRA, in three launches (no LoRA
+    kernel of its own, no buffer to zero, no host sync):
+
+    1. gate_up's grouped GEMM; program column 0 of each expert tile is the tile's LoRA
+       shrink ``y = x @ A_gate_up^T`` (one pass over K per distinct slot in the tile).
+    2. per pair and block of I: ``gate/up += scaling * y @ B_gate_up^T`` (fp32), the
+       SwiGLU, and down's shrink of this block of I (a partial, ``[parts, P, R]`` fp32).
+    3. down's grouped GEMM; its epilogue sums the partials in a fixed order and adds
+       ``scaling * y @ B_down^T`` to the fp32 accumulator.
+
+    Pairs whose token has no adapter (slot -1, or a slot of rank 0) get the base experts'
+    values bit for bit. ``x [T, H]`` (pair ``p`` reads row ``p // topk``), ``w_gate_up
+    [E, 2I, H]``, ``w_down [E, H, I]``, ``pair_expert`` int32 ``[P]``, ``routing`` from
+    ``moe_expert_routing`` over it. The top-k
+    combine (``moe_combine``) follows. Reference: ``reference.moe_lora_shrink`` /
+    ``moe_lora_expand`` around ``silu_and_mul`` and one matmul per expert.
+    """
+    fn = "moe_experts_lora"
+    topk = lora.topk
+    if check:
+        x, w_gate_up = _check_grouped(fn, x, w_gate_up, routing, topk)
+        w_down = check_tensor(
+            fn, "w_down", w_down, ndim=3, dtypes=(x.dtype,), device=x.device, contiguous=True
+        )
+        check_dim(fn, "w_down", w_down, 0, w_gate_up.shape[0], "one weight per expert")
+        check_dim(fn, "w_down", w_down, 1, x.shape[1], "the hidden size of x")
+        check_dim(fn, "w_down", w_down, 2, w_gate_up.shape[1] // 2, "half of w_gate_up's rows")
+        lora.check(fn, w_gate_up, w_down)
+        check_dim(fn, "lora.token_slots", lora.token_slots, 0, x.shape[0], "one per token of x")
+        check_tensor(
+            fn,
+            "pair_expert",
+            pair_expert,
+            ndim=1,
+            dtypes=(torch.int32,),
+            device=x.device,
+            contiguous=True,
+        )
+        check_dim(fn, "pair_expert", pair_expert, 0, routing.row_order.shape[0], "one per pair")
+    num_pairs = routing.row_order.shape[0]
+    inter, rank = w_down.shape[2], lora.rank
+    gu = x.new_empty(num_pairs, 2 * inter)
+    y = x.new_empty(num_pairs, 2 * rank)
+    _launch_grouped(x, w_gate_up, gu, routing, topk, lora, 1, y)
+    parts = cdiv(inter, SILU_BLOCK_N)
+    act = x.new_empty(num_pairs, inter)
+    partials = torch.empty(parts, num_pairs, rank, dtype=torch.float32, device=x.device)
+    d = x.new_empty(num_pairs, w_down.shape[1])
+    tiles = routing.tile_seg.shape[0]
+    if num_pairs == 0 or tiles == 0:
+        return d
+    _experts_silu_mul_lora_kernel[(num_pairs, parts)](
+        gu,
+        act,
+        y,
+        lora.b_gate_up,
+        lora.a_down,
+        partials,
+        pair_expert,
+        lora.token_slots,
+        lora.slot_ranks,
+        lora.slot_scalings,
+        inter,
+        gu.stride(0),
+        act.stride(0),
+        y.stride(0),
+        lora.b_gate_up.stride(1),
+        lora.a_down.stride(1),
+        partials.stride(0),
+        partials.stride(1),
+        routing.num_experts,
+        topk,
+        RANK=rank,
+        BLOCK_N=SILU_BLOCK_N,
+        BLOCK_R=max(MIN_DOT_BLOCK, next_power_of_2(rank)),
+        num_warps=4,
+    )
+    _launch_grouped(act, w_down, d, routing, 1, lora, 2, partials)
+    return d

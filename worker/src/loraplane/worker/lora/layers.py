@@ -12,7 +12,7 @@ experts and LM head in the TP-global section (they are the same without DP atten
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ from loraplane.worker.models.layers import (
     silu_mul,
 )
 from loraplane.worker.models.model import Experts
+
+if TYPE_CHECKING:
+    from loraplane.worker.kernels.experts import ExpertLoRA
 
 Section = Literal["local", "global"]
 
@@ -332,6 +335,33 @@ class ExpertsLoRA(LoRALayer):
         self.gate_up_offsets = torch.tensor([0, i, 2 * i], dtype=torch.int32, device=w.device)
         self.down_offsets = torch.tensor([0, h], dtype=torch.int32, device=w.device)
         base.lora = self
+
+    # Pairs up to which the LoRA runs inside the base experts' kernels. Their SwiGLU reads
+    # gate_up's B and down's A once per pair (not once per (slot, expert)): at decode a few
+    # pairs share an expert, at prefill thousands would re-read the same weights; measured
+    # at bs 16-128 x top-8 (docs/performance.md, session 18).
+    fused_max_pairs = 1024
+
+    def fused_operands(self, topk: int, num_pairs: int) -> ExpertLoRA | None:
+        """The operands of ``kernels.moe_experts_lora`` (the LoRA inside the base experts'
+        kernels) on the Triton backend for up to ``fused_max_pairs`` pairs; else None (the
+        separate LoRA kernels, or on the torch backend the per-pair references)."""
+        if self.ctx.backend.name != "triton" or num_pairs > self.fused_max_pairs:
+            return None
+        info = self.ctx.info(self.section)
+        assert info is not None
+        from loraplane.worker.kernels.experts import ExpertLoRA
+
+        return ExpertLoRA(
+            self.a_gate_up,
+            self.b_gate_up,
+            self.a_down,
+            self.b_down,
+            info.token_slots,
+            info.slot_ranks,
+            info.slot_scalings,
+            topk,
+        )
 
     def set_expert_slot(
         self,

@@ -12,6 +12,8 @@ DP-gathered the same way and vocab-parallel.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -234,6 +236,10 @@ class Experts(nn.Module):
     # moving its tokens to other experts) never change another request's bits. See
     # docs/adr/0001-batch-invariant-experts.md.
     cpu_row_block = 16
+    # The device kernels (Triton's interpreter) on the CPU too, instead of ``grouped``: for
+    # tests of the device path, LoRA and base alike (their bits differ from torch's). The
+    # environment variable reaches the ranks a multi-rank test starts.
+    device_kernels = os.environ.get("LORAPLANE_CPU_DEVICE_KERNELS") == "1"
 
     def grouped(self, x: torch.Tensor, w: torch.Tensor, pair_expert: torch.Tensor) -> torch.Tensor:
         """y[p] = x[p] @ w[pair_expert[p]]^T, one matmul per expert present."""
@@ -267,21 +273,33 @@ class Experts(nn.Module):
         # shared with the LoRA's).
         pair_expert = topk_ids.reshape(-1).to(torch.int32)
         lora = self.lora if self.lora is not None and self.lora.lora_active else None
+        device_kernels = x.device.type == "cuda" or self.device_kernels
+        fused = None
+        if lora is not None and device_kernels:
+            fused = lora.fused_operands(k, pair_expert.shape[0])
+        if fused is not None:
+            # The LoRA inside the base kernels (kernels.moe_experts_lora): three launches.
+            routing = kernels.moe_expert_routing(pair_expert, self.num_experts)
+            d = kernels.moe_experts_lora(
+                x, self.w_gate_up, self.w_down, pair_expert, routing, fused, check=False
+            )
+            return self.reduce(topk_combine(d, topk_weights))
         # The LoRA's per-pair outputs only read x / act: begun before each base GEMM (on a
         # side stream while a CUDA graph is captured, and then added where the next op reads
         # the GEMM's output: the SwiGLU, the top-k combine; no LoRA kernel waits on a GEMM).
         pending = lora.begin_gate_up(x, pair_expert, k) if lora is not None else None
-        if x.device.type == "cuda":
+        if device_kernels:
             # Device-routed grouped GEMMs (kernels/experts.py): no host sync, capturable; each
             # pair reads its token's row of x in place.
             routing = kernels.moe_expert_routing(pair_expert, self.num_experts)
             gu = kernels.moe_grouped_matmul(x, self.w_gate_up, routing, x_row_div=k)
         else:
             gu = self.grouped(x.repeat_interleave(k, dim=0), self.w_gate_up, pair_expert)
-        # [P, I]: as the dense MLP's, fp32 math, one kernel on CUDA
-        act = silu_mul(gu, lora.gate_up_delta(pending, gu) if lora is not None else None)
+        # [P, I]: as the dense MLP's, fp32 math, one kernel on the device path
+        delta = lora.gate_up_delta(pending, gu) if lora is not None else None
+        act = kernels.silu_and_mul(gu, delta) if device_kernels else silu_mul(gu, delta)
         pending = lora.begin_down(act) if lora is not None else None
-        if x.device.type == "cuda":
+        if device_kernels:
             d = kernels.moe_grouped_matmul(act, self.w_down, routing)
         else:
             d = self.grouped(act, self.w_down, pair_expert)  # [P, H] partial over MoE-TP
