@@ -196,6 +196,9 @@ def lora_case(
         b_gate_up[slot, ..., r:] = 0
         a_down[slot, :, r:] = 0
         b_down[slot, ..., r:] = 0
+        if r == 0:  # a cleared slot adds nothing, whatever its buffers hold
+            for buf in (a_gate_up, b_gate_up, a_down, b_down):
+                buf[slot] = float("nan")
     choice = [torch.randperm(e, generator=gen)[:topk] for _ in range(tokens)]
     pair_expert = torch.stack(choice).flatten().to(torch.int32)
     token_slots = torch.randint(-1, s, (tokens,), generator=gen).to(torch.int32)
@@ -226,6 +229,7 @@ def experts_lora_reference(
 
     topk, inter, hidden = lora.topk, w_down.shape[2], w_down.shape[1]
     pair_slot = lora.token_slots.repeat_interleave(topk)
+    pair_slot = torch.where(lora.slot_ranks[pair_slot.clamp(min=0).long()] > 0, pair_slot, -1)
     ranks, scalings = lora.slot_ranks, lora.slot_scalings.double()
     gu = per_expert_reference(x, w_gate_up, pair_expert, topk)
     y = reference.moe_lora_shrink(
@@ -263,13 +267,23 @@ def test_experts_lora_matches_the_references(
     num_experts: int,
     ranks: tuple[int, ...],
     block_m: int | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each pair's expert output with its token's LoRA (gate_up's in the GEMM and the
     SwiGLU, down's in the SwiGLU and the down GEMM), against fp64 references; pairs with
-    no adapter (or a slot of rank 0) equal the base kernels' bits."""
+    no adapter (or a slot of rank 0, whose buffers hold NaN) equal the base kernels' bits.
+    Every buffer the kernels allocate starts as NaN: a row read before it is written shows."""
     x, w_gate_up, w_down, pair_expert, lora = lora_case(tokens, topk, num_experts, ranks, dtype)
     routing = experts.moe_expert_routing(pair_expert, num_experts, block_m)
+    new_empty, empty = torch.Tensor.new_empty, torch.empty
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poisoned(new_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
     d = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    monkeypatch.undo()
     want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
     assert d.shape == (tokens * topk, w_down.shape[1]) and d.dtype == dtype
     # y and act are rounded to the dtype on the way (as the separate LoRA kernels round them)
@@ -295,8 +309,10 @@ def test_experts_lora_matches_the_references(
         ("slot_scalings", torch.zeros(3), "lora.slot_scalings.shape[0] must be 2 (one per slot)"),
         ("token_slots", torch.zeros(5, dtype=torch.int32), "lora.token_slots.shape[0] must be 4"),
         ("topk", 0, "lora.topk must be an int >= 1, got 0"),
+        ("topk", 3, "x.shape[0] * lora.topk must equal the routed pairs, got 4 * 3 != 8"),
+        ("a_down", torch.zeros(2, 3, 0, 16), "lora.a_down must have a max rank (dim 2) >= 1"),
     ],
-    ids=["b-shape", "ranks-dtype", "scalings-size", "slots-size", "topk"],
+    ids=["b-shape", "ranks-dtype", "scalings-size", "slots-size", "topk", "topk-pairs", "rank-0"],
 )
 def test_experts_lora_names_a_bad_operand(field: str, value: object, message: str) -> None:
     import dataclasses
@@ -308,9 +324,5 @@ def test_experts_lora_names_a_bad_operand(field: str, value: object, message: st
     if isinstance(value, torch.Tensor):
         value = value.to(DEVICE)
     bad = dataclasses.replace(lora, **{field: value})
-    if field == "topk":
-        with pytest.raises(ValueError, match=re.escape(message)):
-            bad.check("moe_experts_lora", w_gate_up, w_down)
-        return
     with pytest.raises(ValueError, match=re.escape(message)):
         experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, bad)

@@ -17,23 +17,31 @@ def test_mixed_batch_matches_peft_and_merged_triton_backend(suite, arch: str) ->
     assert_parity(report)
 
 
-def test_moe_lora_inside_the_experts_kernels_matches_peft(suite, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("max_pairs", [1024, 20], ids=["all-fused", "prefill-separate"])
+def test_moe_lora_inside_the_experts_kernels_matches_peft(suite, monkeypatch, max_pairs) -> None:  # type: ignore[no-untyped-def]
     """On CUDA the Triton backend computes the experts' LoRA inside the base experts'
-    kernels (``kernels.moe_experts_lora``); here the CPU takes the same path through the
-    interpreter, base experts included. The same parity figures, base rows bit for bit."""
+    kernels (``kernels.moe_experts_lora``) up to ``fused_max_pairs`` pairs; here the CPU
+    takes the same paths through the interpreter, base experts included. With the bound at
+    20 pairs (10 sequences at top-2), prefills take the separate LoRA kernels and decode
+    steps the fused ones. The same parity figures, base rows bit for bit."""
     from loraplane.worker.kernels import experts
+    from loraplane.worker.lora.layers import ExpertsLoRA
     from loraplane.worker.models.model import Experts
 
-    calls: list[int] = []
+    sizes: list[int] = []
     fused = experts.moe_experts_lora
 
-    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        return fused(*args, **kwargs)
+    def counted(x, w_gate_up, w_down, pair_expert, *args, **kwargs):  # type: ignore[no-untyped-def]
+        sizes.append(pair_expert.shape[0])
+        return fused(x, w_gate_up, w_down, pair_expert, *args, **kwargs)
 
     monkeypatch.setattr(Experts, "device_kernels", True)
+    monkeypatch.setattr(ExpertsLoRA, "fused_max_pairs", max_pairs)
     monkeypatch.setattr(experts, "moe_experts_lora", counted)
     model_dir, adapters = suite["qwen3-moe"]
     report = check_parity(model_dir, adapters, prompts=10, max_new_tokens=5, backend="triton")
-    assert calls, "the fused experts' path never ran"
+    assert sizes, "the fused experts' path never ran"
+    assert max(sizes) <= max_pairs
+    if max_pairs == 1024:
+        assert max(sizes) > 20, "the prefill should have taken the fused path too"
     assert_parity(report)

@@ -109,8 +109,22 @@ def test_moe_lora_inside_the_experts_kernels_over_ranks(
 ) -> None:  # type: ignore[no-untyped-def]
     """The experts' LoRA inside the base kernels (the CUDA path, here through Triton's
     interpreter) with the intermediate size split over ranks: down's shrink is a partial
-    sum over the ranks' columns, reduced with the base output."""
+    sum over the ranks' columns, reduced with the base output. The ranks take the path
+    through the environment; the single-rank run they are compared with (in this process)
+    takes it too, and is counted."""
+    from loraplane.worker.kernels import experts
+    from loraplane.worker.models.model import Experts
+
+    calls: list[int] = []
+    fused = experts.moe_experts_lora
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return fused(*args, **kwargs)
+
     monkeypatch.setenv("LORAPLANE_CPU_DEVICE_KERNELS", "1")
+    monkeypatch.setattr(Experts, "device_kernels", True)
+    monkeypatch.setattr(experts, "moe_experts_lora", counted)
     model_dir, adapters = suite["qwen3-moe"]
     report = check_parity_dist(
         model_dir,
@@ -122,5 +136,6 @@ def test_moe_lora_inside_the_experts_kernels_over_ranks(
         dp=dp,
         dp_attention=dp > 1,
     )
+    assert calls, "the single-rank run never took the fused experts' path"
     assert_parity(report)
     assert report.extra["vs_single_rank_max_abs_logprob_diff"] <= 1e-5, report.extra

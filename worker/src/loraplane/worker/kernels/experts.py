@@ -164,7 +164,7 @@ def _grouped_matmul_kernel(
     tile_rows_ptr,  # int64 [tiles * BLOCK_M]: the tile's pairs (the first tile_len)
     lora_w_ptr,  # LORA 1: A [S * E, SLICES * RANK, K]; LORA 2: B [S * E, N, RANK]
     y_ptr,  # LORA 1: y [P, SLICES * RANK] out; LORA 2: y partials [Y_PARTS, P, RANK] fp32 in
-    slot_ptr,  # int32 [P // slot_div]: each token's slot, -1 = none (LORA > 0)
+    slot_ptr,  # int32 [>= P // slot_div]: each token's slot, -1 = none (LORA > 0)
     ranks_ptr,  # int32 [S]
     scal_ptr,  # [S] scalings (LORA 2)
     n_out,
@@ -528,25 +528,33 @@ def moe_grouped_matmul(
 
 
 def _check_grouped(
-    fn: str, x: torch.Tensor, w: torch.Tensor, routing: MoeLoraRouting, x_row_div: int
+    fn: str,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    routing: MoeLoraRouting,
+    x_row_div: int,
+    w_name: str = "w",
+    div_name: str = "x_row_div",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands of one grouped GEMM; errors use the caller's names for ``w`` and
+    ``x_row_div``."""
     x = check_tensor(fn, "x", x, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     check_interpretable(fn, "x", x)
-    w = check_tensor(fn, "w", w, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
-    check_same_dtype(fn, "w", w, "x", x.dtype)
-    check_dim(fn, "w", w, 2, x.shape[1], "the hidden size of x")
+    w = check_tensor(fn, w_name, w, ndim=3, dtypes=FLOAT_DTYPES, device=x.device, contiguous=True)
+    check_same_dtype(fn, w_name, w, "x", x.dtype)
+    check_dim(fn, w_name, w, 2, x.shape[1], "the hidden size of x")
     if not isinstance(routing, MoeLoraRouting) or routing.num_slots != 1:
         raise ValueError(f"{fn}: routing must come from moe_expert_routing, got {routing!r}")
     if routing.num_experts != w.shape[0]:
         raise ValueError(
-            f"{fn}: routing was built for {routing.num_experts} experts, w has {w.shape[0]}"
+            f"{fn}: routing was built for {routing.num_experts} experts, {w_name} has {w.shape[0]}"
         )
     if isinstance(x_row_div, bool) or not isinstance(x_row_div, int) or x_row_div < 1:
-        raise ValueError(f"{fn}: x_row_div must be an int >= 1, got {x_row_div!r}")
+        raise ValueError(f"{fn}: {div_name} must be an int >= 1, got {x_row_div!r}")
     num_pairs = routing.row_order.shape[0]
     if x.shape[0] * x_row_div != num_pairs:
         raise ValueError(
-            f"{fn}: x.shape[0] * x_row_div must equal the routed pairs, got "
+            f"{fn}: x.shape[0] * {div_name} must equal the routed pairs, got "
             f"{x.shape[0]} * {x_row_div} != {num_pairs}"
         )
     return x, w
@@ -645,7 +653,8 @@ class ExpertLoRA:
 
     Weights per (slot, expert), ``R`` the buffers' max rank: ``a_gate_up [S, E, 2R, H]``
     (gate rows, then up rows), ``b_gate_up [S, E, 2I, R]``, ``a_down [S, E, R, I]``,
-    ``b_down [S, E, H, R]``; all contiguous. Pair ``p`` is token ``p // topk`` and has the
+    ``b_down [S, E, H, R]``; all contiguous, and zero past each slot's rank (as the runtime
+    keeps them): the SwiGLU reads B and A whole. Pair ``p`` is token ``p // topk`` and has the
     slot ``token_slots[p // topk]`` (``-1``: no adapter); ``slot_ranks`` int32 ``[S]`` (a
     slot of rank 0 adds nothing), ``slot_scalings [S]``.
     """
@@ -665,7 +674,14 @@ class ExpertLoRA:
 
     def check(self, fn: str, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> None:
         """``ValueError`` naming the operand unless the buffers fit the experts' weights."""
-        num_slots, e, r = self.a_down.shape[0], w_gate_up.shape[0], self.rank
+        a_down = check_tensor(
+            fn, "lora.a_down", self.a_down, ndim=4, dtypes=FLOAT_DTYPES, device=w_gate_up.device
+        )
+        if a_down.shape[2] < 1:
+            raise ValueError(
+                f"{fn}: lora.a_down must have a max rank (dim 2) >= 1, got {tuple(a_down.shape)}"
+            )
+        num_slots, e, r = a_down.shape[0], w_gate_up.shape[0], self.rank
         inter, hidden = w_down.shape[2], w_down.shape[1]
         expected = {
             "a_gate_up": (num_slots, e, 2 * r, hidden),
@@ -741,16 +757,21 @@ def moe_experts_lora(
     ``moe_lora_expand`` around ``silu_and_mul`` and one matmul per expert.
     """
     fn = "moe_experts_lora"
-    topk = lora.topk
     if check:
-        x, w_gate_up = _check_grouped(fn, x, w_gate_up, routing, topk)
+        if not isinstance(lora, ExpertLoRA):
+            raise ValueError(f"{fn}: lora must be an ExpertLoRA, got {type(lora).__name__}")
+        for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+            check_tensor(fn, name, w, ndim=3, dtypes=FLOAT_DTYPES)
+        lora.check(fn, w_gate_up, w_down)
+        x, w_gate_up = _check_grouped(
+            fn, x, w_gate_up, routing, lora.topk, w_name="w_gate_up", div_name="lora.topk"
+        )
         w_down = check_tensor(
             fn, "w_down", w_down, ndim=3, dtypes=(x.dtype,), device=x.device, contiguous=True
         )
         check_dim(fn, "w_down", w_down, 0, w_gate_up.shape[0], "one weight per expert")
         check_dim(fn, "w_down", w_down, 1, x.shape[1], "the hidden size of x")
         check_dim(fn, "w_down", w_down, 2, w_gate_up.shape[1] // 2, "half of w_gate_up's rows")
-        lora.check(fn, w_gate_up, w_down)
         check_dim(fn, "lora.token_slots", lora.token_slots, 0, x.shape[0], "one per token of x")
         check_tensor(
             fn,
@@ -762,6 +783,7 @@ def moe_experts_lora(
             contiguous=True,
         )
         check_dim(fn, "pair_expert", pair_expert, 0, routing.row_order.shape[0], "one per pair")
+    topk = lora.topk
     num_pairs = routing.row_order.shape[0]
     inter, rank = w_down.shape[2], lora.rank
     gu = x.new_empty(num_pairs, 2 * inter)

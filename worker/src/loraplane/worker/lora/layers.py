@@ -341,12 +341,20 @@ class ExpertsLoRA(LoRALayer):
     # pairs share an expert, at prefill thousands would re-read the same weights; measured
     # at bs 16-128 x top-8 (docs/performance.md, session 18).
     fused_max_pairs = 1024
+    # The down GEMM sums one partial shrink per 128 columns of the intermediate size, in an
+    # unrolled loop after its own: up to 16 (an intermediate of 2048 per rank).
+    fused_max_intermediate = 2048
 
     def fused_operands(self, topk: int, num_pairs: int) -> ExpertLoRA | None:
         """The operands of ``kernels.moe_experts_lora`` (the LoRA inside the base experts'
-        kernels) on the Triton backend for up to ``fused_max_pairs`` pairs; else None (the
-        separate LoRA kernels, or on the torch backend the per-pair references)."""
-        if self.ctx.backend.name != "triton" or num_pairs > self.fused_max_pairs:
+        kernels) on the Triton backend for up to ``fused_max_pairs`` pairs and an
+        intermediate size up to ``fused_max_intermediate``; else None (the separate LoRA
+        kernels, or on the torch backend the per-pair references)."""
+        if (
+            self.ctx.backend.name != "triton"
+            or num_pairs > self.fused_max_pairs
+            or self.base_layer.intermediate > self.fused_max_intermediate
+        ):
             return None
         info = self.ctx.info(self.section)
         assert info is not None
@@ -357,7 +365,7 @@ class ExpertsLoRA(LoRALayer):
             self.b_gate_up,
             self.a_down,
             self.b_down,
-            info.token_slots,
+            info.token_slots[: num_pairs // topk],  # the batch's tokens (a graph's are padded)
             info.slot_ranks,
             info.slot_scalings,
             topk,
