@@ -226,22 +226,15 @@ def _grouped_matmul_kernel(
                 BLOCK_R,
                 BLOCK_K,
             )
-        else:
-            _base_tile(
-                x_ptr, w_ptr, out_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr,
-                pairs, m_mask, expert, pid_n - 1, n_out, x_stride_row, w_stride_expert,
-                w_stride_row, out_stride_row, x_row_div, slot_div, num_experts, y_stride_row,
-                y_stride_part, lora_stride_w, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N,
-                BLOCK_K, False, RANK, BLOCK_R, Y_PARTS,
-            )  # fmt: skip
-    else:
-        _base_tile(
-            x_ptr, w_ptr, out_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs,
-            m_mask, expert, pid_n, n_out, x_stride_row, w_stride_expert, w_stride_row,
-            out_stride_row, x_row_div, slot_div, num_experts, y_stride_row, y_stride_part,
-            lora_stride_w, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K, LORA == 2, RANK,
-            BLOCK_R, Y_PARTS,
-        )  # fmt: skip
+            return
+        pid_n -= 1
+    _base_tile(
+        x_ptr, w_ptr, out_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs,
+        m_mask, expert, pid_n, n_out, x_stride_row, w_stride_expert, w_stride_row,
+        out_stride_row, x_row_div, slot_div, num_experts, y_stride_row, y_stride_part,
+        lora_stride_w, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K, LORA == 2, RANK,
+        BLOCK_R, Y_PARTS,
+    )  # fmt: skip
 
 
 @triton.jit
