@@ -257,9 +257,9 @@ def test_experts_lora_inside_the_base_kernels_bf16(tokens: int) -> None:
         tokens, 8, 128, (16, 8, 16, 4), torch.bfloat16, hidden=2048, inter=768
     )
     routing = experts.moe_expert_routing(pair_expert, 128)
-    d = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    d, delta = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
     want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
-    max_abs, rel = _rel(d, want)
+    max_abs, rel = _rel(d.double() + delta.double(), want)
     base = experts.moe_grouped_matmul(
         swiglu.silu_and_mul(experts.moe_grouped_matmul(x, w_gate_up, routing, x_row_div=8)),
         w_down,
@@ -269,6 +269,7 @@ def test_experts_lora_inside_the_base_kernels_bf16(tokens: int) -> None:
     RESULTS[f"experts-lora-T{tokens}"] = {"max_abs": max_abs, "rel": rel}
     assert rel < 1e-2
     assert without.any() and torch.equal(d[without], base[without])
+    assert not delta[without].any() and delta[~without].abs().max() > 0
 
 
 @pytest.mark.parametrize("tokens", [16, 128])

@@ -282,13 +282,19 @@ def test_experts_lora_matches_the_references(
 
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poisoned(new_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
-    d = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    d, delta = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
     monkeypatch.undo()
     want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
-    assert d.shape == (tokens * topk, w_down.shape[1]) and d.dtype == dtype
-    # y and act are rounded to the dtype on the way (as the separate LoRA kernels round them)
+    for out in (d, delta):
+        assert out.shape == (tokens * topk, w_down.shape[1]) and out.dtype == dtype
+    # y, act and delta are rounded to the dtype on the way (as the separate kernels round them)
     tol = TOL[dtype] * (4 if dtype == torch.float32 else 8)
-    torch.testing.assert_close(d.double(), want, atol=tol, rtol=tol)
+    got = d.double() + delta.double()
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    combined = experts.moe_combine(d, torch.ones(tokens, topk, dtype=dtype, device=DEVICE), delta)
+    torch.testing.assert_close(
+        combined.double(), want.view(tokens, topk, -1).sum(1), atol=2 * tol, rtol=tol
+    )
 
     from loraplane.worker.kernels import swiglu
 
@@ -296,9 +302,28 @@ def test_experts_lora_matches_the_references(
     base = experts.moe_grouped_matmul(swiglu.silu_and_mul(gu), w_down, routing)
     slots = lora.token_slots.repeat_interleave(topk).long()
     without = (slots < 0) | (lora.slot_ranks[slots.clamp(min=0)] == 0)
-    assert torch.equal(d[without], base[without])
+    assert torch.equal(d[without], base[without]) and not delta[without].any()
     if (~without).any():  # the LoRA matters where there is one
-        assert (d[~without] - base[~without]).abs().max() > 10 * tol
+        assert (got[~without] - base[~without]).abs().max() > 10 * tol
+        assert delta[~without].abs().max() > 10 * tol
+
+
+def test_experts_lora_expand_spans_several_program_columns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Down's LoRA expand split over program columns (two blocks of N each, the last one
+    past the hidden size) gives the one-column result bit for bit, and the references'."""
+    x, w_gate_up, w_down, pair_expert, lora = lora_case(
+        9, 2, 4, (16, 8), torch.float32, hidden=160, inter=40
+    )
+    routing = experts.moe_expert_routing(pair_expert, 4)
+    one = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    monkeypatch.setattr(experts, "EXPAND_CHUNKS", 2)  # 3 blocks of 64: 2 columns
+    two = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
+    tol = TOL[torch.float32] * 4
+    torch.testing.assert_close(two[0].double() + two[1].double(), want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(

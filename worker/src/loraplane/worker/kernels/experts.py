@@ -69,6 +69,32 @@ def _next_slot(slots, ranks, todo):
 
 
 @triton.jit
+def _dot_over_k(
+    x_ptrs,  # [BLOCK_M, BLOCK_K] at k = 0
+    w_ptrs,  # [BLOCK_K, BLOCK_N] at k = 0
+    m_mask,
+    n_mask,
+    DOT_PRECISION: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``x @ w`` over K in ``BLOCK_K`` steps, fp32 (K a compile-time constant: the loop is
+    unrolled)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k_mask = (k0 + offs_k) < HIDDEN
+        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def _shrink_tile(
     x_ptr,
     a_ptr,  # [S * E, SLICES * RANK, HIDDEN]
@@ -106,52 +132,12 @@ def _shrink_tile(
         weight = (slot * num_experts + expert).to(tl.int64)
         a_ptrs = a_ptr + weight * (SLICES * RANK * HIDDEN) + offs_c[None, :] * HIDDEN
         a_ptrs += offs_k[:, None]  # [BLOCK_K, BLOCK_R]
-        x_ptrs = x_rows + offs_k[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            k_mask = (k0 + offs_k) < HIDDEN
-            x_tile = tl.load(x_ptrs, mask=rows[:, None] & k_mask[None, :], other=0.0)
-            a_tile = tl.load(a_ptrs, mask=k_mask[:, None] & c_mask[None, :], other=0.0)
-            acc += tl.dot(x_tile, a_tile, input_precision=DOT_PRECISION)
-            x_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
+        acc = _dot_over_k(
+            x_rows + offs_k[None, :], a_ptrs, rows, c_mask, DOT_PRECISION, HIDDEN, BLOCK_M,
+            BLOCK_R, BLOCK_K,
+        )  # fmt: skip
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows[:, None] & c_in[None, :])
         todo = todo & (slots != slot)
-
-
-@triton.jit
-def _expand_delta(
-    y,  # [BLOCK_M, BLOCK_R] fp32: the rows' shrink output (rows without a LoRA: not read)
-    b_ptr,  # [S * E, rows of B, RANK]
-    slots,
-    ranks,
-    lora,  # [BLOCK_M]: rows with a LoRA
-    expert,
-    num_experts,
-    b_stride_w,
-    offs_n,  # [BLOCK_N]: rows of B
-    n_mask,
-    DOT_PRECISION: tl.constexpr,
-    RANK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """``y @ B[slot, expert][offs_n]^T`` per row, fp32, unscaled (zero on rows without)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    todo = lora
-    while tl.max(todo.to(tl.int32), 0) > 0:
-        slot, rows, rank = _next_slot(slots, ranks, todo)
-        weight = (slot * num_experts + expert).to(tl.int64)
-        b_ptrs = b_ptr + weight * b_stride_w + offs_n[None, :].to(tl.int64) * RANK
-        b_tile = tl.load(
-            b_ptrs + offs_r[:, None], mask=(offs_r < rank)[:, None] & n_mask[None, :], other=0.0
-        )  # [BLOCK_R, BLOCK_N]
-        y_rows = tl.where(rows[:, None], y, 0.0).to(b_ptr.dtype.element_ty)
-        delta += tl.dot(y_rows, b_tile, input_precision=DOT_PRECISION)
-        todo = todo & (slots != slot)
-    return delta
 
 
 @triton.jit
@@ -164,6 +150,7 @@ def _grouped_matmul_kernel(
     tile_rows_ptr,  # int64 [tiles * BLOCK_M]: the tile's pairs (the first tile_len)
     lora_w_ptr,  # LORA 1: A [S * E, SLICES * RANK, K]; LORA 2: B [S * E, N, RANK]
     y_ptr,  # LORA 1: y [P, SLICES * RANK] out; LORA 2: y partials [Y_PARTS, P, RANK] fp32 in
+    delta_ptr,  # LORA 2: [P, N] out, each pair's scaled LoRA (zero on pairs without one)
     slot_ptr,  # int32 [>= P // slot_div]: each token's slot, -1 = none (LORA > 0)
     ranks_ptr,  # int32 [S]
     scal_ptr,  # [S] scalings (LORA 2)
@@ -178,16 +165,21 @@ def _grouped_matmul_kernel(
     y_stride_row,
     y_stride_part,
     lora_stride_w,
+    delta_stride_row,
     DOT_PRECISION: tl.constexpr,
     HIDDEN: tl.constexpr,  # K; constexpr (a runtime loop bound breaks the 3.6 interpreter)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    LORA: tl.constexpr,  # 0 none; 1 the shrink in program column 0; 2 the expand, epilogue
+    # 0 none; 1 the shrink in program column 0; 2 the expand in program columns
+    # 0 .. LORA_COLS - 1, EXPAND_CHUNKS blocks of N each, into delta
+    LORA: tl.constexpr,
     RANK: tl.constexpr,
     SLICES: tl.constexpr,
     BLOCK_R: tl.constexpr,
     Y_PARTS: tl.constexpr,
+    LORA_COLS: tl.constexpr,
+    EXPAND_CHUNKS: tl.constexpr,
 ):
     # The tile's expert, length and pairs in one round trip; x and w in the next.
     tile = tl.program_id(0)
@@ -199,7 +191,8 @@ def _grouped_matmul_kernel(
     m_mask = tl.arange(0, BLOCK_M) < n_rows
     pairs = tl.where(m_mask, pairs, 0)
     pid_n = tl.program_id(1)
-    if LORA == 1:
+    # (nested ifs: the constexpr test removes the branch from the other modes' code)
+    if LORA == 1:  # noqa: SIM102
         # Column 0 of the grid is the tile's LoRA shrink: the first programs to start, as
         # the longest (one pass over K per distinct slot).
         if pid_n == 0:
@@ -227,104 +220,120 @@ def _grouped_matmul_kernel(
                 BLOCK_K,
             )
             return
-        pid_n -= 1
-    _base_tile(
-        x_ptr, w_ptr, out_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs,
-        m_mask, expert, pid_n, n_out, x_stride_row, w_stride_expert, w_stride_row,
-        out_stride_row, x_row_div, slot_div, num_experts, y_stride_row, y_stride_part,
-        lora_stride_w, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K, LORA == 2, RANK,
-        BLOCK_R, Y_PARTS,
-    )  # fmt: skip
-
-
-@triton.jit
-def _base_tile(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    b_ptr,
-    y_ptr,
-    slot_ptr,
-    ranks_ptr,
-    scal_ptr,
-    pairs,
-    m_mask,
-    expert,
-    pid_n,
-    n_out,
-    x_stride_row,
-    w_stride_expert,
-    w_stride_row,
-    out_stride_row,
-    x_row_div,
-    slot_div,
-    num_experts,
-    y_stride_row,
-    y_stride_part,
-    b_stride_w,
-    DOT_PRECISION: tl.constexpr,
-    HIDDEN: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EXPAND: tl.constexpr,
-    RANK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    Y_PARTS: tl.constexpr,
-):
-    """One block of N of the tile's rows; with ``EXPAND`` the rows' LoRA (B times the sum of
-    the ``Y_PARTS`` partial shrinks) added to the fp32 accumulator before it is rounded."""
+    if LORA == 2:  # noqa: SIM102
+        # The first LORA_COLS columns are the tile's LoRA expand, started first; the base
+        # tiles keep the plain epilogue (an epilogue that waits on the rows' slots, their
+        # shrink and B holds each program's registers for those round trips).
+        if pid_n < LORA_COLS:
+            _expand_tile(
+                y_ptr,
+                lora_w_ptr,
+                delta_ptr,
+                slot_ptr,
+                ranks_ptr,
+                scal_ptr,
+                pairs,
+                m_mask,
+                expert,
+                pid_n,
+                n_out,
+                num_experts,
+                slot_div,
+                y_stride_row,
+                y_stride_part,
+                lora_stride_w,
+                delta_stride_row,
+                DOT_PRECISION,
+                RANK,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_R,
+                Y_PARTS,
+                EXPAND_CHUNKS,
+            )
+            return
+    pid_n -= LORA_COLS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + (pairs // x_row_div)[:, None] * x_stride_row + offs_k[None, :]
     w_base = w_ptr + expert.to(tl.int64) * w_stride_expert
     w_ptrs = w_base + offs_n[None, :].to(tl.int64) * w_stride_row + offs_k[:, None]  # [BK, BN]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        k_mask = (k0 + offs_k) < HIDDEN
-        x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-
-    if EXPAND:
-        # The rows' slots and shrink (the sum of the partials, in a fixed order) loaded
-        # after the K loop (before it, they cost the unrolled loop registers).
-        slots, ranks, scales, lora = _tile_lora_rows(
-            slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, slot_div
-        )
-        offs_r = tl.arange(0, BLOCK_R)
-        y_ptrs = y_ptr + pairs[:, None] * y_stride_row + offs_r[None, :]
-        y_mask = lora[:, None] & (offs_r < RANK)[None, :]
-        y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for part in tl.static_range(Y_PARTS):
-            y += tl.load(y_ptrs + part * y_stride_part, mask=y_mask, other=0.0)
-
-    if EXPAND:
-        delta = _expand_delta(
-            y,
-            b_ptr,
-            slots,
-            ranks,
-            lora,
-            expert,
-            num_experts,
-            b_stride_w,
-            offs_n,
-            n_mask,
-            DOT_PRECISION,
-            RANK,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_R,
-        )
-        # Rows without a LoRA keep their value bit for bit (no + 0.0).
-        acc = tl.where(lora[:, None], acc + delta * scales[:, None], acc)
-
+    acc = _dot_over_k(
+        x_ptrs, w_ptrs, m_mask, n_mask, DOT_PRECISION, HIDDEN, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     out_ptrs = out_ptr + pairs[:, None] * out_stride_row + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _expand_tile(
+    y_ptr,  # [Y_PARTS, P, RANK] fp32: the partial shrinks
+    b_ptr,  # [S * E, N, RANK]
+    delta_ptr,  # [P, N] out
+    slot_ptr,
+    ranks_ptr,
+    scal_ptr,
+    pairs,
+    m_mask,
+    expert,
+    pid,
+    n_out,
+    num_experts,
+    slot_div,
+    y_stride_row,
+    y_stride_part,
+    b_stride_w,
+    delta_stride_row,
+    DOT_PRECISION: tl.constexpr,
+    RANK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    Y_PARTS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """``delta = scaling * (sum of the partials) @ B[slot, expert]^T`` for the tile's rows
+    over ``CHUNKS`` blocks of N (block ``pid * CHUNKS`` on), rounded once; zero on rows
+    without a LoRA. One pass per distinct slot; a pass's loads of B are unrolled, so they
+    leave together."""
+    slots, ranks, scales, lora = _tile_lora_rows(
+        slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, slot_div
+    )
+    offs_r = tl.arange(0, BLOCK_R)
+    y_ptrs = y_ptr + pairs[:, None] * y_stride_row + offs_r[None, :]
+    y_mask = lora[:, None] & (offs_r < RANK)[None, :]
+    y = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for part in tl.static_range(Y_PARTS):  # a fixed order, whatever the batch
+        y += tl.load(y_ptrs + part * y_stride_part, mask=y_mask, other=0.0)
+    n0 = pid * (CHUNKS * BLOCK_N)
+    d_ptrs = delta_ptr + pairs[:, None] * delta_stride_row
+    none = m_mask & ~lora
+    for c in tl.static_range(CHUNKS):
+        offs_n = n0 + c * BLOCK_N + tl.arange(0, BLOCK_N)
+        zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=delta_ptr.dtype.element_ty)
+        tl.store(d_ptrs + offs_n[None, :], zero, mask=none[:, None] & (offs_n < n_out)[None, :])
+    todo = lora
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        slot, rows, rank = _next_slot(slots, ranks, todo)
+        weight = (slot * num_experts + expert).to(tl.int64)
+        b_base = b_ptr + weight * b_stride_w + offs_r[:, None]
+        y_rows = tl.where(rows[:, None], y, 0.0).to(b_ptr.dtype.element_ty)
+        for c in tl.static_range(CHUNKS):
+            offs_n = n0 + c * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < n_out
+            b_tile = tl.load(
+                b_base + offs_n[None, :].to(tl.int64) * RANK,
+                mask=(offs_r < rank)[:, None] & n_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_R, BLOCK_N]
+            delta = tl.dot(y_rows, b_tile, input_precision=DOT_PRECISION) * scales[:, None]
+            tl.store(
+                d_ptrs + offs_n[None, :],
+                delta.to(delta_ptr.dtype.element_ty),
+                mask=rows[:, None] & n_mask[None, :],
+            )
+        todo = todo & (slots != slot)
 
 
 @triton.jit
@@ -354,45 +363,45 @@ def _experts_silu_mul_lora_kernel(
     BLOCK_R: tl.constexpr,
 ):
     """One pair x one block of I: gate_up's LoRA expand added to gate and up (fp32), the
-    SwiGLU, and down's LoRA shrink over this block of I (a partial the down GEMM sums in a
-    fixed order). A pair without a LoRA gets the plain SwiGLU, bit for bit. One pair per
-    program: no per-slot loop, and the weights' loads leave in the second round trip (B
-    and A are zero past a slot's rank, so they are not masked by it)."""
+    SwiGLU, and down's LoRA shrink over this block of I (a partial the down GEMM's LoRA
+    columns sum in a fixed order). A pair without a LoRA gets the plain SwiGLU, bit for bit,
+    and no partial. One pair per program, no per-slot loop: gate, up, B and A leave one
+    round trip after the pair's expert and slot (B and A are zero past a slot's rank, so
+    they are not masked by it; a slot of rank 0 reads its buffers and discards them), y
+    with the rank. No branch on the slot: 79 registers for sm_90 (branches on the slot and
+    the rank took 118; y loaded with B, 96)."""
     pair = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
+    offs_r = tl.arange(0, BLOCK_R)
+    r_in = offs_r < RANK
     expert = tl.load(pair_expert_ptr + pair)
     slot = tl.load(slot_ptr + pair // slot_div)
+    has = slot >= 0
+    rank = tl.load(ranks_ptr + slot, mask=has, other=0)
+    scale = tl.load(scal_ptr + slot, mask=has, other=0.0).to(tl.float32)
+    weight = (tl.maximum(slot, 0) * num_experts + expert).to(tl.int64)
+    w_mask = n_mask[:, None] & r_in[None, :] & has
+    b_ptrs = b_ptr + weight * b_stride_w + offs_n[:, None] * RANK + offs_r[None, :]
+    a_ptrs = a_ptr + weight * a_stride_w + offs_r[None, :] * inter + offs_n[:, None]
+    b_gate = tl.load(b_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
+    b_up = tl.load(b_ptrs + inter * RANK, mask=w_mask, other=0.0).to(tl.float32)
+    a_tile = tl.load(a_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
     g_ptrs = gu_ptr + pair * gu_stride_row + offs_n
     gate = tl.load(g_ptrs, mask=n_mask, other=0.0).to(tl.float32)
     up = tl.load(g_ptrs + inter, mask=n_mask, other=0.0).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    if slot >= 0:
-        rank = tl.load(ranks_ptr + slot)
-        scale = tl.load(scal_ptr + slot).to(tl.float32)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_in = offs_r < RANK
-        y_ptrs = y_ptr + pair * y_stride_row + offs_r
-        weight = (slot * num_experts + expert).to(tl.int64)
-        w_mask = n_mask[:, None] & r_in[None, :]
-        b_ptrs = b_ptr + weight * b_stride_w + offs_n[:, None] * RANK + offs_r[None, :]
-        a_ptrs = a_ptr + weight * a_stride_w + offs_r[None, :] * inter + offs_n[:, None]
-        b_gate = tl.load(b_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
-        b_up = tl.load(b_ptrs + inter * RANK, mask=w_mask, other=0.0).to(tl.float32)
-        a_tile = tl.load(a_ptrs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_R]
-        if rank > 0:
-            y_gate = tl.load(y_ptrs, mask=r_in, other=0.0).to(tl.float32)
-            y_up = tl.load(y_ptrs + RANK, mask=r_in, other=0.0).to(tl.float32)
-            g = gate + tl.sum(b_gate * y_gate[None, :], axis=1) * scale
-            u = up + tl.sum(b_up * y_up[None, :], axis=1) * scale
-            act = g / (1.0 + tl.exp(-g)) * u
-            rounded = act.to(act_ptr.dtype.element_ty).to(tl.float32)
-            part = tl.sum(a_tile * rounded[:, None], axis=0)  # [BLOCK_R]
-            part_ptrs = part_ptr + tl.program_id(1) * part_stride_part + pair * part_stride_row
-            tl.store(part_ptrs + offs_r, part, mask=r_in)
-    tl.store(
-        act_ptr + pair * act_stride_row + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_mask
-    )
+    lora = rank > 0
+    y_ptrs = y_ptr + pair * y_stride_row + offs_r
+    y_gate = tl.load(y_ptrs, mask=r_in & lora, other=0.0).to(tl.float32)
+    y_up = tl.load(y_ptrs + RANK, mask=r_in & lora, other=0.0).to(tl.float32)
+    g = gate + tl.sum(b_gate * y_gate[None, :], axis=1) * scale
+    u = up + tl.sum(b_up * y_up[None, :], axis=1) * scale
+    act = tl.where(lora, g / (1.0 + tl.exp(-g)) * u, gate / (1.0 + tl.exp(-gate)) * up)
+    rounded = act.to(act_ptr.dtype.element_ty)
+    part = tl.sum(a_tile * rounded.to(tl.float32)[:, None], axis=0)  # [BLOCK_R]
+    part_ptrs = part_ptr + tl.program_id(1) * part_stride_part + pair * part_stride_row
+    tl.store(part_ptrs + offs_r, part, mask=r_in & lora)
+    tl.store(act_ptr + pair * act_stride_row + offs_n, rounded, mask=n_mask)
 
 
 @triton.jit
@@ -562,9 +571,11 @@ def _launch_grouped(
     lora: ExpertLoRA | None = None,
     lora_mode: int = 0,
     y: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None,
 ) -> None:
     """The grouped GEMM; ``lora_mode`` 1: gate_up's shrink into ``y`` in program column 0;
-    2: down's expand of the partial shrinks ``y [parts, P, R]`` in the epilogue."""
+    2: down's expand of the partial shrinks ``y [parts, P, R]`` into ``delta [P, N]`` in the
+    first program columns (``EXPAND_CHUNKS`` blocks of N each)."""
     num_pairs, tiles = routing.row_order.shape[0], routing.tile_seg.shape[0]
     if num_pairs == 0 or tiles == 0:
         return
@@ -573,7 +584,8 @@ def _launch_grouped(
     block_n = min(64 if block_m <= 16 else 128, max(MIN_DOT_BLOCK, next_power_of_2(n_out)))
     block_k = min(128, max(MIN_DOT_BLOCK, next_power_of_2(hidden)))
     n_blocks = cdiv(n_out, block_n)
-    rank, slices, block_r, parts = 1, 1, MIN_DOT_BLOCK, 1
+    rank, slices, block_r, parts, lora_cols, chunks = 1, 1, MIN_DOT_BLOCK, 1, 0, 1
+    y_strides, lora_stride = (0, 0), 0
     if lora is None:
         lora_w, y_arg, slots, ranks, scalings, slot_div = (
             w,
@@ -583,7 +595,6 @@ def _launch_grouped(
             out,
             1,
         )
-        y_strides, lora_stride = (0, 0), 0
     else:
         assert y is not None
         slots, ranks, scalings, slot_div = (
@@ -592,18 +603,19 @@ def _launch_grouped(
             lora.slot_scalings,
             lora.topk,
         )
-        rank = lora.rank
+        rank, y_arg = lora.rank, y
         if lora_mode == 1:
-            lora_w, slices = lora.a_gate_up, 2
-            n_blocks += 1
+            lora_w, slices, lora_cols = lora.a_gate_up, 2, 1
             y_strides = (y.stride(0), 0)
         else:
+            assert delta is not None
             lora_w, parts = lora.b_down, y.shape[0]
+            chunks = min(EXPAND_CHUNKS, n_blocks)
+            lora_cols = cdiv(n_blocks, chunks)
             y_strides = (y.stride(1), y.stride(0))
         lora_stride = lora_w.stride(1)
         block_r = max(MIN_DOT_BLOCK, next_power_of_2(slices * rank))
-        y_arg = y
-    _grouped_matmul_kernel[(tiles, n_blocks)](
+    _grouped_matmul_kernel[(tiles, n_blocks + lora_cols)](
         x,
         w,
         out,
@@ -612,6 +624,7 @@ def _launch_grouped(
         routing.tile_rows,
         lora_w,
         y_arg,
+        delta if delta is not None else out,
         slots,
         ranks,
         scalings,
@@ -626,6 +639,7 @@ def _launch_grouped(
         y_strides[0],
         y_strides[1],
         lora_stride,
+        delta.stride(0) if delta is not None else 0,
         DOT_PRECISION=dot_precision(x.dtype),
         HIDDEN=hidden,
         BLOCK_M=block_m,
@@ -636,6 +650,8 @@ def _launch_grouped(
         SLICES=slices,
         BLOCK_R=block_r,
         Y_PARTS=parts,
+        LORA_COLS=lora_cols,
+        EXPAND_CHUNKS=chunks,
         num_warps=4,
     )
 
@@ -720,6 +736,48 @@ class ExpertLoRA:
 # The fused SwiGLU's block of I: fixed, so the down shrink's partials (one per block) are
 # summed in the same order whatever the batch.
 SILU_BLOCK_N = 128
+# Blocks of N per program of down's LoRA expand (its loads of B leave together).
+EXPAND_CHUNKS = 8
+
+
+def _launch_silu_lora(
+    gu: torch.Tensor,
+    act: torch.Tensor,
+    y: torch.Tensor,
+    partials: torch.Tensor,
+    pair_expert: torch.Tensor,
+    routing: MoeLoraRouting,
+    lora: ExpertLoRA,
+) -> None:
+    """The fused SwiGLU (``moe_experts_lora``'s step 2), one pair x one block of I a program."""
+    num_pairs, parts = gu.shape[0], partials.shape[0]
+    inter, rank = act.shape[1], lora.rank
+    _experts_silu_mul_lora_kernel[(num_pairs, parts)](
+        gu,
+        act,
+        y,
+        lora.b_gate_up,
+        lora.a_down,
+        partials,
+        pair_expert,
+        lora.token_slots,
+        lora.slot_ranks,
+        lora.slot_scalings,
+        inter,
+        gu.stride(0),
+        act.stride(0),
+        y.stride(0),
+        lora.b_gate_up.stride(1),
+        lora.a_down.stride(1),
+        partials.stride(0),
+        partials.stride(1),
+        routing.num_experts,
+        lora.topk,
+        RANK=rank,
+        BLOCK_N=SILU_BLOCK_N,
+        BLOCK_R=max(MIN_DOT_BLOCK, next_power_of_2(rank)),
+        num_warps=4,
+    )
 
 
 def moe_experts_lora(
@@ -731,23 +789,26 @@ def moe_experts_lora(
     lora: ExpertLoRA,
     *,
     check: bool = True,
-) -> torch.Tensor:
-    """``d [P, H]``: the routed experts with each pair's LoRA, in three launches (no LoRA
-    kernel of its own, no buffer to zero, no host sync):
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d, delta)``, both ``[P, H]``: the routed experts' outputs with each pair's LoRA on
+    gate_up, and down's LoRA per pair, ``d + delta`` being the pair's output (the top-k
+    combine adds them: ``moe_combine(d, topk_weights, delta)``). Three launches, no LoRA
+    kernel of its own, no buffer to zero, no host sync:
 
     1. gate_up's grouped GEMM; program column 0 of each expert tile is the tile's LoRA
        shrink ``y = x @ A_gate_up^T`` (one pass over K per distinct slot in the tile).
     2. per pair and block of I: ``gate/up += scaling * y @ B_gate_up^T`` (fp32), the
        SwiGLU, and down's shrink of this block of I (a partial, ``[parts, P, R]`` fp32).
-    3. down's grouped GEMM; its epilogue sums the partials in a fixed order and adds
-       ``scaling * y @ B_down^T`` to the fp32 accumulator.
+    3. down's grouped GEMM; the first program columns of each expert tile sum the tile's
+       partials in a fixed order and write ``delta = scaling * y @ B_down^T``, rounded once
+       (zero on pairs without a LoRA); the other columns are the plain base GEMM.
 
     Pairs whose token has no adapter (slot -1, or a slot of rank 0) get the base experts'
-    values bit for bit. ``x [T, H]`` (pair ``p`` reads row ``p // topk``), ``w_gate_up
-    [E, 2I, H]``, ``w_down [E, H, I]``, ``pair_expert`` int32 ``[P]``, ``routing`` from
-    ``moe_expert_routing`` over it. The top-k
-    combine (``moe_combine``) follows. Reference: ``reference.moe_lora_shrink`` /
-    ``moe_lora_expand`` around ``silu_and_mul`` and one matmul per expert.
+    values bit for bit in ``d`` and zeros in ``delta``. ``x [T, H]`` (pair ``p`` reads row
+    ``p // topk``), ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``, ``pair_expert`` int32
+    ``[P]``, ``routing`` from ``moe_expert_routing`` over it. Reference:
+    ``reference.moe_lora_shrink`` / ``moe_lora_expand`` around ``silu_and_mul`` and one
+    matmul per expert.
     """
     fn = "moe_experts_lora"
     if check:
@@ -786,34 +847,10 @@ def moe_experts_lora(
     act = x.new_empty(num_pairs, inter)
     partials = torch.empty(parts, num_pairs, rank, dtype=torch.float32, device=x.device)
     d = x.new_empty(num_pairs, w_down.shape[1])
+    delta = x.new_empty(num_pairs, w_down.shape[1])
     tiles = routing.tile_seg.shape[0]
     if num_pairs == 0 or tiles == 0:
-        return d
-    _experts_silu_mul_lora_kernel[(num_pairs, parts)](
-        gu,
-        act,
-        y,
-        lora.b_gate_up,
-        lora.a_down,
-        partials,
-        pair_expert,
-        lora.token_slots,
-        lora.slot_ranks,
-        lora.slot_scalings,
-        inter,
-        gu.stride(0),
-        act.stride(0),
-        y.stride(0),
-        lora.b_gate_up.stride(1),
-        lora.a_down.stride(1),
-        partials.stride(0),
-        partials.stride(1),
-        routing.num_experts,
-        topk,
-        RANK=rank,
-        BLOCK_N=SILU_BLOCK_N,
-        BLOCK_R=max(MIN_DOT_BLOCK, next_power_of_2(rank)),
-        num_warps=4,
-    )
-    _launch_grouped(act, w_down, d, routing, 1, lora, 2, partials)
-    return d
+        return d, delta
+    _launch_silu_lora(gu, act, y, partials, pair_expert, routing, lora)
+    _launch_grouped(act, w_down, d, routing, 1, lora, 2, partials, delta)
+    return d, delta

@@ -278,12 +278,13 @@ class Experts(nn.Module):
         if lora is not None and device_kernels:
             fused = lora.fused_operands(k, pair_expert.shape[0])
         if fused is not None:
-            # The LoRA inside the base kernels (kernels.moe_experts_lora): three launches.
+            # The LoRA inside the base kernels (kernels.moe_experts_lora) and the combine:
+            # the launches of the base experts, no more.
             routing = kernels.moe_expert_routing(pair_expert, self.num_experts)
-            d = kernels.moe_experts_lora(
+            d, delta = kernels.moe_experts_lora(
                 x, self.w_gate_up, self.w_down, pair_expert, routing, fused, check=False
             )
-            return self.reduce(topk_combine(d, topk_weights))
+            return self.reduce(topk_combine(d, topk_weights, delta))
         # The LoRA's per-pair outputs only read x / act: begun before each base GEMM (on a
         # side stream while a CUDA graph is captured, and then added where the next op reads
         # the GEMM's output: the SwiGLU, the top-k combine; no LoRA kernel waits on a GEMM).
