@@ -1,9 +1,10 @@
 """Probe: where the experts' fused LoRA spends its time, launch by launch (CUDA only).
 
-    python bench/probes/experts_fused.py OUT.json [BATCH ...]
+    python bench/probes/experts_fused.py OUT.json [BATCH ...]      (ADAPTERS=N: 1 by default)
 
 At Qwen3-30B-A3B's expert shapes (128 experts, hidden 2048, intermediate 768, top-8), rank
-16, one adapter on every token (the decode bench's "1" variant) or none, each of the three
+16, ``ADAPTERS`` adapters over the tokens in turn (one: the decode bench's "1" variant) or
+none, each of the three
 launches of ``moe_experts_lora`` is graph-timed from cold L2 next to its base counterpart:
 gate_up's grouped GEMM (with and without the shrink column), the SwiGLU (plain and with the
 LoRA), down's grouped GEMM (with and without the epilogue), and the whole layer both ways.
@@ -25,7 +26,9 @@ from loraplane.worker.bench.common import time_graph
 from loraplane.worker.kernels import experts as ex
 from loraplane.worker.kernels import silu_and_mul
 
-EXPERTS, HIDDEN, INTER, TOPK, RANK, SLOTS = 128, 2048, 768, 8, 16, 4
+EXPERTS, HIDDEN, INTER, TOPK, RANK = 128, 2048, 768, 8, 16
+ADAPTERS = int(os.environ.get("ADAPTERS", "1"))
+SLOTS = max(4, ADAPTERS)
 
 
 def _setup(bs: int, gen: torch.Generator) -> dict[str, Any]:
@@ -42,7 +45,7 @@ def _setup(bs: int, gen: torch.Generator) -> dict[str, Any]:
         b_gate_up=rnd(SLOTS, EXPERTS, 2 * INTER, RANK),
         a_down=rnd(SLOTS, EXPERTS, RANK, INTER),
         b_down=rnd(SLOTS, EXPERTS, HIDDEN, RANK),
-        token_slots=torch.zeros(bs, dtype=torch.int32, device=dev),
+        token_slots=(torch.arange(bs, device=dev) % ADAPTERS).to(torch.int32),
         slot_ranks=torch.full((SLOTS,), RANK, dtype=torch.int32, device=dev),
         slot_scalings=torch.full((SLOTS,), 2.0, dtype=dt, device=dev),
         topk=TOPK,
@@ -133,7 +136,12 @@ def main(argv: list[str]) -> int:
     for bs in sizes:
         rows.append(measure(bs))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"probe": "experts_fused", "var": os.environ.get("VAR", ""), "rows": rows}
+    result = {
+        "probe": "experts_fused",
+        "var": os.environ.get("VAR", ""),
+        "adapters": ADAPTERS,
+        "rows": rows,
+    }
     with open(argv[0], "w") as f:
         json.dump(result, f, indent=1)
     return 0
