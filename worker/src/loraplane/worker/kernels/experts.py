@@ -197,60 +197,22 @@ def _grouped_matmul_kernel(
         # the longest (one pass over K per distinct slot).
         if pid_n == 0:
             _shrink_tile(
-                x_ptr,
-                lora_w_ptr,
-                y_ptr,
-                slot_ptr,
-                ranks_ptr,
-                scal_ptr,
-                pairs,
-                m_mask,
-                expert,
-                num_experts,
-                x_row_div,
-                slot_div,
-                x_stride_row,
-                y_stride_row,
-                DOT_PRECISION,
-                HIDDEN,
-                RANK,
-                SLICES,
-                BLOCK_M,
-                BLOCK_R,
-                BLOCK_K,
-            )
+                x_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, expert,
+                num_experts, x_row_div, slot_div, x_stride_row, y_stride_row, DOT_PRECISION,
+                HIDDEN, RANK, SLICES, BLOCK_M, BLOCK_R, BLOCK_K,
+            )  # fmt: skip
             return
     if LORA == 2:  # noqa: SIM102
         # The first LORA_COLS columns are the tile's LoRA expand, started first; the base
-        # tiles keep the plain epilogue (an epilogue that waits on the rows' slots, their
-        # shrink and B holds each program's registers for those round trips).
+        # columns keep the plain store (an epilogue waiting on the rows' slots, their
+        # shrink and B would hold each program's 255 registers through those round trips).
         if pid_n < LORA_COLS:
             _expand_tile(
-                y_ptr,
-                lora_w_ptr,
-                delta_ptr,
-                slot_ptr,
-                ranks_ptr,
-                scal_ptr,
-                pairs,
-                m_mask,
-                expert,
-                pid_n,
-                n_out,
-                num_experts,
-                slot_div,
-                y_stride_row,
-                y_stride_part,
-                lora_stride_w,
-                delta_stride_row,
-                DOT_PRECISION,
-                RANK,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_R,
-                Y_PARTS,
-                EXPAND_CHUNKS,
-            )
+                y_ptr, lora_w_ptr, delta_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask,
+                expert, pid_n, n_out, num_experts, slot_div, y_stride_row, y_stride_part,
+                lora_stride_w, delta_stride_row, DOT_PRECISION, RANK, BLOCK_M, BLOCK_N, BLOCK_R,
+                Y_PARTS, EXPAND_CHUNKS,
+            )  # fmt: skip
             return
     pid_n -= LORA_COLS
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -341,8 +341,8 @@ class ExpertsLoRA(LoRALayer):
     # pairs share an expert, at prefill thousands would re-read the same weights; measured
     # at bs 16-128 x top-8 (docs/performance.md, session 18).
     fused_max_pairs = 1024
-    # The down GEMM sums one partial shrink per 128 columns of the intermediate size, in an
-    # unrolled loop after its own: up to 16 (an intermediate of 2048 per rank).
+    # Down's LoRA columns sum one partial shrink per 128 columns of the intermediate size, in
+    # an unrolled loop: up to 16 (an intermediate of 2048 per rank).
     fused_max_intermediate = 2048
 
     def fused_operands(self, topk: int, num_pairs: int) -> ExpertLoRA | None:
