@@ -49,6 +49,7 @@ def _setup(bs: int, gen: torch.Generator) -> dict[str, Any]:
         slot_ranks=torch.full((SLOTS,), RANK, dtype=torch.int32, device=dev),
         slot_scalings=torch.full((SLOTS,), 2.0, dtype=dt, device=dev),
         topk=TOPK,
+        adapters=ADAPTERS,
     )
     routing = ex.moe_expert_routing(pair_expert, EXPERTS)
     parts = ex.cdiv(INTER, ex.SILU_BLOCK_N)

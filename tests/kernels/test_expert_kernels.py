@@ -326,9 +326,33 @@ def test_experts_lora_expand_spans_several_program_columns(
     torch.testing.assert_close(two[0].double() + two[1].double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("split", [2, 4])
+def test_experts_lora_tiles_share_their_shrink(monkeypatch: pytest.MonkeyPatch, split: int) -> None:
+    """With many adapters in a batch, several programs share each expert tile's gate_up
+    shrink, a pass over K per distinct slot each in turn (some find no slot left): the same
+    bits as one program doing them all, and the references' result."""
+    import dataclasses
+
+    x, w_gate_up, w_down, pair_expert, lora = lora_case(
+        40, 2, 4, (16, 4, 12, 8, 16), torch.float32, hidden=160, inter=40
+    )
+    routing = experts.moe_expert_routing(pair_expert, 4, 16)  # ~5 slots in a tile of 16
+    assert experts.shrink_split(lora.adapters) == 1
+    one = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    monkeypatch.setattr(experts, "SHRINK_SPLIT", split)
+    many = dataclasses.replace(lora, adapters=experts.SHRINK_SPLIT_FROM)
+    assert experts.shrink_split(many.adapters) == split
+    shared = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, many)
+    assert all(torch.equal(a, b) for a, b in zip(one, shared, strict=True))
+    want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
+    tol = TOL[torch.float32] * 4
+    torch.testing.assert_close(shared[0].double() + shared[1].double(), want, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
+        ("adapters", 0, "lora.adapters must be an int >= 1, got 0"),
         ("b_down", torch.zeros(2, 3, 16, 8), "lora.b_down must have shape (2, 3, 16, 16)"),
         ("slot_ranks", torch.zeros(2), "lora.slot_ranks must have dtype in (torch.int32)"),
         ("slot_scalings", torch.zeros(3), "lora.slot_scalings.shape[0] must be 2 (one per slot)"),
@@ -337,7 +361,16 @@ def test_experts_lora_expand_spans_several_program_columns(
         ("topk", 3, "x.shape[0] * lora.topk must equal the routed pairs, got 4 * 3 != 8"),
         ("a_down", torch.zeros(2, 3, 0, 16), "lora.a_down must have a max rank (dim 2) >= 1"),
     ],
-    ids=["b-shape", "ranks-dtype", "scalings-size", "slots-size", "topk", "topk-pairs", "rank-0"],
+    ids=[
+        "adapters",
+        "b-shape",
+        "ranks-dtype",
+        "scalings-size",
+        "slots-size",
+        "topk",
+        "topk-pairs",
+        "rank-0",
+    ],
 )
 def test_experts_lora_names_a_bad_operand(field: str, value: object, message: str) -> None:
     import dataclasses

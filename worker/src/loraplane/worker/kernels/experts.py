@@ -69,6 +69,16 @@ def _next_slot(slots, ranks, todo):
 
 
 @triton.jit
+def _skip_slots(slots, todo, n):
+    """``todo`` without the rows of its ``n`` smallest slots (from registers: no round
+    trip), so that each of a tile's ``SPLIT`` programs takes every ``SPLIT``-th pass."""
+    for _ in range(n):
+        if tl.max(todo.to(tl.int32), 0) > 0:
+            todo = todo & (slots != tl.min(tl.where(todo, slots, 2147483647), 0))
+    return todo
+
+
+@triton.jit
 def _dot_over_k(
     x_ptrs,  # [BLOCK_M, BLOCK_K] at k = 0
     w_ptrs,  # [BLOCK_K, BLOCK_N] at k = 0
@@ -117,15 +127,20 @@ def _shrink_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    part,
+    SPLIT: tl.constexpr,
 ):
     """``y[p] = x[p // x_row_div] @ A[slot(p), expert]^T`` for the tile's rows with a LoRA:
-    one pass over K per distinct slot in the tile (one at decode with one adapter)."""
+    one pass over K per distinct slot in the tile (one at decode with one adapter), the
+    passes ``part``, ``part + SPLIT``, ... in slot order (``SPLIT`` programs share them)."""
     slots, ranks, _, todo = _tile_lora_rows(slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, slot_div)
     offs_k = tl.arange(0, BLOCK_K)
     offs_c = tl.arange(0, BLOCK_R)  # y's columns: slice * RANK + r
     c_in = offs_c < SLICES * RANK
     x_rows = x_ptr + (pairs // x_row_div)[:, None] * x_stride_row
     y_ptrs = y_ptr + pairs[:, None] * y_stride_row + offs_c[None, :]
+    if SPLIT > 1:
+        todo = _skip_slots(slots, todo, part)
     while tl.max(todo.to(tl.int32), 0) > 0:
         slot, rows, rank = _next_slot(slots, ranks, todo)
         c_mask = c_in & (offs_c % RANK < rank)  # no bytes for the rank's padding
@@ -138,6 +153,8 @@ def _shrink_tile(
         )  # fmt: skip
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows[:, None] & c_in[None, :])
         todo = todo & (slots != slot)
+        if SPLIT > 1:
+            todo = _skip_slots(slots, todo, SPLIT - 1)
 
 
 @triton.jit
@@ -171,8 +188,9 @@ def _grouped_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    # 0 none; 1 the shrink in program column 0; 2 the expand in program columns
-    # 0 .. LORA_COLS - 1, EXPAND_CHUNKS blocks of N each, into delta
+    # 0 none; 1 the shrink in program columns 0 .. LORA_COLS - 1 (they share the tile's
+    # per-slot passes); 2 the expand in program columns 0 .. LORA_COLS - 1, EXPAND_CHUNKS
+    # blocks of N each, into delta
     LORA: tl.constexpr,
     RANK: tl.constexpr,
     SLICES: tl.constexpr,
@@ -193,13 +211,13 @@ def _grouped_matmul_kernel(
     pid_n = tl.program_id(1)
     # (nested ifs: the constexpr test removes the branch from the other modes' code)
     if LORA == 1:  # noqa: SIM102
-        # Column 0 of the grid is the tile's LoRA shrink: the first programs to start, as
-        # the longest (one pass over K per distinct slot).
-        if pid_n == 0:
+        # The first LORA_COLS columns of the grid are the tile's LoRA shrink: the first
+        # programs to start, as the longest (one pass over K per distinct slot).
+        if pid_n < LORA_COLS:
             _shrink_tile(
                 x_ptr, lora_w_ptr, y_ptr, slot_ptr, ranks_ptr, scal_ptr, pairs, m_mask, expert,
                 num_experts, x_row_div, slot_div, x_stride_row, y_stride_row, DOT_PRECISION,
-                HIDDEN, RANK, SLICES, BLOCK_M, BLOCK_R, BLOCK_K,
+                HIDDEN, RANK, SLICES, BLOCK_M, BLOCK_R, BLOCK_K, pid_n, LORA_COLS,
             )  # fmt: skip
             return
     if LORA == 2:  # noqa: SIM102
@@ -567,7 +585,7 @@ def _launch_grouped(
         )
         rank, y_arg = lora.rank, y
         if lora_mode == 1:
-            lora_w, slices, lora_cols = lora.a_gate_up, 2, 1
+            lora_w, slices, lora_cols = lora.a_gate_up, 2, shrink_split(lora.adapters)
             y_strides = (y.stride(0), 0)
         else:
             assert delta is not None
@@ -638,6 +656,9 @@ class ExpertLoRA:
     slot_ranks: torch.Tensor
     slot_scalings: torch.Tensor
     topk: int
+    # Distinct adapters in the batch, or a bound on them (a decode graph's segments): it sizes
+    # the programs that share each expert tile's gate_up shrink (``shrink_split``).
+    adapters: int = 1
 
     @property
     def rank(self) -> int:
@@ -691,8 +712,10 @@ class ExpertLoRA:
             )
             if size is not None:
                 check_dim(fn, f"lora.{name}", tensor, 0, size, "one per slot")
-        if isinstance(self.topk, bool) or not isinstance(self.topk, int) or self.topk < 1:
-            raise ValueError(f"{fn}: lora.topk must be an int >= 1, got {self.topk!r}")
+        for name in ("topk", "adapters"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{fn}: lora.{name} must be an int >= 1, got {value!r}")
 
 
 # The fused SwiGLU's block of I: fixed, so the down shrink's partials (one per block) are
@@ -700,6 +723,20 @@ class ExpertLoRA:
 SILU_BLOCK_N = 128
 # Blocks of N per program of down's LoRA expand (its loads of B leave together).
 EXPAND_CHUNKS = 8
+# With many adapters an expert tile's rows hold several slots, and gate_up's LoRA shrink
+# makes one pass over K per distinct slot. From SHRINK_SPLIT_FROM adapters in the batch,
+# SHRINK_SPLIT programs share each tile's passes; below it one program does them all (a
+# second one cost 0.3-3 us a layer with 4 adapters), and down's expand stays one program per
+# group of blocks (splitting it cost more than it saved). Measured at Qwen3-30B-A3B's shapes,
+# 16 adapters: docs/performance.md, session 20.
+SHRINK_SPLIT_FROM = 8
+SHRINK_SPLIT = 2
+
+
+def shrink_split(adapters: int) -> int:
+    """Programs sharing an expert tile's gate_up LoRA shrink, for a batch of (up to)
+    ``adapters`` distinct adapters."""
+    return SHRINK_SPLIT if adapters >= SHRINK_SPLIT_FROM else 1
 
 
 def _launch_silu_lora(
@@ -757,8 +794,9 @@ def moe_experts_lora(
     combine adds them: ``moe_combine(d, topk_weights, delta)``). Three launches, no LoRA
     kernel of its own, no buffer to zero, no host sync:
 
-    1. gate_up's grouped GEMM; program column 0 of each expert tile is the tile's LoRA
-       shrink ``y = x @ A_gate_up^T`` (one pass over K per distinct slot in the tile).
+    1. gate_up's grouped GEMM; program column 0 of each expert tile (columns 0 and 1 with
+       many adapters: ``shrink_split``) is the tile's LoRA shrink ``y = x @ A_gate_up^T``
+       (one pass over K per distinct slot in the tile).
     2. per pair and block of I: ``gate/up += scaling * y @ B_gate_up^T`` (fp32), the
        SwiGLU, and down's shrink of this block of I (a partial, ``[parts, P, R]`` fp32).
     3. down's grouped GEMM; the first program columns of each expert tile sum the tile's

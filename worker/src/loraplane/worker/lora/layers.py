@@ -369,6 +369,7 @@ class ExpertsLoRA(LoRALayer):
             info.slot_ranks,
             info.slot_scalings,
             topk,
+            adapters=info.num_segments,  # a graph's: its segments, fixed at capture
         )
 
     def set_expert_slot(
