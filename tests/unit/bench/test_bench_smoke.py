@@ -64,8 +64,12 @@ def test_decode_bench_tiny(tmp_path, shape):
         r = rows[v]
         assert r["tok_s"] > 0 and r["step_ms"] > 0
         assert r["ratio_vs_off"] == pytest.approx(r["tok_s"] / rows["off"]["tok_s"])
+        # one ratio per round (its median step against the same round's `off`): the spread
+        # the table prints beside the pooled ratio
+        assert len(r["ratio_by_round"]) == 3 and all(x > 0 for x in r["ratio_by_round"])
         assert "projected_ratio_full_depth" in r
         assert r["projected_ratio_full_depth"] is None or math.isfinite(
             r["projected_ratio_full_depth"]
         )
-    assert "bs" in summary_table(res)
+    table = summary_table(res)
+    assert "bs" in table and "rounds" in table

@@ -24,6 +24,10 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   Steps advance the position by one. Input tokens are a fixed sequence per step, the same
   for every variant (an MoE routes by token, so each variant runs the same expert work).
   tokens/s = batch size x timed steps / wall time.
+* ``--rounds`` rounds go over every variant in turn; each row's ``tok_s`` is from the median
+  of its steps pooled over the rounds, and ``ratio_by_round`` holds one ratio per round (that
+  round's median step against the same round's ``off``), whose range the table prints: on a
+  shared machine the ratios of ``none``, which replays the same LoRA-off graph, show the noise.
 * Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
   attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
   adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
@@ -513,6 +517,9 @@ def run_decode_bench(
                 # Rounds over all variants, steps pooled per variant: a drift of the clock or
                 # the host during the run spreads over every variant instead of one.
                 pooled: dict[str, list[float]] = {v: [] for v in names}
+                # each round's median step per variant (None: the round failed), for the
+                # spread of the per-round ratios that each row reports beside the pooled one
+                by_round: dict[str, list[float | None]] = {v: [] for v in names}
                 checks: dict[str, dict[str, Any]] = {}
                 for r in range(rounds):
                     for variant in names:
@@ -520,6 +527,7 @@ def run_decode_bench(
                             f"decode bs={bs} {variant} {mode} round {r}",
                             measure, bs, variant, mode, r == 0,
                         )  # fmt: skip
+                        by_round[variant].append(statistics.median(got[0]) if got else None)
                         if got is not None:
                             pooled[variant] += got[0]
                             checks.setdefault(variant, got[1])
@@ -535,6 +543,11 @@ def run_decode_bench(
                         continue
                     if base is not None and variant != "head":
                         row["ratio_vs_off"] = row["tok_s"] / base["tok_s"]
+                        row["ratio_by_round"] = [
+                            off / step
+                            for off, step in zip(by_round["off"], by_round[variant], strict=True)
+                            if off is not None and step is not None
+                        ]
                         if head is not None and variant != "off":
                             row["projected_ratio_full_depth"] = _project(
                                 head["step_ms"],
@@ -634,12 +647,16 @@ def summary_table(result: dict[str, Any]) -> str:
     lines = [
         f"decode {s.get('shape')} layers={s.get('layers')} (of {s.get('full_layers')}) rank={s.get('rank')} "
         f"context={s.get('context')} setup {fmt(result.get('setup_s'))} s",
-        f"{'bs':>4} {'mode':6} {'variant':>7} {'step ms':>8} {'tok/s':>9} {'ratio':>6} {'proj':>6}",
+        f"{'bs':>4} {'mode':6} {'variant':>7} {'step ms':>8} {'tok/s':>9} {'ratio':>6} {'proj':>6}"
+        "  rounds",
     ]
     for r in result.get("rows", []):
+        by_round = r.get("ratio_by_round") or []
+        spread = f"{min(by_round):.3f}-{max(by_round):.3f}" if by_round else "-"
         lines.append(
             f"{r['bs']:>4} {r['mode']:6} {r['variant']:>7} {r['step_ms']:>8.2f} {r['tok_s']:>9.0f} "
             f"{fmt(r.get('ratio_vs_off'), 3):>6} {fmt(r.get('projected_ratio_full_depth'), 3):>6}"
+            f"  {spread}"
         )
     prof = result.get("profile")
     if isinstance(prof, dict):
