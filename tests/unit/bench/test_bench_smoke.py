@@ -72,4 +72,4 @@ def test_decode_bench_tiny(tmp_path, shape):
             r["projected_ratio_full_depth"]
         )
     table = summary_table(res)
-    assert "bs" in table and "rounds" in table
+    assert "bs" in table and "by round" in table

@@ -26,8 +26,10 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   tokens/s = batch size x timed steps / wall time.
 * ``--rounds`` rounds go over every variant in turn; each row's ``tok_s`` is from the median
   of its steps pooled over the rounds, and ``ratio_by_round`` holds one ratio per round (that
-  round's median step against the same round's ``off``), whose range the table prints: on a
-  shared machine the ratios of ``none``, which replays the same LoRA-off graph, show the noise.
+  round's median step against the same round's ``off``), whose median and range the table
+  prints: on a shared machine the ratios of ``none``, which replays the same LoRA-off graph,
+  show the noise, and a slow phase that hits some rounds moves the pooled ratio more than
+  the median of the paired ones.
 * Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
   attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
   adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
@@ -648,11 +650,15 @@ def summary_table(result: dict[str, Any]) -> str:
         f"decode {s.get('shape')} layers={s.get('layers')} (of {s.get('full_layers')}) rank={s.get('rank')} "
         f"context={s.get('context')} setup {fmt(result.get('setup_s'))} s",
         f"{'bs':>4} {'mode':6} {'variant':>7} {'step ms':>8} {'tok/s':>9} {'ratio':>6} {'proj':>6}"
-        "  rounds",
+        "  by round: median (range)",
     ]
     for r in result.get("rows", []):
         by_round = r.get("ratio_by_round") or []
-        spread = f"{min(by_round):.3f}-{max(by_round):.3f}" if by_round else "-"
+        spread = (
+            f"{statistics.median(by_round):.3f} ({min(by_round):.3f}-{max(by_round):.3f})"
+            if by_round
+            else "-"
+        )
         lines.append(
             f"{r['bs']:>4} {r['mode']:6} {r['variant']:>7} {r['step_ms']:>8.2f} {r['tok_s']:>9.0f} "
             f"{fmt(r.get('ratio_vs_off'), 3):>6} {fmt(r.get('projected_ratio_full_depth'), 3):>6}"
