@@ -245,10 +245,13 @@ def test_expert_grouped_matmul_bf16(tokens: int) -> None:
     assert g_rel < 1e-2 and d_rel < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [16, 128])
-def test_experts_lora_inside_the_base_kernels_bf16(tokens: int) -> None:
+@pytest.mark.parametrize(("tokens", "adapters"), [(16, 1), (128, 1), (128, 8)])
+def test_experts_lora_inside_the_base_kernels_bf16(tokens: int, adapters: int) -> None:
     """``moe_experts_lora`` at Qwen3-30B-A3B shapes (128 experts, top-8, rank 16 and lower
-    ranks): against fp64 references; pairs without an adapter equal the base kernels."""
+    ranks): against fp64 references; pairs without an adapter equal the base kernels. Told
+    of many adapters, gate_up's shrink is split over two programs per tile: the same bits."""
+    import dataclasses
+
     from tests.kernels.test_expert_kernels import experts_lora_reference, lora_case
 
     from loraplane.worker.kernels import experts, swiglu
@@ -258,6 +261,11 @@ def test_experts_lora_inside_the_base_kernels_bf16(tokens: int) -> None:
     )
     routing = experts.moe_expert_routing(pair_expert, 128)
     d, delta = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
+    if adapters > 1:
+        assert experts.shrink_split(adapters) > 1
+        many = dataclasses.replace(lora, adapters=adapters)
+        split = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, many)
+        assert torch.equal(split[0], d) and torch.equal(split[1], delta)
     want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
     max_abs, rel = _rel(d.double() + delta.double(), want)
     base = experts.moe_grouped_matmul(
@@ -266,7 +274,7 @@ def test_experts_lora_inside_the_base_kernels_bf16(tokens: int) -> None:
         routing,
     )
     without = lora.token_slots.repeat_interleave(8) < 0
-    RESULTS[f"experts-lora-T{tokens}"] = {"max_abs": max_abs, "rel": rel}
+    RESULTS[f"experts-lora-T{tokens}-a{adapters}"] = {"max_abs": max_abs, "rel": rel}
     assert rel < 1e-2
     assert without.any() and torch.equal(d[without], base[without])
     assert not delta[without].any() and delta[~without].abs().max() > 0

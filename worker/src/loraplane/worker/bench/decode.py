@@ -529,7 +529,9 @@ def run_decode_bench(
                             f"decode bs={bs} {variant} {mode} round {r}",
                             measure, bs, variant, mode, r == 0,
                         )  # fmt: skip
-                        by_round[variant].append(statistics.median(got[0]) if got else None)
+                        by_round[variant].append(
+                            statistics.median(got[0]) if got and got[0] else None
+                        )
                         if got is not None:
                             pooled[variant] += got[0]
                             checks.setdefault(variant, got[1])

@@ -69,12 +69,13 @@ def _next_slot(slots, ranks, todo):
 
 
 @triton.jit
-def _skip_slots(slots, todo, n):
-    """``todo`` without the rows of its ``n`` smallest slots (from registers: no round
-    trip), so that each of a tile's ``SPLIT`` programs takes every ``SPLIT``-th pass."""
-    for _ in range(n):
-        if tl.max(todo.to(tl.int32), 0) > 0:
-            todo = todo & (slots != tl.min(tl.where(todo, slots, 2147483647), 0))
+def _skip_slots(slots, todo, n, N_MAX: tl.constexpr):
+    """``todo`` without the rows of its ``n <= N_MAX`` smallest slots (from registers: no
+    round trip), so that each of a tile's ``SPLIT`` programs takes every ``SPLIT``-th pass.
+    (A compile-time loop bound: a runtime one breaks Triton 3.6's interpreter.)"""
+    for i in tl.static_range(N_MAX):
+        smallest = tl.min(tl.where(todo, slots, 2147483647), 0)  # (none left: no row's)
+        todo = todo & ((slots != smallest) | (i >= n))
     return todo
 
 
@@ -140,7 +141,7 @@ def _shrink_tile(
     x_rows = x_ptr + (pairs // x_row_div)[:, None] * x_stride_row
     y_ptrs = y_ptr + pairs[:, None] * y_stride_row + offs_c[None, :]
     if SPLIT > 1:
-        todo = _skip_slots(slots, todo, part)
+        todo = _skip_slots(slots, todo, part, SPLIT - 1)
     while tl.max(todo.to(tl.int32), 0) > 0:
         slot, rows, rank = _next_slot(slots, ranks, todo)
         c_mask = c_in & (offs_c % RANK < rank)  # no bytes for the rank's padding
@@ -154,7 +155,7 @@ def _shrink_tile(
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=rows[:, None] & c_in[None, :])
         todo = todo & (slots != slot)
         if SPLIT > 1:
-            todo = _skip_slots(slots, todo, SPLIT - 1)
+            todo = _skip_slots(slots, todo, SPLIT - 1, SPLIT - 1)
 
 
 @triton.jit
@@ -553,7 +554,8 @@ def _launch_grouped(
     y: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
 ) -> None:
-    """The grouped GEMM; ``lora_mode`` 1: gate_up's shrink into ``y`` in program column 0;
+    """The grouped GEMM; ``lora_mode`` 1: gate_up's shrink into ``y`` in the first program
+    columns (``shrink_split``);
     2: down's expand of the partial shrinks ``y [parts, P, R]`` into ``delta [P, N]`` in the
     first program columns (``EXPAND_CHUNKS`` blocks of N each)."""
     num_pairs, tiles = routing.row_order.shape[0], routing.tile_seg.shape[0]
@@ -728,7 +730,8 @@ EXPAND_CHUNKS = 8
 # SHRINK_SPLIT programs share each tile's passes; below it one program does them all (a
 # second one cost 0.3-3 us a layer with 4 adapters), and down's expand stays one program per
 # group of blocks (splitting it cost more than it saved). Measured at Qwen3-30B-A3B's shapes,
-# 16 adapters: docs/performance.md, session 20.
+# 16 adapters: docs/performance.md, session 20. A decode graph counts its adapters in
+# powers of two (its segments), so there batches of 5-7 adapters split too (not measured).
 SHRINK_SPLIT_FROM = 8
 SHRINK_SPLIT = 2
 
