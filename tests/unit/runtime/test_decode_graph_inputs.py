@@ -100,6 +100,24 @@ def test_more_adapters_than_stage_positions_run_the_shrink_kernels(suite) -> Non
     assert sorted(s for s in r.lora.stage.slot_at if s is not None) == [0, 2]  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(
+    ("arch", "stage_slots", "positions"),
+    [("llama", None, 4), ("qwen3-moe", None, 8), ("qwen3-moe", 16, 8), ("qwen3-moe", 2, 2)],
+)
+def test_the_stage_positions_default_by_model(  # type: ignore[no-untyped-def]
+    suite, arch: str, stage_slots: int | None, positions: int
+) -> None:
+    """Unset, a dense model stages batches of up to 4 adapters and one with routed experts
+    (only its attention projections stack) up to 16, never more than the GPU slots (8 here);
+    a value given wins."""
+    model_dir, _ = suite[arch]
+    cfg = RunnerConfig(str(model_dir), lora_backend="triton", max_seqs=4, max_len=16)
+    lora = LoRARuntimeConfig(
+        max_loras_per_batch=8, max_loaded_loras=8, max_lora_rank=16, stage_slots=stage_slots
+    )
+    assert ModelRunner(cfg, lora).lora.stage.positions == positions  # type: ignore[union-attr]
+
+
 def test_repeated_and_alternating_batches_reuse_metadata_correctly(runner: ModelRunner) -> None:
     """Steady decode repeats the last step's adapters (the metadata copy is skipped); a batch
     that changes them, then changes back, must still see its own adapters."""

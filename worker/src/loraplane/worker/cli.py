@@ -224,13 +224,15 @@ def serve_cmd(
     max_loaded_loras: Annotated[int, typer.Option(help="M: adapters kept in host memory")] = 8,
     max_lora_rank: Annotated[int, typer.Option(help="R: largest adapter rank a slot holds")] = 64,
     stage_slots: Annotated[
-        int,
+        int | None,
         typer.Option(
             help="P: adapters whose A rows sit under the base weights, so a batch of at most "
             "P adapters shrinks in one GEMM and expands inside the next kernel (CUDA, one "
-            "rank: decode graphs, and eager batches of up to 256 rows); 0: off"
+            "rank: decode graphs, and eager batches of up to 256 rows); 0: off. Default: 4, "
+            "or 16 on a model with routed experts (only its attention stacks); at most K",
+            show_default=False,
         ),
-    ] = 4,
+    ] = None,
     lora: Annotated[
         list[str], typer.Option(help="NAME=PATH of an adapter to load at start; repeat")
     ] = [],  # noqa: B006

@@ -155,7 +155,8 @@ class LoRARuntimeConfig:
     stage_slots (P): stage positions under each attention/MLP weight (lora/stage.py): a
         batch of at most P adapters (a decode graph's, or on CUDA an eager one of up to 256
         rows) gets its shrink from one GEMM and its expand fused into the next kernel. 0 turns
-        stacking off; at most K are used.
+        stacking off; at most K are used. None (the default): 4 on a dense model, 16 on one
+        with routed experts, whose expert layers do not stack (``lora.stage.default_positions``).
     """
 
     max_loras_per_batch: int = 4
@@ -172,7 +173,7 @@ class LoRARuntimeConfig:
     )
     experts: bool = True  # routed-expert LoRA slots on MoE models
     pinned: tuple[str, ...] = field(default=())
-    stage_slots: int = 4
+    stage_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras_per_batch < 1:
@@ -184,7 +185,7 @@ class LoRARuntimeConfig:
             )
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
-        if self.stage_slots < 0:
+        if self.stage_slots is not None and self.stage_slots < 0:
             raise ConfigError(
                 f"stage_slots must be >= 0 (0 turns stacked shrinks off), got {self.stage_slots}"
             )

@@ -3,10 +3,10 @@
     python -m loraplane.worker.bench.decode --device cuda --json [--out FILE]
         [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
         [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--rounds 3] [--cuda-graphs]
-        [--profile] [--stage-slots 4] [--max-lora-rank R]
+        [--profile] [--stage-slots P] [--max-lora-rank R]
 
 Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
-*, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None, stage_slots=4,
+*, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None, stage_slots=None,
 max_rank=None) -> dict``.
 
 What runs (the same engine and settings on both sides of every ratio, all in one process):
@@ -57,7 +57,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   (``kernels/experts.py``), so MoE steps are captured too. A graph step of at most
   ``--stage-slots`` adapters is staged (ADR 0007: the shrink inside the base GEMM, the expand
   fused into the next kernel; ``--stage-slots 0`` keeps the shrink and expand kernels), so
-  its ``4s`` row equals ``4``. ``--max-lora-rank`` sizes the slot buffers above ``--rank``,
+  its ``4s`` row equals ``4``. Unset, the worker's default: 4 positions on a dense model, 16
+  on a MoE one (``lora.stage.default_positions``; the JSON's ``stage_positions``). ``--max-lora-rank`` sizes the slot buffers above ``--rank``,
   as a pool that also serves larger adapters.
 """
 
@@ -380,7 +381,7 @@ def run_decode_bench(
     split_variants: tuple[str, ...] = (),
     dtype: str | None = None,
     backend: str = "triton",
-    stage_slots: int = 4,
+    stage_slots: int | None = None,
     max_rank: int | None = None,
     profile_graphs: tuple[int, ...] = (),
 ) -> dict[str, Any]:
@@ -447,6 +448,7 @@ def run_decode_bench(
     for slot, ad in enumerate(random_adapters(config, n_slots, rank, device, tdtype)):
         switch.manager.load_slot(slot, ad)
     sync(device)
+    sink.set("stage_positions", switch.manager.stage.positions)
     sink.set("setup_s", time.perf_counter() - t_start)
 
     variants: list[tuple[str, list[int] | None]] = [("off", None), ("none", None)]
@@ -719,9 +721,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--stage-slots",
         type=int,
-        default=4,
+        default=None,
         help="adapters staged under the base weights (graph steps of at most this many "
-        "adapters shrink inside the base GEMM); 0: the shrink and expand kernels always",
+        "adapters shrink inside the base GEMM); 0: the shrink and expand kernels always; "
+        "default: the worker's (4 on a dense model, 16 on a MoE one)",
     )
     p.add_argument(
         "--max-lora-rank",

@@ -23,7 +23,7 @@ from loraplane.worker.lora.batch_info import (
     static_shape,
 )
 from loraplane.worker.lora.layers import ColumnLoRA, ExpertsLoRA, LoRAContext, LoRALayer, RowLoRA
-from loraplane.worker.lora.stage import Stage, stage_width
+from loraplane.worker.lora.stage import Stage, default_positions, stage_width
 from loraplane.worker.models.model import MLP, CausalLM, SparseMoE
 
 # On CUDA, eager batches of at most this many rows are staged when their adapters fit the
@@ -69,7 +69,10 @@ class LoRAManager:
         k, r = self.num_slots, config.max_lora_rank
         # Stacked shrinks need the Triton kernels (graphs run no others) and one rank.
         backend_name = self.ctx.backend.name
-        p = min(config.stage_slots, k) if backend_name == "triton" and ps.is_single else 0
+        slots = config.stage_slots
+        if slots is None:
+            slots = default_positions(any(isinstance(ly.mlp, SparseMoE) for ly in model.layers))
+        p = min(slots, k) if backend_name == "triton" and ps.is_single else 0
         for layer in model.layers:
             wrappers: list[LoRALayer] = []
             attn = layer.self_attn

@@ -20,7 +20,7 @@ class ServeConfig:
     max_loras_per_batch: int = 4
     max_loaded_loras: int = 8
     max_lora_rank: int = 64
-    stage_slots: int = 4
+    stage_slots: int | None = None  # None: the model's default (lora.stage.default_positions)
     lora_backend: str = "triton"
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
     max_running: int = 32
