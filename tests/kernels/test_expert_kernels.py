@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -217,6 +219,22 @@ def lora_case(
     return dev(x), dev(w_gate_up), dev(w_down), pair_expert.to(DEVICE), lora
 
 
+@contextlib.contextmanager
+def nan_allocations() -> Iterator[None]:
+    """Inside, every float tensor from ``torch.empty`` or ``Tensor.new_empty`` starts as NaN:
+    a row a kernel reads before writing it, or never writes, shows (instead of reused memory
+    that may hold an earlier call's right answer)."""
+    new_empty, empty = torch.Tensor.new_empty, torch.empty
+
+    def poisoned(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "new_empty", lambda *a, **k: poisoned(new_empty(*a, **k)))
+        mp.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
+        yield
+
+
 def experts_lora_reference(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -267,7 +285,6 @@ def test_experts_lora_matches_the_references(
     num_experts: int,
     ranks: tuple[int, ...],
     block_m: int | None,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each pair's expert output with its token's LoRA (gate_up's in the GEMM and the
     SwiGLU, down's in the SwiGLU and the down GEMM), against fp64 references; pairs with
@@ -275,15 +292,8 @@ def test_experts_lora_matches_the_references(
     Every buffer the kernels allocate starts as NaN: a row read before it is written shows."""
     x, w_gate_up, w_down, pair_expert, lora = lora_case(tokens, topk, num_experts, ranks, dtype)
     routing = experts.moe_expert_routing(pair_expert, num_experts, block_m)
-    new_empty, empty = torch.Tensor.new_empty, torch.empty
-
-    def poisoned(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda *a, **k: poisoned(new_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poisoned(empty(*a, **k)))
-    d, delta = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
-    monkeypatch.undo()
+    with nan_allocations():
+        d, delta = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, lora)
     want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
     for out in (d, delta):
         assert out.shape == (tokens * topk, w_down.shape[1]) and out.dtype == dtype
@@ -342,17 +352,8 @@ def test_experts_lora_tiles_share_their_shrink(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(experts, "SHRINK_SPLIT", split)
     many = dataclasses.replace(lora, adapters=experts.SHRINK_SPLIT_FROM)
     assert experts.shrink_split(many.adapters) == split
-    # every buffer the kernels allocate starts as NaN (a pass no program made shows), and
-    # not as the memory of the first call's outputs
-    new_empty = torch.Tensor.new_empty
-
-    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
-        t = new_empty(*args, **kwargs)  # type: ignore[arg-type]
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
-    shared = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, many)
-    monkeypatch.undo()
+    with nan_allocations():  # a pass no program made shows, not the first call's memory
+        shared = experts.moe_experts_lora(x, w_gate_up, w_down, pair_expert, routing, many)
     assert all(torch.equal(a, b) for a, b in zip(one, shared, strict=True))
     want = experts_lora_reference(x, w_gate_up, w_down, pair_expert, lora)
     tol = TOL[torch.float32] * 4
