@@ -73,3 +73,50 @@ def test_decode_bench_tiny(tmp_path, shape):
         )
     table = summary_table(res)
     assert "bs" in table and "by round" in table
+
+
+@pytest.mark.parametrize("order", ["step", "variant"])
+def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
+    """``order="step"``: step s of every variant before step s + 1 of any (a slow phase of
+    the machine falls on all of them); ``"variant"``: each variant's steps back to back."""
+    from loraplane.worker.bench import decode
+
+    seen: list[tuple[str, int]] = []
+    real_step = decode._step
+
+    def recording_step(runner, bs, slots, context, s):
+        variant = (
+            "head"
+            if len(runner.model.layers) == 0
+            else "off"
+            if runner.lora is None
+            else "none"
+            if slots[0] < 0
+            else "2"
+        )
+        seen.append((variant, s))
+        return real_step(runner, bs, slots, context, s)
+
+    monkeypatch.setattr(decode, "_step", recording_step)
+    res = decode.run_decode_bench(
+        "cpu", [2], [2], 1, "tiny", False, None, rank=4, context=4, steps=2, warmup=1,
+        rounds=1, order=order,
+    )  # fmt: skip
+    assert not res.get("errors"), res.get("errors")
+    assert res["settings"]["order"] == order
+    names = ["head", "off", "none", "2"]
+    warm = [(v, s) for v in names for s in range(1)]  # each variant's untimed warm-up first
+    timed = (
+        [(v, s) for s in range(3) for v in names]
+        if order == "step"
+        else [(v, s) for v in names for s in range(3)]
+    )
+    assert seen == warm + timed
+    assert all(r["timed_steps"] == 2 for r in res["rows"])
+
+
+def test_decode_bench_refuses_an_unknown_order():
+    from loraplane.worker.bench.decode import run_decode_bench
+
+    with pytest.raises(ValueError, match="order: unknown 'random'"):
+        run_decode_bench("cpu", [2], [2], 1, "tiny", False, None, order="random")

@@ -3,11 +3,11 @@
     python -m loraplane.worker.bench.decode --device cuda --json [--out FILE]
         [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
         [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--rounds 3] [--cuda-graphs]
-        [--profile] [--stage-slots P] [--max-lora-rank R]
+        [--order step|variant] [--profile] [--stage-slots P] [--max-lora-rank R]
 
 Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
 *, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None, stage_slots=None,
-max_rank=None) -> dict``.
+max_rank=None, profile_graphs=(), order="step") -> dict``.
 
 What runs (the same engine and settings on both sides of every ratio, all in one process):
 
@@ -24,12 +24,18 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   Steps advance the position by one. Input tokens are a fixed sequence per step, the same
   for every variant (an MoE routes by token, so each variant runs the same expert work).
   tokens/s = batch size x timed steps / wall time.
-* ``--rounds`` rounds go over every variant in turn; each row's ``tok_s`` is from the median
-  of its steps pooled over the rounds, and ``ratio_by_round`` holds one ratio per round (that
-  round's median step against the same round's ``off``), whose median and range the table
-  prints: on a shared machine the ratios of ``none``, which replays the same LoRA-off graph,
-  show the noise, and a slow phase that hits some rounds moves the pooled ratio more than
-  the median of the paired ones.
+* ``--rounds`` rounds go over every variant. Within a round the variants take turns one step
+  at a time (``--order step``, the default): step ``s`` of every variant runs before step
+  ``s + 1`` of any, each step timed on its own, so a slow phase of the machine (a clock
+  change, a neighbour on the host) falls on every variant alike instead of on whichever it
+  meets. ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
+  up to 20 did. Switching variants between steps is host work outside the timed step, and a
+  variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
+  one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
+  Each row's ``tok_s`` is from the median of its steps pooled over the rounds, and
+  ``ratio_by_round`` holds one ratio per round (that round's median step against the same
+  round's ``off``), whose median and range the table prints: on a shared machine the ratios
+  of ``none``, which replays the same LoRA-off graph, show the noise.
 * Variants per batch size: ``off`` (no LoRA manager: the base layers), ``none`` (LoRA manager
   attached, ``max(adapters)`` slots loaded, no token uses an adapter), and ``n`` distinct
   adapters (token ``i`` uses slot ``i % n``: mixed traffic), rows ordered by slot as the
@@ -65,10 +71,12 @@ What runs (the same engine and settings on both sides of every ratio, all in one
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +138,9 @@ SHAPES: dict[str, dict[str, Any]] = {
         full_layers=4,
     ),
 }
+
+# How a round orders the variants' steps (``run_decode_bench``'s ``order``).
+ORDERS = ("step", "variant")
 
 DENSE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -313,35 +324,35 @@ def random_adapters(
     return out
 
 
-def _eager_steps(
-    runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
-) -> tuple[list[float], dict[str, Any]]:
+def _step(runner: Any, bs: int, slots: list[int], context: int, s: int) -> float:
+    """One decode step ``s`` (its wall time in seconds), as the engine runs it."""
     from loraplane.worker.engine.runner import decode_batch
 
     rows = list(range(bs))
     vocab = runner.model_config.vocab_size
-    times = []
-    for s in range(warmup + steps):
-        t0 = time.perf_counter()
-        # The same input tokens for every variant (not the argmax fed back): with MoE, the
-        # tokens pick the experts, and each variant must route the same work.
-        tokens = [(7 * j + 3 + 11 * s) % vocab for j in rows]
-        batch = decode_batch(tokens, rows, [context + s] * bs, "cpu")  # as the executor builds it
-        logits = runner.forward(batch, slots)
-        logits.argmax(-1).tolist()  # the real step's sampling and host sync
-        if s >= warmup:
-            times.append(time.perf_counter() - t0)
-    return times, {}
+    t0 = time.perf_counter()
+    # The same input tokens for every variant (not the argmax fed back): with MoE, the
+    # tokens pick the experts, and each variant must route the same work.
+    tokens = [(7 * j + 3 + 11 * s) % vocab for j in rows]
+    batch = decode_batch(tokens, rows, [context + s] * bs, "cpu")  # as the executor builds it
+    logits = runner.forward(batch, slots)
+    logits.argmax(-1).tolist()  # the real step's sampling and host sync
+    return time.perf_counter() - t0
 
 
-def _graph_steps(
+def _eager_steps(
     runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
-) -> tuple[list[float], dict[str, Any]]:
-    """The runtime's CUDA-graph decode (``runner.graphs`` set), and how far it is from eager.
+) -> list[float]:
+    """``warmup`` untimed steps, then the times of ``steps`` more, back to back."""
+    times = [_step(runner, bs, slots, context, s) for s in range(warmup + steps)]
+    return times[warmup:]
 
-    The check runs first, on one batch: the graph step (LoRA shrink overlapped with the base
-    projections, in-place decode attention, static LoRA metadata) against the same batch run
-    eagerly, so a capture or stream-ordering mistake shows up as a difference."""
+
+def _graph_check(runner: Any, bs: int, slots: list[int], context: int) -> dict[str, Any]:
+    """How far the runtime's CUDA-graph decode (``runner.graphs`` set) is from eager, on one
+    batch: the graph step (LoRA shrink overlapped with the base projections, in-place decode
+    attention, static LoRA metadata) against the same batch run eagerly, so a capture or
+    stream-ordering mistake shows up as a difference."""
     from loraplane.worker.engine.runner import decode_batch
 
     rows = list(range(bs))
@@ -354,13 +365,11 @@ def _graph_steps(
         eager = runner.forward(batch, slots).float()
     finally:
         runner.graphs = graphs
-    check = {
+    return {
         "graph_replayed": runner.graphs.replays > replays,
         "graph_vs_eager_max_abs": float((logits - eager).abs().max()),
         "graph_vs_eager_same_argmax": bool(torch.equal(logits.argmax(-1), eager.argmax(-1))),
     }
-    times, _ = _eager_steps(runner, bs, slots, context, warmup, steps)
-    return times, check
 
 
 def run_decode_bench(
@@ -384,14 +393,19 @@ def run_decode_bench(
     stage_slots: int | None = None,
     max_rank: int | None = None,
     profile_graphs: tuple[int, ...] = (),
+    order: str = "step",
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row.
-    ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``)."""
+    ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``).
+    ``order``: within a round, ``"step"`` interleaves the variants step by step, ``"variant"``
+    runs each variant's steps back to back."""
     from loraplane.worker.config import LoRARuntimeConfig
     from loraplane.worker.engine.graphs import DecodeGraphs
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
+    if order not in ORDERS:
+        raise ValueError(f"order: unknown {order!r}; expected one of {', '.join(ORDERS)}")
     dev_type = torch.device(device).type
     tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
         dtype or ("bfloat16" if dev_type == "cuda" else "float32")
@@ -414,6 +428,7 @@ def run_decode_bench(
                 "context": context,
                 "steps": steps,
                 "rounds": rounds,
+                "order": order,
                 "split_variants": list(split_variants),
                 "warmup": warmup,
                 "dtype": str(tdtype),
@@ -459,9 +474,9 @@ def run_decode_bench(
 
     graphs_by_variant: dict[str, Any] = {}
 
-    def measure(
-        bs: int, variant: str, mode: str, check: bool
-    ) -> tuple[list[float], dict[str, Any]]:
+    @contextlib.contextmanager
+    def active(bs: int, variant: str, mode: str) -> Iterator[list[int]]:
+        """``variant`` set up on the model (its slots yielded), and taken down after."""
         if variant in ("off", "head"):
             switch.off()
             slots = [-1] * bs
@@ -482,16 +497,54 @@ def run_decode_bench(
                 graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
             runner.graphs = graphs_by_variant[variant]
         try:
-            with torch.inference_mode():
-                if mode == "graph" and check:
-                    return _graph_steps(runner, bs, slots, context, warmup, steps)
-                return _eager_steps(runner, bs, slots, context, warmup, steps)
+            yield slots
         finally:
             runner.graphs = None
             runner.model.layers = saved_layers
             switch.manager.ctx.backend.overlap = "auto"
             switch.manager.ctx.backend.overlap_split_k = None
             switch.off()
+
+    def warm(bs: int, variant: str, mode: str) -> dict[str, Any]:
+        """The untimed first steps of ``variant`` at ``bs`` (the graph's capture and its
+        check against eager)."""
+        with active(bs, variant, mode) as slots:
+            check = _graph_check(runner, bs, slots, context) if mode == "graph" else {}
+            _eager_steps(runner, bs, slots, context, warmup, 0)
+            return check
+
+    def timed_steps(bs: int, variant: str, mode: str, first: int, count: int) -> list[float]:
+        with active(bs, variant, mode) as slots:
+            return [_step(runner, bs, slots, context, s) for s in range(first, first + count)]
+
+    def round_times(bs: int, mode: str, r: int) -> dict[str, list[float]]:
+        """One round's timed steps per variant (a variant that failed has none)."""
+        times: dict[str, list[float]] = {v: [] for v in names}
+        failed: set[str] = set()
+        if order == "variant":  # each variant's steps back to back, after its own warm-up
+            for variant in names:
+                got = sink.guarded(
+                    f"decode bs={bs} {variant} {mode} round {r}",
+                    timed_steps, bs, variant, mode, 0, warmup + steps,
+                )  # fmt: skip
+                times[variant] = got[warmup:] if got is not None else []
+            return times
+        # order "step": step s of every variant before step s + 1 of any, so a slow phase of
+        # the machine falls on every variant alike instead of on the ones it happens to meet
+        for s in range(warmup + steps):
+            for variant in names:
+                if variant in failed:
+                    continue
+                got = sink.guarded(
+                    f"decode bs={bs} {variant} {mode} round {r} step {s}",
+                    timed_steps, bs, variant, mode, s, 1,
+                )  # fmt: skip
+                if got is None:
+                    failed.add(variant)
+                    times[variant] = []
+                elif s >= warmup:
+                    times[variant] += got
+        return times
 
     def row_of(bs: int, variant: str, mode: str, times: list[float]) -> dict[str, Any]:
         step_s = statistics.median(times)
@@ -513,30 +566,22 @@ def run_decode_bench(
                 # One untimed pass over every variant first: the first forward at a batch size
                 # pays one-time costs (cuBLAS/SDPA plans, allocator growth, Triton compiles,
                 # graph captures) that would otherwise land on whichever variant is first.
+                checks: dict[str, dict[str, Any]] = {}
                 for variant in names:
-                    sink.guarded(
-                        f"decode bs={bs} {variant} {mode} warm-up",
-                        measure, bs, variant, mode, False,
-                    )  # fmt: skip
+                    check = sink.guarded(
+                        f"decode bs={bs} {variant} {mode} warm-up", warm, bs, variant, mode
+                    )
+                    checks[variant] = check or {}
                 # Rounds over all variants, steps pooled per variant: a drift of the clock or
                 # the host during the run spreads over every variant instead of one.
                 pooled: dict[str, list[float]] = {v: [] for v in names}
                 # each round's median step per variant (None: the round failed), for the
                 # spread of the per-round ratios that each row reports beside the pooled one
                 by_round: dict[str, list[float | None]] = {v: [] for v in names}
-                checks: dict[str, dict[str, Any]] = {}
                 for r in range(rounds):
-                    for variant in names:
-                        got = sink.guarded(
-                            f"decode bs={bs} {variant} {mode} round {r}",
-                            measure, bs, variant, mode, r == 0,
-                        )  # fmt: skip
-                        by_round[variant].append(
-                            statistics.median(got[0]) if got and got[0] else None
-                        )
-                        if got is not None:
-                            pooled[variant] += got[0]
-                            checks.setdefault(variant, got[1])
+                    for variant, got in round_times(bs, mode, r).items():
+                        by_round[variant].append(statistics.median(got) if got else None)
+                        pooled[variant] += got
                 rows = {
                     v: {**row_of(bs, v, mode, pooled[v]), **checks.get(v, {})}
                     for v in names
@@ -702,6 +747,14 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="rounds over all variants (steps pooled per variant)"
     )
     p.add_argument(
+        "--order",
+        default="step",
+        choices=ORDERS,
+        help="within a round, 'step' interleaves the variants one step at a time (a slow "
+        "phase of the machine falls on all of them alike), 'variant' runs each variant's "
+        "warm-up and steps back to back",
+    )
+    p.add_argument(
         "--split-variants",
         default="",
         help="extra variants NkC: N adapters, the overlapped shrink's K splits capped at C",
@@ -768,6 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_slots=args.stage_slots,
         max_rank=args.max_lora_rank,
         profile_graphs=tuple(_ints(args.profile_graphs)),
+        order=args.order,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)
