@@ -324,6 +324,49 @@ def random_adapters(
     return out
 
 
+@contextlib.contextmanager
+def _active(
+    runner: Any,
+    switch: _LoRASwitch,
+    graphs_by_variant: dict[str, Any],
+    bs: int,
+    variant: str,
+    mode: str,
+) -> Iterator[list[int]]:
+    """``variant`` set up on the model (its slots yielded), and taken down after. In
+    ``mode == "graph"`` the variant replays its own ``DecodeGraphs`` (made at first use, kept
+    in ``graphs_by_variant``)."""
+    from loraplane.worker.engine.graphs import DecodeGraphs
+
+    if variant in ("off", "head"):
+        switch.off()
+        slots = [-1] * bs
+    else:
+        switch.on()
+        n = 0 if variant == "none" else int(variant.split("k")[0].rstrip("s"))
+        # The engine orders a batch by slot (engine.py), so each adapter's rows are contiguous.
+        slots = sorted(i % n for i in range(bs)) if n else [-1] * bs
+        backend = switch.manager.ctx.backend
+        backend.overlap = "off" if variant.endswith("s") else "auto"
+        backend.overlap_split_k = int(variant.split("k")[1]) if "k" in variant else None
+    saved_layers = runner.model.layers
+    if variant == "head":
+        runner.model.layers = nn.ModuleList()
+    if mode == "graph":
+        if variant not in graphs_by_variant:
+            max_bs = runner.config.max_seqs
+            graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
+        runner.graphs = graphs_by_variant[variant]
+    try:
+        yield slots
+    finally:
+        runner.graphs = None
+        runner.model.layers = saved_layers
+        switch.manager.ctx.backend.overlap = "auto"
+        switch.manager.ctx.backend.overlap_split_k = None
+        switch.off()
+
+
 def _step(runner: Any, bs: int, slots: list[int], context: int, s: int) -> float:
     """One decode step ``s`` (its wall time in seconds), as the engine runs it."""
     from loraplane.worker.engine.runner import decode_batch
@@ -474,47 +517,16 @@ def run_decode_bench(
 
     graphs_by_variant: dict[str, Any] = {}
 
-    @contextlib.contextmanager
-    def active(bs: int, variant: str, mode: str) -> Iterator[list[int]]:
-        """``variant`` set up on the model (its slots yielded), and taken down after."""
-        if variant in ("off", "head"):
-            switch.off()
-            slots = [-1] * bs
-        else:
-            switch.on()
-            n = 0 if variant == "none" else int(variant.split("k")[0].rstrip("s"))
-            # The engine orders a batch by slot (engine.py), so each adapter's rows are
-            # contiguous.
-            slots = sorted(i % n for i in range(bs)) if n else [-1] * bs
-            backend = switch.manager.ctx.backend
-            backend.overlap = "off" if variant.endswith("s") else "auto"
-            backend.overlap_split_k = int(variant.split("k")[1]) if "k" in variant else None
-        saved_layers = runner.model.layers
-        if variant == "head":
-            runner.model.layers = nn.ModuleList()
-        if mode == "graph":
-            if variant not in graphs_by_variant:
-                graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
-            runner.graphs = graphs_by_variant[variant]
-        try:
-            yield slots
-        finally:
-            runner.graphs = None
-            runner.model.layers = saved_layers
-            switch.manager.ctx.backend.overlap = "auto"
-            switch.manager.ctx.backend.overlap_split_k = None
-            switch.off()
-
     def warm(bs: int, variant: str, mode: str) -> dict[str, Any]:
         """The untimed first steps of ``variant`` at ``bs`` (the graph's capture and its
         check against eager)."""
-        with active(bs, variant, mode) as slots:
+        with _active(runner, switch, graphs_by_variant, bs, variant, mode) as slots:
             check = _graph_check(runner, bs, slots, context) if mode == "graph" else {}
             _eager_steps(runner, bs, slots, context, warmup, 0)
             return check
 
     def timed_steps(bs: int, variant: str, mode: str, first: int, count: int) -> list[float]:
-        with active(bs, variant, mode) as slots:
+        with _active(runner, switch, graphs_by_variant, bs, variant, mode) as slots:
             return [_step(runner, bs, slots, context, s) for s in range(first, first + count)]
 
     def round_times(bs: int, mode: str, r: int) -> dict[str, list[float]]:

@@ -1,0 +1,109 @@
+"""Probe: does a decode step's time depend on which variant ran the step before it?
+
+    python bench/probes/step_order.py OUT.json [--shape llama3-8b] [--layers 8]
+        [--batch-sizes 16,128] [--block 6] [--rounds 6]
+
+Session 21 interleaved the decode bench's variants step by step (``--order step``) and the
+``none`` rows, which replay a graph of the same LoRA-off kernels as ``off``, read 0.97-0.99
+instead of 1.00. This probe times single steps (``decode._step``, graphs on) in two
+patterns over the variants ``head``, ``off``, ``none`` and ``1``:
+
+- ``blocks``: each variant runs ``--block`` steps in a row, variants in turn, ``--rounds``
+  times; per variant, the median time of the i-th step of its blocks (``by_position``), so a
+  cost paid by the first step(s) after a switch shows at positions 0, 1, ...;
+- ``alternate``: ``off`` and ``none`` alternate step by step (both LoRA-off graphs), and
+  ``off_after_off``: ``off`` repeated; medians.
+
+Prints and writes one JSON object (ms). Reads nothing but the device; the model is built in
+memory as in the decode bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplane.worker.bench import decode
+from loraplane.worker.bench.common import env_info
+from loraplane.worker.config import LoRARuntimeConfig
+
+VARIANTS = ("head", "off", "none", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch-sizes", default="16,128")
+    p.add_argument("--block", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--device", default="cuda", help="cuda (graphs), or cpu (eager: a smoke run)")
+    args = p.parse_args(argv)
+    device = args.device
+    dtype, mode = (torch.bfloat16, "graph") if device == "cuda" else (torch.float32, "eager")
+    bss = [int(b) for b in args.batch_sizes.split(",")]
+    config = decode.model_config(args.shape, args.layers, dtype)
+    steps = 3 * len(VARIANTS) + args.rounds * args.block * (len(VARIANTS) + 3)
+    runner = decode._make_runner(
+        decode.build_model(config, device, dtype), device, max(bss), args.context + steps + 8
+    )
+    for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
+        k_cache.normal_()
+        v_cache.normal_()
+    lora_cfg = LoRARuntimeConfig(max_loras_per_batch=1, max_loaded_loras=1, max_lora_rank=16)
+    switch = decode._LoRASwitch(runner, lora_cfg, "triton")
+    switch.manager.load_slot(0, decode.random_adapters(config, 1, 16, device, dtype)[0])
+    graphs: dict[str, Any] = {}
+    result: dict[str, Any] = {
+        "env": env_info(device),
+        "settings": vars(args) | {"out": None, "mode": mode},
+    }
+
+    def run(bs: int, variant: str, s: int) -> float:
+        with decode._active(runner, switch, graphs, bs, variant, mode) as slots:
+            return decode._step(runner, bs, slots, args.context, s) * 1e3
+
+    with torch.inference_mode():
+        for bs in bss:
+            s = 0
+            for v in VARIANTS:  # captures and one-time costs
+                for _ in range(3):
+                    run(bs, v, s)
+                    s += 1
+            by_pos: dict[str, list[list[float]]] = {
+                v: [[] for _ in range(args.block)] for v in VARIANTS
+            }
+            for _ in range(args.rounds):
+                for v in VARIANTS:
+                    for i in range(args.block):
+                        by_pos[v][i].append(run(bs, v, s))
+                        s += 1
+            alternate: dict[str, list[float]] = {"off": [], "none": [], "off_after_off": []}
+            for _ in range(args.rounds * args.block):
+                alternate["off"].append(run(bs, "off", s))
+                alternate["none"].append(run(bs, "none", s + 1))
+                s += 2
+            for _ in range(args.rounds * args.block):
+                alternate["off_after_off"].append(run(bs, "off", s))
+                s += 1
+            result[f"bs{bs}"] = {
+                "by_position": {
+                    v: [round(statistics.median(t), 4) for t in ts] for v, ts in by_pos.items()
+                },
+                "alternate": {k: round(statistics.median(t), 4) for k, t in alternate.items()},
+            }
+            print(bs, json.dumps(result[f"bs{bs}"]), flush=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
