@@ -2,6 +2,7 @@
 # Everything issue 9 measures on one H200, in one call (budget: well under 9 minutes).
 #   OUT=/some/dir bash bench/run_gpu.sh     (the device tool sets $OUT)
 #   The device's copy of the tree may report a stale git HEAD: pass LORAPLANE_COMMIT=<hash>.
+#   ONLY="decode_dense decode_moe" runs those steps alone (default: every step).
 # Writes $OUT/kernels.json, $OUT/decode_dense.json, $OUT/decode_moe.json, $OUT/run.log and
 # prints a short table last. Each step is time-capped and guarded: one failure keeps the rest;
 # every JSON is rewritten after each measured row, so a timeout keeps what was done.
@@ -17,6 +18,9 @@ LOG="$OUT/run.log"
 T0=$(date +%s)
 step() {  # step NAME SECONDS CMD...
   local name="$1" secs="$2"; shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
+    echo "=== $name skipped (ONLY=$ONLY)" | tee -a "$LOG"; return 0
+  fi
   echo "=== $name (cap ${secs}s, t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   timeout --signal=TERM --kill-after=15 "$secs" "$@" >>"$LOG" 2>&1
   echo "=== $name rc=$? (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
