@@ -32,8 +32,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   up to 20 did. Switching variants between steps is host work outside the timed step, and a
   variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
   one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
-  Python's garbage collector is paused during each round (collected before it), as
-  ``timeit`` does.
+  Python's garbage collector stays on, as in the server's decode loop (pausing it for the
+  rounds, as ``timeit`` does, was tried in session 21: the ``none`` rows read lower, not
+  closer to 1, in that call's three runs).
   Each row's ``tok_s`` is from the median of its steps pooled over the rounds, and
   ``ratio_by_round`` holds one ratio per round (that round's median step against the same
   round's ``off``), whose median and range the table prints: on a shared machine the ratios
@@ -74,7 +75,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import statistics
 import sys
@@ -370,22 +370,6 @@ def _active(
         switch.off()
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a round (collected first), as ``timeit``
-    does: a collection is host time that would land on whichever step allocates past the
-    threshold, and with the variants' steps interleaved that can be the same variant every
-    round. Reference counting still frees everything that is not in a cycle."""
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _step(runner: Any, bs: int, slots: list[int], context: int, s: int) -> float:
     """One decode step ``s`` (its wall time in seconds), as the engine runs it."""
     from loraplane.worker.engine.runner import decode_batch
@@ -610,9 +594,7 @@ def run_decode_bench(
                 # spread of the per-round ratios that each row reports beside the pooled one
                 by_round: dict[str, list[float | None]] = {v: [] for v in names}
                 for r in range(rounds):
-                    with _gc_paused():
-                        times = round_times(bs, mode, r)
-                    for variant, got in times.items():
+                    for variant, got in round_times(bs, mode, r).items():
                         by_round[variant].append(statistics.median(got) if got else None)
                         pooled[variant] += got
                 rows = {
