@@ -28,9 +28,18 @@ def test_ranks_serve_a_step_then_exit_zero_on_shutdown(suite) -> None:
         LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=16),
     )
     try:
-        work = [[SeqWork(cache_row=0, start=0, tokens=(1, 2, 3), slot=NO_ADAPTER)], []]
-        logits = executor.step(work)  # DP group 1 is idle and still joins every collective
-        assert logits[0] is not None and logits[0].shape[0] == 1
+        work = [
+            [
+                SeqWork(cache_row=0, start=0, tokens=(1, 2, 3), slot=NO_ADAPTER),
+                SeqWork(cache_row=1, start=0, tokens=(4, 5), slot=NO_ADAPTER, greedy=True),
+            ],
+            [],
+        ]
+        results = executor.step(work)  # DP group 1 is idle and still joins every collective
+        # every sequence's argmax comes back; full logits only for the one that samples
+        assert len(results[0].argmax) == 2 and results[0].sampled_logits.shape[0] == 1
+        assert results[0].argmax[0] == int(results[0].sampled_logits[0].argmax())
+        assert results[1].argmax == [] and results[1].sampled_logits.shape[0] == 0
     finally:
         executor.shutdown()
     assert [p.exitcode for p in executor._procs] == [0, 0]

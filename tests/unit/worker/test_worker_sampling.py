@@ -52,3 +52,23 @@ def test_same_seed_same_tokens() -> None:
 def test_bad_parameters_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_returns_full_logits_only_for_sequences_that_sample(dtype) -> None:
+    from loraplane.worker.engine.executor import SeqWork, step_result
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    work = [SeqWork(i, 0, (1,), greedy=g) for i, g in enumerate([True, False, True, False])]
+    result = step_result(logits, work)
+    # every sequence's argmax (greedy ones need nothing else), the same as on the fp32 rows
+    assert result.argmax == logits.float().argmax(-1).tolist()
+    # the full rows of the two that sample, fp32 on the host, in work order
+    assert result.sampled_logits.dtype == torch.float32
+    assert result.sampled_logits.device.type == "cpu"
+    assert torch.equal(result.sampled_logits, logits[[1, 3]].float())
+    greedy_only = step_result(logits, [SeqWork(i, 0, (1,), greedy=True) for i in range(4)])
+    assert greedy_only.sampled_logits.shape == (0, 50)
+    assert greedy_only.argmax == result.argmax
+    sampling_only = step_result(logits, [SeqWork(i, 0, (1,)) for i in range(4)])
+    assert torch.equal(sampling_only.sampled_logits, logits.float())

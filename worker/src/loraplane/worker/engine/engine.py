@@ -536,7 +536,9 @@ class Engine:
         # contiguous, so the LoRA kernels read them in place, with no gather (`row_order`).
         for seq in sorted(cast(list[Sequence], list(running)), key=lambda s: s.slot):
             tokens = seq.next_tokens()
-            work[seq.dp_group].append(SeqWork(seq.cache_row, seq.cached, tokens, seq.slot))
+            work[seq.dp_group].append(
+                SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params.greedy)
+            )
             order[seq.dp_group].append(seq)
         self.observer.step(
             self.scheduler.distinct_adapters(),
@@ -544,13 +546,19 @@ class Engine:
             waiting,
             admission.waiting_for_slot,
         )
-        logits = self.executor.step(work)
+        results = self.executor.step(work)
         self.steps += 1
         with self._lock:
             for group, seqs in enumerate(order):
+                result, sampled = results[group], 0
                 for i, seq in enumerate(seqs):
                     seq.cached += len(work[group][i].tokens)
-                    token = sample(logits[group][i], seq.params, seq.generator)
+                    if seq.params.greedy:
+                        token = result.argmax[i]
+                    else:
+                        logits = result.sampled_logits[sampled]
+                        token = sample(logits, seq.params, seq.generator)
+                        sampled += 1
                     before = len(seq.output_ids)
                     self._append(seq, token)
                     if seq.finish_reason is not None:

@@ -21,7 +21,13 @@ import torch
 import torch.multiprocessing as mp
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
-from loraplane.worker.engine.executor import AdapterInfo, SeqWork, build_batch
+from loraplane.worker.engine.executor import (
+    AdapterInfo,
+    SeqWork,
+    StepResult,
+    build_batch,
+    step_result,
+)
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.lora.adapter import AdapterError, AdapterWeights
 from loraplane.worker.parallel.launch import (
@@ -75,7 +81,7 @@ def _rank_loop(
                 batch, slots = build_batch(work, runner.device)
                 logits = runner.forward(batch, slots)
                 leader = ps.attn_tp_rank == 0
-                outbox.put(("ok", rank, logits.float().cpu() if leader else None))
+                outbox.put(("ok", rank, step_result(logits, work) if leader else None))
             elif cmd == "read":
                 group, name, path = args
                 if group != ps.dp_rank:
@@ -197,7 +203,7 @@ class MultiRankExecutor:
             pending.discard(rank)
         return replies
 
-    def step(self, work: list[list[SeqWork]]) -> list[torch.Tensor]:
+    def step(self, work: list[list[SeqWork]]) -> list[StepResult]:
         assert len(work) == self.dp_size
         replies = self._send("step", work)
         leaders = [g * self.pconf.attn_tp for g in range(self.dp_size)]
