@@ -49,6 +49,8 @@ class StepResult:
 
 def step_result(logits: torch.Tensor, work: list[SeqWork]) -> StepResult:
     """``StepResult`` of a group's last-token ``logits`` ``[len(work), vocab]``."""
+    if logits.device.type == "cpu":
+        logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
     sampled = [i for i, w in enumerate(work) if not w.greedy]
     if len(sampled) == len(work):
         rows = logits
