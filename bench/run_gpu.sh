@@ -25,6 +25,12 @@ step() {  # step NAME SECONDS CMD...
   timeout --signal=TERM --kill-after=15 "$secs" "$@" >>"$LOG" 2>&1
   echo "=== $name rc=$? (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
 }
+for name in ${ONLY:-}; do
+  case " kernels decode_dense decode_moe " in
+    *" $name "*) ;;
+    *) echo "ONLY: unknown step '$name' (steps: kernels decode_dense decode_moe)" >&2; exit 2 ;;
+  esac
+done
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; "$PY" -c 'import torch,triton;print(torch.__version__,triton.__version__)'; } >>"$LOG" 2>&1
 
 # 1. kernels: decode T=16/64/128 + prefill 2048, ranks 16/64, 1/4/16 adapters, both shapes.
@@ -42,11 +48,14 @@ step decode_moe 150 "$PY" -m loraplane.worker.bench.decode --device cuda --shape
   --layers 4 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
   --steps 10 --rounds 8 --warmup 3 --cuda-graphs --out "$OUT/decode_moe.json"
 
-"$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
-import json, sys, pathlib
+ONLY="${ONLY:-}" "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
+import json, os, sys, pathlib
 out = pathlib.Path(sys.argv[1])
+only = os.environ["ONLY"].split()
 from loraplane.worker.bench import decode, kernels
 for name, mod in (("kernels.json", kernels), ("decode_dense.json", decode), ("decode_moe.json", decode)):
+    if only and name.removesuffix(".json") not in only:
+        print(f"--- {name}: skipped (ONLY)"); continue  # a file there now is from another run
     p = out / name
     if not p.exists():
         print(f"--- {name}: missing"); continue

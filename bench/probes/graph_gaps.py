@@ -10,7 +10,7 @@ from the kernels' start and end times (torch.profiler / CUPTI, one profile per s
 step's copies and sampling included), reports per step:
 ``span_us`` (first kernel's start to last kernel's end), ``busy_us`` (the union of kernel
 intervals, so kernels overlapped on two streams count once), ``idle_us`` (span - busy) and
-the ten longest idle gaps with the kernels around them.
+the eight longest idle gaps with the kernels around them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ STEPS = 3
 
 def _gaps(kernels: list[tuple[float, float, str]]) -> dict[str, Any]:
     """Span, busy time and idle gaps of one step's kernels (start, end, name; µs)."""
+    if not kernels:
+        raise RuntimeError("the profiler recorded no kernel (is CUPTI available?)")
     kernels.sort()
     busy, gaps = 0.0, []
     end, end_name = kernels[0][0], ""

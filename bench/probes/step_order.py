@@ -14,7 +14,8 @@ patterns over the variants ``head``, ``off``, ``none`` and ``1``:
 - ``alternate``: ``off`` and ``none`` alternate step by step (both LoRA-off graphs), and
   ``off_after_off``: ``off`` repeated; medians.
 
-Prints and writes one JSON object (ms). Reads nothing but the device; the model is built in
+Prints and writes one JSON object (ms). ``--device cpu`` is a smoke run of eager steps
+(set ``TRITON_INTERPRET=1`` there). Reads nothing but the device; the model is built in
 memory as in the decode bench.
 """
 

@@ -83,3 +83,19 @@ def test_engine_outputs_are_the_same_with_and_without_graphs(suite, arch: str) -
     assert replays > 0 and none == 0
     assert all(len(o) == 12 for o in eager)
     assert with_graphs == eager
+
+
+def test_greedy_tokens_taken_on_the_device_match_the_host_argmax() -> None:
+    """``step_result`` takes a greedy row's argmax over bf16 logits on the GPU: the same token
+    as the host's argmax over the fp32 copy (the engine's path before), ties included."""
+    from loraplane.worker.engine.executor import SeqWork, step_result
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(128, 151936, device="cuda", generator=gen).to(torch.bfloat16)
+    logits[5, 1000] = logits[5, 90000] = 30.0  # a tie: the first index
+    work = [SeqWork(i, 0, (1,), greedy=i % 3 != 0) for i in range(128)]
+    result = step_result(logits, work)
+    host = logits.float().cpu()
+    assert result.argmax == host.argmax(-1).tolist()
+    assert result.argmax[5] == 1000
+    assert torch.equal(result.sampled_logits, host[[i for i in range(128) if i % 3 == 0]])

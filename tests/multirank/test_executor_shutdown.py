@@ -8,6 +8,8 @@ one that aborted, would show a non-zero exit code here.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from loraplane.worker.config import LoRARuntimeConfig
@@ -40,6 +42,10 @@ def test_ranks_serve_a_step_then_exit_zero_on_shutdown(suite) -> None:
         assert len(results[0].argmax) == 2 and results[0].sampled_logits.shape[0] == 1
         assert results[0].argmax[0] == int(results[0].sampled_logits[0].argmax())
         assert results[1].argmax == [] and results[1].sampled_logits.shape[0] == 0
+        # the same prefill again with every row sampling: the greedy row's argmax was its own
+        again = executor.step([[replace(w, greedy=False) for w in work[0]], []])
+        assert again[0].sampled_logits.shape[0] == 2
+        assert results[0].argmax == again[0].sampled_logits.argmax(-1).tolist()
     finally:
         executor.shutdown()
     assert [p.exitcode for p in executor._procs] == [0, 0]

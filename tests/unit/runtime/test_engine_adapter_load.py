@@ -233,3 +233,78 @@ def test_an_unloaded_adapter_leaves_no_metric_series(worker, suite, tmp_path: Pa
     assert engine.load_adapter("churn", str(path)).result(timeout=60).success
     assert requests() == 0.0
     assert engine.unload_adapter("churn").result(timeout=60).success
+
+
+class _MarkedExecutor:
+    """An executor whose answer for a sequence depends only on that sequence's last input
+    token ``t``: its argmax is ``t + 1``; the full logits of a sequence that samples put all
+    mass on ``t + 2``. (A fake: a real argmax comes from the same logits.) A sequence gets
+    its own tokens only if the engine pairs each row with its own result and takes a greedy
+    one's argmax and a sampling one's logits."""
+
+    dp_size = 1
+    max_seqs = 4
+    max_len = 64
+
+    def __init__(self, model_dir: Path) -> None:
+        from loraplane.worker.config import ModelConfig
+
+        self.model_config = ModelConfig.from_dir(model_dir)
+
+    def step(self, work):  # type: ignore[no-untyped-def]
+        from loraplane.worker.engine.executor import StepResult
+
+        vocab = self.model_config.vocab_size
+        rows = [w for w in work[0] if not w.greedy]
+        logits = torch.full((len(rows), vocab), -1e4)
+        for i, w in enumerate(rows):
+            logits[i, (w.tokens[-1] + 2) % vocab] = 1.0
+        return [StepResult([(w.tokens[-1] + 1) % vocab for w in work[0]], logits)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_greedy_and_sampling_sequences_in_one_step_each_get_their_own_tokens(suite) -> None:
+    model_dir, _ = suite["llama"]
+    engine = Engine(
+        _MarkedExecutor(model_dir),  # type: ignore[arg-type]
+        TextTokenizer(str(model_dir)),
+        max_loras_per_batch=1,
+        max_loaded_loras=1,
+        max_running=4,
+        max_model_len=64,
+    )
+    outputs: dict[str, list[int]] = {}
+    done = {name: threading.Event() for name in ("s1", "g1", "s2", "g2")}
+
+    def sink_for(name: str) -> Any:
+        def sink(event: SeqEvent) -> None:
+            outputs.setdefault(name, []).extend(event.token_ids)
+            if event.finished:
+                done[name].set()
+
+        return sink
+
+    greedy = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=3, temperature=1.0, seed=1, ignore_eos=True)
+    # submitted before the loop starts, so the four share every step, in this order
+    for name, first, params in (
+        ("s1", 10, sampled),
+        ("g1", 20, greedy),
+        ("s2", 30, sampled),
+        ("g2", 40, greedy),
+    ):
+        engine.submit(name, [3, first], params, None, sink_for(name))
+    engine.start()
+    try:
+        assert all(e.wait(60) for e in done.values()), "a request did not finish"
+    finally:
+        engine.stop()
+    # a greedy sequence follows its argmax (+1 a step), a sampling one its own logits (+2)
+    assert outputs == {
+        "s1": [12, 14, 16],
+        "g1": [21, 22, 23],
+        "s2": [32, 34, 36],
+        "g2": [41, 42, 43],
+    }

@@ -59,10 +59,13 @@ def test_a_step_returns_full_logits_only_for_sequences_that_sample(dtype) -> Non
     from loraplane.worker.engine.executor import SeqWork, step_result
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[2, 7] = logits[2, 31] = 10.0  # a tie: the first index wins, as on the host before
     work = [SeqWork(i, 0, (1,), greedy=g) for i, g in enumerate([True, False, True, False])]
     result = step_result(logits, work)
-    # every sequence's argmax (greedy ones need nothing else), the same as on the fp32 rows
-    assert result.argmax == logits.float().argmax(-1).tolist()
+    # every sequence's argmax (greedy ones need nothing else)
+    rows = logits.float().tolist()
+    assert result.argmax == [row.index(max(row)) for row in rows]
+    assert result.argmax[2] == 7
     # the full rows of the two that sample, fp32 on the host, in work order
     assert result.sampled_logits.dtype == torch.float32
     assert result.sampled_logits.device.type == "cpu"

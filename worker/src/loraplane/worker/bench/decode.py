@@ -341,26 +341,26 @@ def _active(
     in ``graphs_by_variant``)."""
     from loraplane.worker.engine.graphs import DecodeGraphs
 
-    if variant in ("off", "head"):
-        switch.off()
-        slots = [-1] * bs
-    else:
-        switch.on()
-        n = 0 if variant == "none" else int(variant.split("k")[0].rstrip("s"))
-        # The engine orders a batch by slot (engine.py), so each adapter's rows are contiguous.
-        slots = sorted(i % n for i in range(bs)) if n else [-1] * bs
-        backend = switch.manager.ctx.backend
-        backend.overlap = "off" if variant.endswith("s") else "auto"
-        backend.overlap_split_k = int(variant.split("k")[1]) if "k" in variant else None
     saved_layers = runner.model.layers
-    if variant == "head":
-        runner.model.layers = nn.ModuleList()
-    if mode == "graph":
-        if variant not in graphs_by_variant:
-            max_bs = runner.config.max_seqs
-            graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
-        runner.graphs = graphs_by_variant[variant]
-    try:
+    try:  # (a set-up that fails half-way is taken down too)
+        if variant in ("off", "head"):
+            switch.off()
+            slots = [-1] * bs
+        else:
+            switch.on()
+            n = 0 if variant == "none" else int(variant.split("k")[0].rstrip("s"))
+            # The engine orders a batch by slot (engine.py): each adapter's rows contiguous.
+            slots = sorted(i % n for i in range(bs)) if n else [-1] * bs
+            backend = switch.manager.ctx.backend
+            backend.overlap = "off" if variant.endswith("s") else "auto"
+            backend.overlap_split_k = int(variant.split("k")[1]) if "k" in variant else None
+        if variant == "head":
+            runner.model.layers = nn.ModuleList()
+        if mode == "graph":
+            if variant not in graphs_by_variant:
+                max_bs = runner.config.max_seqs
+                graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
+            runner.graphs = graphs_by_variant[variant]
         yield slots
     finally:
         runner.graphs = None

@@ -553,7 +553,7 @@ class Engine:
                 result, sampled = results[group], 0
                 for i, seq in enumerate(seqs):
                     seq.cached += len(work[group][i].tokens)
-                    if seq.params.greedy:
+                    if work[group][i].greedy:  # the flag the executor acted on
                         token = result.argmax[i]
                     else:
                         logits = result.sampled_logits[sampled]

@@ -53,12 +53,12 @@ def step_result(logits: torch.Tensor, work: list[SeqWork]) -> StepResult:
         logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
     sampled = [i for i, w in enumerate(work) if not w.greedy]
     if len(sampled) == len(work):
-        rows = logits
+        rows = logits.float().cpu()
     elif sampled:
-        rows = logits[torch.tensor(sampled, device=logits.device)]
-    else:
-        rows = logits[:0]
-    return StepResult(logits.argmax(-1).tolist(), rows.float().cpu())
+        rows = logits[sampled].float().cpu()
+    else:  # a new empty tensor: a view would carry the whole block through a rank's queue
+        rows = torch.empty(0, logits.shape[-1], dtype=torch.float32)
+    return StepResult(logits.argmax(-1).tolist(), rows)
 
 
 @dataclass(frozen=True, slots=True)
