@@ -18,47 +18,28 @@ that differs between ``step_ms`` and ``replay_ms`` says the host's share moved i
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from loraplane.worker.bench import decode
 from loraplane.worker.bench.common import env_info
-from loraplane.worker.config import LoRARuntimeConfig
 
 VARIANTS = ("off", "none", "1", "4")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch-sizes", default="16,128")
+    p = decode.probe_parser(__doc__, "16,128")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--context", type=int, default=512)
     args = p.parse_args(argv)
     device, dtype = "cuda", torch.bfloat16
     bss = [int(b) for b in args.batch_sizes.split(",")]
     config = decode.model_config(args.shape, args.layers, dtype)
-    runner = decode._make_runner(
-        decode.build_model(config, device, dtype),
-        device,
-        max(bss),
-        args.context + len(VARIANTS) * (args.steps + 4) + 8,
-    )
-    for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
-        k_cache.normal_()
-        v_cache.normal_()
-    lora_cfg = LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=16)
-    switch = decode._LoRASwitch(runner, lora_cfg, "triton")
-    for slot, ad in enumerate(decode.random_adapters(config, 4, 16, device, dtype)):
-        switch.manager.load_slot(slot, ad)
+    max_len = args.context + len(VARIANTS) * (args.steps + 4) + 8
+    runner, switch = decode.bench_runner(config, device, max(bss), max_len, 4)
     graphs: dict[str, Any] = {}
     result: dict[str, Any] = {"env": env_info(device), "settings": vars(args) | {"out": None}}
 

@@ -21,31 +21,23 @@ memory as in the decode bench.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from loraplane.worker.bench import decode
 from loraplane.worker.bench.common import env_info
-from loraplane.worker.config import LoRARuntimeConfig
 
 VARIANTS = ("head", "off", "none", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("out", type=Path)
-    p.add_argument("--shape", default="llama3-8b")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch-sizes", default="16,128")
+    p = decode.probe_parser(__doc__, "16,128")
     p.add_argument("--block", type=int, default=6)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--context", type=int, default=512)
     p.add_argument("--device", default="cuda", help="cuda (graphs), or cpu (eager: a smoke run)")
     args = p.parse_args(argv)
     device = args.device
@@ -53,15 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     bss = [int(b) for b in args.batch_sizes.split(",")]
     config = decode.model_config(args.shape, args.layers, dtype)
     steps = 3 * len(VARIANTS) + args.rounds * args.block * (len(VARIANTS) + 3)
-    runner = decode._make_runner(
-        decode.build_model(config, device, dtype), device, max(bss), args.context + steps + 8
-    )
-    for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
-        k_cache.normal_()
-        v_cache.normal_()
-    lora_cfg = LoRARuntimeConfig(max_loras_per_batch=1, max_loaded_loras=1, max_lora_rank=16)
-    switch = decode._LoRASwitch(runner, lora_cfg, "triton")
-    switch.manager.load_slot(0, decode.random_adapters(config, 1, 16, device, dtype)[0])
+    runner, switch = decode.bench_runner(config, device, max(bss), args.context + steps + 8, 1)
     graphs: dict[str, Any] = {}
     result: dict[str, Any] = {
         "env": env_info(device),

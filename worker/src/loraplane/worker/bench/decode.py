@@ -327,6 +327,52 @@ def random_adapters(
     return out
 
 
+def bench_runner(
+    config: Any,
+    device: str,
+    max_bs: int,
+    max_len: int,
+    slots: int,
+    *,
+    rank: int = 16,
+    max_rank: int | None = None,
+    stage_slots: int | None = None,
+    backend: str = "triton",
+) -> tuple[Any, _LoRASwitch]:
+    """The bench's model at ``config`` on ``device`` (random weights, the KV cache filled
+    randomly) in a runner, and a ``_LoRASwitch`` with ``slots`` random adapters of ``rank``
+    loaded (switched off). Shared with ``bench/probes``."""
+    from loraplane.worker.config import LoRARuntimeConfig
+
+    dtype = getattr(torch, config.torch_dtype)
+    runner = _make_runner(build_model(config, device, dtype), device, max_bs, max_len)
+    for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
+        k_cache.normal_()
+        v_cache.normal_()
+    lora_cfg = LoRARuntimeConfig(
+        max_loras_per_batch=slots,
+        max_loaded_loras=slots,
+        max_lora_rank=max_rank or rank,
+        stage_slots=stage_slots,
+    )
+    switch = _LoRASwitch(runner, lora_cfg, backend)
+    for slot, ad in enumerate(random_adapters(config, slots, rank, device, dtype)):
+        switch.manager.load_slot(slot, ad)
+    return runner, switch
+
+
+def probe_parser(doc: str, batch_sizes: str) -> argparse.ArgumentParser:
+    """The arguments every decode probe takes (``bench/probes``): its JSON file, the shape,
+    its layers, the batch sizes and the context."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch-sizes", default=batch_sizes)
+    p.add_argument("--context", type=int, default=512)
+    return p
+
+
 @contextlib.contextmanager
 def _active(
     runner: Any,
@@ -445,7 +491,6 @@ def run_decode_bench(
     ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``).
     ``order``: within a round, ``"step"`` interleaves the variants step by step, ``"variant"``
     runs each variant's steps back to back."""
-    from loraplane.worker.config import LoRARuntimeConfig
     from loraplane.worker.engine.graphs import DecodeGraphs
 
     if shape not in SHAPES:
@@ -493,21 +538,17 @@ def run_decode_bench(
     )
     t_start = time.perf_counter()
     max_bs, max_len = max(batch_sizes), context + warmup + steps + 8
-    model = build_model(config, device, tdtype)
-    runner = _make_runner(model, device, max_bs, max_len)
-    for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
-        k_cache.normal_()
-        v_cache.normal_()
-    n_slots = max(adapters) if adapters else 1
-    lora_cfg = LoRARuntimeConfig(
-        max_loras_per_batch=n_slots,
-        max_loaded_loras=n_slots,
-        max_lora_rank=max_rank or rank,
+    runner, switch = bench_runner(
+        config,
+        device,
+        max_bs,
+        max_len,
+        max(adapters) if adapters else 1,
+        rank=rank,
+        max_rank=max_rank,
         stage_slots=stage_slots,
+        backend=backend,
     )
-    switch = _LoRASwitch(runner, lora_cfg, backend)
-    for slot, ad in enumerate(random_adapters(config, n_slots, rank, device, tdtype)):
-        switch.manager.load_slot(slot, ad)
     sync(device)
     sink.set("stage_positions", switch.manager.stage.positions)
     sink.set("setup_s", time.perf_counter() - t_start)
