@@ -1,14 +1,21 @@
-"""Probe: the host time of the engine's sampling stage, before and after ``StepResult``.
+"""Probe: the time of the engine's sampling stage, per step, before and after session 22.
 
     python bench/probes/sampling_stage.py [OUT.json] [--device cpu|cuda]
 
 Until 7bc9a0f the executor returned every sequence's last-token logits as fp32 on the host
-(``logits.float().cpu()``) and the engine sampled each row there, greedy ones included. Now
-``step_result`` takes every row's argmax where the logits are and moves full rows only for
-sequences that do not sample greedily. This times both over a logits tensor of a real
-vocabulary (bf16; on a CPU also fp32), all sequences greedy, at bs 16 and 128 (median of 20,
-ms). On ``cuda`` the times include the device-to-host copy of the logits; on ``cpu`` they
-are host work alone.
+(``logits.float().cpu()``) and the engine sampled each row there, greedy ones included; from
+7bc9a0f greedy rows took their argmax on the device, but sequences that sample still moved
+their full rows and sampled on the host, one row at a time. Now ``sampling.sample_rows``
+picks every row's token where the logits are. This times, over a logits tensor of a real
+vocabulary (bf16; on a CPU also fp32) at bs 16 and 128 (median of 20 calls, of 5 when a
+call takes over 0.1 s; ms):
+
+- ``greedy``: every row greedy, host (before 7bc9a0f) against ``sample_rows``;
+- ``sampled``: every row at temperature 0.7, top_p 0.9 (common chat settings), host
+  (before session 22) against ``sample_rows``; and the same with top_k 50, and seeded.
+
+On ``cuda`` the times include the device-to-host copies; on ``cpu`` they are host work
+alone.
 """
 
 from __future__ import annotations
@@ -23,30 +30,55 @@ from typing import Any
 
 import torch
 
-from loraplane.worker.engine.executor import SeqWork, step_result
-from loraplane.worker.engine.sampling import SamplingParams, sample
+from loraplane.worker.engine.sampling import SamplingParams, sample_rows
 
 VOCABS = (128256, 151936)  # Llama-3, Qwen3
+CASES = {
+    "greedy": SamplingParams(temperature=0.0),
+    "sampled": SamplingParams(temperature=0.7, top_p=0.9),
+    "sampled_top_k": SamplingParams(temperature=0.7, top_p=0.9, top_k=50),
+    "sampled_seeded": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+}
+
+
+def _host_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    """The engine's per-row sampler before session 22 (fp32 row on the host)."""
+    if params.greedy:
+        return int(torch.argmax(logits).item())
+    scores = logits / params.temperature
+    if 0 < params.top_k < scores.numel():
+        scores = scores.masked_fill(scores < torch.topk(scores, params.top_k).values[-1], -1e30)
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def _before(logits: torch.Tensor, params: SamplingParams) -> list[int]:
     host = logits.float().cpu()
-    return [sample(host[i], params, None) for i in range(host.shape[0])]
+    gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+    return [_host_row(host[i], params, gen) for i in range(host.shape[0])]
 
 
-def _after(logits: torch.Tensor, work: list[SeqWork]) -> list[int]:
-    return step_result(logits, work).argmax
+def _after(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    return sample_rows(logits, params, [0] * len(params))
 
 
 def _median_ms(fn: Any, device: str) -> float:
-    times = []
-    for _ in range(22):
+    """Median of 20 timed calls after 2 untimed ones (5 after 1 when a call takes > 0.1 s)."""
+    times: list[float] = []
+    count = 22
+    while len(times) < count:
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) * 1e3
+        if len(times) == 1 and times[0] > 0.1:
+            count = 6
+    return statistics.median(times[2 if count == 22 else 1 :]) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,17 +86,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, nargs="?")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    params = SamplingParams(temperature=0.0)
     dtypes = [torch.bfloat16] if args.device == "cuda" else [torch.float32, torch.bfloat16]
     rows: list[dict[str, Any]] = []
-    for vocab, dtype, bs in ((v, d, b) for v in VOCABS for d in dtypes for b in (16, 128)):
+    for vocab, dtype, bs, case in (
+        (v, d, b, c) for v in VOCABS for d in dtypes for b in (16, 128) for c in CASES
+    ):
         logits = torch.randn(bs, vocab, device=args.device).to(dtype)
-        work = [SeqWork(i, 0, (1,), greedy=True) for i in range(bs)]
-        assert _before(logits, params) == _after(logits, work)
-        before = _median_ms(lambda x=logits: _before(x, params), args.device)
-        after = _median_ms(lambda x=logits, w=work: _after(x, w), args.device)
+        params = CASES[case]
+        if params.greedy:  # (the same tokens both ways)
+            assert _before(logits, params) == _after(logits, [params] * bs)
+        before = _median_ms(lambda x=logits, p=params: _before(x, p), args.device)
+        after = _median_ms(lambda x=logits, p=params, n=bs: _after(x, [p] * n), args.device)
         rows.append(
             {
+                "case": case,
                 "vocab": vocab,
                 "dtype": str(dtype).removeprefix("torch."),
                 "bs": bs,
@@ -73,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+        if args.out:  # after each row: a time cap keeps what was measured
+            args.out.write_text(json.dumps({"device": args.device, "rows": rows}, indent=1))
     result = {"device": args.device, "torch": torch.__version__, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

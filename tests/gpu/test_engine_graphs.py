@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,17 +86,34 @@ def test_engine_outputs_are_the_same_with_and_without_graphs(suite, arch: str) -
     assert with_graphs == eager
 
 
-def test_greedy_tokens_taken_on_the_device_match_the_host_argmax() -> None:
-    """``step_result`` takes a greedy row's argmax over bf16 logits on the GPU: the same token
-    as the host's argmax over the fp32 copy (the engine's path before), ties included."""
+def test_tokens_picked_on_the_device() -> None:
+    """``step_result`` picks tokens where the logits are, bf16 on the GPU: a greedy row's is
+    the host's argmax over the fp32 copy (the engine's path before), ties included; sampled
+    rows follow their softmax; a seeded row gives the same token again."""
     from loraplane.worker.engine.executor import SeqWork, step_result
+    from loraplane.worker.engine.sampling import SamplingParams
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(128, 151936, device="cuda", generator=gen).to(torch.bfloat16)
     logits[5, 1000] = logits[5, 90000] = 30.0  # a tie: the first index
-    work = [SeqWork(i, 0, (1,), greedy=i % 3 != 0) for i in range(128)]
+    work = [SeqWork(i, 0, (1,)) for i in range(128)]
     result = step_result(logits, work)
-    host = logits.float().cpu()
-    assert result.argmax == host.argmax(-1).tolist()
-    assert result.argmax[5] == 1000
-    assert torch.equal(result.sampled_logits, host[[i for i in range(128) if i % 3 == 0]])
+    assert result.tokens == logits.float().cpu().argmax(-1).tolist()
+    assert result.tokens[5] == 1000
+    # 128 rows of one distribution over 4 tokens (the rest at -inf), 16 steps: 2048 draws
+    four = torch.full((128, 151936), float("-inf"), device="cuda")
+    four[:, :4] = torch.tensor([0.5, 0.3, 0.15, 0.05], device="cuda").log()
+    params = SamplingParams(temperature=1.0, top_p=0.99, top_k=100)
+    draws = [
+        t
+        for k in range(16)
+        for t in step_result(
+            four.bfloat16(), [SeqWork(i, 0, (1,), params=params, index=k) for i in range(128)]
+        ).tokens
+    ]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    assert (freq - torch.tensor([0.5, 0.3, 0.15, 0.05])).abs().max() < 0.04, freq
+    seeded = [
+        replace(w, params=SamplingParams(temperature=1.0, seed=i)) for i, w in enumerate(work)
+    ]
+    assert step_result(logits, seeded).tokens == step_result(logits, seeded).tokens

@@ -15,6 +15,7 @@ import pytest
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.executor import SeqWork
 from loraplane.worker.engine.runner import RunnerConfig
+from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.parallel.executor import MultiRankExecutor
 from loraplane.worker.parallel.state import ParallelConfig
@@ -30,22 +31,24 @@ def test_ranks_serve_a_step_then_exit_zero_on_shutdown(suite) -> None:
         LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=16),
     )
     try:
+        seeded = SamplingParams(temperature=1.0, seed=3)
         work = [
             [
-                SeqWork(cache_row=0, start=0, tokens=(1, 2, 3), slot=NO_ADAPTER),
-                SeqWork(cache_row=1, start=0, tokens=(4, 5), slot=NO_ADAPTER, greedy=True),
+                SeqWork(cache_row=0, start=0, tokens=(1, 2, 3), slot=NO_ADAPTER, params=seeded),
+                SeqWork(cache_row=1, start=0, tokens=(4, 5), slot=NO_ADAPTER),
             ],
             [],
         ]
         results = executor.step(work)  # DP group 1 is idle and still joins every collective
-        # every sequence's argmax comes back; full logits only for the one that samples
-        assert len(results[0].argmax) == 2 and results[0].sampled_logits.shape[0] == 1
-        assert results[0].argmax[0] == int(results[0].sampled_logits[0].argmax())
-        assert results[1].argmax == [] and results[1].sampled_logits.shape[0] == 0
-        # the same prefill again with every row sampling: the greedy row's argmax was its own
-        again = executor.step([[replace(w, greedy=False) for w in work[0]], []])
-        assert again[0].sampled_logits.shape[0] == 2
-        assert results[0].argmax == again[0].sampled_logits.argmax(-1).tolist()
+        # a token per sequence, picked on its group's leader; none for the idle group
+        assert len(results[0].tokens) == 2 and results[1].tokens == []
+        vocab = executor.model_config.vocab_size
+        assert all(0 <= t < vocab for t in results[0].tokens)
+        # the same prefill again: the greedy row and the seeded row (same seed, same index)
+        # give the same tokens; the seeded row's next index draws again
+        assert executor.step(work)[0].tokens == results[0].tokens
+        draws = {executor.step([[replace(work[0][0], index=i)], []])[0].tokens[0] for i in range(8)}
+        assert len(draws) > 1
     finally:
         executor.shutdown()
     assert [p.exitcode for p in executor._procs] == [0, 0]

@@ -8,6 +8,7 @@ import json
 import shutil
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -236,11 +237,11 @@ def test_an_unloaded_adapter_leaves_no_metric_series(worker, suite, tmp_path: Pa
 
 
 class _MarkedExecutor:
-    """An executor whose answer for a sequence depends only on that sequence's last input
-    token ``t``: its argmax is ``t + 1``; the full logits of a sequence that samples put all
-    mass on ``t + 2``. (A fake: a real argmax comes from the same logits.) A sequence gets
-    its own tokens only if the engine pairs each row with its own result and takes a greedy
-    one's argmax and a sampling one's logits."""
+    """An executor whose token for a sequence depends only on that sequence's last input
+    token ``t`` and its sampling parameters: ``t + 1`` for a greedy one, ``t + 2`` for one
+    that samples. (A fake: the real tokens come from the logits.) A sequence gets its own
+    tokens only if the engine pairs each row with its own result; ``seen`` records the
+    ``(seed, index)`` each sequence's row carried."""
 
     dp_size = 1
     max_seqs = 4
@@ -250,16 +251,18 @@ class _MarkedExecutor:
         from loraplane.worker.config import ModelConfig
 
         self.model_config = ModelConfig.from_dir(model_dir)
+        self.seen: dict[int, list[int]] = {}
 
     def step(self, work):  # type: ignore[no-untyped-def]
         from loraplane.worker.engine.executor import StepResult
 
         vocab = self.model_config.vocab_size
-        rows = [w for w in work[0] if not w.greedy]
-        logits = torch.full((len(rows), vocab), -1e4)
-        for i, w in enumerate(rows):
-            logits[i, (w.tokens[-1] + 2) % vocab] = 1.0
-        return [StepResult([(w.tokens[-1] + 1) % vocab for w in work[0]], logits)]
+        for w in work[0]:
+            if w.params.seed is not None:
+                self.seen.setdefault(w.params.seed, []).append(w.index)
+        return [
+            StepResult([(w.tokens[-1] + (1 if w.params.greedy else 2)) % vocab for w in work[0]])
+        ]
 
     def shutdown(self) -> None:
         pass
@@ -267,8 +270,9 @@ class _MarkedExecutor:
 
 def test_greedy_and_sampling_sequences_in_one_step_each_get_their_own_tokens(suite) -> None:
     model_dir, _ = suite["llama"]
+    executor = _MarkedExecutor(model_dir)
     engine = Engine(
-        _MarkedExecutor(model_dir),  # type: ignore[arg-type]
+        executor,  # type: ignore[arg-type]
         TextTokenizer(str(model_dir)),
         max_loras_per_batch=1,
         max_loaded_loras=1,
@@ -292,7 +296,7 @@ def test_greedy_and_sampling_sequences_in_one_step_each_get_their_own_tokens(sui
     for name, first, params in (
         ("s1", 10, sampled),
         ("g1", 20, greedy),
-        ("s2", 30, sampled),
+        ("s2", 30, replace(sampled, seed=2)),
         ("g2", 40, greedy),
     ):
         engine.submit(name, [3, first], params, None, sink_for(name))
@@ -308,3 +312,5 @@ def test_greedy_and_sampling_sequences_in_one_step_each_get_their_own_tokens(sui
         "s2": [32, 34, 36],
         "g2": [41, 42, 43],
     }
+    # each step told a seeded sequence how many tokens it had generated (its draw's index)
+    assert executor.seen == {1: [0, 1, 2], 2: [0, 1, 2]}

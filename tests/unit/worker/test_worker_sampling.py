@@ -1,41 +1,80 @@
 """Sampling parameters and the sampler."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from loraplane.worker.engine.sampling import SamplingError, SamplingParams, make_generator, sample
+from loraplane.worker.engine.sampling import SamplingError, SamplingParams, draw_seed, sample_rows
 
 pytestmark = pytest.mark.unit
 
 
+def _draws(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
+    """``n`` tokens from one row of logits, each with its own draw (a batch of ``n`` rows)."""
+    rows = logits.expand(n, -1)
+    return sample_rows(rows, [params] * n, list(range(n)))
+
+
 def test_greedy_takes_the_argmax() -> None:
-    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
-    assert sample(logits, SamplingParams(temperature=0), None) == 1
-    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), None) == 1
+    logits = torch.tensor([[0.1, 3.0, 2.9, -1.0], [5.0, 1.0, 5.0, 0.0]])
+    assert sample_rows(logits, [SamplingParams(temperature=0)] * 2, [0, 0]) == [1, 0]
+    assert sample_rows(logits, [SamplingParams(temperature=1.0, top_k=1)] * 2, [0, 0]) == [1, 0]
+
+
+def test_sampled_tokens_follow_the_softmax() -> None:
+    """At temperature 1 a token comes up as often as its probability says (4000 draws)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    got = _draws(probs.log(), SamplingParams(temperature=1.0), 4000)
+    freq = torch.bincount(torch.tensor(got), minlength=4).float() / len(got)
+    assert (freq - probs).abs().max() < 0.03, freq
+    # a lower temperature sharpens it: the best token more often than its probability
+    cold = _draws(probs.log(), SamplingParams(temperature=0.25), 2000)
+    assert cold.count(0) / len(cold) > 0.8
 
 
 def test_top_k_restricts_to_the_k_best() -> None:
     logits = torch.tensor([5.0, 4.0, 0.0, 0.0, 0.0])
-    gen = make_generator(0)
-    seen = {sample(logits, SamplingParams(temperature=5.0, top_k=2), gen) for _ in range(200)}
-    assert seen == {0, 1}
+    assert set(_draws(logits, SamplingParams(temperature=5.0, top_k=2), 200)) == {0, 1}
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    gen = make_generator(1)
-    seen = {sample(logits, SamplingParams(top_p=0.7), gen) for _ in range(300)}
-    assert seen == {0, 1}
-    assert {sample(logits, SamplingParams(top_p=0.01), gen) for _ in range(50)} == {0}
+    assert set(_draws(logits, SamplingParams(top_p=0.7), 300)) == {0, 1}
+    assert set(_draws(logits, SamplingParams(top_p=0.01), 50)) == {0}
 
 
-def test_same_seed_same_tokens() -> None:
-    logits = torch.randn(100, generator=torch.Generator().manual_seed(3))
-    params = SamplingParams(temperature=1.0, seed=7)
-    a = [sample(logits, params, g) for g in [make_generator(7)] for _ in range(20)]
-    b = [sample(logits, params, g) for g in [make_generator(7)] for _ in range(20)]
-    assert a == b
-    assert len(set(a)) > 1
+def test_rows_of_one_step_keep_their_own_settings() -> None:
+    """Greedy, top-k, top-p and plain rows in one batch: each row by its own parameters."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4, -1)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=3.0, top_k=2),
+        SamplingParams(top_p=0.01),
+        SamplingParams(temperature=3.0),
+    ]
+    seen: list[set[int]] = [set() for _ in params]
+    for step in range(300):
+        for i, token in enumerate(sample_rows(logits, params, [step] * 4)):
+            seen[i].add(token)
+    assert seen == [{0}, {0, 1}, {0}, {0, 1, 2, 3}]
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    """A seeded sequence's tokens depend on its seed and their index only: the same alone or
+    among other rows, and they vary from token to token."""
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=7)
+    alone = [sample_rows(logits, [seeded], [i])[0] for i in range(20)]
+    others = torch.randn(4, 100, generator=torch.Generator().manual_seed(4))
+    batch = torch.cat([others[:2], logits, others[2:]])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, seed=8)]
+    params = [*params, seeded, *params]
+    batched = [sample_rows(batch, params, [i] * 5)[2] for i in range(20)]
+    assert alone == batched
+    assert len(set(alone)) > 1
+    assert [sample_rows(logits, [replace(seeded, seed=9)], [i])[0] for i in range(20)] != alone
+    assert draw_seed(7, 0) != draw_seed(7, 1) != draw_seed(8, 1)
 
 
 @pytest.mark.parametrize(
@@ -55,23 +94,23 @@ def test_bad_parameters_name_the_field(kwargs: dict, field: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_step_returns_full_logits_only_for_sequences_that_sample(dtype) -> None:
+def test_a_step_returns_each_sequences_token(dtype) -> None:
     from loraplane.worker.engine.executor import SeqWork, step_result
 
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[2, 7] = logits[2, 31] = 10.0  # a tie: the first index wins, as on the host before
-    work = [SeqWork(i, 0, (1,), greedy=g) for i, g in enumerate([True, False, True, False])]
-    result = step_result(logits, work)
-    # every sequence's argmax (greedy ones need nothing else)
+    logits[3, 11] = 40.0  # at temperature 1 that token has all the mass but 1e-15
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    work = [
+        SeqWork(i, 0, (1,), params=sampling if i == 3 else SamplingParams(temperature=0))
+        for i in range(4)
+    ]
     rows = logits.float().tolist()
-    assert result.argmax == [row.index(max(row)) for row in rows]
-    assert result.argmax[2] == 7
-    # the full rows of the two that sample, fp32 on the host, in work order
-    assert result.sampled_logits.dtype == torch.float32
-    assert result.sampled_logits.device.type == "cpu"
-    assert torch.equal(result.sampled_logits, logits[[1, 3]].float())
-    greedy_only = step_result(logits, [SeqWork(i, 0, (1,), greedy=True) for i in range(4)])
-    assert greedy_only.sampled_logits.shape == (0, 50)
-    assert greedy_only.argmax == result.argmax
-    sampling_only = step_result(logits, [SeqWork(i, 0, (1,)) for i in range(4)])
-    assert torch.equal(sampling_only.sampled_logits, logits.float())
+    want = [row.index(max(row)) for row in rows]
+    assert want[2] == 7 and want[3] == 11
+    assert step_result(logits, work).tokens == want
+    # a sampling row is not its argmax when the argmax has little mass
+    flat = torch.zeros(4, 50, dtype=dtype)
+    flat[:, 0] = 0.1
+    tokens = [step_result(flat, [replace(w, index=k) for w in work]).tokens for k in range(20)]
+    assert {t[0] for t in tokens} == {0} and len({t[3] for t in tokens}) > 5

@@ -25,7 +25,7 @@ from typing import Any, Protocol, cast
 from loraplane.worker.engine.executor import Executor, SeqWork
 from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
 from loraplane.worker.engine.residency import Residency, ResidencyError
-from loraplane.worker.engine.sampling import SamplingParams, sample
+from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.engine.scheduler import Scheduler
 from loraplane.worker.engine.sequence import SeqEvent, Sequence
 from loraplane.worker.engine.tokenizer import TextTokenizer
@@ -537,7 +537,7 @@ class Engine:
         for seq in sorted(cast(list[Sequence], list(running)), key=lambda s: s.slot):
             tokens = seq.next_tokens()
             work[seq.dp_group].append(
-                SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params.greedy)
+                SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, seq.generated)
             )
             order[seq.dp_group].append(seq)
         self.observer.step(
@@ -550,15 +550,8 @@ class Engine:
         self.steps += 1
         with self._lock:
             for group, seqs in enumerate(order):
-                result, sampled = results[group], 0
-                for i, seq in enumerate(seqs):
+                for i, (seq, token) in enumerate(zip(seqs, results[group].tokens, strict=True)):
                     seq.cached += len(work[group][i].tokens)
-                    if work[group][i].greedy:  # the flag the executor acted on
-                        token = result.argmax[i]
-                    else:
-                        logits = result.sampled_logits[sampled]
-                        token = sample(logits, seq.params, seq.generator)
-                        sampled += 1
                     before = len(seq.output_ids)
                     self._append(seq, token)
                     if seq.finish_reason is not None:

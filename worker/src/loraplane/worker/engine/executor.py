@@ -15,6 +15,7 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
+from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_rows
 from loraplane.worker.lora.adapter import AdapterWeights
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
@@ -28,37 +29,26 @@ class SeqWork:
     start: int  # tokens of this sequence already in the cache
     tokens: tuple[int, ...]
     slot: int = NO_ADAPTER  # LoRA slot of this sequence's adapter, -1 for none
-    # The sequence samples greedily: its argmax is all the engine needs, so its logits row
-    # stays on the device (``StepResult``).
-    greedy: bool = False
+    # How the sequence picks its next token (greedy by default), and how many tokens it
+    # generated before this step (a seeded sequence's draw depends on it: ``draw_seed``).
+    params: SamplingParams = GREEDY
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """One DP group's step, as the engine samples from it.
+    """One DP group's step: each sequence's next token, in work order.
 
-    ``argmax``: each sequence's highest-scoring token, in work order (computed where the
-    logits are, one small transfer). ``sampled_logits``: ``[k, vocab]`` fp32 on the host,
-    the last-token logits of the ``k`` sequences that do not sample greedily, in work order.
-    A batch of greedy sequences moves ``n`` ints to the host instead of ``n x vocab`` floats
-    (at bs 128 and a 152k vocabulary, 78 MB a step)."""
+    The tokens are picked where the logits are (``sampling.sample_rows``), so a step moves
+    ``n`` ints to the host, not ``n x vocab`` floats (at bs 128 and a 152k vocabulary, 78 MB
+    a step, sampled one row at a time on the host before session 22)."""
 
-    argmax: list[int]
-    sampled_logits: torch.Tensor
+    tokens: list[int]
 
 
 def step_result(logits: torch.Tensor, work: list[SeqWork]) -> StepResult:
     """``StepResult`` of a group's last-token ``logits`` ``[len(work), vocab]``."""
-    if logits.device.type == "cpu":
-        logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
-    sampled = [i for i, w in enumerate(work) if not w.greedy]
-    if len(sampled) == len(work):
-        rows = logits.float().cpu()
-    elif sampled:
-        rows = logits[sampled].float().cpu()
-    else:  # a new empty tensor: a view would carry the whole block through a rank's queue
-        rows = torch.empty(0, logits.shape[-1], dtype=torch.float32)
-    return StepResult(logits.argmax(-1).tolist(), rows)
+    return StepResult(sample_rows(logits, [w.params for w in work], [w.index for w in work]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +68,7 @@ class Executor(Protocol):
     max_len: int  # positions per KV-cache row
 
     def step(self, work: list[list[SeqWork]]) -> list[StepResult]:
-        """Run one forward; per DP group, its sequences' argmax tokens and the logits of
-        those that do not sample greedily (``StepResult``)."""
+        """Run one forward; per DP group, its sequences' next tokens (``StepResult``)."""
         ...
 
     def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
@@ -131,7 +120,7 @@ class LocalExecutor:
         assert len(work) == 1, "LocalExecutor has one DP group"
         batch, slots = build_batch(work[0], "cpu")  # the runner moves it, or replays a graph
         if not work[0]:
-            return [StepResult([], torch.empty(0, self.model_config.vocab_size))]
+            return [StepResult([])]
         return [step_result(self.runner.forward(batch, slots), work[0])]
 
     def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:

@@ -6,9 +6,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from loraplane.worker.engine.sampling import SamplingParams, make_generator
+from loraplane.worker.engine.sampling import SamplingParams
 
 _ids = itertools.count()
 
@@ -47,10 +45,6 @@ class Sequence:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     aborted: bool = False
-    generator: torch.Generator | None = None
-
-    def __post_init__(self) -> None:
-        self.generator = make_generator(self.params.seed)
 
     def next_tokens(self) -> tuple[int, ...]:
         """Tokens to feed this step: the whole prompt first (prefill), then the last sampled token."""
