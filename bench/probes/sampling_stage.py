@@ -12,7 +12,8 @@ call takes over 0.1 s; ms):
 
 - ``greedy``: every row greedy, host (before 7bc9a0f) against ``sample_rows``;
 - ``sampled``: every row at temperature 0.7, top_p 0.9 (common chat settings), host
-  (before session 22) against ``sample_rows``; and the same with top_k 50, and seeded.
+  (before session 22) against ``sample_rows``; and the same over flat logits, with top_k 50,
+  and seeded (``CASES``).
 
 On ``cuda`` the times include the device-to-host copies; on ``cpu`` they are host work
 alone.
@@ -33,11 +34,15 @@ import torch
 from loraplane.worker.engine.sampling import SamplingParams, sample_rows
 
 VOCABS = (128256, 151936)  # Llama-3, Qwen3
+# (parameters, logits scale): N(0, 3) logits give nuclei of about 50-500 tokens at
+# temperature 0.7 and top_p 0.9 over 128k (a language model's range); N(0, 1) ones are flat,
+# with nuclei of ~56k tokens, past the sampler's candidates (it then sorts the vocabulary).
 CASES = {
-    "greedy": SamplingParams(temperature=0.0),
-    "sampled": SamplingParams(temperature=0.7, top_p=0.9),
-    "sampled_top_k": SamplingParams(temperature=0.7, top_p=0.9, top_k=50),
-    "sampled_seeded": SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+    "greedy": (SamplingParams(temperature=0.0), 1.0),
+    "sampled": (SamplingParams(temperature=0.7, top_p=0.9), 3.0),
+    "sampled_flat": (SamplingParams(temperature=0.7, top_p=0.9), 1.0),
+    "sampled_top_k": (SamplingParams(temperature=0.7, top_p=0.9, top_k=50), 3.0),
+    "sampled_seeded": (SamplingParams(temperature=0.7, top_p=0.9, seed=1), 3.0),
 }
 
 
@@ -81,18 +86,52 @@ def _median_ms(fn: Any, device: str) -> float:
     return statistics.median(times[2 if count == 22 else 1 :]) * 1e3
 
 
+def _ops(device: str, bs: int, vocab: int) -> dict[str, float]:
+    """The batched sampler's steps one by one over ``[bs, vocab]`` bf16 logits, ms."""
+    logits = torch.randn(bs, vocab, device=device).bfloat16()
+    scores = logits.float() / 0.7
+    probs = torch.softmax(scores, dim=-1)
+    steps = {
+        "float_div": lambda: logits.float() / 0.7,
+        "softmax": lambda: torch.softmax(scores, dim=-1),
+        "sort": lambda: torch.sort(probs, dim=-1, descending=True),
+        "cumsum": lambda: torch.cumsum(probs, dim=-1),
+        "topk_50": lambda: torch.topk(scores, 50, dim=-1),
+        "topk_1024": lambda: torch.topk(probs, 1024, dim=-1),
+        "exponential": lambda: torch.empty_like(probs).exponential_(),
+        "div_argmax": lambda: (probs / probs).argmax(-1),
+        "argmax_tolist": lambda: logits.argmax(-1).tolist(),
+    }
+
+    def synced(fn: Any) -> Any:
+        def run() -> None:
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        return run
+
+    return {name: round(_median_ms(synced(fn), device), 3) for name, fn in steps.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("out", type=Path, nargs="?")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--ops", action="store_true", help="time the sampler's steps one by one")
     args = p.parse_args(argv)
+    if args.ops:
+        for bs in (16, 128):
+            row = {"bs": bs, "vocab": VOCABS[0], **_ops(args.device, bs, VOCABS[0])}
+            print(json.dumps(row), flush=True)
+        return 0
     dtypes = [torch.bfloat16] if args.device == "cuda" else [torch.float32, torch.bfloat16]
     rows: list[dict[str, Any]] = []
     for vocab, dtype, bs, case in (
         (v, d, b, c) for v in VOCABS for d in dtypes for b in (16, 128) for c in CASES
     ):
-        logits = torch.randn(bs, vocab, device=args.device).to(dtype)
-        params = CASES[case]
+        params, scale = CASES[case]
+        logits = (torch.randn(bs, vocab, device=args.device) * scale).to(dtype)
         if params.greedy:  # (the same tokens both ways)
             assert _before(logits, params) == _after(logits, [params] * bs)
         before = _median_ms(lambda x=logits, p=params: _before(x, p), args.device)

@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from loraplane.worker.engine import sampling
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams, draw_seed, sample_rows
 
 pytestmark = pytest.mark.unit
@@ -114,3 +115,52 @@ def test_a_step_returns_each_sequences_token(dtype) -> None:
     flat[:, 0] = 0.1
     tokens = [step_result(flat, [replace(w, index=k) for w in work]).tokens for k in range(20)]
     assert {t[0] for t in tokens} == {0} and len({t[3] for t in tokens}) > 5
+
+
+def test_a_nucleus_wider_than_the_candidates_draws_from_the_whole_vocabulary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """top_p rows draw among their best ``CANDIDATES`` tokens; a flatter row, whose nucleus
+    runs past them, still gets its whole nucleus (and nothing past it)."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 2)
+    flat = torch.log(torch.tensor([0.3, 0.25, 0.25, 0.2]))
+    assert set(_draws(flat, SamplingParams(top_p=0.7), 300)) == {0, 1, 2}
+    peaked = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    assert set(_draws(peaked, SamplingParams(top_p=0.7), 300)) == {0, 1}
+
+
+def test_a_seeded_token_does_not_depend_on_how_many_candidates_the_batch_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seeded top_p row alone (4 candidates: its nucleus is wider, so it sorts the whole
+    vocabulary) and beside a top_k=60 row (60 candidates) draws the same tokens: its noise
+    is drawn over the vocabulary and taken by token id."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 4)
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(5)) * 2
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    probs = torch.softmax(logits[0], -1).sort(descending=True).values
+    assert 4 < int((probs.cumsum(0) - probs < 0.9).sum()) < 60  # the nucleus: 4 < n < 60
+    alone = [sample_rows(logits, [seeded], [i])[0] for i in range(30)]
+    wide = SamplingParams(temperature=1.0, top_k=60)
+    pair = torch.cat([logits, logits])
+    batched = [sample_rows(pair, [wide, seeded], [i, i])[1] for i in range(30)]
+    assert alone == batched
+    assert len(set(alone)) > 3
+
+
+def test_seeded_draws_follow_the_softmax_too() -> None:
+    """4000 seeds, one draw each: a seeded token comes up as often as its probability says
+    (the seeded noise is Exp(1), token by token), and the noise of a token is its own."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, -1)
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(4000)]
+    got = sample_rows(logits, params, [0] * 4000)
+    freq = torch.bincount(torch.tensor(got), minlength=4).float() / len(got)
+    assert (freq - probs).abs().max() < 0.03, freq
+    ids = torch.arange(1000).expand(3, -1)
+    noise = sampling.seeded_exponential([1, 2, 3], ids)
+    assert abs(float(noise.mean()) - 1.0) < 0.05 and float(noise.min()) > 0
+    shuffled = torch.randperm(1000, generator=torch.Generator().manual_seed(0))
+    again = sampling.seeded_exponential([1, 2, 3], shuffled.expand(3, -1))
+    assert torch.equal(again, noise[:, shuffled])
+    assert not torch.equal(noise[0], noise[1])
