@@ -84,7 +84,7 @@ def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     seen: list[tuple[str, int]] = []
     real_step = decode._step
 
-    def recording_step(runner, bs, slots, context, s):
+    def recording_step(runner, bs, slots, context, s, sampling="greedy"):
         variant = (
             "head"
             if len(runner.model.layers) == 0
@@ -95,7 +95,7 @@ def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
             else "2"
         )
         seen.append((variant, s))
-        return real_step(runner, bs, slots, context, s)
+        return real_step(runner, bs, slots, context, s, sampling)
 
     monkeypatch.setattr(decode, "_step", recording_step)
     res = decode.run_decode_bench(
@@ -120,3 +120,32 @@ def test_decode_bench_refuses_an_unknown_order():
 
     with pytest.raises(ValueError, match="order: unknown 'random'"):
         run_decode_bench("cpu", [2], [2], 1, "tiny", False, None, order="random")
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "chat"])
+def test_decode_bench_steps_sample_as_asked(monkeypatch, sampling):
+    """``sampling="chat"``: every step picks its tokens with the server's sampler
+    (``sample_rows``, temperature 0.7, top_p 0.9); ``"greedy"``: with the argmax alone."""
+    from loraplane.worker.bench import decode
+    from loraplane.worker.engine import sampling as sampler
+
+    calls: list[tuple[int, float]] = []
+    real = sampler.sample_rows
+
+    def counting(logits, params, indices):
+        calls.append((len(params), params[0].temperature))
+        return real(logits, params, indices)
+
+    monkeypatch.setattr(sampler, "sample_rows", counting)
+    res = decode.run_decode_bench(
+        "cpu", [2], [2], 1, "tiny", False, None, rank=4, context=4, steps=2, warmup=1,
+        rounds=1, sampling=sampling,
+    )  # fmt: skip
+    assert not res.get("errors"), res.get("errors")
+    assert res["settings"]["sampling"] == sampling
+    if sampling == "chat":  # 4 variants' warm-up step, then 3 timed steps each
+        assert calls == [(2, 0.7)] * (4 * 1 + 4 * 3)
+    else:
+        assert calls == []
+    with pytest.raises(ValueError, match="sampling: unknown 'beam'"):
+        decode.run_decode_bench("cpu", [2], [2], 1, "tiny", False, None, sampling="beam")

@@ -3,11 +3,12 @@
     python -m loraplane.worker.bench.decode --device cuda --json [--out FILE]
         [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
         [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--rounds 3] [--cuda-graphs]
-        [--order step|variant] [--profile] [--stage-slots P] [--max-lora-rank R]
+        [--order step|variant] [--sampling greedy|chat] [--profile] [--stage-slots P]
+        [--max-lora-rank R]
 
 Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
 *, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None, stage_slots=None,
-max_rank=None, profile_graphs=(), order="step") -> dict``.
+max_rank=None, profile_graphs=(), order="step", sampling="greedy") -> dict``.
 
 What runs (the same engine and settings on both sides of every ratio, all in one process):
 
@@ -20,7 +21,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   a prefill (a decode step costs the same either way); every sequence sits at the same length.
 * One decode step = what the engine does per step: ``decode_batch`` (host lists -> device
   tensors), ``ModelRunner.forward`` (which builds ``LoRABatchInfo`` on the host), greedy
-  ``argmax`` and ``tolist`` of the next tokens (the host sync that ends every real step).
+  ``argmax`` and ``tolist`` of the next tokens (the host sync that ends every real step), or
+  with ``--sampling chat`` the server's sampler at temperature 0.7 and top_p 0.9
+  (``sampling.sample_rows``, on the device).
   Steps advance the position by one. Input tokens are a fixed sequence per step, the same
   for every variant (an MoE routes by token, so each variant runs the same expert work).
   tokens/s = batch size x timed steps / wall time.
@@ -416,9 +419,17 @@ def _active(
         switch.off()
 
 
-def _step(runner: Any, bs: int, slots: list[int], context: int, s: int) -> float:
+# What a step's tokens are picked with (``--sampling``): ``greedy`` (the argmax), or ``chat``
+# (temperature 0.7, top_p 0.9: ``sampling.sample_rows`` on the device, as the server samples).
+SAMPLINGS = ("greedy", "chat")
+
+
+def _step(
+    runner: Any, bs: int, slots: list[int], context: int, s: int, sampling: str = "greedy"
+) -> float:
     """One decode step ``s`` (its wall time in seconds), as the engine runs it."""
     from loraplane.worker.engine.runner import decode_batch
+    from loraplane.worker.engine.sampling import SamplingParams, sample_rows
 
     rows = list(range(bs))
     vocab = runner.model_config.vocab_size
@@ -428,15 +439,24 @@ def _step(runner: Any, bs: int, slots: list[int], context: int, s: int) -> float
     tokens = [(7 * j + 3 + 11 * s) % vocab for j in rows]
     batch = decode_batch(tokens, rows, [context + s] * bs, "cpu")  # as the executor builds it
     logits = runner.forward(batch, slots)
-    logits.argmax(-1).tolist()  # the real step's sampling and host sync
+    if sampling == "chat":  # the server's sampler and host sync
+        sample_rows(logits, [SamplingParams(temperature=0.7, top_p=0.9)] * bs, [s] * bs)
+    else:
+        logits.argmax(-1).tolist()  # a greedy step's sampling and host sync
     return time.perf_counter() - t0
 
 
 def _eager_steps(
-    runner: Any, bs: int, slots: list[int], context: int, warmup: int, steps: int
+    runner: Any,
+    bs: int,
+    slots: list[int],
+    context: int,
+    warmup: int,
+    steps: int,
+    sampling: str = "greedy",
 ) -> list[float]:
     """``warmup`` untimed steps, then the times of ``steps`` more, back to back."""
-    times = [_step(runner, bs, slots, context, s) for s in range(warmup + steps)]
+    times = [_step(runner, bs, slots, context, s, sampling) for s in range(warmup + steps)]
     return times[warmup:]
 
 
@@ -486,6 +506,7 @@ def run_decode_bench(
     max_rank: int | None = None,
     profile_graphs: tuple[int, ...] = (),
     order: str = "step",
+    sampling: str = "greedy",
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row.
     ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``).
@@ -497,6 +518,8 @@ def run_decode_bench(
         raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
     if order not in ORDERS:
         raise ValueError(f"order: unknown {order!r}; expected one of {', '.join(ORDERS)}")
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling: unknown {sampling!r}; expected one of {', '.join(SAMPLINGS)}")
     dev_type = torch.device(device).type
     tdtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[
         dtype or ("bfloat16" if dev_type == "cuda" else "float32")
@@ -520,6 +543,7 @@ def run_decode_bench(
                 "steps": steps,
                 "rounds": rounds,
                 "order": order,
+                "sampling": sampling,
                 "split_variants": list(split_variants),
                 "warmup": warmup,
                 "dtype": str(tdtype),
@@ -566,12 +590,14 @@ def run_decode_bench(
         check against eager)."""
         with _active(runner, switch, graphs_by_variant, bs, variant, mode) as slots:
             check = _graph_check(runner, bs, slots, context) if mode == "graph" else {}
-            _eager_steps(runner, bs, slots, context, warmup, 0)
+            _eager_steps(runner, bs, slots, context, warmup, 0, sampling)
             return check
 
     def timed_steps(bs: int, variant: str, mode: str, first: int, count: int) -> list[float]:
         with _active(runner, switch, graphs_by_variant, bs, variant, mode) as slots:
-            return [_step(runner, bs, slots, context, s) for s in range(first, first + count)]
+            return [
+                _step(runner, bs, slots, context, s, sampling) for s in range(first, first + count)
+            ]
 
     def round_times(bs: int, mode: str, r: int) -> dict[str, list[float]]:
         """One round's timed steps per variant (a variant that failed has none)."""
@@ -811,6 +837,13 @@ def main(argv: list[str] | None = None) -> int:
         "warm-up and steps back to back",
     )
     p.add_argument(
+        "--sampling",
+        default="greedy",
+        choices=SAMPLINGS,
+        help="how a step picks its tokens: 'greedy' (argmax), or 'chat' (temperature 0.7, "
+        "top_p 0.9, on the device, as the server samples such requests)",
+    )
+    p.add_argument(
         "--split-variants",
         default="",
         help="extra variants NkC: N adapters, the overlapped shrink's K splits capped at C",
@@ -878,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         max_rank=args.max_lora_rank,
         profile_graphs=tuple(_ints(args.profile_graphs)),
         order=args.order,
+        sampling=args.sampling,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)
