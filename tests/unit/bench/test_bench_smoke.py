@@ -75,6 +75,17 @@ def test_decode_bench_tiny(tmp_path, shape):
     assert "bs" in table and "by round" in table
 
 
+def _one_round(decode, **kw):
+    """The tiny bench on the CPU: bs 2, 2 adapters, one round of 1 warm-up and 2 timed
+    steps a variant; no errors."""
+    res = decode.run_decode_bench(
+        "cpu", [2], [2], 1, "tiny", False, None, rank=4, context=4, steps=2, warmup=1,
+        rounds=1, **kw,
+    )  # fmt: skip
+    assert not res.get("errors"), res.get("errors")
+    return res
+
+
 @pytest.mark.parametrize("order", ["step", "variant"])
 def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     """``order="step"``: step s of every variant before step s + 1 of any (a slow phase of
@@ -98,11 +109,7 @@ def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
         return real_step(runner, bs, slots, context, s, sampling)
 
     monkeypatch.setattr(decode, "_step", recording_step)
-    res = decode.run_decode_bench(
-        "cpu", [2], [2], 1, "tiny", False, None, rank=4, context=4, steps=2, warmup=1,
-        rounds=1, order=order,
-    )  # fmt: skip
-    assert not res.get("errors"), res.get("errors")
+    res = _one_round(decode, order=order)
     assert res["settings"]["order"] == order
     names = ["head", "off", "none", "2"]
     warm = [(v, s) for v in names for s in range(1)]  # each variant's untimed warm-up first
@@ -137,11 +144,7 @@ def test_decode_bench_steps_sample_as_asked(monkeypatch, sampling):
         return real(logits, params, indices)
 
     monkeypatch.setattr(sampler, "sample_rows", counting)
-    res = decode.run_decode_bench(
-        "cpu", [2], [2], 1, "tiny", False, None, rank=4, context=4, steps=2, warmup=1,
-        rounds=1, sampling=sampling,
-    )  # fmt: skip
-    assert not res.get("errors"), res.get("errors")
+    res = _one_round(decode, sampling=sampling)
     assert res["settings"]["sampling"] == sampling
     if sampling == "chat":  # 4 variants' warm-up step, then 3 timed steps each
         assert calls == [(2, 0.7)] * (4 * 1 + 4 * 3)
