@@ -23,7 +23,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   tensors), ``ModelRunner.forward`` (which builds ``LoRABatchInfo`` on the host), greedy
   ``argmax`` and ``tolist`` of the next tokens (the host sync that ends every real step), or
   with ``--sampling chat`` the server's sampler at temperature 0.7 and top_p 0.9
-  (``sampling.sample_rows``, on the device).
+  (``sampling.sample_rows``, on the device; the LM head's weights scaled by
+  ``CHAT_LOGIT_STD`` so the random model's distributions are as peaked as a language
+  model's).
   Steps advance the position by one. Input tokens are a fixed sequence per step, the same
   for every variant (an MoE routes by token, so each variant runs the same expert work).
   tokens/s = batch size x timed steps / wall time.
@@ -422,6 +424,11 @@ def _active(
 # What a step's tokens are picked with (``--sampling``): ``greedy`` (the argmax), or ``chat``
 # (temperature 0.7, top_p 0.9: ``sampling.sample_rows`` on the device, as the server samples).
 SAMPLINGS = ("greedy", "chat")
+# With ``chat`` the LM head's random weights are scaled so that the logits' std is ~3 (not
+# ~1): at temperature 0.7 and top_p 0.9 the nucleus is then ~50-500 tokens of 128k, as a
+# language model's is; flat logits (~56k-token nuclei) would send every row down the
+# sampler's sort of the whole vocabulary (``sampling.CANDIDATES``).
+CHAT_LOGIT_STD = 3.0
 
 
 def _step(
@@ -573,6 +580,9 @@ def run_decode_bench(
         stage_slots=stage_slots,
         backend=backend,
     )
+    if sampling == "chat":  # language-model-like next-token distributions (CHAT_LOGIT_STD)
+        with torch.no_grad():
+            runner.model.lm_head.weight.mul_(CHAT_LOGIT_STD)
     sync(device)
     sink.set("stage_positions", switch.manager.stage.positions)
     sink.set("setup_s", time.perf_counter() - t_start)
