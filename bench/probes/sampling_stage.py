@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, nargs="?")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ops", action="store_true", help="time the sampler's steps one by one")
+    p.add_argument(
+        "--after-only", action="store_true", help="time sample_rows alone (not the old path)"
+    )
     args = p.parse_args(argv)
     if args.ops:
         for bs in (16, 128):
@@ -132,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         params, scale = CASES[case]
         logits = (torch.randn(bs, vocab, device=args.device) * scale).to(dtype)
-        if params.greedy:  # (the same tokens both ways)
+        if params.greedy and not args.after_only:  # (the same tokens both ways)
             assert _before(logits, params) == _after(logits, [params] * bs)
-        before = _median_ms(lambda x=logits, p=params: _before(x, p), args.device)
+        before = (
+            None
+            if args.after_only
+            else _median_ms(lambda x=logits, p=params: _before(x, p), args.device)
+        )
         after = _median_ms(lambda x=logits, p=params, n=bs: _after(x, [p] * n), args.device)
         rows.append(
             {
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 "vocab": vocab,
                 "dtype": str(dtype).removeprefix("torch."),
                 "bs": bs,
-                "before_ms": round(before, 3),
+                "before_ms": None if before is None else round(before, 3),
                 "after_ms": round(after, 3),
             }
         )

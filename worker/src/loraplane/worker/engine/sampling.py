@@ -106,51 +106,79 @@ def sample_rows(
     """
     if logits.device.type == "cpu":
         logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
-    tokens = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        tokens[rows] = _sample(logits[rows], [params[i] for i in rows], [indices[i] for i in rows])
+    if not rows:
+        return logits.argmax(-1).tolist()  # type: ignore[no-any-return]
+    picked = _sample(_rows(logits, rows), [params[i] for i in rows], [indices[i] for i in rows])
+    if len(rows) == len(params):
+        return picked.tolist()  # type: ignore[no-any-return]
+    tokens = logits.argmax(-1)
+    tokens[rows] = picked
     return tokens.tolist()  # type: ignore[no-any-return]
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``, or ``t`` itself when ``rows`` are all of them in order (no copy)."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[-1]
-    temps = torch.tensor([p.temperature for p in params], device=dev)
-    scores = logits.float() / temps[:, None]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    # the rows' settings in one host-to-device copy: temperature, top_k (0: none), top_p
+    table = torch.tensor([[p.temperature, k, p.top_p] for p, k in zip(params, ks, strict=True)]).to(
+        dev
+    )
+    scores = logits.float() / table[:, 0:1]
     narrow = [i for i, p in enumerate(params) if ks[i] or p.top_p < 1.0]
+    if len(narrow) == len(params):
+        return _narrow(scores, ks, table, params, indices)
     wide = [i for i in range(len(params)) if i not in set(narrow)]
-    tokens = torch.empty(len(params), dtype=torch.long, device=dev)
-    if wide:  # the whole vocabulary
-        probs = torch.softmax(scores[wide], dim=-1)
-        tokens[wide] = _race(
-            probs, None, vocab, [params[i] for i in wide], [indices[i] for i in wide]
-        )
+    probs = torch.softmax(_rows(scores, wide), dim=-1)  # the whole vocabulary
+    tokens = _race(probs, None, vocab, [params[i] for i in wide], [indices[i] for i in wide])
     if narrow:
+        tokens = tokens.new_empty(len(params)).index_copy_(
+            0, torch.tensor(wide, device=dev), tokens
+        )
         tokens[narrow] = _narrow(
-            scores[narrow], [ks[i] for i in narrow], [params[i] for i in narrow],
-            [indices[i] for i in narrow],
+            scores[narrow], [ks[i] for i in narrow], table[narrow],
+            [params[i] for i in narrow], [indices[i] for i in narrow],
         )  # fmt: skip
     return tokens
 
 
 def _narrow(
-    scores: torch.Tensor, ks: list[int], params: list[SamplingParams], indices: list[int]
+    scores: torch.Tensor,
+    ks: list[int],
+    table: torch.Tensor,
+    params: list[SamplingParams],
+    indices: list[int],
 ) -> torch.Tensor:
-    """Rows with a top_k or a top_p < 1: drawn among their best candidates."""
+    """Rows with a top_k or a top_p < 1: drawn among their best candidates. ``table``: the
+    rows' ``[temperature, top_k, top_p]``."""
     dev, vocab = scores.device, scores.shape[-1]
     count = min(vocab, max(CANDIDATES, *ks))
     vals, ids = torch.topk(scores, count, dim=-1)  # descending
-    k = torch.tensor(ks, device=dev)[:, None]
-    vals = vals.masked_fill((k > 0) & (torch.arange(count, device=dev)[None, :] >= k), -math.inf)
+    k, top_p = table[:, 1:2], table[:, 2:3]
+    if any(ks):
+        past_k = (k > 0) & (torch.arange(count, device=dev)[None, :] >= k)
+        vals = vals.masked_fill(past_k, -math.inf)
     # each candidate's probability in its row's distribution: over the top_k, or over the
     # whole vocabulary (a logsumexp of every score, not only the candidates')
-    total = torch.where(k > 0, vals.logsumexp(-1, keepdim=True), scores.logsumexp(-1, keepdim=True))
+    if all(ks):
+        total = vals.logsumexp(-1, keepdim=True)
+    elif not any(ks):
+        total = scores.logsumexp(-1, keepdim=True)
+    else:
+        total = torch.where(
+            k > 0, vals.logsumexp(-1, keepdim=True), scores.logsumexp(-1, keepdim=True)
+        )
     probs = (vals - total).exp()
-    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
     mass = probs.cumsum(-1)
     probs = probs.masked_fill((mass - probs >= top_p) & (top_p < 1.0), 0.0)
     tokens = ids.gather(1, _race(probs, ids, vocab, params, indices)[:, None])[:, 0]
+    if all(ks):
+        return tokens
     # without a top_k, the candidates hold less than top_p of the mass: a flat distribution
     # whose nucleus runs past them; those rows sort the whole vocabulary
     short = ((k[:, 0] == 0) & (mass[:, -1] < top_p[:, 0])).nonzero()[:, 0].tolist()
