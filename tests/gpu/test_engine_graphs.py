@@ -89,7 +89,7 @@ def test_engine_outputs_are_the_same_with_and_without_graphs(suite, arch: str) -
 def test_tokens_picked_on_the_device() -> None:
     """``step_result`` picks tokens where the logits are, bf16 on the GPU: a greedy row's is
     the host's argmax over the fp32 copy (the engine's path before), ties included; sampled
-    rows follow their softmax; a seeded row gives the same token again."""
+    rows follow their softmax; a seeded row's token does not depend on the rows beside it."""
     from loraplane.worker.engine.executor import SeqWork, step_result
     from loraplane.worker.engine.sampling import SamplingParams
 
@@ -113,7 +113,14 @@ def test_tokens_picked_on_the_device() -> None:
     ]
     freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
     assert (freq - torch.tensor([0.5, 0.3, 0.15, 0.05])).abs().max() < 0.04, freq
-    seeded = [
-        replace(w, params=SamplingParams(temperature=1.0, seed=i)) for i, w in enumerate(work)
-    ]
-    assert step_result(logits, seeded).tokens == step_result(logits, seeded).tokens
+    # a seeded row draws the same token alone as among 127 others, over flat logits (the
+    # whole vocabulary) and over peaked ones (its best candidates)
+    for scale in (1.0, 3.0):
+        rows = (logits.float() * scale).bfloat16()
+        seeded = [
+            replace(w, params=SamplingParams(temperature=1.0, top_p=0.9, seed=i))
+            for i, w in enumerate(work)
+        ]
+        batched = step_result(rows, seeded).tokens
+        alone = [step_result(rows[i : i + 1], [seeded[i]]).tokens[0] for i in (0, 6, 77)]
+        assert alone == [batched[i] for i in (0, 6, 77)]

@@ -42,8 +42,6 @@ def test_ranks_serve_a_step_then_exit_zero_on_shutdown(suite) -> None:
         results = executor.step(work)  # DP group 1 is idle and still joins every collective
         # a token per sequence, picked on its group's leader; none for the idle group
         assert len(results[0].tokens) == 2 and results[1].tokens == []
-        vocab = executor.model_config.vocab_size
-        assert all(0 <= t < vocab for t in results[0].tokens)
         # the same prefill again: the greedy row and the seeded row (same seed, same index)
         # give the same tokens; the seeded row's next index draws again
         assert executor.step(work)[0].tokens == results[0].tokens

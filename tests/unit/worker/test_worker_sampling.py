@@ -11,6 +11,14 @@ from loraplane.worker.engine.sampling import SamplingError, SamplingParams, draw
 pytestmark = pytest.mark.unit
 
 
+@pytest.fixture(params=[3, 1024], ids=["candidates", "whole"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Runs a test with 3 candidates (a row of 4-5 tokens with a top_k of 1-2 or a narrow
+    top_p is drawn among them) and with the default (every row over the whole vocabulary)."""
+    monkeypatch.setattr(sampling, "CANDIDATES", request.param)
+    return int(request.param)
+
+
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
     """``n`` tokens from one row of logits, each with its own draw (a batch of ``n`` rows)."""
     rows = logits.expand(n, -1)
@@ -34,18 +42,18 @@ def test_sampled_tokens_follow_the_softmax() -> None:
     assert cold.count(0) / len(cold) > 0.8
 
 
-def test_top_k_restricts_to_the_k_best() -> None:
+def test_top_k_restricts_to_the_k_best(path: int) -> None:
     logits = torch.tensor([5.0, 4.0, 0.0, 0.0, 0.0])
     assert set(_draws(logits, SamplingParams(temperature=5.0, top_k=2), 200)) == {0, 1}
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+def test_top_p_keeps_the_smallest_set_reaching_p(path: int) -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     assert set(_draws(logits, SamplingParams(top_p=0.7), 300)) == {0, 1}
     assert set(_draws(logits, SamplingParams(top_p=0.01), 50)) == {0}
 
 
-def test_rows_of_one_step_keep_their_own_settings() -> None:
+def test_rows_of_one_step_keep_their_own_settings(path: int) -> None:
     """Greedy, top-k, top-p and plain rows in one batch: each row by its own parameters."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4, -1)
     params = [
@@ -129,23 +137,85 @@ def test_a_nucleus_wider_than_the_candidates_draws_from_the_whole_vocabulary(
     assert set(_draws(peaked, SamplingParams(top_p=0.7), 300)) == {0, 1}
 
 
-def test_a_seeded_token_does_not_depend_on_how_many_candidates_the_batch_takes(
+def test_a_seeded_token_does_not_depend_on_the_rows_beside_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A seeded top_p row alone (4 candidates: its nucleus is wider, so it sorts the whole
-    vocabulary) and beside a top_k=60 row (60 candidates) draws the same tokens: its noise
-    is drawn over the vocabulary and taken by token id."""
+    """A seeded top_p row draws the same tokens alone and beside rows that take other paths
+    (a top_k above the candidates, a flat row whose nucleus is wider than them, a greedy
+    row): its noise is drawn by token id, and its path depends on its own row."""
     monkeypatch.setattr(sampling, "CANDIDATES", 4)
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(5)) * 2
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
     probs = torch.softmax(logits[0], -1).sort(descending=True).values
     assert 4 < int((probs.cumsum(0) - probs < 0.9).sum()) < 60  # the nucleus: 4 < n < 60
     alone = [sample_rows(logits, [seeded], [i])[0] for i in range(30)]
-    wide = SamplingParams(temperature=1.0, top_k=60)
-    pair = torch.cat([logits, logits])
-    batched = [sample_rows(pair, [wide, seeded], [i, i])[1] for i in range(30)]
-    assert alone == batched
+    flat = torch.zeros(1, 100)
+    batch = torch.cat([logits, flat, logits, logits])
+    others = [
+        SamplingParams(temperature=1.0, top_k=60),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.0),
+    ]
+    beside = [
+        sample_rows(batch, [others[0], others[1], seeded, others[2]], [i] * 4)[2] for i in range(30)
+    ]
+    assert alone == beside
     assert len(set(alone)) > 3
+
+
+def test_top_p_applies_to_the_top_k_renormalized(path: int) -> None:
+    """top_k first, then softmax over those k, then top_p: with [.4, .3, .2, .1], top_k 2
+    leaves .571 / .429, whose nucleus at 0.5 is the first token alone."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert set(_draws(logits, SamplingParams(top_k=2, top_p=0.5), 200)) == {0}
+    assert set(_draws(logits, SamplingParams(top_k=2, top_p=0.6), 300)) == {0, 1}
+
+
+def test_ties_at_the_edge_are_kept_whatever_their_order(path: int) -> None:
+    """Tokens tied with the k-th value, or with the last token of the nucleus, are all kept
+    (which ones an order would cut is not defined)."""
+    tied_k = torch.tensor([5.0, 3.0, 3.0, 3.0, 0.0])
+    assert set(_draws(tied_k, SamplingParams(temperature=10.0, top_k=2), 400)) == {0, 1, 2, 3}
+    # (with 4 candidates the ties end inside them: the candidates' own tie rule)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampling, "CANDIDATES", 4)
+        tied = torch.tensor([5.0, 3.0, 3.0, 0.0, -1.0])
+        assert set(_draws(tied, SamplingParams(temperature=10.0, top_k=2), 300)) == {0, 1, 2}
+    tied_p = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.2]))
+    assert set(_draws(tied_p, SamplingParams(top_p=0.5), 400)) == {0, 1, 2, 3}
+    assert set(_draws(tied_p, SamplingParams(top_p=0.39), 100)) == {0}
+
+
+def test_rows_of_the_candidates_and_of_the_whole_vocabulary_keep_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One batch: a flat row whose nucleus is wider than the candidates (the whole
+    vocabulary) and a peaked one drawn among them; each row gets tokens of its own nucleus."""
+    monkeypatch.setattr(sampling, "CANDIDATES", 2)
+    rows = torch.log(torch.tensor([[0.8, 0.1, 0.05, 0.05], [0.3, 0.25, 0.25, 0.2]]))
+    params = [SamplingParams(top_p=0.7)] * 2
+    seen: list[set[int]] = [set(), set()]
+    for step in range(300):
+        for i, token in enumerate(sample_rows(rows, params, [step] * 2)):
+            seen[i].add(token)
+    assert seen == [{0}, {0, 1, 2}]
+
+
+def test_tiny_temperatures_and_non_finite_logits() -> None:
+    """A temperature below GREEDY_BELOW decodes greedily (dividing by it would overflow); a
+    +inf logit wins as the argmax would have it; a NaN one is never drawn."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    argmax = logits.argmax(-1).tolist()
+    assert SamplingParams(temperature=1e-38).greedy
+    assert sample_rows(logits, [SamplingParams(temperature=1e-38)] * 3, [0] * 3) == argmax
+    odd = logits.clone()
+    odd[:, 7] = float("inf")
+    odd[:, 9] = float("nan")
+    params = [SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(seed=3)]
+    assert sample_rows(odd, params, [0] * 3) == [7, 7, 7]
+    odd[:, 7] = 0.0
+    drawn = {t for i in range(200) for t in sample_rows(odd, params, [i] * 3)}
+    assert 9 not in drawn and len(drawn) > 5
 
 
 def test_seeded_draws_follow_the_softmax_too() -> None:

@@ -38,7 +38,14 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Argmax decoding: temperature 0 (or below ``GREEDY_BELOW``, where ``logits /
+        temperature`` would overflow), or top_k 1."""
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+# Temperatures below this decode greedily (vLLM's threshold too): dividing by them
+# overflows float32 logits.
+GREEDY_BELOW = 1e-5
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -58,10 +65,12 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits
 
 
-# A row that keeps a subset of the vocabulary (top_k, or top_p < 1) draws among its best
-# CANDIDATES tokens (or its top_k, when larger): a top-k of them instead of a sort of the whole
-# vocabulary (on an H200 at bs 128 and a 128k vocabulary the sort took 1.71 ms of the
-# sampler's 2.93). A top_p row whose nucleus runs past them sorts the whole vocabulary.
+# A row with a top_k below CANDIDATES, or a top_p < 1 and no top_k, draws among its best
+# CANDIDATES tokens (one torch.topk instead of a sort of the vocabulary: on an H200 at bs 128
+# and a 128k vocabulary the sort took 1.71 ms of the first version's 2.93). A row whose kept
+# tokens may run past them (a nucleus wider than them, or a tie that reaches the last one)
+# and a row with a larger top_k take the whole vocabulary. A fixed count, not one per batch:
+# which path a row takes depends on that row alone.
 CANDIDATES = 1024
 
 
@@ -95,14 +104,16 @@ def sample_rows(
     logits are (one transfer of ``n`` ints to the host).
 
     Greedy rows take their argmax (the first index of a tie). The others sample in one batch:
-    logits / temperature, the ``top_k`` best (exactly k: a tie at the k-th value keeps the
-    first that ``torch.topk`` returns), softmax, the smallest prefix of the sorted
-    probabilities that reaches ``top_p`` (the first token always kept), then an exponential
-    race: ``argmax(p / q)`` with ``q ~ Exp(1)`` per token picks token ``t`` with probability
-    ``p[t]``. ``q`` comes from the device's default generator, or for a seeded row from a hash
-    of ``draw_seed(seed, indices[i])`` and the token id (``seeded_exponential``): a seeded
-    row's token depends on its logits, its parameters and ``indices[i]`` (how many tokens
-    that sequence generated before), not on the rows beside it.
+    logits / temperature, the ``top_k`` best (with every token tied with the k-th), softmax
+    over them, the smallest prefix of the sorted probabilities that reaches ``top_p`` (with
+    every token tied with its last; the first token always kept), then an exponential race:
+    ``argmax(p / q)`` with ``q ~ Exp(1)`` per token picks token ``t`` with probability
+    ``p[t]``. The kept set does not depend on how ties are ordered. ``q`` comes from the
+    device's default generator, or for a seeded row from a hash of ``draw_seed(seed,
+    indices[i])`` and the token id (``seeded_exponential``): a seeded row's token depends on
+    its logits, its parameters and ``indices[i]`` (how many tokens that sequence generated
+    before), not on the rows beside it. A +inf logit wins (as the argmax would have it); NaN
+    ones are never drawn.
     """
     if logits.device.type == "cpu":
         logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
@@ -124,74 +135,116 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
     dev, vocab = logits.device, logits.shape[-1]
+    count = min(vocab, CANDIDATES)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     # the rows' settings in one host-to-device copy: temperature, top_k (0: none), top_p
     table = torch.tensor([[p.temperature, k, p.top_p] for p, k in zip(params, ks, strict=True)]).to(
         dev
     )
-    scores = logits.float() / table[:, 0:1]
-    narrow = [i for i, p in enumerate(params) if ks[i] or p.top_p < 1.0]
-    if len(narrow) == len(params):
-        return _narrow(scores, ks, table, params, indices)
-    wide = [i for i in range(len(params)) if i not in set(narrow)]
-    probs = torch.softmax(_rows(scores, wide), dim=-1)  # the whole vocabulary
-    tokens = _race(probs, None, vocab, [params[i] for i in wide], [indices[i] for i in wide])
+    big = torch.finfo(torch.float32).max
+    scores = (logits.float() / table[:, 0:1]).nan_to_num(-math.inf, big, -math.inf)
+    narrow = [
+        i
+        for i, p in enumerate(params)
+        if count < vocab and (0 < ks[i] < count or (not ks[i] and p.top_p < 1.0))
+    ]
+    whole = [i for i in range(len(params)) if i not in set(narrow)]
+    tokens = None
     if narrow:
-        tokens = tokens.new_empty(len(params)).index_copy_(
-            0, torch.tensor(wide, device=dev), tokens
-        )
-        tokens[narrow] = _narrow(
-            scores[narrow], [ks[i] for i in narrow], table[narrow],
+        tokens, short = _candidates(
+            _rows(scores, narrow), _rows(table, narrow), count,
             [params[i] for i in narrow], [indices[i] for i in narrow],
         )  # fmt: skip
+        if len(narrow) < len(params):
+            tokens = tokens.new_empty(len(params)).index_copy_(
+                0, torch.tensor(narrow, device=dev), tokens
+            )
+        whole = sorted(whole + [narrow[j] for j in short])
+    if whole:
+        drawn = _whole(
+            _rows(scores, whole), _rows(table, whole), [ks[i] for i in whole],
+            [params[i] for i in whole], [indices[i] for i in whole],
+        )  # fmt: skip
+        if tokens is None:
+            return drawn
+        tokens[whole] = drawn
+    assert tokens is not None
     return tokens
 
 
-def _narrow(
+def _candidates(
     scores: torch.Tensor,
-    ks: list[int],
     table: torch.Tensor,
+    count: int,
     params: list[SamplingParams],
     indices: list[int],
-) -> torch.Tensor:
-    """Rows with a top_k or a top_p < 1: drawn among their best candidates. ``table``: the
-    rows' ``[temperature, top_k, top_p]``."""
-    dev, vocab = scores.device, scores.shape[-1]
-    count = min(vocab, max(CANDIDATES, *ks))
+) -> tuple[torch.Tensor, list[int]]:
+    """Tokens of rows drawn among their best ``count`` candidates, and the rows (positions)
+    whose kept tokens may run past them (they take ``_whole``; their token here is not
+    used). ``table``: the rows' ``[temperature, top_k, top_p]``."""
     vals, ids = torch.topk(scores, count, dim=-1)  # descending
     k, top_p = table[:, 1:2], table[:, 2:3]
-    if any(ks):
-        past_k = (k > 0) & (torch.arange(count, device=dev)[None, :] >= k)
-        vals = vals.masked_fill(past_k, -math.inf)
+    with_k = [p.top_k > 0 for p in params]  # (narrow rows: a top_k here is below count)
+    spill: torch.Tensor | None = None
+    if any(with_k):
+        has_k = k > 0
+        kth = vals.gather(1, (k.long() - 1).clamp(min=0))
+        # a tie with the k-th value that reaches the last candidate may go on past it
+        spill = has_k & (vals[:, -1:] >= kth)
+        vals = vals.masked_fill(has_k & (vals < kth), -math.inf)  # ties with the k-th kept
     # each candidate's probability in its row's distribution: over the top_k, or over the
     # whole vocabulary (a logsumexp of every score, not only the candidates')
-    if all(ks):
+    if all(with_k):
         total = vals.logsumexp(-1, keepdim=True)
-    elif not any(ks):
+    elif not any(with_k):
         total = scores.logsumexp(-1, keepdim=True)
     else:
         total = torch.where(
-            k > 0, vals.logsumexp(-1, keepdim=True), scores.logsumexp(-1, keepdim=True)
+            has_k, vals.logsumexp(-1, keepdim=True), scores.logsumexp(-1, keepdim=True)
         )
     probs = (vals - total).exp()
-    mass = probs.cumsum(-1)
-    probs = probs.masked_fill((mass - probs >= top_p) & (top_p < 1.0), 0.0)
-    tokens = ids.gather(1, _race(probs, ids, vocab, params, indices)[:, None])[:, 0]
-    if all(ks):
-        return tokens
-    # without a top_k, the candidates hold less than top_p of the mass: a flat distribution
-    # whose nucleus runs past them; those rows sort the whole vocabulary
-    short = ((k[:, 0] == 0) & (mass[:, -1] < top_p[:, 0])).nonzero()[:, 0].tolist()
-    if short:
-        probs = torch.softmax(scores[short], dim=-1)
-        ordered, order = torch.sort(probs, dim=-1, descending=True)
-        before = ordered.cumsum(-1) - ordered
-        ordered = ordered.masked_fill(before >= top_p[short], 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, ordered)
-        tokens[short] = _race(
-            probs, None, vocab, [params[i] for i in short], [indices[i] for i in short]
-        )
-    return tokens
+    if not all(p.top_p >= 1.0 for p in params):
+        mass = probs.cumsum(-1)
+        edge = _nucleus_edge(probs, mass, top_p)
+        if not all(with_k):
+            # without a top_k: a nucleus that does not reach top_p within the candidates (a
+            # flat distribution), or whose last value ties into the last candidate
+            open_end = (mass[:, -1:] < top_p) | (probs[:, -1:] >= edge)
+            if spill is None:
+                spill = open_end
+            else:
+                spill |= open_end & ~has_k
+        probs = probs.masked_fill((top_p < 1.0) & (probs < edge), 0.0)
+    tokens = ids.gather(1, _race(probs, ids, scores.shape[-1], params, indices)[:, None])[:, 0]
+    return tokens, [] if spill is None else spill[:, 0].nonzero()[:, 0].tolist()
+
+
+def _nucleus_edge(probs: torch.Tensor, mass: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1]``: the smallest probability in each row's top_p nucleus, over ``probs``
+    sorted descending with their running ``mass`` (the first token is always in it)."""
+    inside = (mass - probs) < top_p
+    return probs.masked_fill(~inside, math.inf).amin(-1, keepdim=True)
+
+
+def _whole(
+    scores: torch.Tensor,
+    table: torch.Tensor,
+    ks: list[int],
+    params: list[SamplingParams],
+    indices: list[int],
+) -> torch.Tensor:
+    """Tokens of rows drawn over the whole vocabulary (a sort of it when a row has a
+    top_p < 1)."""
+    k, top_p = table[:, 1:2], table[:, 2:3]
+    if any(ks):
+        kth = torch.topk(scores, max(ks), dim=-1).values.gather(1, (k.long() - 1).clamp(min=0))
+        scores = scores.masked_fill((k > 0) & (scores < kth), -math.inf)
+    probs = torch.softmax(scores, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        ordered = torch.sort(probs, dim=-1, descending=True).values
+        edge = _nucleus_edge(ordered, ordered.cumsum(-1), top_p)
+        probs = probs.masked_fill((top_p < 1.0) & (probs < edge), 0.0)
+    return _race(probs, None, scores.shape[-1], params, indices)
 
 
 def _race(

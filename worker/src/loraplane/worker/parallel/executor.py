@@ -4,7 +4,8 @@ Each rank process owns one shard of the model (its `ParallelState`), its DP grou
 cache and every LoRA slot. The driver sends every command to every rank, in the same
 order, so the ranks enter each collective together; a `step` carries all DP groups' work
 and each rank picks its own group's part (an idle group gets an empty list and still joins
-every collective). Group leaders (attn-TP rank 0) send back their group's logits.
+every collective). Group leaders (attn-TP rank 0) pick their group's tokens on their device
+and send back the token ids (``step_result``).
 """
 
 from __future__ import annotations
