@@ -10,7 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Sampling(BaseModel):
-    temperature: float | None = Field(default=None, ge=0, le=100, description="0 = greedy")
+    temperature: float | None = Field(
+        default=None, ge=0, le=100, description="0 (or below 1e-5) = greedy"
+    )
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, description="-1 or 0 = no limit")
     seed: int | None = None
