@@ -54,7 +54,8 @@ _MASK64 = (1 << 64) - 1
 
 
 def draw_seed(seed: int, index: int) -> int:
-    """The generator seed of a seeded sequence's ``index``-th token (splitmix64 of both).
+    """The noise key of a seeded sequence's ``index``-th token (splitmix64 of both), which
+    ``seeded_exponential`` hashes with each token id.
 
     Each token's draw is a function of the request's seed and the token's index alone, so a
     seeded request gives the same tokens whatever it is batched with, on every rank, with no
