@@ -234,3 +234,12 @@ def test_seeded_draws_follow_the_softmax_too() -> None:
     again = sampling.seeded_exponential([1, 2, 3], shuffled.expand(3, -1))
     assert torch.equal(again, noise[:, shuffled])
     assert not torch.equal(noise[0], noise[1])
+
+
+def test_a_top_k_past_the_vocabulary_is_no_top_k(path: int) -> None:
+    """top_k at or above the vocabulary keeps every token: with top_p 0.85 over
+    [.5, .3, .1, .1] the nucleus is all four (the last tied with the edge), as without it."""
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.1]))
+    for top_k in (-1, 4, 10):
+        got = set(_draws(logits, SamplingParams(top_p=0.85, top_k=top_k), 400))
+        assert got == {0, 1, 2, 3}, top_k

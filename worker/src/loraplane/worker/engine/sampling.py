@@ -130,8 +130,9 @@ def sample_rows(
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``, or ``t`` itself when ``rows`` are all of them in order (no copy)."""
-    return t if rows == list(range(t.shape[0])) else t[rows]
+    """``t[rows]`` (``rows`` ascending and distinct), or ``t`` itself when they are all of
+    its rows (no copy)."""
+    return t if len(rows) == t.shape[0] else t[rows]
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
@@ -144,16 +145,14 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[in
     )
     big = torch.finfo(torch.float32).max
     scores = (logits.float() / table[:, 0:1]).nan_to_num(-math.inf, big, -math.inf)
-    narrow = [
-        i
-        for i, p in enumerate(params)
-        if count < vocab and (0 < ks[i] < count or (not ks[i] and p.top_p < 1.0))
-    ]
-    whole = [i for i in range(len(params)) if i not in set(narrow)]
+    # rows drawn among the best `count` tokens: a top_k below it, or a top_p and no top_k
+    fits = [0 < k < count or (not k and p.top_p < 1.0) for p, k in zip(params, ks, strict=True)]
+    narrow = [i for i, f in enumerate(fits) if f and count < vocab]
+    whole = [i for i, f in enumerate(fits) if not (f and count < vocab)]
     tokens = None
     if narrow:
         tokens, short = _candidates(
-            _rows(scores, narrow), _rows(table, narrow), count,
+            _rows(scores, narrow), _rows(table, narrow), count, [ks[i] for i in narrow],
             [params[i] for i in narrow], [indices[i] for i in narrow],
         )  # fmt: skip
         if len(narrow) < len(params):
@@ -177,15 +176,17 @@ def _candidates(
     scores: torch.Tensor,
     table: torch.Tensor,
     count: int,
+    ks: list[int],
     params: list[SamplingParams],
     indices: list[int],
 ) -> tuple[torch.Tensor, list[int]]:
     """Tokens of rows drawn among their best ``count`` candidates, and the rows (positions)
     whose kept tokens may run past them (they take ``_whole``; their token here is not
-    used). ``table``: the rows' ``[temperature, top_k, top_p]``."""
+    used). ``table``: the rows' ``[temperature, top_k, top_p]``; ``ks``: their top_k (0:
+    none, a top_k at or past the vocabulary among them), each below ``count``."""
     vals, ids = torch.topk(scores, count, dim=-1)  # descending
     k, top_p = table[:, 1:2], table[:, 2:3]
-    with_k = [p.top_k > 0 for p in params]  # (narrow rows: a top_k here is below count)
+    with_k = [kk > 0 for kk in ks]
     spill: torch.Tensor | None = None
     if any(with_k):
         has_k = k > 0
@@ -262,7 +263,10 @@ def _race(
     seeded = [i for i, p in enumerate(params) if p.seed is not None]
     if seeded:
         keys = [draw_seed(params[i].seed or 0, indices[i]) for i in seeded]
-        cols = torch.arange(vocab, device=probs.device).expand(len(seeded), -1)
-        q[seeded] = seeded_exponential(keys, cols if ids is None else ids[seeded])
+        if ids is None:
+            cols = torch.arange(vocab, device=probs.device).expand(len(seeded), -1)
+        else:
+            cols = _rows(ids, seeded)
+        q[seeded] = seeded_exponential(keys, cols)
     # (q of 0 would make 0 / q undefined; exponential_ can round to it)
     return (probs / q.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(-1)
