@@ -1,6 +1,6 @@
 """Probe: the time of the engine's sampling stage, per step, before and after session 22.
 
-    python bench/probes/sampling_stage.py [OUT.json] [--device cpu|cuda]
+    python bench/probes/sampling_stage.py [OUT.json] [--device cpu|cuda] [--samplers]
 
 Until 7bc9a0f the executor returned every sequence's last-token logits as fp32 on the host
 (``logits.float().cpu()``) and the engine sampled each row there, greedy ones included; from
@@ -17,6 +17,11 @@ call takes over 0.1 s; ms):
 
 On ``cuda`` the times include the device-to-host copies; on ``cpu`` they are host work
 alone.
+
+``--samplers`` times ``sample_rows`` with the torch sampler against the fused one
+(``--sampler triton``, ``kernels/sampling.py``) over the same cases, alternating the two
+call by call, and says whether their tokens agree on the seeded case (they should, up to
+rounding).
 """
 
 from __future__ import annotations
@@ -67,8 +72,36 @@ def _before(logits: torch.Tensor, params: SamplingParams) -> list[int]:
     return [_host_row(host[i], params, gen) for i in range(host.shape[0])]
 
 
-def _after(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
-    return sample_rows(logits, params, [0] * len(params))
+def _after(logits: torch.Tensor, params: list[SamplingParams], sampler: str = "torch") -> list[int]:
+    return sample_rows(logits, params, [0] * len(params), sampler)
+
+
+def _samplers(device: str, out: Path | None) -> list[dict[str, Any]]:
+    """torch against triton, per case, vocabulary and batch size (bf16 logits), ms."""
+    rows: list[dict[str, Any]] = []
+    for vocab, bs, case in ((v, b, c) for v in VOCABS for b in (16, 64, 128) for c in CASES):
+        params, scale = CASES[case]
+        logits = (torch.randn(bs, vocab, device=device) * scale).bfloat16()
+        batch = [params] * bs
+        torch_ms, triton_ms = [], []
+        for _ in range(5):  # alternate, so a slow phase of the machine falls on both
+            torch_ms.append(_median_ms(lambda x=logits, p=batch: _after(x, p), device))
+            triton_ms.append(_median_ms(lambda x=logits, p=batch: _after(x, p, "triton"), device))
+        row = {
+            "case": case,
+            "vocab": vocab,
+            "bs": bs,
+            "torch_ms": round(statistics.median(torch_ms), 3),
+            "triton_ms": round(statistics.median(triton_ms), 3),
+        }
+        row["ratio"] = round(row["triton_ms"] / row["torch_ms"], 3)
+        if params.seed is not None or params.greedy:
+            row["same_tokens"] = _after(logits, batch) == _after(logits, batch, "triton")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if out:
+            out.write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+    return rows
 
 
 def _median_ms(fn: Any, device: str) -> float:
@@ -122,7 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--after-only", action="store_true", help="time sample_rows alone (not the old path)"
     )
+    p.add_argument(
+        "--samplers", action="store_true", help="time the torch sampler against the fused one"
+    )
     args = p.parse_args(argv)
+    if args.samplers:
+        _samplers(args.device, args.out)
+        return 0
     if args.ops:
         for bs in (16, 128):
             row = {"bs": bs, "vocab": VOCABS[0], **_ops(args.device, bs, VOCABS[0])}

@@ -433,3 +433,40 @@ def test_triton_backend_matches_torch(
     )
     got = [gen_ids(triton_worker, p, a, n=3) for p, a in [(PROMPTS[0], "tri"), (PROMPTS[1], None)]]
     assert got == want
+
+
+def test_fused_sampler_picks_the_torch_samplers_seeded_tokens(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
+    """``--sampler triton`` (one fused launch a step; Triton's interpreter here) serves seeded
+    sampled requests, with and without an adapter and with top_k / top_p, with the tokens
+    the default torch sampler gives them."""
+    path = make_adapter_dir("samp", seed=4)
+    settings = [
+        {"temperature": 0.9, "top_p": 0.8, "seed": 5},
+        {"temperature": 1.3, "top_k": 20, "top_p": 0.95, "seed": 6},
+        {"temperature": 2.0, "seed": 7},
+    ]
+
+    def sampled(worker: WorkerProcess) -> list[list[int]]:
+        out = []
+        for params, adapter in zip(settings, ["samp", None, "samp"], strict=True):
+            body: dict = {
+                "text": PROMPTS[0],
+                "sampling_params": {"max_new_tokens": 5, "ignore_eos": True, **params},
+            }
+            if adapter:
+                body["lora_path"] = adapter
+            r = worker.client.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            out.append(r.json()["output_ids"])
+        return out
+
+    torch_worker = worker_factory("--lora", f"samp={path}")
+    want = sampled(torch_worker)
+    torch_worker.stop()
+    fused = worker_factory(
+        "--lora", f"samp={path}", "--sampler", "triton"
+    )  # (interpreter: set by the runner)
+    assert sampled(fused) == want
+    assert len({tuple(ids) for ids in want}) == 3

@@ -129,25 +129,27 @@ def test_decode_bench_refuses_an_unknown_order():
         run_decode_bench("cpu", [2], [2], 1, "tiny", False, None, order="random")
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "chat"])
+@pytest.mark.parametrize("sampling", ["greedy", "chat", "chat-triton"])
 def test_decode_bench_steps_sample_as_asked(monkeypatch, sampling):
     """``sampling="chat"``: every step picks its tokens with the server's sampler
-    (``sample_rows``, temperature 0.7, top_p 0.9); ``"greedy"``: with the argmax alone."""
+    (``sample_rows``, temperature 0.7, top_p 0.9), ``"chat-triton"`` with its fused one;
+    ``"greedy"``: with the argmax alone."""
     from loraplane.worker.bench import decode
     from loraplane.worker.engine import sampling as sampler
 
-    calls: list[tuple[int, float]] = []
+    calls: list[tuple[int, float, str | None]] = []
     real = sampler.sample_rows
 
-    def counting(logits, params, indices):
-        calls.append((len(params), params[0].temperature))
-        return real(logits, params, indices)
+    def counting(logits, params, indices, name=None):
+        calls.append((len(params), params[0].temperature, name))
+        return real(logits, params, indices, name)
 
     monkeypatch.setattr(sampler, "sample_rows", counting)
     res = _one_round(decode, sampling=sampling)
     assert res["settings"]["sampling"] == sampling
-    if sampling == "chat":  # 4 variants' warm-up step, then 3 timed steps each
-        assert calls == [(2, 0.7)] * (4 * 1 + 4 * 3)
+    if sampling != "greedy":  # 4 variants' warm-up step, then 3 timed steps each
+        name = "triton" if sampling == "chat-triton" else "torch"
+        assert calls == [(2, 0.7, name)] * (4 * 1 + 4 * 3)
     else:
         assert calls == []
     with pytest.raises(ValueError, match="sampling: unknown 'beam'"):

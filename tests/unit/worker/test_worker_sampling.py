@@ -216,6 +216,9 @@ def test_tiny_temperatures_and_non_finite_logits() -> None:
     odd[:, 7] = 0.0
     drawn = {t for i in range(200) for t in sample_rows(odd, params, [i] * 3)}
     assert 9 not in drawn and len(drawn) > 5
+    # a top_p too small for float32 keeps the best token (it rounded to 0: none, token 0)
+    tiny = [SamplingParams(top_p=1e-50, seed=i) for i in range(3)]
+    assert sample_rows(logits, tiny, [0] * 3) == argmax
 
 
 def test_seeded_draws_follow_the_softmax_too() -> None:

@@ -248,6 +248,14 @@ def serve_cmd(
             help="Replay decode steps from CUDA graphs (CUDA with tp = dp = 1; else ignored)"
         ),
     ] = True,
+    sampler: Annotated[
+        str,
+        typer.Option(
+            help="How sampled requests pick their tokens: torch (torch ops on the device) | "
+            "triton (one fused launch a step, equal up to rounding; on a CPU it runs Triton's "
+            "interpreter, which is slow)"
+        ),
+    ] = "torch",
     allowed_lora_root: Annotated[
         list[str], typer.Option(help="Adapter paths must lie under one of these; repeat")
     ] = [],  # noqa: B006
@@ -289,6 +297,7 @@ def serve_cmd(
             stage_slots=stage_slots,
             lora_backend=lora_backend,
             cuda_graphs=cuda_graphs,
+            sampler=sampler,
             max_running=max_running,
             max_model_len=max_model_len,
             loras=tuple(loras),

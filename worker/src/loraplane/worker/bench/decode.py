@@ -23,7 +23,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   tensors), ``ModelRunner.forward`` (which builds ``LoRABatchInfo`` on the host), greedy
   ``argmax`` and ``tolist`` of the next tokens (the host sync that ends every real step), or
   with ``--sampling chat`` the server's sampler at temperature 0.7 and top_p 0.9
-  (``sampling.sample_rows``, on the device; the LM head's weights scaled by
+  (``sampling.sample_rows``, on the device; ``chat-triton``: its fused kernel, the
+  server's ``--sampler triton``; the LM head's weights scaled by
   ``CHAT_LOGIT_STD`` so the random model's distributions are as peaked as a language
   model's).
   Steps advance the position by one. Input tokens are a fixed sequence per step, the same
@@ -422,8 +423,9 @@ def _active(
 
 
 # What a step's tokens are picked with (``--sampling``): ``greedy`` (the argmax), or ``chat``
-# (temperature 0.7, top_p 0.9: ``sampling.sample_rows`` on the device, as the server samples).
-SAMPLINGS = ("greedy", "chat")
+# (temperature 0.7, top_p 0.9: ``sampling.sample_rows`` on the device, as the server samples),
+# by the torch sampler or (``chat-triton``) the fused one.
+SAMPLINGS = ("greedy", "chat", "chat-triton")
 # With ``chat`` the LM head's random weights are scaled so that the logits' std is ~3 (not
 # ~1): at temperature 0.7 and top_p 0.9 the nucleus is then ~50-500 tokens of 128k, as a
 # language model's is; flat logits (~56k-token nuclei) would send every row down the
@@ -446,8 +448,9 @@ def _step(
     tokens = [(7 * j + 3 + 11 * s) % vocab for j in rows]
     batch = decode_batch(tokens, rows, [context + s] * bs, "cpu")  # as the executor builds it
     logits = runner.forward(batch, slots)
-    if sampling == "chat":  # the server's sampler and host sync
-        sample_rows(logits, [SamplingParams(temperature=0.7, top_p=0.9)] * bs, [s] * bs)
+    if sampling != "greedy":  # the server's sampler and host sync
+        sampler = "triton" if sampling == "chat-triton" else "torch"
+        sample_rows(logits, [SamplingParams(temperature=0.7, top_p=0.9)] * bs, [s] * bs, sampler)
     else:
         logits.argmax(-1).tolist()  # a greedy step's sampling and host sync
     return time.perf_counter() - t0
@@ -580,7 +583,7 @@ def run_decode_bench(
         stage_slots=stage_slots,
         backend=backend,
     )
-    if sampling == "chat":  # language-model-like next-token distributions (CHAT_LOGIT_STD)
+    if sampling != "greedy":  # language-model-like next-token distributions (CHAT_LOGIT_STD)
         with torch.no_grad():
             runner.model.lm_head.weight.mul_(CHAT_LOGIT_STD)
     sync(device)
@@ -851,7 +854,8 @@ def main(argv: list[str] | None = None) -> int:
         default="greedy",
         choices=SAMPLINGS,
         help="how a step picks its tokens: 'greedy' (argmax), or 'chat' (temperature 0.7, "
-        "top_p 0.9, on the device, as the server samples such requests)",
+        "top_p 0.9, on the device, as the server samples such requests; 'chat-triton': with "
+        "the fused sampler, the server's --sampler triton)",
     )
     p.add_argument(
         "--split-variants",

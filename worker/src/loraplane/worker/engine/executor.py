@@ -46,9 +46,12 @@ class StepResult:
     tokens: list[int]
 
 
-def step_result(logits: torch.Tensor, work: list[SeqWork]) -> StepResult:
-    """``StepResult`` of a group's last-token ``logits`` ``[len(work), vocab]``."""
-    return StepResult(sample_rows(logits, [w.params for w in work], [w.index for w in work]))
+def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "torch") -> StepResult:
+    """``StepResult`` of a group's last-token ``logits`` ``[len(work), vocab]``, by ``sampler``
+    (``sampling.SAMPLERS``)."""
+    return StepResult(
+        sample_rows(logits, [w.params for w in work], [w.index for w in work], sampler)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,8 @@ class LocalExecutor:
         batch, slots = build_batch(work[0], "cpu")  # the runner moves it, or replays a graph
         if not work[0]:
             return [StepResult([])]
-        return [step_result(self.runner.forward(batch, slots), work[0])]
+        logits = self.runner.forward(batch, slots)
+        return [step_result(logits, work[0], self.runner.config.sampler)]
 
     def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
         assert dp_group == 0

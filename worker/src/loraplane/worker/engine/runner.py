@@ -32,6 +32,8 @@ class RunnerConfig:
     # Replay decode steps from CUDA graphs (engine/graphs.py): CUDA, single rank only.
     cuda_graphs: bool = True
     graph_max_batch: int | None = None  # the largest decode batch with a graph; None: max_seqs
+    # How a step's tokens are picked from its logits: engine.sampling.SAMPLERS.
+    sampler: str = "torch"
 
 
 class ModelRunner:
@@ -65,7 +67,10 @@ class ModelRunner:
             self.device,
         )
         self.lora_config = lora
-        if lora is not None and config.lora_backend == "triton" and self.device.type == "cpu":
+        triton_kernels = (lora is not None and config.lora_backend == "triton") or (
+            config.sampler == "triton"
+        )
+        if triton_kernels and self.device.type == "cpu":
             # Triton runs on the CPU only through its interpreter, chosen at import time.
             os.environ.setdefault("TRITON_INTERPRET", "1")
         if (

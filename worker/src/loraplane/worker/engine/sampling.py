@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,10 @@ GREEDY_BELOW = 1e-5
 
 GREEDY = SamplingParams(temperature=0.0)
 
+# The least top_p the samplers use: the smallest normal float32. A smaller one (valid, > 0)
+# would round to 0 in their float32 table, where no token is below it and none would be kept.
+TOP_P_MIN = 1.1754943508222875e-38
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -94,12 +99,20 @@ def seeded_exponential(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     key = torch.tensor(keys, dtype=torch.int64, device=ids.device)[:, None]
     x = _mix32((ids.long() * 0x9E3779B1 + (key & _M32)) & _M32)
     x = _mix32(x ^ ((key >> 32) & _M32))
-    u = (x.double() + 0.5) / 2.0**32  # uniform in (0, 1)
-    return (-torch.log(u)).float()
+    u = ((x >> 8).float() + 0.5) * 2.0**-24  # uniform in (0, 1), exact in float32
+    return -torch.log(u)
+
+
+SAMPLERS = ("torch", "triton")
+# The sampler of a ``sample_rows`` call that names none.
+SAMPLER = "torch"
 
 
 def sample_rows(
-    logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    indices: Sequence[int],
+    sampler: str | None = None,
 ) -> list[int]:
     """One token id per row of ``logits [n, vocab]``, row ``i`` by ``params[i]``, where the
     logits are (one transfer of ``n`` ints to the host).
@@ -115,7 +128,16 @@ def sample_rows(
     its logits, its parameters and ``indices[i]`` (how many tokens that sequence generated
     before), not on the rows beside it. A +inf logit wins (as the argmax would have it); NaN
     ones are never drawn.
+
+    ``sampler``: ``torch`` (the steps above as torch ops) or ``triton`` (the same in one
+    launch, ``kernels.sampling``: equal up to rounding, an unseeded row's ``q`` hashed from a
+    random key); None: ``SAMPLER``. On a CPU, ``triton`` runs Triton's interpreter.
     """
+    sampler = sampler or SAMPLER
+    if sampler == "triton":
+        return _sample_fused(logits, params, indices)
+    if sampler != "torch":
+        raise SamplingError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
     if logits.device.type == "cpu":
         logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -126,6 +148,41 @@ def sample_rows(
         return picked.tolist()  # type: ignore[no-any-return]
     tokens = logits.argmax(-1)
     tokens[rows] = picked
+    return tokens.tolist()  # type: ignore[no-any-return]
+
+
+def _float_bits(x: float) -> int:
+    """float32 bits of ``x`` as a signed int (sign-extended into the kernel's int64 table)."""
+    return int(struct.unpack("<i", struct.pack("<f", x))[0])
+
+
+def _sample_fused(
+    logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]
+) -> list[int]:
+    """``sample_rows`` in one launch (``kernels.sampling.sample_table``), after one argmax
+    launch when some rows are greedy."""
+    from loraplane.worker.kernels.sampling import sample_table
+
+    vocab = logits.shape[-1]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if len(rows) < len(params):
+        tokens = logits.argmax(-1)
+        if not rows:
+            return tokens.tolist()  # type: ignore[no-any-return]
+    else:
+        tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+    unseeded = iter(torch.randint(2**62, (len(rows),)).tolist())
+    table = [
+        [
+            i,
+            p.top_k if 0 < p.top_k < vocab else 0,
+            _float_bits(p.temperature),
+            _float_bits(max(p.top_p, TOP_P_MIN)),
+            draw_seed(p.seed, indices[i]) if p.seed is not None else next(unseeded),
+        ]
+        for i, p in ((i, params[i]) for i in rows)
+    ]
+    sample_table(logits, torch.tensor(table, dtype=torch.int64).to(logits.device), tokens)
     return tokens.tolist()  # type: ignore[no-any-return]
 
 
@@ -140,9 +197,9 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[in
     count = min(vocab, CANDIDATES)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     # the rows' settings in one host-to-device copy: temperature, top_k (0: none), top_p
-    table = torch.tensor([[p.temperature, k, p.top_p] for p, k in zip(params, ks, strict=True)]).to(
-        dev
-    )
+    table = torch.tensor(
+        [[p.temperature, k, max(p.top_p, TOP_P_MIN)] for p, k in zip(params, ks, strict=True)]
+    ).to(dev)
     big = torch.finfo(torch.float32).max
     scores = (logits.float() / table[:, 0:1]).nan_to_num(-math.inf, big, -math.inf)
     # rows drawn among the best `count` tokens: a top_k below it, or a top_p and no top_k

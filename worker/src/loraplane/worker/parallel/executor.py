@@ -62,6 +62,7 @@ def _rank_loop(
             max_seqs=runner_config.max_seqs,
             max_len=runner_config.max_len,
             lora_backend=runner_config.lora_backend,
+            sampler=runner_config.sampler,
         )
         runner = ModelRunner(cfg, lora, ps)
         host: dict[str, AdapterWeights] = {}
@@ -82,7 +83,8 @@ def _rank_loop(
                 batch, slots = build_batch(work, runner.device)
                 logits = runner.forward(batch, slots)
                 leader = ps.attn_tp_rank == 0
-                outbox.put(("ok", rank, step_result(logits, work) if leader else None))
+                result = step_result(logits, work, cfg.sampler) if leader else None
+                outbox.put(("ok", rank, result))
             elif cmd == "read":
                 group, name, path = args
                 if group != ps.dp_rank:

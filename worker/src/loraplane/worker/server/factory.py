@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.executor import Executor
+from loraplane.worker.engine.sampling import SAMPLERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,7 @@ class ServeConfig:
     max_lora_rank: int = 64
     stage_slots: int | None = None  # None: the model's default (lora.stage.default_positions)
     lora_backend: str = "triton"
+    sampler: str = "torch"  # engine.sampling.SAMPLERS
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
     max_running: int = 32
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
@@ -48,6 +50,10 @@ class ServeConfig:
         if self.lora_backend not in ("triton", "torch"):
             raise ConfigError(
                 f"--lora-backend {self.lora_backend!r} is not supported; expected triton or torch"
+            )
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(
+                f"--sampler {self.sampler!r} is not supported; expected one of {', '.join(SAMPLERS)}"
             )
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
@@ -122,6 +128,7 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
         max_len=max_len,
         lora_backend=config.lora_backend,
         cuda_graphs=config.cuda_graphs,
+        sampler=config.sampler,
     )
     if config.tp == 1 and config.dp == 1:
         return LocalExecutor(runner, config.lora_config)

@@ -72,7 +72,7 @@ def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     server = build_server(config)
     log.info(
-        "serving %s on http://%s:%d (tp=%d dp=%d, K=%d slots, M=%d adapters, rank<=%d, backend=%s, device=%s, cuda graphs %s)",
+        "serving %s on http://%s:%d (tp=%d dp=%d, K=%d slots, M=%d adapters, rank<=%d, backend=%s, sampler=%s, device=%s, cuda graphs %s)",
         server.served_model,
         config.host,
         config.port,
@@ -82,6 +82,7 @@ def serve(config: ServeConfig) -> None:
         config.max_loaded_loras,
         config.max_lora_rank,
         config.lora_backend,
+        config.sampler,
         config.device,
         "on"
         if config.cuda_graphs and config.device == "cuda" and config.tp == config.dp == 1

@@ -1,0 +1,152 @@
+"""The fused sampler (kernels/sampling.py) against the torch sampler (engine/sampling.py).
+
+A seeded row's noise is a hash of its key and the token ids in both, so for the same rows
+and parameters the two must pick the same tokens: the kernel's kept set (top_k with its ties,
+the top_p nucleus over the top_k renormalized, with its ties), its race and its noise are the
+torch path's. The torch path's own tests check those semantics against the softmax
+(tests/unit/worker/test_worker_sampling.py). Here: equality over many rows and settings,
+across blocks and radix passes, the unseeded draws' frequencies, and the odd inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES
+
+from loraplane.worker.engine.sampling import SamplingParams, draw_seed, sample_rows
+from loraplane.worker.kernels import sampling as fused
+
+pytestmark = pytest.mark.kernels
+
+
+def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Language-model-like rows (std 3, so nuclei of a few to a few hundred tokens), with
+    ties, signed zeros and values one ulp apart, which the order keys must sort right."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g) * 3
+    x[:, 1] = x[:, 2] = x[:, 3]  # a three-way tie
+    x[:, 4], x[:, 5] = 0.0, -0.0
+    x[:, 6] = torch.nextafter(x[:, 7], torch.tensor(float("inf")))
+    x[::3, 10:20] = x[::3, 10:11] + 6.0  # some rows: ten tied leaders
+    return x
+
+
+SETTINGS = [
+    SamplingParams(temperature=t, top_k=k, top_p=p, seed=1)
+    for t, k, p in itertools.product((0.4, 1.0, 2.5), (-1, 2, 9, 60), (1.0, 0.95, 0.6, 0.05))
+]
+
+
+@pytest.mark.parametrize("block", [128, 4096], ids=["blocks-of-128", "one-block"])
+def test_seeded_tokens_are_the_torch_samplers(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """48 settings x 6 rows: every token equal to the torch sampler's (over one block of the
+    vocabulary, and over three, where the race and the masses run across blocks)."""
+    monkeypatch.setattr(fused, "BLOCK", block)
+    logits = _logits(6, 300, seed=block).to(DEVICE)
+    differ = []
+    for n, base in enumerate(SETTINGS):
+        params = [
+            SamplingParams(temperature=base.temperature, top_k=base.top_k, top_p=base.top_p,
+                           seed=n * 7 + r)
+            for r in range(6)
+        ]  # fmt: skip
+        for index in (n % 3,):
+            want = sample_rows(logits, params, [index] * 6, "torch")
+            got = sample_rows(logits, params, [index] * 6, "triton")
+            differ += [
+                (base, r, w, g) for r, (w, g) in enumerate(zip(want, got, strict=True)) if w != g
+            ]
+    assert not differ, differ[:5]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_logits_dtype_and_a_batch_with_greedy_rows(dtype: torch.dtype) -> None:
+    """fp16 (and bf16 on a GPU) logits; greedy rows beside sampled ones keep their argmax."""
+    logits = _logits(5, 700, seed=2).to(dtype).to(DEVICE)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.8, seed=4),
+        SamplingParams(temperature=1.2, seed=5),
+    ]
+    got = sample_rows(logits, params, [3] * 5, "triton")
+    assert got == sample_rows(logits, params, [3] * 5, "torch")
+    argmax = logits.float().argmax(-1).tolist()
+    assert got[0] == argmax[0] and got[2] == argmax[2]
+
+
+def test_unseeded_draws_follow_the_nucleus() -> None:
+    """1000 unseeded rows in one launch: top_p 0.9 over [.5, .3, .15, .05] keeps the first
+    three, drawn as .5 / .3 / .15 renormalized; each row gets a noise key of its own (from
+    torch's generator, seeded here: the bound is four standard deviations)."""
+    torch.manual_seed(1234)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(1000, -1).contiguous().to(DEVICE)
+    got = sample_rows(logits, [SamplingParams(top_p=0.9)] * 1000, [0] * 1000, "triton")
+    freq = torch.bincount(torch.tensor(got), minlength=4).float() / len(got)
+    want = torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95
+    assert (freq - want).abs().max() < 0.065, freq
+    assert freq[3] == 0
+
+
+def test_odd_logits() -> None:
+    """+inf wins, NaN is never drawn, -inf is never drawn, a row of ties draws any of them,
+    a tie at the k-th value keeps every tied token; a row of -inf and a top_p that rounds to
+    0 in float32 end (each check of the nucleus passes over the row again)."""
+    ends = torch.full((2, 50), float("-inf"), device=DEVICE)
+    ends[1] = torch.arange(50.0, device=DEVICE).flip(0)
+    for top_p in (0.5, 1e-50):
+        got = sample_rows(ends, [SamplingParams(top_p=top_p, seed=2)] * 2, [0] * 2, "triton")
+        assert 0 <= got[0] < 50 and got[1] == 0
+    x = torch.zeros(4, 50)
+    x[0, 7], x[0, 9] = float("inf"), float("nan")
+    x[1, :] = float("-inf")
+    x[1, 3], x[1, 30] = 1.0, 1.0
+    x[2, 20:25] = 5.0  # top_k 2 keeps the five tied
+    x[3, 9] = float("nan")
+    x = x.to(DEVICE)
+    rounds = [
+        sample_rows(
+            x,
+            [
+                SamplingParams(top_p=0.5, seed=i),
+                SamplingParams(temperature=2.0, seed=i),
+                SamplingParams(temperature=50.0, top_k=2, seed=i),
+                SamplingParams(temperature=1.0, top_p=0.99, seed=i),
+            ],
+            [i] * 4,
+            "triton",
+        )
+        for i in range(60)
+    ]
+    # +0 and -0 are one value: at the k-th, both kept
+    zeros = torch.tensor([[1.0, 0.0, -0.0, -1.0, -2.0]], device=DEVICE)
+    drawn = {
+        sample_rows(zeros, [SamplingParams(temperature=50.0, top_k=2, seed=i)], [0], "triton")[0]
+        for i in range(40)
+    }
+    assert drawn == {0, 1, 2}
+    assert {r[0] for r in rounds} == {7}
+    assert {r[1] for r in rounds} == {3, 30}
+    assert {r[2] for r in rounds} == set(range(20, 25))
+    assert 9 not in {r[3] for r in rounds} and len({r[3] for r in rounds}) > 20
+
+
+def test_the_table_is_checked() -> None:
+    logits = torch.zeros(2, 10, device=DEVICE)
+    out = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    row = [0, 0, 0, 0, draw_seed(1, 0)]
+    with pytest.raises(ValueError, match="sample_table: table must have 5 columns"):
+        fused.sample_table(logits, torch.tensor([row[:4]], device=DEVICE), out)
+    with pytest.raises(ValueError, match=r"sample_table: table must have dtype in \(torch.int64\)"):
+        fused.sample_table(logits, torch.tensor([row], device=DEVICE).int(), out)
+    with pytest.raises(
+        ValueError, match=r"sample_table: out must have one entry per row of logits \(2\)"
+    ):
+        fused.sample_table(logits, torch.tensor([row], device=DEVICE), out[:1])
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        sample_rows(logits, [SamplingParams(seed=1)] * 2, [0, 0], "cuda")

@@ -1,0 +1,243 @@
+"""The sampler of a step's logits in one Triton launch; reference: ``engine.sampling``.
+
+``engine.sampling``'s torch path is about 40 launches a step (a ``topk`` of 1024 candidates,
+softmaxes, cumsums, a sort when a nucleus runs past the candidates). On an H200 at bs 128 and
+a 128k vocabulary it took 0.65-0.83 ms a step for top_p / top_k rows (session 22). Here one
+program samples one row, in a few passes over its logits, and keeps nothing but scalars
+between them:
+
+1. the row's largest score ``m`` (score: ``logits / temperature``, NaN as -inf, +inf as the
+   largest float, as the torch path has them), the sum ``z`` of ``exp(score - m)``, and the
+   range of its scores' order keys (a float's bits as an int that sorts as the float does);
+2. with a top_k: the k-th largest score, by a radix search over the keys (a histogram of
+   ``BINS`` buckets a pass, four passes for 32-bit keys at most), and the mass ``z_k`` of the
+   tokens at or above it (every token tied with the k-th is kept, as in the torch path);
+3. the exponential race ``argmax(exp(score - m) / q)`` over the kept tokens, ``q ~ Exp(1)``
+   hashed from the row's key and the token id (``engine.sampling.seeded_exponential``'s
+   hash), which draws token ``t`` with probability ``p[t]``;
+4. with a top_p: the winner is checked against the nucleus. A token is in it when the mass of
+   the kept tokens scoring strictly above it is below ``top_p * z_k``. If the winner is not,
+   no token at or below it is either: the next pass races over the tokens above it, with the
+   same noise, and checks its winner in the same pass. The noise being the same, the token
+   that comes out is the race's winner over the nucleus: the torch path's token for the same
+   key, with no sort and no threshold search. Most rows of a language model end after one
+   check; each round drops the winner and every token below it.
+
+Equal to the torch path up to rounding: the same kept sets (ties included), the same noise,
+the same race. Sums run in another order and ``exp`` / ``log`` are the GPU's, so a token on a
+tie of the race or a mass on the edge of ``top_p`` to within a few ulps may differ.
+"""
+
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (Triton kernels are untyped JIT functions; their wrappers are typed.)
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplane.worker.kernels._triton_utils import FLOAT_DTYPES, check_tensor, next_power_of_2
+
+__all__ = ["TABLE_COLUMNS", "sample_table"]
+
+# The columns of the parameter table, one int64 row per sampled row of the logits: the row's
+# index, its top_k (0: none), the float32 bits of its temperature and of its top_p
+# (sign-extended), its noise key (63 bits: ``engine.sampling.draw_seed`` for a seeded row).
+TABLE_COLUMNS = 5
+
+# Tokens per loop step of a pass, and buckets per radix pass of the top_k search.
+BLOCK = 4096
+BINS = 256
+FLOAT_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _scores(row_ptr, offs, vocab, temperature):
+    """A block's scores as the torch path computes them: ``logits.float() / temperature``,
+    NaN as -inf, +inf as the largest float; -inf past the vocabulary."""
+    valid = offs < vocab
+    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    s = tl.math.div_rn(x, temperature)
+    s = tl.where(s != s, float("-inf"), s)
+    s = tl.where(s == float("inf"), FLOAT_MAX, s)
+    return s, valid
+
+
+@triton.jit
+def _order_key(s):
+    """An int64 that sorts as the float32 ``s`` does (+0 and -0 equal)."""
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return tl.where(s == 0.0, 0, key).to(tl.int64)
+
+
+@triton.jit
+def _mix32(x):
+    """MurmurHash3's 32-bit finalizer on int64 values below 2**32 (``engine.sampling._mix32``)."""
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _noise(offs, key_lo, key_hi):
+    """``Exp(1)`` noise of tokens ``offs`` for the row's key (``seeded_exponential``)."""
+    x = _mix32((offs.to(tl.int64) * 0x9E3779B1 + key_lo) & 0xFFFFFFFF)
+    x = _mix32(x ^ key_hi)
+    u = ((x >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08  # (0, 1), 24 bits
+    return -tl.log(u)
+
+
+@triton.jit
+def _race_step(s, valid, key, start, cols, floor, above, m, key_lo, key_hi, best, best_i, best_key):
+    """Fold the block at ``start`` into the race over the tokens with ``key >= floor`` and
+    ``key > above``: the largest ``exp(s - m) / q``, the first of a tie."""
+    q = tl.maximum(_noise(start + cols, key_lo, key_hi), 1.1754943508222875e-38)
+    ratio = tl.where(valid & (key >= floor) & (key > above), tl.exp(s - m) / q, -1.0)
+    block_best = tl.max(ratio, axis=0)
+    at = tl.argmax(ratio, axis=0)
+    better = block_best > best
+    best_i = tl.where(better, start + at.to(tl.int64), best_i)
+    best_key = tl.where(better, tl.sum(tl.where(cols == at, key, 0), axis=0), best_key)
+    best = tl.maximum(block_best, best)
+    return best, best_i, best_key
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,  # [rows, vocab]
+    row_stride,
+    vocab,
+    table_ptr,  # int64 [n, TABLE_COLUMNS]
+    out_ptr,  # int64 [rows]: out[row] = its token
+    BLOCK: tl.constexpr,
+    BINS: tl.constexpr,
+):
+    entry = table_ptr + tl.program_id(0) * 5
+    row = tl.load(entry)
+    top_k = tl.load(entry + 1)
+    temperature = tl.load(entry + 2).to(tl.int32).to(tl.float32, bitcast=True)
+    top_p = tl.load(entry + 3).to(tl.int32).to(tl.float32, bitcast=True)
+    seed_key = tl.load(entry + 4)
+    key_lo = seed_key & 0xFFFFFFFF
+    key_hi = (seed_key >> 32) & 0xFFFFFFFF
+    row_ptr = logits_ptr + row * row_stride
+    cols = tl.arange(0, BLOCK)
+
+    # 1. the largest score, the sum of exp(score - m) (rescaled as m grows), the keys' range
+    m = tl.full((), float("-inf"), tl.float32)
+    z = tl.full((), 0.0, tl.float32)
+    lo = tl.full((), 2**62, tl.int64)
+    hi = tl.full((), -(2**62), tl.int64)
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        s, valid = _scores(row_ptr, offs, vocab, temperature)
+        key = _order_key(s)
+        lo = tl.minimum(lo, tl.min(tl.where(valid, key, 2**62), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(valid, key, -(2**62)), axis=0))
+        new_m = tl.maximum(m, tl.max(s, axis=0))
+        safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+        z = z * tl.exp(m - safe) + tl.sum(tl.exp(s - safe), axis=0)
+        m = new_m
+    m = tl.where(m == float("-inf"), 0.0, m)
+
+    # 2. top_k: the k-th largest key, bucket by bucket from the top of the range
+    floor = lo
+    mass = z
+    if top_k > 0:
+        top = hi
+        above = tl.full((), 0, tl.int32)  # tokens with a key past `top`
+        bins = tl.arange(0, BINS)
+        while floor < top:
+            width = (top - floor) // BINS + 1
+            counts = tl.zeros([BINS], tl.int32)
+            for start in range(0, vocab, BLOCK):
+                offs = start + cols
+                s, valid = _scores(row_ptr, offs, vocab, temperature)
+                key = _order_key(s)
+                inside = valid & (key >= floor) & (key <= top)
+                bucket = tl.where(inside, (key - floor) // width, 0).to(tl.int32)
+                counts += tl.histogram(bucket, BINS, mask=inside)
+            # the highest bucket whose tokens and those above it reach top_k holds the k-th
+            reach = above + tl.cumsum(counts, axis=0, reverse=True)
+            b = tl.max(tl.where(reach >= top_k, bins, 0), axis=0)
+            above += tl.sum(tl.where(bins > b, counts, 0), axis=0)
+            floor = floor + b.to(tl.int64) * width
+            top = tl.minimum(top, floor + width - 1)
+        if top_p < 1.0:
+            mass = tl.full((), 0.0, tl.float32)
+            for start in range(0, vocab, BLOCK):
+                offs = start + cols
+                s, valid = _scores(row_ptr, offs, vocab, temperature)
+                key = _order_key(s)
+                mass += tl.sum(tl.where(valid & (key >= floor), tl.exp(s - m), 0.0), axis=0)
+
+    # 3. the race over the kept tokens
+    best = tl.full((), -2.0, tl.float32)
+    best_i = tl.full((), 0, tl.int64)
+    best_key = tl.full((), 0, tl.int64)
+    below = lo - 1  # race over every key above this one
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        s, valid = _scores(row_ptr, offs, vocab, temperature)
+        best, best_i, best_key = _race_step(
+            s, valid, _order_key(s), start, cols, floor, below, m, key_lo, key_hi, best, best_i,
+            best_key,
+        )  # fmt: skip
+
+    # 4. top_p: is the winner in the nucleus? If not, race over the tokens above it (same noise)
+    if top_p < 1.0:
+        limit = top_p * mass
+        checking = tl.full((), 1, tl.int32)
+        while checking != 0:
+            above_mass = tl.full((), 0.0, tl.float32)
+            nxt = tl.full((), -2.0, tl.float32)
+            nxt_i = best_i
+            nxt_key = best_key
+            for start in range(0, vocab, BLOCK):
+                offs = start + cols
+                s, valid = _scores(row_ptr, offs, vocab, temperature)
+                key = _order_key(s)
+                over = valid & (key >= floor) & (key > best_key)
+                above_mass += tl.sum(tl.where(over, tl.exp(s - m), 0.0), axis=0)
+                nxt, nxt_i, nxt_key = _race_step(
+                    s, valid, key, start, cols, floor, best_key, m, key_lo, key_hi, nxt, nxt_i,
+                    nxt_key,
+                )  # fmt: skip
+            # (a winner with no token above it ends the search whatever the masses say: a
+            # top_p that rounds to 0 in float32, a row of -inf)
+            inside = (above_mass < limit) | (nxt < 0.0)
+            checking = tl.where(inside, 0, 1)
+            best_i = tl.where(inside, best_i, nxt_i)
+            best_key = tl.where(inside, best_key, nxt_key)
+    tl.store(out_ptr + row, best_i)
+
+
+def sample_table(logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
+    """Write into ``out[row]`` the token of each row the ``table`` lists (``TABLE_COLUMNS``).
+
+    ``logits`` ``[rows, vocab]`` (unit stride over the vocabulary), ``table`` int64 ``[n,
+    TABLE_COLUMNS]`` on the same device (its top_k 0 or in [1, vocab), its temperature > 0,
+    its top_p in (0, 1]), ``out`` int64 ``[rows]``. No host sync."""
+    fn = "sample_table"
+    check_tensor(fn, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_tensor(fn, "table", table, ndim=2, dtypes=(torch.int64,), device=logits.device,
+                 contiguous=True)  # fmt: skip
+    check_tensor(fn, "out", out, ndim=1, dtypes=(torch.int64,), device=logits.device)
+    if table.shape[1] != TABLE_COLUMNS:
+        raise ValueError(
+            f"{fn}: table must have {TABLE_COLUMNS} columns (row, top_k, temperature bits, "
+            f"top_p bits, key), got shape {tuple(table.shape)}"
+        )
+    if out.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"{fn}: out must have one entry per row of logits ({logits.shape[0]}), got "
+            f"{out.shape[0]}"
+        )
+    if table.shape[0] == 0:
+        return
+    block = min(BLOCK, next_power_of_2(logits.shape[1]))
+    _sample_kernel[(table.shape[0],)](
+        logits, logits.stride(0), logits.shape[1], table, out, BLOCK=block, BINS=BINS,
+        num_warps=8,
+    )  # fmt: skip
