@@ -1,9 +1,11 @@
 """Compile the LoRA kernels that mask B and y by rank for an H100/H200 (sm_90) and count their
-16-bit global loads: run with ``TRITON_INTERPRET=0`` (``test_vector_loads.py`` does).
+16-bit global loads, and the fused sampler and count its spills: run with
+``TRITON_INTERPRET=0`` (``test_vector_loads.py`` does).
 
 Triton compiles to PTX and a cubin without a GPU (its wheel carries ptxas), so which loads
-become 16-byte vectors can be checked on any machine. Prints one JSON object: case ->
-number of ``ld.global`` instructions that move 16-bit elements one at a time.
+become 16-byte vectors, and whether a kernel compiles at all, can be checked on any machine.
+Prints one JSON object: case -> number of ``ld.global`` instructions that move 16-bit
+elements one at a time, or bytes of spill stores.
 """
 
 from __future__ import annotations
@@ -11,23 +13,30 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loraplane.worker.kernels import expand, rope, stacked
+from loraplane.worker.kernels import expand, rope, sampling, stacked
 
 SCALAR_16BIT = re.compile(r"ld\.global(?:\.[a-z0-9_]+)*\.b16\b")
 
 
-def scalar_loads(
-    kernel: Any, types: dict[str, str], consts: dict[str, Any], div16: set[str]
-) -> int:
-    """16-bit element loads in ``kernel``'s PTX for sm_90. ``types``: Triton types of the
-    runtime arguments; ``div16``: the arguments Triton may assume divisible by 16 (as it
-    specializes pointers and ints that are at launch)."""
+def compile_sm90(
+    kernel: Any,
+    types: dict[str, str],
+    consts: dict[str, Any],
+    div16: set[str],
+    num_warps: int = 4,
+) -> Any:
+    """``kernel`` compiled for sm_90. ``types``: Triton types of the runtime arguments;
+    ``div16``: the arguments Triton may assume divisible by 16 (as it specializes pointers
+    and ints that are at launch)."""
     names = list(inspect.signature(kernel.fn).parameters)
     signature = {n: types.get(n, "constexpr") for n in names}
     src = ASTSource(
@@ -36,8 +45,31 @@ def scalar_loads(
         constexprs={(names.index(k),): v for k, v in consts.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    options = {"num_warps": num_warps}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def scalar_loads(
+    kernel: Any, types: dict[str, str], consts: dict[str, Any], div16: set[str]
+) -> int:
+    """16-bit element loads in ``kernel``'s PTX for sm_90 (``compile_sm90``)."""
+    compiled = compile_sm90(kernel, types, consts, div16)
     return len(SCALAR_16BIT.findall(compiled.asm["ptx"]))
+
+
+def spill_bytes(ptx: str) -> int:
+    """Bytes of register spill stores ptxas reports for ``ptx`` (the ptxas in Triton's wheel)."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        done = subprocess.run(
+            [str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr))
 
 
 def _types(pointers: dict[str, str], ints: tuple[str, ...]) -> dict[str, str]:
@@ -142,5 +174,29 @@ def rope_cases() -> dict[str, int]:
     return out
 
 
+def sampler_cases() -> dict[str, int]:
+    """The fused sampler, compiled as ``sample_table`` launches it, per logits dtype: the
+    bytes it spills (it must compile: the interpreter accepts what the compiler refuses)."""
+    cases = {}
+    for dtype in ("bf16", "fp16", "fp32"):
+        types = {
+            "logits_ptr": f"*{dtype}",
+            "table_ptr": "*i64",
+            "out_ptr": "*i64",
+            "row_stride": "i64",
+            "vocab": "i32",
+        }
+        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS}
+        compiled = compile_sm90(
+            sampling._sample_kernel,
+            types,
+            consts,
+            {"logits_ptr", "table_ptr", "out_ptr"},
+            num_warps=sampling.NUM_WARPS,
+        )
+        cases[f"sampler_{dtype}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
+    return cases
+
+
 if __name__ == "__main__":
-    print(json.dumps(expand_cases() | stacked_cases() | rope_cases()))
+    print(json.dumps(expand_cases() | stacked_cases() | rope_cases() | sampler_cases()))
