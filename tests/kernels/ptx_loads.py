@@ -186,12 +186,12 @@ def sampler_cases() -> dict[str, int]:
             "row_stride": "i64",
             "vocab": "i32",
         }
-        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS}
+        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "MAX_ROUNDS": sampling.MAX_ROUNDS}
         compiled = compile_sm90(
             sampling._sample_kernel,
             types,
             consts,
-            {"logits_ptr", "table_ptr", "out_ptr"},
+            {"logits_ptr", "table_ptr", "out_ptr", "row_stride", "vocab"},  # (real vocabularies)
             num_warps=sampling.NUM_WARPS,
         )
         cases[f"sampler_{dtype}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])

@@ -150,3 +150,18 @@ def test_the_table_is_checked() -> None:
         fused.sample_table(logits, torch.tensor([row], device=DEVICE), out[:1])
     with pytest.raises(ValueError, match="sampler must be one of"):
         sample_rows(logits, [SamplingParams(seed=1)] * 2, [0, 0], "cuda")
+
+
+def test_past_the_round_cap_a_row_takes_its_best_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no nucleus check allowed (``MAX_ROUNDS`` 0) a top_p row takes its best token,
+    which is in every nucleus; rows without a top_p still draw."""
+    monkeypatch.setattr(fused, "MAX_ROUNDS", 0)
+    logits = _logits(4, 300, seed=9).to(DEVICE)
+    best = logits.max(-1).values
+    for i in range(3):
+        params = [SamplingParams(temperature=1.5, top_p=0.9, seed=i)] * 4
+        got = torch.tensor(sample_rows(logits, params, [i] * 4, "triton"), device=DEVICE)
+        assert torch.equal(logits.gather(1, got[:, None])[:, 0], best)  # (row 3: a tie of ten)
+    free = [SamplingParams(temperature=5.0, seed=i) for i in range(4)]
+    got = torch.tensor(sample_rows(logits, free, [0] * 4, "triton"), device=DEVICE)
+    assert not torch.equal(logits.gather(1, got[:, None])[:, 0], best)

@@ -3,25 +3,28 @@
 ``engine.sampling``'s torch path is about 40 launches a step (a ``topk`` of 1024 candidates,
 softmaxes, cumsums, a sort when a nucleus runs past the candidates). On an H200 at bs 128 and
 a 128k vocabulary it took 0.65-0.83 ms a step for top_p / top_k rows (session 22). Here one
-program samples one row, in a few passes over its logits, and keeps nothing but scalars
-between them:
+program samples one row, in a few passes over its logits. Each thread keeps its own running
+values across a pass (a max, a sum, a best ratio per lane); the lanes are combined once, at
+the end of the pass, so the loop carries no reduction across warps:
 
 1. the row's largest score ``m`` (score: ``logits / temperature``, NaN as -inf, +inf as the
-   largest float, as the torch path has them), the sum ``z`` of ``exp(score - m)``, and the
-   range of its scores' order keys (a float's bits as an int that sorts as the float does);
+   largest float, as the torch path has them) and the range of its scores' order keys (a
+   float's bits as an int that sorts as the float does);
 2. with a top_k: the k-th largest score, by a radix search over the keys (a histogram of
-   ``BINS`` buckets a pass, four passes for 32-bit keys at most), and the mass ``z_k`` of the
-   tokens at or above it (every token tied with the k-th is kept, as in the torch path);
+   ``BINS`` buckets a pass, four passes for 32-bit keys at most); every token tied with the
+   k-th is kept, as in the torch path;
 3. the exponential race ``argmax(exp(score - m) / q)`` over the kept tokens, ``q ~ Exp(1)``
    hashed from the row's key and the token id (``engine.sampling.seeded_exponential``'s
-   hash), which draws token ``t`` with probability ``p[t]``;
+   hash), which draws token ``t`` with probability ``p[t]``. The same pass sums the kept
+   tokens' ``exp(score - m)``: ``z``, the softmax's denominator over them;
 4. with a top_p: the winner is checked against the nucleus. A token is in it when the mass of
-   the kept tokens scoring strictly above it is below ``top_p * z_k``. If the winner is not,
-   no token at or below it is either: the next pass races over the tokens above it, with the
-   same noise, and checks its winner in the same pass. The noise being the same, the token
-   that comes out is the race's winner over the nucleus: the torch path's token for the same
-   key, with no sort and no threshold search. Most rows of a language model end after one
-   check; each round drops the winner and every token below it.
+   the kept tokens scoring strictly above it is below ``top_p * z``. The next pass races the
+   tokens above the winner and sums their mass: that mass decides whether the winner is in
+   the nucleus; if it is not, no token at or below it is either, and that pass's winner
+   (same noise) is the next to check. The noise being the same, the token that comes out is
+   the race's winner over the nucleus: the torch path's token for the same key, with no sort
+   and no threshold search. Most rows of a language model end after one check; each round
+   drops the winner and every token below it.
 
 Equal to the torch path up to rounding: the same kept sets (ties included), the same noise,
 the same race. Sums run in another order and ``exp`` / ``log`` are the GPU's, so a token on a
@@ -48,6 +51,11 @@ TABLE_COLUMNS = 5
 # Tokens per loop step of a pass, and buckets per radix pass of the top_k search.
 BLOCK = 4096
 BINS = 256
+# Nucleus checks a row may take (each drops the winner and every token below it; a language
+# model's row takes one or two). Past them the row takes its best token: in the nucleus, but
+# not a draw from it. Each miss has at most the probability of the mass outside the nucleus,
+# so no real row gets here; the cap keeps a program from spinning on a bug or a bad value.
+MAX_ROUNDS = 64
 # Warps per program: ptxas (sm_90) gives the kernel 127 registers and no spills at 16 (at
 # 8: 128 and 44 bytes of spills; at 4: 255). Not measured on a GPU yet.
 NUM_WARPS = 16
@@ -92,18 +100,35 @@ def _noise(offs, key_lo, key_hi):
 
 
 @triton.jit
-def _race_step(s, valid, key, start, cols, floor, above, m, key_lo, key_hi, best, best_i, best_key):
-    """Fold the block at ``start`` into the race over the tokens with ``key >= floor`` and
-    ``key > above``: the largest ``exp(s - m) / q``, the first of a tie."""
-    q = tl.maximum(_noise(start + cols, key_lo, key_hi), 1.1754943508222875e-38)
-    ratio = tl.where(valid & (key >= floor) & (key > above), tl.exp(s - m) / q, -1.0)
-    block_best = tl.max(ratio, axis=0)
-    at = tl.argmax(ratio, axis=0)
-    better = block_best > best
-    best_i = tl.where(better, start + at.to(tl.int64), best_i)
-    best_key = tl.where(better, tl.sum(tl.where(cols == at, key, 0), axis=0), best_key)
-    best = tl.maximum(block_best, best)
-    return best, best_i, best_key
+def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
+    """The race over the tokens with ``key >= floor`` and ``key > above``: the winner of
+    ``exp(s - m) / q`` (the first of a tie; -1 if there is no such token) and the mass
+    ``sum(exp(s - m))`` of those tokens. Per lane across the pass, combined at its end."""
+    best = tl.full(cols.shape, -1.0, tl.float32)
+    best_at = tl.zeros(cols.shape, tl.int32)
+    mass = tl.zeros(cols.shape, tl.float32)
+    for start in range(0, vocab, cols.shape[0]):
+        offs = start + cols
+        s, valid = _scores(row_ptr, offs, vocab, temperature)
+        key = _order_key(s)
+        e = tl.where(valid & (key >= floor) & (key > above), tl.exp(s - m), -1.0)
+        q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
+        ratio = tl.where(e >= 0.0, e / q, -1.0)
+        better = ratio > best  # (strictly: a lane keeps the first of its ties)
+        best_at = tl.where(better, offs, best_at)
+        best = tl.where(better, ratio, best)
+        mass += tl.maximum(e, 0.0)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_at, vocab), axis=0)
+    winner = tl.where(top >= 0.0, winner, -1)
+    return winner, tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _key_at(row_ptr, i, vocab, temperature):
+    """The order key of token ``i``'s score."""
+    s, _ = _scores(row_ptr, i, vocab, temperature)
+    return _order_key(s)
 
 
 @triton.jit
@@ -115,6 +140,7 @@ def _sample_kernel(
     out_ptr,  # int64 [rows]: out[row] = its token
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
+    MAX_ROUNDS: tl.constexpr,
 ):
     entry = table_ptr + tl.program_id(0) * 5
     row = tl.load(entry)
@@ -127,26 +153,24 @@ def _sample_kernel(
     row_ptr = logits_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
 
-    # 1. the largest score, the sum of exp(score - m) (rescaled as m grows), the keys' range
-    m = tl.full((), float("-inf"), tl.float32)
-    z = tl.full((), 0.0, tl.float32)
-    lo = tl.full((), 2**62, tl.int64)
-    hi = tl.full((), -(2**62), tl.int64)
+    # 1. the largest score and the keys' range
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lo = tl.full((BLOCK,), 2**62, tl.int64)
+    hi = tl.full((BLOCK,), -(2**62), tl.int64)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         s, valid = _scores(row_ptr, offs, vocab, temperature)
         key = _order_key(s)
-        lo = tl.minimum(lo, tl.min(tl.where(valid, key, 2**62), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(valid, key, -(2**62)), axis=0))
-        new_m = tl.maximum(m, tl.max(s, axis=0))
-        safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-        z = z * tl.exp(m - safe) + tl.sum(tl.exp(s - safe), axis=0)
-        m = new_m
+        m = tl.maximum(m, s)
+        lo = tl.minimum(lo, tl.where(valid, key, 2**62))
+        hi = tl.maximum(hi, tl.where(valid, key, -(2**62)))
+    m = tl.max(m, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)
+    lo = tl.min(lo, axis=0)
+    hi = tl.max(hi, axis=0)
 
     # 2. top_k: the k-th largest key, bucket by bucket from the top of the range
     floor = lo
-    mass = z
     if top_k > 0:
         top = hi
         above = tl.full((), 0, tl.int32)  # tokens with a key past `top`
@@ -167,53 +191,30 @@ def _sample_kernel(
             above += tl.sum(tl.where(bins > b, counts, 0), axis=0)
             floor = floor + b.to(tl.int64) * width
             top = tl.minimum(top, floor + width - 1)
-        if top_p < 1.0:
-            mass = tl.full((), 0.0, tl.float32)
-            for start in range(0, vocab, BLOCK):
-                offs = start + cols
-                s, valid = _scores(row_ptr, offs, vocab, temperature)
-                key = _order_key(s)
-                mass += tl.sum(tl.where(valid & (key >= floor), tl.exp(s - m), 0.0), axis=0)
 
-    # 3. the race over the kept tokens
-    best = tl.full((), -2.0, tl.float32)
-    best_i = tl.full((), 0, tl.int64)
-    best_key = tl.full((), 0, tl.int64)
-    below = lo - 1  # race over every key above this one
-    for start in range(0, vocab, BLOCK):
-        offs = start + cols
-        s, valid = _scores(row_ptr, offs, vocab, temperature)
-        best, best_i, best_key = _race_step(
-            s, valid, _order_key(s), start, cols, floor, below, m, key_lo, key_hi, best, best_i,
-            best_key,
-        )  # fmt: skip
+    # 3. the race over the kept tokens, and their mass
+    best, z = _race(row_ptr, vocab, temperature, cols, floor, lo - 1, m, key_lo, key_hi)
 
-    # 4. top_p: is the winner in the nucleus? If not, race over the tokens above it (same noise)
+    # 4. top_p: is the winner in the nucleus? The race above it says (its mass) and names the
+    # next winner to check if not (same noise). A winner with nothing above it is in it
+    # whatever the masses say (a top_p that rounds to 0 in float32, a row of -inf).
+    # After MAX_ROUNDS misses the row takes its best token, which is always in the nucleus.
     if top_p < 1.0:
-        limit = top_p * mass
+        limit = top_p * z
         checking = tl.full((), 1, tl.int32)
-        while checking != 0:
-            above_mass = tl.full((), 0.0, tl.float32)
-            nxt = tl.full((), -2.0, tl.float32)
-            nxt_i = best_i
-            nxt_key = best_key
-            for start in range(0, vocab, BLOCK):
-                offs = start + cols
-                s, valid = _scores(row_ptr, offs, vocab, temperature)
-                key = _order_key(s)
-                over = valid & (key >= floor) & (key > best_key)
-                above_mass += tl.sum(tl.where(over, tl.exp(s - m), 0.0), axis=0)
-                nxt, nxt_i, nxt_key = _race_step(
-                    s, valid, key, start, cols, floor, best_key, m, key_lo, key_hi, nxt, nxt_i,
-                    nxt_key,
-                )  # fmt: skip
-            # (a winner with no token above it ends the search whatever the masses say: a
-            # top_p that rounds to 0 in float32, a row of -inf)
-            inside = (above_mass < limit) | (nxt < 0.0)
+        rounds = tl.full((), 0, tl.int32)
+        while (checking != 0) & (rounds < MAX_ROUNDS):
+            nxt, above_mass = _race(
+                row_ptr, vocab, temperature, cols, floor, _key_at(row_ptr, best, vocab, temperature),
+                m, key_lo, key_hi,
+            )  # fmt: skip
+            inside = (above_mass < limit) | (nxt < 0)
             checking = tl.where(inside, 0, 1)
-            best_i = tl.where(inside, best_i, nxt_i)
-            best_key = tl.where(inside, best_key, nxt_key)
-    tl.store(out_ptr + row, best_i)
+            best = tl.where(inside, best, nxt)
+            rounds += 1
+        if checking != 0:
+            best, z = _race(row_ptr, vocab, temperature, cols, hi, hi - 1, m, key_lo, key_hi)
+    tl.store(out_ptr + row, best.to(tl.int64))
 
 
 def sample_table(logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
@@ -242,5 +243,5 @@ def sample_table(logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -
     block = min(BLOCK, next_power_of_2(logits.shape[1]))
     _sample_kernel[(table.shape[0],)](
         logits, logits.stride(0), logits.shape[1], table, out, BLOCK=block, BINS=BINS,
-        num_warps=NUM_WARPS,
+        MAX_ROUNDS=MAX_ROUNDS, num_warps=NUM_WARPS,
     )  # fmt: skip
