@@ -246,3 +246,15 @@ def test_a_top_k_past_the_vocabulary_is_no_top_k(path: int) -> None:
     for top_k in (-1, 4, 10):
         got = set(_draws(logits, SamplingParams(top_p=0.85, top_k=top_k), 400))
         assert got == {0, 1, 2, 3}, top_k
+
+
+def test_an_unknown_sampler_is_refused_naming_the_flag() -> None:
+    from loraplane.worker.config import ConfigError
+    from loraplane.worker.server.factory import ServeConfig
+
+    with pytest.raises(
+        ConfigError, match="--sampler 'fast' is not supported; expected one of torch, triton"
+    ):
+        ServeConfig(model="-", sampler="fast")
+    with pytest.raises(SamplingError, match="sampler must be one of"):
+        sample_rows(torch.zeros(1, 4), [SamplingParams(seed=1)], [0], "fast")
