@@ -62,6 +62,28 @@ def test_seeded_tokens_are_the_torch_samplers(block: int, monkeypatch: pytest.Mo
     assert not differ, differ[:5]
 
 
+def test_seeded_tokens_are_the_torch_samplers_past_its_candidates() -> None:
+    """A vocabulary past ``CANDIDATES`` (1024): the torch sampler draws top_k / top_p rows
+    among its best 1024 tokens (and the whole vocabulary when a nucleus runs past them), the
+    kernel over every token; the same tokens either way."""
+    logits = _logits(4, 2100, seed=3).to(DEVICE)
+    logits[3] /= 3  # a flatter row: at temperature 2.5 its nucleus of 0.95 passes 1024 tokens
+    differ = []
+    flat_nucleus = SamplingParams(temperature=2.5, top_p=0.95)  # (row 3's passes 1024)
+    for n, base in enumerate([*SETTINGS[::5], flat_nucleus, SamplingParams(top_p=0.6)]):
+        params = [
+            SamplingParams(temperature=base.temperature, top_k=base.top_k, top_p=base.top_p,
+                           seed=n * 5 + r)
+            for r in range(4)
+        ]  # fmt: skip
+        want = sample_rows(logits, params, [n] * 4, "torch")
+        got = sample_rows(logits, params, [n] * 4, "triton")
+        differ += [
+            (base, r, w, g) for r, (w, g) in enumerate(zip(want, got, strict=True)) if w != g
+        ]
+    assert not differ, differ[:5]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_logits_dtype_and_a_batch_with_greedy_rows(dtype: torch.dtype) -> None:
     """fp16 (and bf16 on a GPU) logits; greedy rows beside sampled ones keep their argmax."""
@@ -100,8 +122,9 @@ def test_odd_logits() -> None:
     ends = torch.full((2, 50), float("-inf"), device=DEVICE)
     ends[1] = torch.arange(50.0, device=DEVICE).flip(0)
     for top_p in (0.5, 1e-50):
-        got = sample_rows(ends, [SamplingParams(top_p=top_p, seed=2)] * 2, [0] * 2, "triton")
-        assert 0 <= got[0] < 50 and got[1] == 0
+        params = [SamplingParams(top_p=top_p, seed=2)] * 2
+        got = sample_rows(ends, params, [0] * 2, "triton")
+        assert got == sample_rows(ends, params, [0] * 2, "torch") and got[1] == 0
     x = torch.zeros(4, 50)
     x[0, 7], x[0, 9] = float("inf"), float("nan")
     x[1, :] = float("-inf")

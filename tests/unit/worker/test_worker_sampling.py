@@ -258,3 +258,19 @@ def test_an_unknown_sampler_is_refused_naming_the_flag() -> None:
         ServeConfig(model="-", sampler="fast")
     with pytest.raises(SamplingError, match="sampler must be one of"):
         sample_rows(torch.zeros(1, 4), [SamplingParams(seed=1)], [0], "fast")
+
+
+def test_the_noise_is_never_zero() -> None:
+    """Every uniform the hash can give lies strictly inside (0, 1) (all 2**23 of them, each
+    with the low bits that round up most), so ``q = -log(u)`` is positive: a ``q`` of 0 lets
+    its token win whatever its probability (24 bits did that for 1 hash value in 2**24)."""
+    x = (torch.arange(2**23, dtype=torch.int64) << 9) | 511
+    u = sampling._uniform(x)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert float((-torch.log(u)).min()) > 0
+    assert torch.equal(u.unique(), u)  # 2**23 distinct values, in order
+
+
+def test_an_idle_groups_empty_step_samples_nothing() -> None:
+    for sampler in sampling.SAMPLERS:
+        assert sample_rows(torch.zeros(0, 10), [], [], sampler) == []

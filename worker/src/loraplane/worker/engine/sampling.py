@@ -99,8 +99,14 @@ def seeded_exponential(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     key = torch.tensor(keys, dtype=torch.int64, device=ids.device)[:, None]
     x = _mix32((ids.long() * 0x9E3779B1 + (key & _M32)) & _M32)
     x = _mix32(x ^ ((key >> 32) & _M32))
-    u = ((x >> 8).float() + 0.5) * 2.0**-24  # uniform in (0, 1), exact in float32
-    return -torch.log(u)
+    return -torch.log(_uniform(x))
+
+
+def _uniform(x: torch.Tensor) -> torch.Tensor:
+    """float32 in (0, 1) from 32-bit hash values, on their top 23 bits: ``k + 0.5`` for
+    ``k < 2**23`` is exact in float32. (With 24 bits, ``2**24 - 0.5`` rounded to ``2**24``:
+    ``u = 1``, ``q = 0``, and that token won whatever its probability.)"""
+    return ((x >> 9).float() + 0.5) * 2.0**-23
 
 
 SAMPLERS = ("torch", "triton")
@@ -165,6 +171,8 @@ def _sample_fused(
 
     vocab = logits.shape[-1]
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not params:  # (an idle DP group's step)
+        return []
     if len(rows) < len(params):
         tokens = logits.argmax(-1)
         if not rows:

@@ -56,8 +56,8 @@ BINS = 256
 # not a draw from it. Each miss has at most the probability of the mass outside the nucleus,
 # so no real row gets here; the cap keeps a program from spinning on a bug or a bad value.
 MAX_ROUNDS = 64
-# Warps per program: ptxas (sm_90) gives the kernel 127 registers and no spills at 16 (at
-# 8: 128 and 44 bytes of spills; at 4: 255). Not measured on a GPU yet.
+# Warps per program: ptxas (sm_90) gives the kernel 107-111 registers and no spills at 16
+# (178 at 8, 255 at 4).
 NUM_WARPS = 16
 FLOAT_MAX = tl.constexpr(3.4028234663852886e38)
 
@@ -95,7 +95,7 @@ def _noise(offs, key_lo, key_hi):
     """``Exp(1)`` noise of tokens ``offs`` for the row's key (``seeded_exponential``)."""
     x = _mix32((offs.to(tl.int64) * 0x9E3779B1 + key_lo) & 0xFFFFFFFF)
     x = _mix32(x ^ key_hi)
-    u = ((x >> 8).to(tl.float32) + 0.5) * 5.960464477539063e-08  # (0, 1), 24 bits
+    u = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1), 23 bits, exact
     return -tl.log(u)
 
 
