@@ -186,7 +186,8 @@ def sampler_cases() -> dict[str, int]:
             "row_stride": "i64",
             "vocab": "i32",
         }
-        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "MAX_ROUNDS": sampling.MAX_ROUNDS}
+        types["max_rounds"] = "i32"
+        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS}
         compiled = compile_sm90(
             sampling._sample_kernel,
             types,

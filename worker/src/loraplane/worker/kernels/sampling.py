@@ -138,9 +138,9 @@ def _sample_kernel(
     vocab,
     table_ptr,  # int64 [n, TABLE_COLUMNS]
     out_ptr,  # int64 [rows]: out[row] = its token
+    max_rounds,  # (a runtime value: a constant 0 made Triton 3.6's coalesce pass fail)
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
-    MAX_ROUNDS: tl.constexpr,
 ):
     entry = table_ptr + tl.program_id(0) * 5
     row = tl.load(entry)
@@ -203,7 +203,7 @@ def _sample_kernel(
         limit = top_p * z
         checking = tl.full((), 1, tl.int32)
         rounds = tl.full((), 0, tl.int32)
-        while (checking != 0) & (rounds < MAX_ROUNDS):
+        while (checking != 0) & (rounds < max_rounds):
             nxt, above_mass = _race(
                 row_ptr, vocab, temperature, cols, floor, _key_at(row_ptr, best, vocab, temperature),
                 m, key_lo, key_hi,
@@ -242,6 +242,6 @@ def sample_table(logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -
         return
     block = min(BLOCK, next_power_of_2(logits.shape[1]))
     _sample_kernel[(table.shape[0],)](
-        logits, logits.stride(0), logits.shape[1], table, out, BLOCK=block, BINS=BINS,
-        MAX_ROUNDS=MAX_ROUNDS, num_warps=NUM_WARPS,
+        logits, logits.stride(0), logits.shape[1], table, out, MAX_ROUNDS, BLOCK=block,
+        BINS=BINS, num_warps=NUM_WARPS,
     )  # fmt: skip
