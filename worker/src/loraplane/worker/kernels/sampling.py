@@ -84,16 +84,18 @@ def _order_key(s):
 
 @triton.jit
 def _mix32(x):
-    """MurmurHash3's 32-bit finalizer on int64 values below 2**32 (``engine.sampling._mix32``)."""
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & 0xFFFFFFFF
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & 0xFFFFFFFF
+    """MurmurHash3's 32-bit finalizer on uint32 values (``engine.sampling._mix32``, which
+    computes it in int64 and masks: the same low 32 bits)."""
+    x = (x ^ (x >> 16)) * 0x85EBCA6B
+    x = (x ^ (x >> 13)) * 0xC2B2AE35
     return x ^ (x >> 16)
 
 
 @triton.jit
 def _noise(offs, key_lo, key_hi):
-    """``Exp(1)`` noise of tokens ``offs`` for the row's key (``seeded_exponential``)."""
-    x = _mix32((offs.to(tl.int64) * 0x9E3779B1 + key_lo) & 0xFFFFFFFF)
+    """``Exp(1)`` noise of tokens ``offs`` for the row's key (``seeded_exponential``), in
+    uint32 arithmetic (it wraps as the reference's masks do)."""
+    x = _mix32(offs.to(tl.uint32) * 0x9E3779B1 + key_lo)
     x = _mix32(x ^ key_hi)
     u = ((x >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1), 23 bits, exact
     return -tl.log(u)
@@ -148,8 +150,8 @@ def _sample_kernel(
     temperature = tl.load(entry + 2).to(tl.int32).to(tl.float32, bitcast=True)
     top_p = tl.load(entry + 3).to(tl.int32).to(tl.float32, bitcast=True)
     seed_key = tl.load(entry + 4)
-    key_lo = seed_key & 0xFFFFFFFF
-    key_hi = (seed_key >> 32) & 0xFFFFFFFF
+    key_lo = (seed_key & 0xFFFFFFFF).to(tl.uint32)
+    key_hi = ((seed_key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     row_ptr = logits_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
 
@@ -176,14 +178,19 @@ def _sample_kernel(
         above = tl.full((), 0, tl.int32)  # tokens with a key past `top`
         bins = tl.arange(0, BINS)
         while floor < top:
-            width = (top - floor) // BINS + 1
+            # buckets 2**shift keys wide, the fewest bits that put the range in BINS of them
+            # (a shift: an int64 division per token made these passes 3x slower on an H200)
+            shift = tl.full((), 0, tl.int64)
+            while ((top - floor) >> shift) >= BINS:
+                shift += 1
+            width = tl.full((), 1, tl.int64) << shift
             counts = tl.zeros([BINS], tl.int32)
             for start in range(0, vocab, BLOCK):
                 offs = start + cols
                 s, valid = _scores(row_ptr, offs, vocab, temperature)
                 key = _order_key(s)
                 inside = valid & (key >= floor) & (key <= top)
-                bucket = tl.where(inside, (key - floor) // width, 0).to(tl.int32)
+                bucket = tl.where(inside, (key - floor) >> shift, 0).to(tl.int32)
                 counts += tl.histogram(bucket, BINS, mask=inside)
             # the highest bucket whose tokens and those above it reach top_k holds the k-th
             reach = above + tl.cumsum(counts, axis=0, reverse=True)
