@@ -253,7 +253,7 @@ def test_an_unknown_sampler_is_refused_naming_the_flag() -> None:
     from loraplane.worker.server.factory import ServeConfig
 
     with pytest.raises(
-        ConfigError, match="--sampler 'fast' is not supported; expected one of torch, triton"
+        ConfigError, match="--sampler 'fast' is not supported; expected one of auto, torch, triton"
     ):
         ServeConfig(model="-", sampler="fast")
     with pytest.raises(SamplingError, match="sampler must be one of"):
@@ -274,3 +274,18 @@ def test_the_noise_is_never_zero() -> None:
 def test_an_idle_groups_empty_step_samples_nothing() -> None:
     for sampler in sampling.SAMPLERS:
         assert sample_rows(torch.zeros(0, 10), [], [], sampler) == []
+
+
+def test_auto_samples_with_torch_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` (the default) takes the fused sampler only where the logits are on a GPU: on
+    a CPU it would run Triton's interpreter."""
+
+    def fused(*args: object) -> list[int]:
+        raise AssertionError("the fused sampler ran on a CPU")
+
+    monkeypatch.setattr(sampling, "_sample_fused", fused)
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(top_p=0.9, seed=1), SamplingParams(top_k=5, seed=2)]
+    assert sample_rows(logits, params, [0, 0]) == sample_rows(logits, params, [0, 0], "torch")
+    with pytest.raises(AssertionError, match="fused sampler ran"):
+        sample_rows(logits, params, [0, 0], "triton")

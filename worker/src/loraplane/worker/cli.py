@@ -251,11 +251,11 @@ def serve_cmd(
     sampler: Annotated[
         str,
         typer.Option(
-            help="How sampled requests pick their tokens: torch (torch ops on the device) | "
-            "triton (one fused launch a step, equal up to rounding; on a CPU it runs Triton's "
-            "interpreter, which is slow)"
+            help="How sampled requests pick their tokens: auto (triton on a GPU, torch on a "
+            "CPU) | triton (one fused launch a step) | torch (torch ops on the device; the "
+            "same tokens for a seed, up to rounding)"
         ),
-    ] = "torch",
+    ] = "auto",
     allowed_lora_root: Annotated[
         list[str], typer.Option(help="Adapter paths must lie under one of these; repeat")
     ] = [],  # noqa: B006

@@ -46,7 +46,7 @@ class StepResult:
     tokens: list[int]
 
 
-def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "torch") -> StepResult:
+def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto") -> StepResult:
     """``StepResult`` of a group's last-token ``logits`` ``[len(work), vocab]``, by ``sampler``
     (``sampling.SAMPLERS``)."""
     return StepResult(

@@ -33,7 +33,7 @@ class RunnerConfig:
     cuda_graphs: bool = True
     graph_max_batch: int | None = None  # the largest decode batch with a graph; None: max_seqs
     # How a step's tokens are picked from its logits: engine.sampling.SAMPLERS.
-    sampler: str = "torch"
+    sampler: str = "auto"
 
 
 class ModelRunner:

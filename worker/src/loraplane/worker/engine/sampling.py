@@ -109,9 +109,11 @@ def _uniform(x: torch.Tensor) -> torch.Tensor:
     return ((x >> 9).float() + 0.5) * 2.0**-23
 
 
-SAMPLERS = ("torch", "triton")
+# ``auto``: ``triton`` where the logits are on a GPU, ``torch`` elsewhere (on a CPU the fused
+# sampler runs Triton's interpreter).
+SAMPLERS = ("auto", "torch", "triton")
 # The sampler of a ``sample_rows`` call that names none.
-SAMPLER = "torch"
+SAMPLER = "auto"
 
 
 def sample_rows(
@@ -137,9 +139,12 @@ def sample_rows(
 
     ``sampler``: ``torch`` (the steps above as torch ops) or ``triton`` (the same in one
     launch, ``kernels.sampling``: equal up to rounding, an unseeded row's ``q`` hashed from a
-    random key); None: ``SAMPLER``. On a CPU, ``triton`` runs Triton's interpreter.
+    random key); ``auto``: ``triton`` on a GPU, ``torch`` elsewhere; None: ``SAMPLER``. On a
+    CPU, ``triton`` runs Triton's interpreter.
     """
     sampler = sampler or SAMPLER
+    if sampler == "auto":
+        sampler = "triton" if logits.is_cuda else "torch"
     if sampler == "triton":
         return _sample_fused(logits, params, indices)
     if sampler != "torch":

@@ -23,7 +23,7 @@ class ServeConfig:
     max_lora_rank: int = 64
     stage_slots: int | None = None  # None: the model's default (lora.stage.default_positions)
     lora_backend: str = "triton"
-    sampler: str = "torch"  # engine.sampling.SAMPLERS
+    sampler: str = "auto"  # engine.sampling.SAMPLERS
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
     max_running: int = 32
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
