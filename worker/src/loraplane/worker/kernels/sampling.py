@@ -127,6 +127,43 @@ def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
 
 
 @triton.jit
+def _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi):
+    """``_race`` over every token of a row whose largest score is not known yet (no top_k:
+    no first pass for it). Each lane keeps its own running max and rescales its best ratio
+    and mass when the max grows (as an online softmax does); the lanes are put on the row's
+    max at the end. Returns the winner, the mass, the row's max and its largest key."""
+    m = tl.full(cols.shape, float("-inf"), tl.float32)
+    best = tl.full(cols.shape, -1.0, tl.float32)
+    best_at = tl.zeros(cols.shape, tl.int32)
+    mass = tl.zeros(cols.shape, tl.float32)
+    hi = tl.full(cols.shape, -(2**62), tl.int64)
+    for start in range(0, vocab, cols.shape[0]):
+        offs = start + cols
+        s, valid = _scores(row_ptr, offs, vocab, temperature)
+        hi = tl.maximum(hi, tl.where(valid, _order_key(s), -(2**62)))
+        new_m = tl.maximum(m, s)
+        safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+        scale = tl.exp(m - safe)
+        best = tl.where(best >= 0.0, best * scale, best)
+        mass = mass * scale
+        e = tl.where(valid, tl.exp(s - safe), -1.0)
+        q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
+        ratio = tl.where(e >= 0.0, e / q, -1.0)
+        better = ratio > best  # (strictly: a lane keeps the first of its ties)
+        best_at = tl.where(better, offs, best_at)
+        best = tl.where(better, ratio, best)
+        mass += tl.maximum(e, 0.0)
+        m = new_m
+    row_m = tl.max(m, axis=0)
+    row_m = tl.where(row_m == float("-inf"), 0.0, row_m)
+    lane = tl.exp(tl.where(m == float("-inf"), row_m, m) - row_m)
+    best = tl.where(best >= 0.0, best * lane, best)
+    top = tl.max(best, axis=0)
+    winner = tl.min(tl.where(best == top, best_at, vocab), axis=0)
+    return winner, tl.sum(mass * lane, axis=0), row_m, tl.max(hi, axis=0)
+
+
+@triton.jit
 def _key_at(row_ptr, i, vocab, temperature):
     """The order key of token ``i``'s score."""
     s, _ = _scores(row_ptr, i, vocab, temperature)
@@ -155,25 +192,25 @@ def _sample_kernel(
     row_ptr = logits_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
 
-    # 1. the largest score and the keys' range
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    lo = tl.full((BLOCK,), 2**62, tl.int64)
-    hi = tl.full((BLOCK,), -(2**62), tl.int64)
-    for start in range(0, vocab, BLOCK):
-        offs = start + cols
-        s, valid = _scores(row_ptr, offs, vocab, temperature)
-        key = _order_key(s)
-        m = tl.maximum(m, s)
-        lo = tl.minimum(lo, tl.where(valid, key, 2**62))
-        hi = tl.maximum(hi, tl.where(valid, key, -(2**62)))
-    m = tl.max(m, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    lo = tl.min(lo, axis=0)
-    hi = tl.max(hi, axis=0)
-
-    # 2. top_k: the k-th largest key, bucket by bucket from the top of the range
-    floor = lo
+    floor = tl.full((), -(2**62), tl.int64)  # every key
     if top_k > 0:
+        # 1. the largest score and the keys' range
+        m = tl.full((BLOCK,), float("-inf"), tl.float32)
+        lo = tl.full((BLOCK,), 2**62, tl.int64)
+        hi = tl.full((BLOCK,), -(2**62), tl.int64)
+        for start in range(0, vocab, BLOCK):
+            offs = start + cols
+            s, valid = _scores(row_ptr, offs, vocab, temperature)
+            key = _order_key(s)
+            m = tl.maximum(m, s)
+            lo = tl.minimum(lo, tl.where(valid, key, 2**62))
+            hi = tl.maximum(hi, tl.where(valid, key, -(2**62)))
+        m = tl.max(m, axis=0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        floor = tl.min(lo, axis=0)
+        hi = tl.max(hi, axis=0)
+
+        # 2. the k-th largest key, bucket by bucket from the top of the range
         top = hi
         above = tl.full((), 0, tl.int32)  # tokens with a key past `top`
         bins = tl.arange(0, BINS)
@@ -199,8 +236,11 @@ def _sample_kernel(
             floor = floor + b.to(tl.int64) * width
             top = tl.minimum(top, floor + width - 1)
 
-    # 3. the race over the kept tokens, and their mass
-    best, z = _race(row_ptr, vocab, temperature, cols, floor, lo - 1, m, key_lo, key_hi)
+        # 3. the race over the kept tokens, and their mass
+        best, z = _race(row_ptr, vocab, temperature, cols, floor, floor - 1, m, key_lo, key_hi)
+    else:
+        # 1 and 3 in one pass: every token is kept
+        best, z, m, hi = _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi)
 
     # 4. top_p: is the winner in the nucleus? The race above it says (its mass) and names the
     # next winner to check if not (same noise). A winner with nothing above it is in it
