@@ -7,16 +7,18 @@ program samples one row, in a few passes over its logits. Each thread keeps its 
 values across a pass (a max, a sum, a best ratio per lane); the lanes are combined once, at
 the end of the pass, so the loop carries no reduction across warps:
 
-1. the row's largest score ``m`` (score: ``logits / temperature``, NaN as -inf, +inf as the
-   largest float, as the torch path has them) and the range of its scores' order keys (a
-   float's bits as an int that sorts as the float does);
+1. with a top_k: the row's largest score ``m`` (score: ``logits / temperature``, NaN as
+   -inf, +inf as the largest float, as the torch path has them) and the range of its
+   scores' order keys (a float's bits as an int that sorts as the float does);
 2. with a top_k: the k-th largest score, by a radix search over the keys (a histogram of
    ``BINS`` buckets a pass, four passes for 32-bit keys at most); every token tied with the
    k-th is kept, as in the torch path;
 3. the exponential race ``argmax(exp(score - m) / q)`` over the kept tokens, ``q ~ Exp(1)``
    hashed from the row's key and the token id (``engine.sampling.seeded_exponential``'s
    hash), which draws token ``t`` with probability ``p[t]``. The same pass sums the kept
-   tokens' ``exp(score - m)``: ``z``, the softmax's denominator over them;
+   tokens' ``exp(score - m)``: ``z``, the softmax's denominator over them. Without a top_k
+   this is the row's first pass: each lane keeps a running max and rescales its best ratio
+   and its sum when the max grows (``_race_online``);
 4. with a top_p: the winner is checked against the nucleus. A token is in it when the mass of
    the kept tokens scoring strictly above it is below ``top_p * z``. The next pass races the
    tokens above the winner and sums their mass: that mass decides whether the winner is in
@@ -56,7 +58,7 @@ BINS = 256
 # not a draw from it. Each miss has at most the probability of the mass outside the nucleus,
 # so no real row gets here; the cap keeps a program from spinning on a bug or a bad value.
 MAX_ROUNDS = 64
-# Warps per program: ptxas (sm_90) gives the kernel 107-111 registers and no spills at 16
+# Warps per program: ptxas (sm_90) gives the kernel 104-114 registers and no spills at 16
 # (178 at 8, 255 at 4).
 NUM_WARPS = 16
 FLOAT_MAX = tl.constexpr(3.4028234663852886e38)
