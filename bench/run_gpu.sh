@@ -6,25 +6,7 @@
 # Writes $OUT/kernels.json, $OUT/decode_dense.json, $OUT/decode_moe.json, $OUT/run.log and
 # prints a short table last. Each step is time-capped and guarded: one failure keeps the rest;
 # every JSON is rewritten after each measured row, so a timeout keeps what was done.
-set -u
-OUT="${OUT:-bench/results/latest}"
-mkdir -p "$OUT"
-export PYTHONPATH="worker/src:controlplane/src:operator/src${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_INTERPRET=0
-export LORAPLANE_COMMIT="${LORAPLANE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-PY="${PYTHON:-python3}"
-LOG="$OUT/run.log"
-: > "$LOG"
-T0=$(date +%s)
-step() {  # step NAME SECONDS CMD...
-  local name="$1" secs="$2"; shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then
-    echo "=== $name skipped (ONLY=$ONLY)" | tee -a "$LOG"; return 0
-  fi
-  echo "=== $name (cap ${secs}s, t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
-  timeout --signal=TERM --kill-after=15 "$secs" "$@" >>"$LOG" 2>&1
-  echo "=== $name rc=$? (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
-}
+. "$(dirname "$0")/gpu_env.sh"
 for name in ${ONLY:-}; do
   case " kernels decode_dense decode_moe " in
     *" $name "*) ;;

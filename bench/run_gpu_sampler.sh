@@ -8,21 +8,7 @@
 # 3. dense decode with chat sampling, torch then triton (graphs, 8 layers, one adapter and
 #    LoRA off) -> $OUT/decode_chat_{torch,triton}.json.
 # Each step is time-capped; one failure keeps the rest.
-set -u
-OUT="${OUT:-bench/results/latest}"
-mkdir -p "$OUT"
-export PYTHONPATH="worker/src:controlplane/src:operator/src${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_INTERPRET=0
-export LORAPLANE_COMMIT="${LORAPLANE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
-PY="${PYTHON:-python3}"
-LOG="$OUT/run.log"
-: > "$LOG"
-step() {  # step NAME SECONDS CMD...
-  local name="$1" secs="$2"; shift 2
-  echo "=== $name (cap ${secs}s)" | tee -a "$LOG"
-  timeout --signal=TERM --kill-after=15 "$secs" "$@" >>"$LOG" 2>&1
-  echo "=== $name rc=$?" | tee -a "$LOG"
-}
+. "$(dirname "$0")/gpu_env.sh"
 step tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
   tests/kernels/test_sampling_kernel.py
 grep -E "passed|failed|error" "$LOG" | tail -3 > "$OUT/tests.txt"

@@ -104,6 +104,16 @@ def _noise(offs, key_lo, key_hi):
 
 
 @triton.jit
+def _fold(e, offs, key_lo, key_hi, best, best_at, mass):
+    """One block into the lanes' race: ``e`` is ``exp(s - m)`` of a kept token, -1 of the
+    others. Each lane keeps its best ``e / q`` (the first of its ties) and its sum of ``e``."""
+    q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
+    ratio = tl.where(e >= 0.0, e / q, -1.0)
+    better = ratio > best
+    return tl.where(better, ratio, best), tl.where(better, offs, best_at), mass + tl.maximum(e, 0.0)
+
+
+@triton.jit
 def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
     """The race over the tokens with ``key >= floor`` and ``key > above``: the winner of
     ``exp(s - m) / q`` (the first of a tie; -1 if there is no such token) and the mass
@@ -116,12 +126,7 @@ def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
         s, valid = _scores(row_ptr, offs, vocab, temperature)
         key = _order_key(s)
         e = tl.where(valid & (key >= floor) & (key > above), tl.exp(s - m), -1.0)
-        q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
-        ratio = tl.where(e >= 0.0, e / q, -1.0)
-        better = ratio > best  # (strictly: a lane keeps the first of its ties)
-        best_at = tl.where(better, offs, best_at)
-        best = tl.where(better, ratio, best)
-        mass += tl.maximum(e, 0.0)
+        best, best_at, mass = _fold(e, offs, key_lo, key_hi, best, best_at, mass)
     top = tl.max(best, axis=0)
     winner = tl.min(tl.where(best == top, best_at, vocab), axis=0)
     winner = tl.where(top >= 0.0, winner, -1)
@@ -149,12 +154,7 @@ def _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi):
         best = tl.where(best >= 0.0, best * scale, best)
         mass = mass * scale
         e = tl.where(valid, tl.exp(s - safe), -1.0)
-        q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
-        ratio = tl.where(e >= 0.0, e / q, -1.0)
-        better = ratio > best  # (strictly: a lane keeps the first of its ties)
-        best_at = tl.where(better, offs, best_at)
-        best = tl.where(better, ratio, best)
-        mass += tl.maximum(e, 0.0)
+        best, best_at, mass = _fold(e, offs, key_lo, key_hi, best, best_at, mass)
         m = new_m
     row_m = tl.max(m, axis=0)
     row_m = tl.where(row_m == float("-inf"), 0.0, row_m)
