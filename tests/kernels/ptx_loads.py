@@ -175,27 +175,31 @@ def rope_cases() -> dict[str, int]:
 
 
 def sampler_cases() -> dict[str, int]:
-    """The fused sampler, compiled as ``sample_table`` launches it, per logits dtype: the
-    bytes it spills (it must compile: the interpreter accepts what the compiler refuses)."""
+    """The fused sampler, compiled as ``sample_table`` launches it, per logits dtype (and
+    without the top_k candidates' buffer, for bf16): the bytes it spills (it must compile:
+    the interpreter accepts what the compiler refuses)."""
     cases = {}
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype, candidates in (("bf16", sampling.CANDIDATES), ("fp16", sampling.CANDIDATES),
+                              ("fp32", sampling.CANDIDATES), ("bf16", 0)):  # fmt: skip
         types = {
             "logits_ptr": f"*{dtype}",
             "table_ptr": "*i64",
             "out_ptr": "*i64",
+            "scratch_ptr": "*i32" if candidates else "*i64",
             "row_stride": "i64",
             "vocab": "i32",
         }
         types["max_rounds"] = "i32"
-        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS}
+        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "CANDIDATES": candidates}
         compiled = compile_sm90(
             sampling._sample_kernel,
             types,
             consts,
-            {"logits_ptr", "table_ptr", "out_ptr", "row_stride", "vocab"},  # (real vocabularies)
+            {"logits_ptr", "table_ptr", "out_ptr", "scratch_ptr", "row_stride", "vocab"},
             num_warps=sampling.NUM_WARPS,
         )
-        cases[f"sampler_{dtype}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
+        name = f"sampler_{dtype}" + ("" if candidates else "_no_candidates")
+        cases[f"{name}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
     return cases
 
 

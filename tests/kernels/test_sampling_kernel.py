@@ -40,11 +40,19 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("block", [128, 4096], ids=["blocks-of-128", "one-block"])
-def test_seeded_tokens_are_the_torch_samplers(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("block", "candidates"),
+    [(128, fused.CANDIDATES), (4096, fused.CANDIDATES), (128, 0)],
+    ids=["blocks-of-128", "one-block", "blocks-of-128-no-candidates"],
+)
+def test_seeded_tokens_are_the_torch_samplers(
+    block: int, candidates: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """48 settings x 6 rows: every token equal to the torch sampler's (over one block of the
-    vocabulary, and over three, where the race and the masses run across blocks)."""
+    vocabulary, and over three, where the race and the masses run across blocks). top_k rows
+    run on their candidates in registers, or (with no room for candidates) over the row."""
     monkeypatch.setattr(fused, "BLOCK", block)
+    monkeypatch.setattr(fused, "CANDIDATES", candidates)
     logits = _logits(6, 300, seed=block).to(DEVICE)
     differ = []
     for n, base in enumerate(SETTINGS):
@@ -80,6 +88,27 @@ def test_seeded_tokens_are_the_torch_samplers_past_its_candidates() -> None:
         got = sample_rows(logits, params, [n] * 4, "triton")
         differ += [
             (base, r, w, g) for r, (w, g) in enumerate(zip(want, got, strict=True)) if w != g
+        ]
+    assert not differ, differ[:5]
+
+
+def test_top_k_rows_whose_candidates_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A top_k past the lanes of a block (no bound from the lanes), and rows whose candidates
+    pass the buffer (a block of ties at the k-th, a flat row): these rows pass over the row
+    for the k-th score, from the lanes' bound where there is one; the same tokens."""
+    monkeypatch.setattr(fused, "BLOCK", 128)
+    logits = _logits(4, 300, seed=5)
+    logits[1, :200] = 1.5  # 200 tied: top_k 3 keeps them all (candidates past 128)
+    logits[2] = torch.randn(300) * 0.01  # flat: top_k 120 keeps 120 of ~250 candidates
+    logits = logits.to(DEVICE)
+    differ = []
+    for n, (k, p) in enumerate(itertools.product((3, 120, 129, 250), (1.0, 0.7))):
+        params = [SamplingParams(temperature=1.3, top_k=k, top_p=p, seed=n * 4 + r)
+                  for r in range(4)]  # fmt: skip
+        want = sample_rows(logits, params, [n] * 4, "torch")
+        got = sample_rows(logits, params, [n] * 4, "triton")
+        differ += [
+            (k, p, r, w, g) for r, (w, g) in enumerate(zip(want, got, strict=True)) if w != g
         ]
     assert not differ, differ[:5]
 

@@ -184,7 +184,8 @@ def _sample_fused(
             return tokens.tolist()  # type: ignore[no-any-return]
     else:
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
-    unseeded = iter(torch.randint(2**62, (len(rows),)).tolist())
+    n_unseeded = sum(params[i].seed is None for i in rows)
+    unseeded = iter(torch.randint(2**62, (n_unseeded,)).tolist() if n_unseeded else ())
     table = [
         [
             i,
@@ -195,7 +196,12 @@ def _sample_fused(
         ]
         for i, p in ((i, params[i]) for i in rows)
     ]
-    sample_table(logits, torch.tensor(table, dtype=torch.int64).to(logits.device), tokens)
+    sample_table(
+        logits,
+        torch.tensor(table, dtype=torch.int64).to(logits.device),
+        tokens,
+        top_k=any(entry[1] for entry in table),
+    )
     return tokens.tolist()  # type: ignore[no-any-return]
 
 

@@ -8,18 +8,26 @@ values across a pass (a max, a sum, a best ratio per lane); the lanes are combin
 the end of the pass, so the loop carries no reduction across warps:
 
 1. with a top_k: the row's largest score ``m`` (score: ``logits / temperature``, NaN as
-   -inf, +inf as the largest float, as the torch path has them) and the range of its
-   scores' order keys (a float's bits as an int that sorts as the float does);
-2. with a top_k: the k-th largest score, by a radix search over the keys (a histogram of
-   ``BINS`` buckets a pass, four passes for 32-bit keys at most); every token tied with the
+   -inf, +inf as the largest float, as the torch path has them), the range of its scores'
+   order keys (a float's bits as an int that sorts as the float does) and each lane's
+   largest key;
+2. with a top_k: its candidates. The k-th largest of the lanes' largest keys is at or below
+   the row's k-th (k lanes each hold a token at or above it), so the tokens at or above it
+   hold every kept token. A second pass writes their ids to the row's scratch
+   (``CANDIDATES`` of them at most). When they fit (a language model's top_k of 50 has 50 to
+   a few hundred), steps 3 to 5 run on them in registers (``_sample_candidates``), with no
+   more passes over the row; when they do not (a top_k past the lanes, thousands of ties),
+   over the row, from that bound;
+3. with a top_k: the k-th largest score, by a radix search over the keys (a histogram of
+   ``BINS`` buckets a step, four steps for 32-bit keys at most); every token tied with the
    k-th is kept, as in the torch path;
-3. the exponential race ``argmax(exp(score - m) / q)`` over the kept tokens, ``q ~ Exp(1)``
+4. the exponential race ``argmax(exp(score - m) / q)`` over the kept tokens, ``q ~ Exp(1)``
    hashed from the row's key and the token id (``engine.sampling.seeded_exponential``'s
    hash), which draws token ``t`` with probability ``p[t]``. The same pass sums the kept
    tokens' ``exp(score - m)``: ``z``, the softmax's denominator over them. Without a top_k
    this is the row's first pass: each lane keeps a running max and rescales its best ratio
    and its sum when the max grows (``_race_online``);
-4. with a top_p: the winner is checked against the nucleus. A token is in it when the mass of
+5. with a top_p: the winner is checked against the nucleus. A token is in it when the mass of
    the kept tokens scoring strictly above it is below ``top_p * z``. The next pass races the
    tokens above the winner and sums their mass: that mass decides whether the winner is in
    the nucleus; if it is not, no token at or below it is either, and that pass's winner
@@ -53,6 +61,10 @@ TABLE_COLUMNS = 5
 # Tokens per loop step of a pass, and buckets per radix pass of the top_k search.
 BLOCK = 4096
 BINS = 256
+# Token ids a top_k row may keep as its candidates (at most BLOCK): the tokens at or above the
+# k-th largest of its lanes' largest scores. When they fit, the row's k-th score, race and
+# nucleus checks run on them in registers: two passes over the row instead of up to nine.
+CANDIDATES = 4096
 # Nucleus checks a row may take (each drops the winner and every token below it; a language
 # model's row takes one or two). Past them the row takes its best token: in the nucleus, but
 # not a draw from it. Each miss has at most the probability of the mass outside the nucleus,
@@ -104,11 +116,27 @@ def _noise(offs, key_lo, key_hi):
 
 
 @triton.jit
+def _ratio(e, offs, key_lo, key_hi):
+    """The race's ``e / q`` of tokens ``offs`` (``e``: ``exp(s - m)`` of a kept token, -1 of
+    the others, whose ratio is -1)."""
+    q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
+    return tl.where(e >= 0.0, e / q, -1.0)
+
+
+@triton.jit
+def _pick(ratio, ids, sel, vocab):
+    """The race's winner among ``sel``: the largest ratio (the lowest id of a tie), -1 if no
+    ratio there is at least 0."""
+    top = tl.max(tl.where(sel, ratio, -1.0), axis=0)
+    winner = tl.min(tl.where(sel & (ratio == top), ids, vocab), axis=0)
+    return tl.where(top >= 0.0, winner, -1)
+
+
+@triton.jit
 def _fold(e, offs, key_lo, key_hi, best, best_at, mass):
     """One block into the lanes' race: ``e`` is ``exp(s - m)`` of a kept token, -1 of the
     others. Each lane keeps its best ``e / q`` (the first of its ties) and its sum of ``e``."""
-    q = tl.maximum(_noise(offs, key_lo, key_hi), 1.1754943508222875e-38)
-    ratio = tl.where(e >= 0.0, e / q, -1.0)
+    ratio = _ratio(e, offs, key_lo, key_hi)
     better = ratio > best
     return tl.where(better, ratio, best), tl.where(better, offs, best_at), mass + tl.maximum(e, 0.0)
 
@@ -127,10 +155,7 @@ def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
         key = _order_key(s)
         e = tl.where(valid & (key >= floor) & (key > above), tl.exp(s - m), -1.0)
         best, best_at, mass = _fold(e, offs, key_lo, key_hi, best, best_at, mass)
-    top = tl.max(best, axis=0)
-    winner = tl.min(tl.where(best == top, best_at, vocab), axis=0)
-    winner = tl.where(top >= 0.0, winner, -1)
-    return winner, tl.sum(mass, axis=0)
+    return _pick(best, best_at, best >= 0.0, vocab), tl.sum(mass, axis=0)
 
 
 @triton.jit
@@ -160,8 +185,7 @@ def _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi):
     row_m = tl.where(row_m == float("-inf"), 0.0, row_m)
     lane = tl.exp(tl.where(m == float("-inf"), row_m, m) - row_m)
     best = tl.where(best >= 0.0, best * lane, best)
-    top = tl.max(best, axis=0)
-    winner = tl.min(tl.where(best == top, best_at, vocab), axis=0)
+    winner = _pick(best, best_at, best >= 0.0, vocab)
     return winner, tl.sum(mass * lane, axis=0), row_m, tl.max(hi, axis=0)
 
 
@@ -173,17 +197,115 @@ def _key_at(row_ptr, i, vocab, temperature):
 
 
 @triton.jit
+def _bucket_shift(floor, top, BINS: tl.constexpr):
+    """Buckets ``2**shift`` keys wide: the fewest bits that put ``[floor, top]`` in ``BINS``
+    of them (a shift: an int64 division per token made the radix passes 3x slower on an
+    H200)."""
+    shift = tl.full((), 0, tl.int64)
+    while ((top - floor) >> shift) >= BINS:
+        shift += 1
+    return shift
+
+
+@triton.jit
+def _narrow(counts, above, floor, top, shift, top_k, BINS: tl.constexpr):
+    """One radix step: of the buckets of ``[floor, top]`` (``counts``; ``above`` tokens lie
+    past ``top``), the highest whose tokens and those above it reach ``top_k`` holds the
+    k-th key. Returns the new ``above, floor, top``."""
+    bins = tl.arange(0, BINS)
+    reach = above + tl.cumsum(counts, axis=0, reverse=True)
+    b = tl.max(tl.where(reach >= top_k, bins, 0), axis=0)
+    above += tl.sum(tl.where(bins > b, counts, 0), axis=0)
+    width = tl.full((), 1, tl.int64) << shift
+    floor = floor + b.to(tl.int64) * width
+    return above, floor, tl.minimum(top, floor + width - 1)
+
+
+@triton.jit
+def _kth_key(keys, inside, top_k, BINS: tl.constexpr):
+    """The ``top_k``-th largest of ``keys[inside]`` (at least ``top_k`` of them), by radix
+    steps over the registers."""
+    floor = tl.min(tl.where(inside, keys, 2**62), axis=0)
+    top = tl.max(tl.where(inside, keys, -(2**62)), axis=0)
+    above = tl.full((), 0, tl.int32)
+    while floor < top:
+        shift = _bucket_shift(floor, top, BINS)
+        within = inside & (keys >= floor) & (keys <= top)
+        bucket = tl.where(within, (keys - floor) >> shift, 0).to(tl.int32)
+        counts = tl.histogram(bucket, BINS, mask=within)
+        above, floor, top = _narrow(counts, above, floor, top, shift, top_k, BINS)
+    return floor
+
+
+@triton.jit
+def _kth_key_of_row(row_ptr, vocab, temperature, cols, floor, top, top_k, BINS: tl.constexpr):
+    """The row's ``top_k``-th largest key, at least ``floor`` (``top``: its largest), by radix
+    steps of one pass over the row each (four at most for 32-bit keys)."""
+    above = tl.full((), 0, tl.int32)
+    while floor < top:
+        shift = _bucket_shift(floor, top, BINS)
+        counts = tl.zeros([BINS], tl.int32)
+        for start in range(0, vocab, cols.shape[0]):
+            offs = start + cols
+            s, valid = _scores(row_ptr, offs, vocab, temperature)
+            key = _order_key(s)
+            within = valid & (key >= floor) & (key <= top)
+            bucket = tl.where(within, (key - floor) >> shift, 0).to(tl.int32)
+            counts += tl.histogram(bucket, BINS, mask=within)
+        above, floor, top = _narrow(counts, above, floor, top, shift, top_k, BINS)
+    return floor
+
+
+@triton.jit
+def _sample_candidates(
+    row_ptr, vocab, temperature, ids_ptr, count, top_k, top_p, m, key_lo, key_hi, max_rounds,
+    BLOCK: tl.constexpr, BINS: tl.constexpr,
+):  # fmt: skip
+    """The token of a top_k row from its candidates (``count <= BLOCK`` token ids at
+    ``ids_ptr``, every kept token among them), in registers: the k-th key, the race over the
+    kept tokens and the nucleus checks, as the passes over the row do them."""
+    at = tl.arange(0, BLOCK)
+    inside = at < count
+    ids = tl.load(ids_ptr + at, mask=inside, other=0, cache_modifier=".cg").to(tl.int32)
+    s, _ = _scores(row_ptr, ids, vocab, temperature)
+    key = _order_key(s)
+    kept = inside & (key >= _kth_key(key, inside, top_k, BINS))
+    e = tl.where(kept, tl.exp(s - m), -1.0)
+    ratio = _ratio(e, ids, key_lo, key_hi)
+    best = _pick(ratio, ids, kept, vocab)
+    if top_p < 1.0:
+        limit = top_p * tl.sum(tl.maximum(e, 0.0), axis=0)
+        checking = tl.full((), 1, tl.int32)
+        rounds = tl.full((), 0, tl.int32)
+        while (checking != 0) & (rounds < max_rounds):
+            above = kept & (key > tl.max(tl.where(inside & (ids == best), key, -(2**62)), axis=0))
+            nxt = _pick(ratio, ids, above, vocab)
+            fits = (tl.sum(tl.where(above, e, 0.0), axis=0) < limit) | (nxt < 0)
+            checking = tl.where(fits, 0, 1)
+            best = tl.where(fits, best, nxt)
+            rounds += 1
+        if checking != 0:
+            best = _pick(
+                ratio, ids, kept & (key >= tl.max(tl.where(kept, key, -(2**62)), axis=0)), vocab
+            )
+    return best
+
+
+@triton.jit
 def _sample_kernel(
     logits_ptr,  # [rows, vocab]
     row_stride,
     vocab,
     table_ptr,  # int64 [n, TABLE_COLUMNS]
     out_ptr,  # int64 [rows]: out[row] = its token
+    scratch_ptr,  # int32 [n, CANDIDATES]: each entry's candidates (read only when CANDIDATES)
     max_rounds,  # (a runtime value: a constant 0 made Triton 3.6's coalesce pass fail)
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
+    CANDIDATES: tl.constexpr,  # at most BLOCK
 ):
-    entry = table_ptr + tl.program_id(0) * 5
+    entry_id = tl.program_id(0).to(tl.int64)
+    entry = table_ptr + entry_id * 5
     row = tl.load(entry)
     top_k = tl.load(entry + 1)
     temperature = tl.load(entry + 2).to(tl.int32).to(tl.float32, bitcast=True)
@@ -195,8 +317,10 @@ def _sample_kernel(
     cols = tl.arange(0, BLOCK)
 
     floor = tl.full((), -(2**62), tl.int64)  # every key
+    z = tl.full((), 0.0, tl.float32)
+    in_registers = tl.full((), 0, tl.int32)  # the row was sampled from its candidates
     if top_k > 0:
-        # 1. the largest score and the keys' range
+        # 1. the largest score, the keys' range and each lane's largest key
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
         lo = tl.full((BLOCK,), 2**62, tl.int64)
         hi = tl.full((BLOCK,), -(2**62), tl.int64)
@@ -207,48 +331,51 @@ def _sample_kernel(
             m = tl.maximum(m, s)
             lo = tl.minimum(lo, tl.where(valid, key, 2**62))
             hi = tl.maximum(hi, tl.where(valid, key, -(2**62)))
+        lanes = cols < vocab
+        lane_hi = hi
         m = tl.max(m, axis=0)
         m = tl.where(m == float("-inf"), 0.0, m)
         floor = tl.min(lo, axis=0)
         hi = tl.max(hi, axis=0)
 
-        # 2. the k-th largest key, bucket by bucket from the top of the range
-        top = hi
-        above = tl.full((), 0, tl.int32)  # tokens with a key past `top`
-        bins = tl.arange(0, BINS)
-        while floor < top:
-            # buckets 2**shift keys wide, the fewest bits that put the range in BINS of them
-            # (a shift: an int64 division per token made these passes 3x slower on an H200)
-            shift = tl.full((), 0, tl.int64)
-            while ((top - floor) >> shift) >= BINS:
-                shift += 1
-            width = tl.full((), 1, tl.int64) << shift
-            counts = tl.zeros([BINS], tl.int32)
+        # 2. the candidates: the k-th largest of the lanes' largest keys is at or below the
+        # row's k-th (k lanes hold a token at or above it), so the tokens at or above it hold
+        # the kept set. Their ids go to the row's scratch; when they fit, the rest of the row's
+        # work runs on them in registers, with no more passes over the row.
+        count = tl.full((), CANDIDATES + 1, tl.int32)
+        if top_k <= tl.minimum(vocab, BLOCK):
+            floor = _kth_key(lane_hi, lanes, top_k, BINS)
+            count = tl.full((), 0, tl.int32)
             for start in range(0, vocab, BLOCK):
                 offs = start + cols
                 s, valid = _scores(row_ptr, offs, vocab, temperature)
-                key = _order_key(s)
-                inside = valid & (key >= floor) & (key <= top)
-                bucket = tl.where(inside, (key - floor) >> shift, 0).to(tl.int32)
-                counts += tl.histogram(bucket, BINS, mask=inside)
-            # the highest bucket whose tokens and those above it reach top_k holds the k-th
-            reach = above + tl.cumsum(counts, axis=0, reverse=True)
-            b = tl.max(tl.where(reach >= top_k, bins, 0), axis=0)
-            above += tl.sum(tl.where(bins > b, counts, 0), axis=0)
-            floor = floor + b.to(tl.int64) * width
-            top = tl.minimum(top, floor + width - 1)
-
-        # 3. the race over the kept tokens, and their mass
-        best, z = _race(row_ptr, vocab, temperature, cols, floor, floor - 1, m, key_lo, key_hi)
+                take = valid & (_order_key(s) >= floor)
+                at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                tl.store(
+                    scratch_ptr + entry_id * CANDIDATES + at, offs, mask=take & (at < CANDIDATES)
+                )
+                count += tl.sum(take.to(tl.int32), axis=0)
+        if count <= CANDIDATES:
+            tl.debug_barrier()  # every thread's stores are seen by the loads below
+            best = _sample_candidates(
+                row_ptr, vocab, temperature, scratch_ptr + entry_id * CANDIDATES, count, top_k,
+                top_p, m, key_lo, key_hi, max_rounds, BLOCK, BINS,
+            )  # fmt: skip
+            in_registers = 1
+        else:
+            # 3. the k-th largest key, bucket by bucket from the top of the range
+            floor = _kth_key_of_row(row_ptr, vocab, temperature, cols, floor, hi, top_k, BINS)
+            # 4. the race over the kept tokens, and their mass
+            best, z = _race(row_ptr, vocab, temperature, cols, floor, floor - 1, m, key_lo, key_hi)
     else:
-        # 1 and 3 in one pass: every token is kept
+        # 1 and 4 in one pass: every token is kept
         best, z, m, hi = _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi)
 
-    # 4. top_p: is the winner in the nucleus? The race above it says (its mass) and names the
+    # 5. top_p: is the winner in the nucleus? The race above it says (its mass) and names the
     # next winner to check if not (same noise). A winner with nothing above it is in it
     # whatever the masses say (a top_p that rounds to 0 in float32, a row of -inf).
     # After MAX_ROUNDS misses the row takes its best token, which is always in the nucleus.
-    if top_p < 1.0:
+    if (top_p < 1.0) & (in_registers == 0):
         limit = top_p * z
         checking = tl.full((), 1, tl.int32)
         rounds = tl.full((), 0, tl.int32)
@@ -266,12 +393,16 @@ def _sample_kernel(
     tl.store(out_ptr + row, best.to(tl.int64))
 
 
-def sample_table(logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
+def sample_table(
+    logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, *, top_k: bool = True
+) -> None:
     """Write into ``out[row]`` the token of each row the ``table`` lists (``TABLE_COLUMNS``).
 
     ``logits`` ``[rows, vocab]`` (unit stride over the vocabulary), ``table`` int64 ``[n,
     TABLE_COLUMNS]`` on the same device (its top_k 0 or in [1, vocab), its temperature > 0,
-    its top_p in (0, 1]), ``out`` int64 ``[rows]``. No host sync."""
+    its top_p in (0, 1]), ``out`` int64 ``[rows]``. ``top_k``: whether some row may have one
+    (they take a buffer of ``CANDIDATES`` ids each; without it such a row passes over its
+    logits for every step). No host sync."""
     fn = "sample_table"
     check_tensor(fn, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     check_tensor(fn, "table", table, ndim=2, dtypes=(torch.int64,), device=logits.device,
@@ -290,7 +421,13 @@ def sample_table(logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -
     if table.shape[0] == 0:
         return
     block = min(BLOCK, next_power_of_2(logits.shape[1]))
+    candidates = min(CANDIDATES, block) if top_k else 0
+    scratch = (
+        torch.empty((table.shape[0], candidates), dtype=torch.int32, device=logits.device)
+        if candidates
+        else out  # (never read or written)
+    )
     _sample_kernel[(table.shape[0],)](
-        logits, logits.stride(0), logits.shape[1], table, out, MAX_ROUNDS, BLOCK=block,
-        BINS=BINS, num_warps=NUM_WARPS,
+        logits, logits.stride(0), logits.shape[1], table, out, scratch, MAX_ROUNDS,
+        BLOCK=block, BINS=BINS, CANDIDATES=candidates, num_warps=NUM_WARPS,
     )  # fmt: skip
