@@ -343,18 +343,21 @@ def _sample_kernel(
         # the kept set. Their ids go to the row's scratch; when they fit, the rest of the row's
         # work runs on them in registers, with no more passes over the row.
         count = tl.full((), CANDIDATES + 1, tl.int32)
-        if top_k <= tl.minimum(vocab, BLOCK):
-            floor = _kth_key(lane_hi, lanes, top_k, BINS)
-            count = tl.full((), 0, tl.int32)
-            for start in range(0, vocab, BLOCK):
-                offs = start + cols
-                s, valid = _scores(row_ptr, offs, vocab, temperature)
-                take = valid & (_order_key(s) >= floor)
-                at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-                tl.store(
-                    scratch_ptr + entry_id * CANDIDATES + at, offs, mask=take & (at < CANDIDATES)
-                )
-                count += tl.sum(take.to(tl.int32), axis=0)
+        if CANDIDATES > 0:  # noqa: SIM102 (a static branch: a launch with no top_k row compiles without it)
+            if top_k <= tl.minimum(vocab, BLOCK):
+                floor = _kth_key(lane_hi, lanes, top_k, BINS)
+                count = tl.full((), 0, tl.int32)
+                for start in range(0, vocab, BLOCK):
+                    offs = start + cols
+                    s, valid = _scores(row_ptr, offs, vocab, temperature)
+                    take = valid & (_order_key(s) >= floor)
+                    at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                    tl.store(
+                        scratch_ptr + entry_id * CANDIDATES + at,
+                        offs,
+                        mask=take & (at < CANDIDATES),
+                    )
+                    count += tl.sum(take.to(tl.int32), axis=0)
         if count <= CANDIDATES:
             tl.debug_barrier()  # every thread's stores are seen by the loads below
             best = _sample_candidates(
