@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import struct
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -162,9 +162,28 @@ def sample_rows(
     return tokens.tolist()  # type: ignore[no-any-return]
 
 
-def _float_bits(x: float) -> int:
-    """float32 bits of ``x`` as a signed int (sign-extended into the kernel's int64 table)."""
-    return int(struct.unpack("<i", struct.pack("<f", x))[0])
+def _fused_table(
+    params: Sequence[SamplingParams], rows: list[int], indices: Sequence[int], vocab: int
+) -> torch.Tensor:
+    """The fused sampler's table (``kernels.sampling.TABLE_COLUMNS``) for ``rows``, on the
+    host: one int64 row each of its index, top_k (0: none), the float32 bits of its
+    temperature and top_p (sign-extended) and its noise key. Built column by column through
+    ``array``: per-value ``struct`` calls and a nested list took 0.16 ms at bs 128."""
+    picked = [params[i] for i in rows]
+    n_unseeded = sum(p.seed is None for p in picked)
+    unseeded = iter(torch.randint(2**62, (n_unseeded,)).tolist() if n_unseeded else ())
+    table = array("q", rows)
+    table.extend([p.top_k if 0 < p.top_k < vocab else 0 for p in picked])
+    table.extend(array("i", array("f", [p.temperature for p in picked]).tobytes()).tolist())
+    top_ps = array("f", [max(p.top_p, TOP_P_MIN) for p in picked])
+    table.extend(array("i", top_ps.tobytes()).tolist())
+    table.extend(
+        [
+            draw_seed(p.seed, indices[i]) if p.seed is not None else next(unseeded)
+            for i, p in zip(rows, picked, strict=True)
+        ]
+    )
+    return torch.frombuffer(table, dtype=torch.int64).view(5, len(rows)).T.contiguous()
 
 
 def _sample_fused(
@@ -174,7 +193,6 @@ def _sample_fused(
     launch when some rows are greedy."""
     from loraplane.worker.kernels.sampling import sample_table
 
-    vocab = logits.shape[-1]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not params:  # (an idle DP group's step)
         return []
@@ -184,24 +202,9 @@ def _sample_fused(
             return tokens.tolist()  # type: ignore[no-any-return]
     else:
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
-    n_unseeded = sum(params[i].seed is None for i in rows)
-    unseeded = iter(torch.randint(2**62, (n_unseeded,)).tolist() if n_unseeded else ())
-    table = [
-        [
-            i,
-            p.top_k if 0 < p.top_k < vocab else 0,
-            _float_bits(p.temperature),
-            _float_bits(max(p.top_p, TOP_P_MIN)),
-            draw_seed(p.seed, indices[i]) if p.seed is not None else next(unseeded),
-        ]
-        for i, p in ((i, params[i]) for i in rows)
-    ]
-    sample_table(
-        logits,
-        torch.tensor(table, dtype=torch.int64).to(logits.device),
-        tokens,
-        top_k=any(entry[1] for entry in table),
-    )
+    table = _fused_table(params, rows, indices, logits.shape[-1])
+    top_k = any(params[i].top_k > 0 for i in rows)
+    sample_table(logits, table.to(logits.device), tokens, top_k=top_k)
     return tokens.tolist()  # type: ignore[no-any-return]
 
 
