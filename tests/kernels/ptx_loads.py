@@ -175,31 +175,52 @@ def rope_cases() -> dict[str, int]:
 
 
 def sampler_cases() -> dict[str, int]:
-    """The fused sampler, compiled as ``sample_table`` launches it, per logits dtype (and
-    without the top_k candidates' buffer, for bf16): the bytes it spills (it must compile:
-    the interpreter accepts what the compiler refuses)."""
+    """The fused sampler's kernels, compiled as ``sample_table`` launches them: per logits
+    dtype, without the top_k candidates' buffer, after chunks, and the chunks' two kernels.
+    The bytes each spills (they must compile: the interpreter accepts what the compiler
+    refuses)."""
     cases = {}
-    for dtype, candidates in (("bf16", sampling.CANDIDATES), ("fp16", sampling.CANDIDATES),
-                              ("fp32", sampling.CANDIDATES), ("bf16", 0)):  # fmt: skip
+    div16 = {"logits_ptr", "table_ptr", "out_ptr", "scratch_ptr", "part_ptr", "row_stride"}
+    div16 |= {"vocab", "chunk"}  # (real vocabularies, chunks of CHUNK_BLOCK tokens)
+    main = [("bf16", sampling.CANDIDATES, False), ("fp16", sampling.CANDIDATES, False),
+            ("fp32", sampling.CANDIDATES, False), ("bf16", 0, False), ("bf16", 0, True)]  # fmt: skip
+    for dtype, candidates, chunks in main:
         types = {
             "logits_ptr": f"*{dtype}",
             "table_ptr": "*i64",
             "out_ptr": "*i64",
             "scratch_ptr": "*i32" if candidates else "*i64",
+            "part_ptr": "*i32" if chunks else "*i64",
             "row_stride": "i64",
             "vocab": "i32",
+            "n_chunks": "i32",
+            "max_rounds": "i32",
         }
-        types["max_rounds"] = "i32"
-        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "CANDIDATES": candidates}
+        consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "CANDIDATES": candidates,
+                  "CHUNKS": chunks, "CHUNKS_P2": 16 if chunks else 1}  # fmt: skip
         compiled = compile_sm90(
-            sampling._sample_kernel,
-            types,
-            consts,
-            {"logits_ptr", "table_ptr", "out_ptr", "scratch_ptr", "row_stride", "vocab"},
-            num_warps=sampling.NUM_WARPS,
+            sampling._sample_kernel, types, consts, div16 - {"chunk"}, num_warps=sampling.NUM_WARPS
         )
         name = f"sampler_{dtype}" + ("" if candidates else "_no_candidates")
+        name += "_after_chunks" if chunks else ""
         cases[f"{name}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
+    for kernel in (sampling._race_chunks_kernel, sampling._check_chunks_kernel):
+        types = {
+            "logits_ptr": "*bf16",
+            "table_ptr": "*i64",
+            "part_ptr": "*i32",
+            "row_stride": "i64",
+            "vocab": "i32",
+            "chunk": "i32",
+            "max_rounds": "i32",
+        }
+        consts = {"BLOCK": sampling.CHUNK_BLOCK, "CHUNKS_P2": 16}
+        if kernel is sampling._race_chunks_kernel:
+            del types["max_rounds"], consts["CHUNKS_P2"]
+        compiled = compile_sm90(
+            kernel, types, consts, div16 & set(types), num_warps=sampling.CHUNK_WARPS
+        )
+        cases[f"sampler{kernel.fn.__name__}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
     return cases
 
 

@@ -34,6 +34,13 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return x
 
 
+def _chunks_of(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows without a top_k raced in chunks of ``tokens`` (0: one program a row)."""
+    if tokens:
+        monkeypatch.setattr(fused, "CHUNK_MIN", tokens)
+        monkeypatch.setattr(fused, "CHUNK_BLOCK", tokens)
+
+
 SETTINGS = [
     SamplingParams(temperature=t, top_k=k, top_p=p, seed=1)
     for t, k, p in itertools.product((0.4, 1.0, 2.5), (-1, 2, 9, 60), (1.0, 0.95, 0.6, 0.05))
@@ -41,18 +48,22 @@ SETTINGS = [
 
 
 @pytest.mark.parametrize(
-    ("block", "candidates"),
-    [(128, fused.CANDIDATES), (4096, fused.CANDIDATES), (128, 0)],
-    ids=["blocks-of-128", "one-block", "blocks-of-128-no-candidates"],
+    ("block", "candidates", "chunk"),
+    [(128, fused.CANDIDATES, 0), (4096, fused.CANDIDATES, 0), (128, 0, 0), (128, 0, 64)],
+    ids=["blocks-of-128", "one-block", "blocks-of-128-no-candidates", "chunks-of-64"],
 )
 def test_seeded_tokens_are_the_torch_samplers(
-    block: int, candidates: int, monkeypatch: pytest.MonkeyPatch
+    block: int, candidates: int, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """48 settings x 6 rows: every token equal to the torch sampler's (over one block of the
     vocabulary, and over three, where the race and the masses run across blocks). top_k rows
-    run on their candidates in registers, or (with no room for candidates) over the row."""
+    run on their candidates in registers, or (with no room for candidates) over the row;
+    the other rows in one program each, or raced and checked once in chunks (five of 64
+    tokens: the first check in other programs than the rest)."""
     monkeypatch.setattr(fused, "BLOCK", block)
     monkeypatch.setattr(fused, "CANDIDATES", candidates)
+    _chunks_of(chunk, monkeypatch)
+    assert fused.chunking(6, 300) == ((5, chunk) if chunk else (1, 300))
     logits = _logits(6, 300, seed=block).to(DEVICE)
     differ = []
     for n, base in enumerate(SETTINGS):
@@ -70,10 +81,14 @@ def test_seeded_tokens_are_the_torch_samplers(
     assert not differ, differ[:5]
 
 
-def test_seeded_tokens_are_the_torch_samplers_past_its_candidates() -> None:
+@pytest.mark.parametrize("chunk", [0, 512], ids=["rows", "chunks-of-512"])
+def test_seeded_tokens_are_the_torch_samplers_past_its_candidates(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A vocabulary past ``CANDIDATES`` (1024): the torch sampler draws top_k / top_p rows
     among its best 1024 tokens (and the whole vocabulary when a nucleus runs past them), the
     kernel over every token; the same tokens either way."""
+    _chunks_of(chunk, monkeypatch)
     logits = _logits(4, 2100, seed=3).to(DEVICE)
     logits[3] /= 3  # a flatter row: at temperature 2.5 its nucleus of 0.95 passes 1024 tokens
     differ = []
@@ -144,16 +159,25 @@ def test_unseeded_draws_follow_the_nucleus() -> None:
     assert freq[3] == 0
 
 
-def test_odd_logits() -> None:
+@pytest.mark.parametrize("chunk", [0, 16], ids=["rows", "chunks-of-16"])
+def test_odd_logits(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """+inf wins, NaN is never drawn, -inf is never drawn, a row of ties draws any of them,
     a tie at the k-th value keeps every tied token; a row of -inf and a top_p that rounds to
-    0 in float32 end (each check of the nucleus passes over the row again)."""
+    0 in float32 end (each check of the nucleus passes over the row again). In chunks too,
+    where some chunks hold only -inf."""
+    _chunks_of(chunk, monkeypatch)
     ends = torch.full((2, 50), float("-inf"), device=DEVICE)
     ends[1] = torch.arange(50.0, device=DEVICE).flip(0)
+    far = torch.full((1, 50), float("-inf"), device=DEVICE)
+    far[0, 40], far[0, 45] = -200.0, -200.5  # (-inf chunks beside a chunk far below 0)
+    ends = torch.cat([ends, far])
     for top_p in (0.5, 1e-50):
-        params = [SamplingParams(top_p=top_p, seed=2)] * 2
-        got = sample_rows(ends, params, [0] * 2, "triton")
-        assert got == sample_rows(ends, params, [0] * 2, "torch") and got[1] == 0
+        params = [SamplingParams(top_p=top_p, seed=2)] * 3
+        got = sample_rows(ends, params, [0] * 3, "triton")
+        assert got == sample_rows(ends, params, [0] * 3, "torch") and got[1] == 0
+    for top_p in (1.0, 0.9):  # (both in a nucleus of 0.9: 0.62 and 0.38)
+        params = [SamplingParams(top_p=top_p, seed=i) for i in range(30)]
+        assert set(sample_rows(far.expand(30, -1), params, [0] * 30, "triton")) == {40, 45}
     x = torch.zeros(4, 50)
     x[0, 7], x[0, 9] = float("inf"), float("nan")
     x[1, :] = float("-inf")
@@ -204,10 +228,14 @@ def test_the_table_is_checked() -> None:
         sample_rows(logits, [SamplingParams(seed=1)] * 2, [0, 0], "cuda")
 
 
-def test_past_the_round_cap_a_row_takes_its_best_token(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("chunk", [0, 64], ids=["rows", "chunks-of-64"])
+def test_past_the_round_cap_a_row_takes_its_best_token(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With no nucleus check allowed (``MAX_ROUNDS`` 0) a top_p row takes its best token,
     which is in every nucleus; rows without a top_p still draw."""
     monkeypatch.setattr(fused, "MAX_ROUNDS", 0)
+    _chunks_of(chunk, monkeypatch)
     logits = _logits(4, 300, seed=9).to(DEVICE)
     best = logits.max(-1).values
     for i in range(3):

@@ -203,8 +203,8 @@ def _sample_fused(
     else:
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     table = _fused_table(params, rows, indices, logits.shape[-1])
-    top_k = any(params[i].top_k > 0 for i in rows)
-    sample_table(logits, table.to(logits.device), tokens, top_k=top_k)
+    top_k = sum(params[i].top_k > 0 for i in rows)
+    sample_table(logits, table.to(logits.device), tokens, top_k=top_k > 0, plain=top_k < len(rows))
     return tokens.tolist()  # type: ignore[no-any-return]
 
 

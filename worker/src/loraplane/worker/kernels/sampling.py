@@ -1,9 +1,13 @@
-"""The sampler of a step's logits in one Triton launch; reference: ``engine.sampling``.
+"""The sampler of a step's logits in one to three Triton launches; reference:
+``engine.sampling``.
 
 ``engine.sampling``'s torch path is about 40 launches a step (a ``topk`` of 1024 candidates,
 softmaxes, cumsums, a sort when a nucleus runs past the candidates). On an H200 at bs 128 and
 a 128k vocabulary it took 0.65-0.83 ms a step for top_p / top_k rows (session 22). Here one
-program samples one row, in a few passes over its logits. Each thread keeps its own running
+program samples one row, in a few passes over its logits. In a small batch (``chunking``),
+two launches before it race the rows without a top_k in chunks, and check the winner
+against the nucleus once (``_race_chunks_kernel``, ``_check_chunks_kernel``); the row's
+program combines the chunks' records and goes on from there. Each thread keeps its own running
 values across a pass (a max, a sum, a best ratio per lane); the lanes are combined once, at
 the end of the pass, so the loop carries no reduction across warps:
 
@@ -49,7 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplane.worker.kernels._triton_utils import FLOAT_DTYPES, check_tensor, next_power_of_2
+from loraplane.worker.kernels._triton_utils import (
+    FLOAT_DTYPES,
+    cdiv,
+    check_tensor,
+    next_power_of_2,
+)
 
 __all__ = ["TABLE_COLUMNS", "sample_table"]
 
@@ -61,6 +70,14 @@ TABLE_COLUMNS = 5
 # Tokens per loop step of a pass, and buckets per radix pass of the top_k search.
 BLOCK = 4096
 BINS = 256
+# Rows without a top_k in a small batch are raced, and checked once against the nucleus, in
+# chunks of at least CHUNK_MIN tokens (a multiple of CHUNK_BLOCK), one program of CHUNK_WARPS
+# each, until a launch has about CHUNK_PROGRAMS programs: one program a row left most of an
+# H200's 132 multiprocessors idle below bs 128.
+CHUNK_MIN = 8192
+CHUNK_BLOCK = 1024
+CHUNK_WARPS = 4
+CHUNK_PROGRAMS = 512
 # Token ids a top_k row may keep as its candidates (at most BLOCK): the tokens at or above the
 # k-th largest of its lanes' largest scores. When they fit, the row's k-th score, race and
 # nucleus checks run on them in registers: two passes over the row instead of up to nine.
@@ -124,12 +141,19 @@ def _ratio(e, offs, key_lo, key_hi):
 
 
 @triton.jit
-def _pick(ratio, ids, sel, vocab):
-    """The race's winner among ``sel``: the largest ratio (the lowest id of a tie), -1 if no
-    ratio there is at least 0."""
+def _pick_top(ratio, ids, sel, vocab):
+    """The race's winner among ``sel`` and its ratio: the largest ratio (the lowest id of a
+    tie); -1 and -1 if no ratio there is at least 0."""
     top = tl.max(tl.where(sel, ratio, -1.0), axis=0)
     winner = tl.min(tl.where(sel & (ratio == top), ids, vocab), axis=0)
-    return tl.where(top >= 0.0, winner, -1)
+    return tl.where(top >= 0.0, winner, -1), top
+
+
+@triton.jit
+def _pick(ratio, ids, sel, vocab):
+    """``_pick_top``'s winner."""
+    winner, _ = _pick_top(ratio, ids, sel, vocab)
+    return winner
 
 
 @triton.jit
@@ -142,36 +166,48 @@ def _fold(e, offs, key_lo, key_hi, best, best_at, mass):
 
 
 @triton.jit
-def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
-    """The race over the tokens with ``key >= floor`` and ``key > above``: the winner of
-    ``exp(s - m) / q`` (the first of a tie; -1 if there is no such token) and the mass
-    ``sum(exp(s - m))`` of those tokens. Per lane across the pass, combined at its end."""
+def _race_span(row_ptr, first, end, temperature, cols, floor, above, m, key_lo, key_hi):
+    """The race over the tokens of ``[first, end)`` with ``key >= floor`` and ``key > above``:
+    the winner of ``exp(s - m) / q`` (the first of a tie; -1 if there is no such token), its
+    ratio and the mass ``sum(exp(s - m))`` of those tokens. Per lane across the pass,
+    combined at its end."""
     best = tl.full(cols.shape, -1.0, tl.float32)
     best_at = tl.zeros(cols.shape, tl.int32)
     mass = tl.zeros(cols.shape, tl.float32)
-    for start in range(0, vocab, cols.shape[0]):
+    for start in range(first, end, cols.shape[0]):
         offs = start + cols
-        s, valid = _scores(row_ptr, offs, vocab, temperature)
+        s, valid = _scores(row_ptr, offs, end, temperature)
         key = _order_key(s)
         e = tl.where(valid & (key >= floor) & (key > above), tl.exp(s - m), -1.0)
         best, best_at, mass = _fold(e, offs, key_lo, key_hi, best, best_at, mass)
-    return _pick(best, best_at, best >= 0.0, vocab), tl.sum(mass, axis=0)
+    winner, top = _pick_top(best, best_at, best >= 0.0, end)
+    return winner, top, tl.sum(mass, axis=0)
 
 
 @triton.jit
-def _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi):
-    """``_race`` over every token of a row whose largest score is not known yet (no top_k:
-    no first pass for it). Each lane keeps its own running max and rescales its best ratio
-    and mass when the max grows (as an online softmax does); the lanes are put on the row's
-    max at the end. Returns the winner, the mass, the row's max and its largest key."""
+def _race(row_ptr, vocab, temperature, cols, floor, above, m, key_lo, key_hi):
+    """``_race_span`` over the whole row: the winner and the mass."""
+    winner, _, mass = _race_span(
+        row_ptr, 0, vocab, temperature, cols, floor, above, m, key_lo, key_hi
+    )
+    return winner, mass
+
+
+@triton.jit
+def _race_online(row_ptr, first, end, temperature, cols, key_lo, key_hi):
+    """``_race_span`` over every token of ``[first, end)`` when their largest score is not
+    known yet (no top_k: no first pass for it). Each lane keeps its own running max and
+    rescales its best ratio and mass when the max grows (as an online softmax does); the
+    lanes are put on the span's max ``m`` at the end (0 where every score is -inf). Returns
+    the winner, its ratio, the mass, the span's largest score (-inf included) and key."""
     m = tl.full(cols.shape, float("-inf"), tl.float32)
     best = tl.full(cols.shape, -1.0, tl.float32)
     best_at = tl.zeros(cols.shape, tl.int32)
     mass = tl.zeros(cols.shape, tl.float32)
     hi = tl.full(cols.shape, -(2**62), tl.int64)
-    for start in range(0, vocab, cols.shape[0]):
+    for start in range(first, end, cols.shape[0]):
         offs = start + cols
-        s, valid = _scores(row_ptr, offs, vocab, temperature)
+        s, valid = _scores(row_ptr, offs, end, temperature)
         hi = tl.maximum(hi, tl.where(valid, _order_key(s), -(2**62)))
         new_m = tl.maximum(m, s)
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)
@@ -181,12 +217,12 @@ def _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi):
         e = tl.where(valid, tl.exp(s - safe), -1.0)
         best, best_at, mass = _fold(e, offs, key_lo, key_hi, best, best_at, mass)
         m = new_m
-    row_m = tl.max(m, axis=0)
-    row_m = tl.where(row_m == float("-inf"), 0.0, row_m)
+    span_m = tl.max(m, axis=0)
+    row_m = tl.where(span_m == float("-inf"), 0.0, span_m)
     lane = tl.exp(tl.where(m == float("-inf"), row_m, m) - row_m)
     best = tl.where(best >= 0.0, best * lane, best)
-    winner = _pick(best, best_at, best >= 0.0, vocab)
-    return winner, tl.sum(mass * lane, axis=0), row_m, tl.max(hi, axis=0)
+    winner, top = _pick_top(best, best_at, best >= 0.0, end)
+    return winner, top, tl.sum(mass * lane, axis=0), span_m, tl.max(hi, axis=0)
 
 
 @triton.jit
@@ -292,19 +328,9 @@ def _sample_candidates(
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr,  # [rows, vocab]
-    row_stride,
-    vocab,
-    table_ptr,  # int64 [n, TABLE_COLUMNS]
-    out_ptr,  # int64 [rows]: out[row] = its token
-    scratch_ptr,  # int32 [n, CANDIDATES]: each entry's candidates (read only when CANDIDATES)
-    max_rounds,  # (a runtime value: a constant 0 made Triton 3.6's coalesce pass fail)
-    BLOCK: tl.constexpr,
-    BINS: tl.constexpr,
-    CANDIDATES: tl.constexpr,  # at most BLOCK
-):
-    entry_id = tl.program_id(0).to(tl.int64)
+def _entry(table_ptr, entry_id):
+    """Entry ``entry_id`` of the table: its row, top_k, temperature, top_p and the halves of
+    its noise key."""
     entry = table_ptr + entry_id * 5
     row = tl.load(entry)
     top_k = tl.load(entry + 1)
@@ -313,12 +339,126 @@ def _sample_kernel(
     seed_key = tl.load(entry + 4)
     key_lo = (seed_key & 0xFFFFFFFF).to(tl.uint32)
     key_hi = ((seed_key >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return row, top_k, temperature, top_p, key_lo, key_hi
+
+
+# A chunk's record in the partials buffer (int32, PART_FIELDS per entry and chunk; floats as
+# their bits): its race (largest score, mass, best ratio, winner, largest key), then its part
+# of the first nucleus check (best ratio above the winner, mass above it, winner).
+PART_FIELDS = tl.constexpr(8)
+
+
+@triton.jit
+def _race_chunks_kernel(
+    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Step 4 of the rows without a top_k, over more programs: program ``(i, c)`` races
+    chunk ``c`` of entry ``i``'s row (``_race_online``) and writes its record."""
+    entry_id = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    row, top_k, temperature, _, key_lo, key_hi = _entry(table_ptr, entry_id)
+    if top_k == 0:
+        first = c * chunk
+        end = tl.minimum(first + chunk, vocab)
+        winner, top, mass, m, hi = _race_online(
+            logits_ptr + row * row_stride, first, end, temperature, tl.arange(0, BLOCK), key_lo,
+            key_hi,
+        )  # fmt: skip
+        at = part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS
+        tl.store(at, m.to(tl.int32, bitcast=True))
+        tl.store(at + 1, mass.to(tl.int32, bitcast=True))
+        tl.store(at + 2, top.to(tl.int32, bitcast=True))
+        tl.store(at + 3, winner)
+        tl.store(at + 4, hi.to(tl.int32))
+
+
+@triton.jit
+def _combine_races(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2: tl.constexpr):
+    """The row's race from its chunks' records: each chunk's ratios and mass are put on the
+    row's largest score ``m`` (0 where every score is -inf). Returns ``m``, the mass, the
+    winner and the largest key, as ``_race_online`` over the row does."""
+    c = tl.arange(0, CHUNKS_P2)
+    ok = c < n_chunks
+    at = part_ptr + (entry_id * n_chunks + c) * PART_FIELDS
+    m_c = tl.where(ok, tl.load(at, mask=ok, other=0).to(tl.float32, bitcast=True), float("-inf"))
+    mass_c = tl.load(at + 1, mask=ok, other=0).to(tl.float32, bitcast=True)
+    ratio_c = tl.load(at + 2, mask=ok, other=0).to(tl.float32, bitcast=True)
+    winner_c = tl.load(at + 3, mask=ok, other=0)
+    hi_c = tl.load(at + 4, mask=ok, other=0).to(tl.int64)
+    m = tl.max(m_c, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    # a chunk of -inf scores has mass 0 and ratios 0 (put on 0): scale 0 keeps them there
+    scale = tl.where(m_c == float("-inf"), 0.0, tl.exp(m_c - m))
+    best = _pick(ratio_c * scale, winner_c, ok, vocab)
+    z = tl.sum(tl.where(ok, mass_c * scale, 0.0), axis=0)
+    return m, z, best, tl.max(tl.where(ok, hi_c, -(2**62)), axis=0)
+
+
+@triton.jit
+def _check_chunks_kernel(
+    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, max_rounds, BLOCK: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+):  # fmt: skip
+    """The first nucleus check of the rows without a top_k, over more programs: program
+    ``(i, c)`` combines entry ``i``'s race and races chunk ``c``'s tokens above its winner."""
+    entry_id = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    row, top_k, temperature, top_p, key_lo, key_hi = _entry(table_ptr, entry_id)
+    if (top_k == 0) & (top_p < 1.0) & (max_rounds > 0):
+        row_ptr = logits_ptr + row * row_stride
+        m, _, best, _ = _combine_races(part_ptr, entry_id, tl.num_programs(1), vocab, CHUNKS_P2)
+        first = c * chunk
+        nxt, top, mass = _race_span(
+            row_ptr, first, tl.minimum(first + chunk, vocab), temperature, tl.arange(0, BLOCK),
+            tl.full((), -(2**62), tl.int64), _key_at(row_ptr, best, vocab, temperature), m,
+            key_lo, key_hi,
+        )  # fmt: skip
+        at = part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS
+        tl.store(at + 5, top.to(tl.int32, bitcast=True))
+        tl.store(at + 6, mass.to(tl.int32, bitcast=True))
+        tl.store(at + 7, nxt)
+
+
+@triton.jit
+def _combine_checks(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2: tl.constexpr):
+    """The first nucleus check from the chunks' records: the next winner (-1: no token above
+    the winner) and the mass above the winner."""
+    c = tl.arange(0, CHUNKS_P2)
+    ok = c < n_chunks
+    at = part_ptr + (entry_id * n_chunks + c) * PART_FIELDS
+    ratio_c = tl.load(at + 5, mask=ok, other=0).to(tl.float32, bitcast=True)
+    mass_c = tl.load(at + 6, mask=ok, other=0).to(tl.float32, bitcast=True)
+    nxt_c = tl.load(at + 7, mask=ok, other=0)
+    return _pick(ratio_c, nxt_c, ok, vocab), tl.sum(tl.where(ok, mass_c, 0.0), axis=0)
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr,  # [rows, vocab]
+    row_stride,
+    vocab,
+    table_ptr,  # int64 [n, TABLE_COLUMNS]
+    out_ptr,  # int64 [rows]: out[row] = its token
+    scratch_ptr,  # int32 [n, CANDIDATES]: each entry's candidates (read only when CANDIDATES)
+    part_ptr,  # int32 [n, n_chunks, PART_FIELDS]: the chunks' records (read only when CHUNKS)
+    n_chunks,
+    max_rounds,  # (a runtime value: a constant 0 made Triton 3.6's coalesce pass fail)
+    BLOCK: tl.constexpr,
+    BINS: tl.constexpr,
+    CANDIDATES: tl.constexpr,  # at most BLOCK
+    CHUNKS: tl.constexpr,  # the rows without a top_k were raced (and checked once) in chunks
+    CHUNKS_P2: tl.constexpr,  # a power of two at least n_chunks
+):
+    entry_id = tl.program_id(0).to(tl.int64)
+    row, top_k, temperature, top_p, key_lo, key_hi = _entry(table_ptr, entry_id)
     row_ptr = logits_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
 
     floor = tl.full((), -(2**62), tl.int64)  # every key
     z = tl.full((), 0.0, tl.float32)
     in_registers = tl.full((), 0, tl.int32)  # the row was sampled from its candidates
+    checking = tl.full((), 1, tl.int32)  # the winner's place in the nucleus is not known yet
+    rounds = tl.full((), 0, tl.int32)  # nucleus checks made
     if top_k > 0:
         # 1. the largest score, the keys' range and each lane's largest key
         m = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -370,9 +510,19 @@ def _sample_kernel(
             floor = _kth_key_of_row(row_ptr, vocab, temperature, cols, floor, hi, top_k, BINS)
             # 4. the race over the kept tokens, and their mass
             best, z = _race(row_ptr, vocab, temperature, cols, floor, floor - 1, m, key_lo, key_hi)
+    elif CHUNKS:
+        # 4 and the first check of 5, from the chunks' records
+        m, z, best, hi = _combine_races(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2)
+        if (top_p < 1.0) & (max_rounds > 0):
+            nxt, above_mass = _combine_checks(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2)
+            inside = (above_mass < top_p * z) | (nxt < 0)
+            checking = tl.where(inside, 0, 1)
+            best = tl.where(inside, best, nxt)
+            rounds = tl.full((), 1, tl.int32)
     else:
         # 1 and 4 in one pass: every token is kept
-        best, z, m, hi = _race_online(row_ptr, vocab, temperature, cols, key_lo, key_hi)
+        best, _, z, m, hi = _race_online(row_ptr, 0, vocab, temperature, cols, key_lo, key_hi)
+        m = tl.where(m == float("-inf"), 0.0, m)
 
     # 5. top_p: is the winner in the nucleus? The race above it says (its mass) and names the
     # next winner to check if not (same noise). A winner with nothing above it is in it
@@ -380,8 +530,6 @@ def _sample_kernel(
     # After MAX_ROUNDS misses the row takes its best token, which is always in the nucleus.
     if (top_p < 1.0) & (in_registers == 0):
         limit = top_p * z
-        checking = tl.full((), 1, tl.int32)
-        rounds = tl.full((), 0, tl.int32)
         while (checking != 0) & (rounds < max_rounds):
             nxt, above_mass = _race(
                 row_ptr, vocab, temperature, cols, floor, _key_at(row_ptr, best, vocab, temperature),
@@ -396,8 +544,24 @@ def _sample_kernel(
     tl.store(out_ptr + row, best.to(tl.int64))
 
 
+def chunking(rows: int, vocab: int) -> tuple[int, int]:
+    """``(chunks, chunk)``: how many chunks of ``chunk`` tokens the rows without a top_k are
+    raced in (1: none; one program a row). Chunks of at least ``CHUNK_MIN`` tokens, until
+    the launch has about ``CHUNK_PROGRAMS`` programs."""
+    want = min(cdiv(vocab, CHUNK_MIN), CHUNK_PROGRAMS // rows)
+    if want <= 1:
+        return 1, vocab
+    chunk = cdiv(cdiv(vocab, want), CHUNK_BLOCK) * CHUNK_BLOCK
+    return cdiv(vocab, chunk), chunk
+
+
 def sample_table(
-    logits: torch.Tensor, table: torch.Tensor, out: torch.Tensor, *, top_k: bool = True
+    logits: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    top_k: bool = True,
+    plain: bool = True,
 ) -> None:
     """Write into ``out[row]`` the token of each row the ``table`` lists (``TABLE_COLUMNS``).
 
@@ -405,7 +569,8 @@ def sample_table(
     TABLE_COLUMNS]`` on the same device (its top_k 0 or in [1, vocab), its temperature > 0,
     its top_p in (0, 1]), ``out`` int64 ``[rows]``. ``top_k``: whether some row may have one
     (they take a buffer of ``CANDIDATES`` ids each; without it such a row passes over its
-    logits for every step). No host sync."""
+    logits for every step); ``plain``: whether some row may have none (a small batch races
+    them in chunks, in two more launches). No host sync."""
     fn = "sample_table"
     check_tensor(fn, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     check_tensor(fn, "table", table, ndim=2, dtypes=(torch.int64,), device=logits.device,
@@ -430,7 +595,20 @@ def sample_table(
         if candidates
         else out  # (never read or written)
     )
-    _sample_kernel[(table.shape[0],)](
-        logits, logits.stride(0), logits.shape[1], table, out, scratch, MAX_ROUNDS,
-        BLOCK=block, BINS=BINS, CANDIDATES=candidates, num_warps=NUM_WARPS,
+    n, vocab = table.shape[0], logits.shape[1]
+    chunks, chunk = chunking(n, vocab) if plain else (1, vocab)
+    part = out  # (never read or written)
+    if chunks > 1:
+        part = torch.empty((n, chunks, PART_FIELDS.value), dtype=torch.int32, device=out.device)
+        common = (logits, logits.stride(0), vocab, table, part, chunk)
+        block_c = min(CHUNK_BLOCK, chunk)
+        _race_chunks_kernel[(n, chunks)](*common, BLOCK=block_c, num_warps=CHUNK_WARPS)
+        _check_chunks_kernel[(n, chunks)](
+            *common, MAX_ROUNDS, BLOCK=block_c, CHUNKS_P2=next_power_of_2(chunks),
+            num_warps=CHUNK_WARPS,
+        )  # fmt: skip
+    _sample_kernel[(n,)](
+        logits, logits.stride(0), vocab, table, out, scratch, part, chunks, MAX_ROUNDS,
+        BLOCK=block, BINS=BINS, CANDIDATES=candidates, CHUNKS=chunks > 1,
+        CHUNKS_P2=next_power_of_2(chunks), num_warps=NUM_WARPS,
     )  # fmt: skip
