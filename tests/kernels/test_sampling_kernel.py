@@ -39,6 +39,7 @@ def _chunks_of(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     if tokens:
         monkeypatch.setattr(fused, "CHUNK_MIN", tokens)
         monkeypatch.setattr(fused, "CHUNK_BLOCK", tokens)
+        monkeypatch.setattr(fused, "CHUNKS_MIN", 2)
 
 
 SETTINGS = [
