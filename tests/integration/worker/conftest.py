@@ -50,7 +50,7 @@ def make_adapter_dir(tiny_model: Path, adapter_root: Path) -> Callable[..., Path
 def worker_factory(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     started: list[WorkerProcess] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    def start(*args: str, env: dict[str, str | None] | None = None) -> WorkerProcess:
         worker = start_worker(tiny_model, tmp_path, *args, env=env)
         started.append(worker)
         return worker

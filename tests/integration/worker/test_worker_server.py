@@ -429,8 +429,8 @@ def test_triton_backend_matches_torch(
     want = [gen_ids(torch_worker, p, a, n=3) for p, a in [(PROMPTS[0], "tri"), (PROMPTS[1], None)]]
     torch_worker.stop()
     triton_worker = worker_factory(
-        "--lora", f"tri={path}", "--lora-backend", "triton", env={"TRITON_INTERPRET": "1"}
-    )
+        "--lora", f"tri={path}", "--lora-backend", "triton", env={"TRITON_INTERPRET": None}
+    )  # (the runner selects the interpreter)
     got = [gen_ids(triton_worker, p, a, n=3) for p, a in [(PROMPTS[0], "tri"), (PROMPTS[1], None)]]
     assert got == want
 
@@ -465,8 +465,10 @@ def test_fused_sampler_picks_the_torch_samplers_seeded_tokens(
     torch_worker = worker_factory("--lora", f"samp={path}")
     want = sampled(torch_worker)
     torch_worker.stop()
+    # No TRITON_INTERPRET from the tests' environment: the runner sets it for a CPU (without
+    # it Triton would look for a GPU driver and the worker would fail to sample)
     fused = worker_factory(
-        "--lora", f"samp={path}", "--sampler", "triton"
-    )  # (interpreter: set by the runner)
+        "--lora", f"samp={path}", "--sampler", "triton", env={"TRITON_INTERPRET": None}
+    )
     assert sampled(fused) == want
     assert len({tuple(ids) for ids in want}) == 3

@@ -37,14 +37,21 @@ class WorkerProcess:
 
 
 def start_worker(
-    model: Path, tmp: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+    model: Path,
+    tmp: Path,
+    *args: str,
+    env: dict[str, str | None] | None = None,
+    timeout: float = 120,
 ) -> WorkerProcess:
+    """A worker serving ``model`` with ``args``; ``env`` is added to this process's
+    environment (a ``None`` value removes that variable)."""
     port = free_port()
     log_path = tmp / f"worker-{port}.log"
     cmd = worker_serve_command(LORAPLANE, model, port, *args)
     if "--lora-backend" not in args:
         cmd += ["--lora-backend", "torch"]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    merged = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {k: v for k, v in merged.items() if v is not None}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     worker = WorkerProcess(proc, f"http://127.0.0.1:{port}", log_path)

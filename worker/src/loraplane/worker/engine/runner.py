@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,24 @@ class RunnerConfig:
     sampler: str = "auto"
 
 
+def _interpret_triton() -> None:
+    """Select Triton's interpreter, the only way its kernels run on a CPU. Triton reads
+    ``TRITON_INTERPRET`` when a kernel is defined, and ``triton.language`` defines its own
+    helpers (``tl.zeros``...) when triton is imported: set after that, our kernels would be
+    interpreted and its helpers not ("Cannot call @triton.jit'd outside of the scope of a
+    kernel"). torch imports triton on its first ops (dynamo looks for it), so this runs
+    before the model is built, and refuses where triton came earlier."""
+    if "TRITON_INTERPRET" in os.environ:
+        return  # (the caller's choice)
+    if "triton" in sys.modules:
+        raise RuntimeError(
+            "Triton kernels on a CPU need TRITON_INTERPRET=1 set before triton is imported, "
+            "and something imported it first: start the worker with TRITON_INTERPRET=1 in "
+            "its environment, or use --lora-backend torch and --sampler torch on a CPU"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -46,6 +65,11 @@ class ModelRunner:
         self.config = config
         self.ps = ps or ParallelState.single()
         self.device = torch.device(config.device)
+        triton_kernels = (lora is not None and config.lora_backend == "triton") or (
+            config.sampler == "triton"
+        )
+        if triton_kernels and self.device.type == "cpu":
+            _interpret_triton()  # (before the model: torch's first ops may import triton)
         dtype = resolve_dtype(config.dtype) if config.dtype else None
         self.model = load_model(config.model, dtype=dtype, device=self.device, ps=self.ps)
         self.model_config = self.model.config
@@ -67,12 +91,6 @@ class ModelRunner:
             self.device,
         )
         self.lora_config = lora
-        triton_kernels = (lora is not None and config.lora_backend == "triton") or (
-            config.sampler == "triton"
-        )
-        if triton_kernels and self.device.type == "cpu":
-            # Triton runs on the CPU only through its interpreter, chosen at import time.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
         if (
             lora is not None
             and self.device.type == "cuda"
