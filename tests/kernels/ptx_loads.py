@@ -183,7 +183,8 @@ def sampler_cases() -> dict[str, int]:
     div16 = {"logits_ptr", "table_ptr", "out_ptr", "scratch_ptr", "part_ptr", "row_stride"}
     div16 |= {"vocab", "chunk"}  # (real vocabularies, chunks of CHUNK_BLOCK tokens)
     main = [("bf16", sampling.CANDIDATES, False), ("fp16", sampling.CANDIDATES, False),
-            ("fp32", sampling.CANDIDATES, False), ("bf16", 0, False), ("bf16", 0, True)]  # fmt: skip
+            ("fp32", sampling.CANDIDATES, False), ("bf16", 0, False), ("bf16", 0, True),
+            ("bf16", sampling.CANDIDATES, True)]  # fmt: skip
     for dtype, candidates, chunks in main:
         types = {
             "logits_ptr": f"*{dtype}",
@@ -194,10 +195,13 @@ def sampler_cases() -> dict[str, int]:
             "row_stride": "i64",
             "vocab": "i32",
             "n_chunks": "i32",
+            "seg": "i32",
             "max_rounds": "i32",
         }
         consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "CANDIDATES": candidates,
-                  "CHUNKS": chunks, "CHUNKS_P2": 16 if chunks else 1}  # fmt: skip
+                  "CHUNKS": chunks, "CHUNKS_P2": 16 if chunks else 1,
+                  "CHUNK_TOP_K": chunks and candidates > 0,
+                  "CHUNK_LANES": sampling.CHUNK_BLOCK}  # fmt: skip
         compiled = compile_sm90(
             sampling._sample_kernel, types, consts, div16 - {"chunk"}, num_warps=sampling.NUM_WARPS
         )
@@ -209,14 +213,18 @@ def sampler_cases() -> dict[str, int]:
             "logits_ptr": "*bf16",
             "table_ptr": "*i64",
             "part_ptr": "*i32",
+            "scratch_ptr": "*i32",
             "row_stride": "i64",
             "vocab": "i32",
             "chunk": "i32",
+            "seg": "i32",
             "max_rounds": "i32",
         }
-        consts = {"BLOCK": sampling.CHUNK_BLOCK, "CHUNKS_P2": 16}
-        if kernel is sampling._race_chunks_kernel:
-            del types["max_rounds"], consts["CHUNKS_P2"]
+        consts = {"BLOCK": sampling.CHUNK_BLOCK, "CHUNKS_P2": 16, "BINS": sampling.BINS,
+                  "TOP_K": True, "CANDIDATES": sampling.CANDIDATES}  # fmt: skip
+        names = set(inspect.signature(kernel.fn).parameters)
+        types = {k: v for k, v in types.items() if k in names}
+        consts = {k: v for k, v in consts.items() if k in names}
         compiled = compile_sm90(
             kernel, types, consts, div16 & set(types), num_warps=sampling.CHUNK_WARPS
         )

@@ -50,7 +50,7 @@ SETTINGS = [
 
 @pytest.mark.parametrize(
     ("block", "candidates", "chunk"),
-    [(128, fused.CANDIDATES, 0), (4096, fused.CANDIDATES, 0), (128, 0, 0), (128, 0, 64)],
+    [(128, fused.CANDIDATES, 0), (4096, fused.CANDIDATES, 0), (128, 0, 0), (128, 128, 64)],
     ids=["blocks-of-128", "one-block", "blocks-of-128-no-candidates", "chunks-of-64"],
 )
 def test_seeded_tokens_are_the_torch_samplers(
@@ -60,7 +60,8 @@ def test_seeded_tokens_are_the_torch_samplers(
     vocabulary, and over three, where the race and the masses run across blocks). top_k rows
     run on their candidates in registers, or (with no room for candidates) over the row;
     the other rows in one program each, or raced and checked once in chunks (five of 64
-    tokens: the first check in other programs than the rest)."""
+    tokens: the first check in other programs than the rest). In chunks, a top_k row's
+    candidates are found chunk by chunk, 25 a chunk at most (past that, over the row)."""
     monkeypatch.setattr(fused, "BLOCK", block)
     monkeypatch.setattr(fused, "CANDIDATES", candidates)
     _chunks_of(chunk, monkeypatch)

@@ -69,5 +69,6 @@ def test_the_fused_sampler_compiles_without_spills(loads: dict[str, int]) -> Non
     (a global Python float in it once passed the interpreter and failed the compiler)."""
     spills = {k: v for k, v in loads.items() if k.startswith("sampler_")}
     names = ("bf16", "fp16", "fp32", "bf16_no_candidates", "bf16_no_candidates_after_chunks")
+    names += ("bf16_after_chunks",)
     names += ("race_chunks_kernel", "check_chunks_kernel")
     assert spills == {f"sampler_{d}_spill_bytes": 0 for d in names}

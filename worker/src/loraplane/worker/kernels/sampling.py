@@ -297,15 +297,12 @@ def _kth_key_of_row(row_ptr, vocab, temperature, cols, floor, top, top_k, BINS: 
 
 @triton.jit
 def _sample_candidates(
-    row_ptr, vocab, temperature, ids_ptr, count, top_k, top_p, m, key_lo, key_hi, max_rounds,
-    BLOCK: tl.constexpr, BINS: tl.constexpr,
+    row_ptr, vocab, temperature, ids, inside, top_k, top_p, m, key_lo, key_hi, max_rounds,
+    BINS: tl.constexpr,
 ):  # fmt: skip
-    """The token of a top_k row from its candidates (``count <= BLOCK`` token ids at
-    ``ids_ptr``, every kept token among them), in registers: the k-th key, the race over the
-    kept tokens and the nucleus checks, as the passes over the row do them."""
-    at = tl.arange(0, BLOCK)
-    inside = at < count
-    ids = tl.load(ids_ptr + at, mask=inside, other=0, cache_modifier=".cg").to(tl.int32)
+    """The token of a top_k row from its candidates (the token ids ``ids[inside]``, every
+    kept token among them), in registers: the k-th key, the race over the kept tokens and
+    the nucleus checks, as the passes over the row do them."""
     s, _ = _scores(row_ptr, ids, vocab, temperature)
     key = _order_key(s)
     kept = inside & (key >= _kth_key(key, inside, top_k, BINS))
@@ -353,21 +350,39 @@ PART_FIELDS = tl.constexpr(8)
 
 @triton.jit
 def _race_chunks_kernel(
-    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, BLOCK: tl.constexpr
+    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, BLOCK: tl.constexpr,
+    BINS: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Step 4 of the rows without a top_k, over more programs: program ``(i, c)`` races
-    chunk ``c`` of entry ``i``'s row (``_race_online``) and writes its record."""
+    chunk ``c`` of entry ``i``'s row (``_race_online``) and writes its record. With
+    ``TOP_K``, step 1 of the rows with a top_k of at most ``BLOCK``: the chunk's largest
+    score and key, and the k-th largest of its lanes' largest keys (or no bound, where the
+    chunk has fewer lanes than k), which is at or below the row's k-th key."""
     entry_id = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     row, top_k, temperature, _, key_lo, key_hi = _entry(table_ptr, entry_id)
+    first = c * chunk
+    end = tl.minimum(first + chunk, vocab)
+    at = part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS
+    cols = tl.arange(0, BLOCK)
+    if TOP_K:  # noqa: SIM102 (a static branch)
+        if (top_k > 0) & (top_k <= BLOCK):
+            m = tl.full((BLOCK,), float("-inf"), tl.float32)
+            lane_hi = tl.full((BLOCK,), -(2**62), tl.int64)
+            for start in range(first, end, BLOCK):
+                s, valid = _scores(logits_ptr + row * row_stride, start + cols, end, temperature)
+                m = tl.maximum(m, s)
+                lane_hi = tl.maximum(lane_hi, tl.where(valid, _order_key(s), -(2**62)))
+            bound = tl.full((), -(2**31), tl.int64)  # (below every key: no bound)
+            if top_k <= end - first:
+                bound = _kth_key(lane_hi, cols < end - first, top_k, BINS)
+            tl.store(at, tl.max(m, axis=0).to(tl.int32, bitcast=True))
+            tl.store(at + 1, bound.to(tl.int32))
+            tl.store(at + 4, tl.max(lane_hi, axis=0).to(tl.int32))
     if top_k == 0:
-        first = c * chunk
-        end = tl.minimum(first + chunk, vocab)
         winner, top, mass, m, hi = _race_online(
-            logits_ptr + row * row_stride, first, end, temperature, tl.arange(0, BLOCK), key_lo,
-            key_hi,
-        )  # fmt: skip
-        at = part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS
+            logits_ptr + row * row_stride, first, end, temperature, cols, key_lo, key_hi
+        )
         tl.store(at, m.to(tl.int32, bitcast=True))
         tl.store(at + 1, mass.to(tl.int32, bitcast=True))
         tl.store(at + 2, top.to(tl.int32, bitcast=True))
@@ -399,14 +414,35 @@ def _combine_races(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2: tl.constexpr)
 
 @triton.jit
 def _check_chunks_kernel(
-    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, max_rounds, BLOCK: tl.constexpr,
-    CHUNKS_P2: tl.constexpr,
+    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, max_rounds, scratch_ptr, seg,
+    BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """The first nucleus check of the rows without a top_k, over more programs: program
-    ``(i, c)`` combines entry ``i``'s race and races chunk ``c``'s tokens above its winner."""
+    ``(i, c)`` combines entry ``i``'s race and races chunk ``c``'s tokens above its winner.
+    With ``CANDIDATES``, step 2 of the rows with a top_k of at most ``BLOCK``: chunk ``c``'s
+    tokens at or above the row's bound (the largest of its chunks' bounds) go to segment
+    ``c`` of the row's scratch (``seg`` ids), in order, their count to its record."""
     entry_id = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     row, top_k, temperature, top_p, key_lo, key_hi = _entry(table_ptr, entry_id)
+    if CANDIDATES > 0:  # noqa: SIM102 (a static branch)
+        if (top_k > 0) & (top_k <= BLOCK):
+            row_ptr = logits_ptr + row * row_stride
+            k = tl.arange(0, CHUNKS_P2)
+            parts = part_ptr + (entry_id * tl.num_programs(1) + k) * PART_FIELDS
+            bound = tl.max(tl.load(parts + 1, mask=k < tl.num_programs(1), other=-(2**31)), axis=0)
+            first = c * chunk
+            end = tl.minimum(first + chunk, vocab)
+            count = tl.full((), 0, tl.int32)
+            for start in range(first, end, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                s, valid = _scores(row_ptr, offs, end, temperature)
+                take = valid & (_order_key(s) >= bound)
+                to = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                ids = scratch_ptr + entry_id * CANDIDATES + c * seg + to
+                tl.store(ids, offs, mask=take & (to < seg))
+                count += tl.sum(take.to(tl.int32), axis=0)
+            tl.store(part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS + 7, count)
     if (top_k == 0) & (top_p < 1.0) & (max_rounds > 0):
         row_ptr = logits_ptr + row * row_stride
         m, _, best, _ = _combine_races(part_ptr, entry_id, tl.num_programs(1), vocab, CHUNKS_P2)
@@ -445,12 +481,15 @@ def _sample_kernel(
     scratch_ptr,  # int32 [n, CANDIDATES]: each entry's candidates (read only when CANDIDATES)
     part_ptr,  # int32 [n, n_chunks, PART_FIELDS]: the chunks' records (read only when CHUNKS)
     n_chunks,
+    seg,  # scratch ids per chunk (CHUNK_TOP_K)
     max_rounds,  # (a runtime value: a constant 0 made Triton 3.6's coalesce pass fail)
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
     CANDIDATES: tl.constexpr,  # at most BLOCK
     CHUNKS: tl.constexpr,  # the rows without a top_k were raced (and checked once) in chunks
     CHUNKS_P2: tl.constexpr,  # a power of two at least n_chunks
+    CHUNK_TOP_K: tl.constexpr = False,  # rows with a top_k up to CHUNK_LANES: steps 1-2 too
+    CHUNK_LANES: tl.constexpr = 1,
 ):
     entry_id = tl.program_id(0).to(tl.int64)
     row, top_k, temperature, top_p, key_lo, key_hi = _entry(table_ptr, entry_id)
@@ -463,49 +502,76 @@ def _sample_kernel(
     checking = tl.full((), 1, tl.int32)  # the winner's place in the nucleus is not known yet
     rounds = tl.full((), 0, tl.int32)  # nucleus checks made
     if top_k > 0:
-        # 1. the largest score, the keys' range and each lane's largest key
-        m = tl.full((BLOCK,), float("-inf"), tl.float32)
-        lo = tl.full((BLOCK,), 2**62, tl.int64)
-        hi = tl.full((BLOCK,), -(2**62), tl.int64)
-        for start in range(0, vocab, BLOCK):
-            offs = start + cols
-            s, valid = _scores(row_ptr, offs, vocab, temperature)
-            key = _order_key(s)
-            m = tl.maximum(m, s)
-            lo = tl.minimum(lo, tl.where(valid, key, 2**62))
-            hi = tl.maximum(hi, tl.where(valid, key, -(2**62)))
-        lanes = cols < vocab
-        lane_hi = hi
-        m = tl.max(m, axis=0)
-        m = tl.where(m == float("-inf"), 0.0, m)
-        floor = tl.min(lo, axis=0)
-        hi = tl.max(hi, axis=0)
-
-        # 2. the candidates: the k-th largest of the lanes' largest keys is at or below the
-        # row's k-th (k lanes hold a token at or above it), so the tokens at or above it hold
-        # the kept set. Their ids go to the row's scratch; when they fit, the rest of the row's
-        # work runs on them in registers, with no more passes over the row.
+        chunked = tl.full((), 0, tl.int32)  # steps 1 and 2 were made in chunks
         count = tl.full((), CANDIDATES + 1, tl.int32)
-        if CANDIDATES > 0:  # noqa: SIM102 (a static branch: a launch with no top_k row compiles without it)
-            if top_k <= tl.minimum(vocab, BLOCK):
-                floor = _kth_key(lane_hi, lanes, top_k, BINS)
-                count = tl.full((), 0, tl.int32)
-                for start in range(0, vocab, BLOCK):
-                    offs = start + cols
-                    s, valid = _scores(row_ptr, offs, vocab, temperature)
-                    take = valid & (_order_key(s) >= floor)
-                    at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-                    tl.store(
-                        scratch_ptr + entry_id * CANDIDATES + at,
-                        offs,
-                        mask=take & (at < CANDIDATES),
-                    )
-                    count += tl.sum(take.to(tl.int32), axis=0)
+        m = tl.full((), 0.0, tl.float32)
+        hi = tl.full((), 0, tl.int64)
+        if CHUNK_TOP_K:  # noqa: SIM102 (a static branch)
+            if top_k <= CHUNK_LANES:
+                # 1 and 2 from the chunks' records
+                k = tl.arange(0, CHUNKS_P2)
+                parts = part_ptr + (entry_id * n_chunks + k) * PART_FIELDS
+                ok = k < n_chunks
+                m_c = tl.load(parts, mask=ok, other=0).to(tl.float32, bitcast=True)
+                m = tl.max(tl.where(ok, m_c, float("-inf")), axis=0)
+                m = tl.where(m == float("-inf"), 0.0, m)
+                floor = tl.max(tl.load(parts + 1, mask=ok, other=-(2**31)), axis=0).to(tl.int64)
+                hi = tl.max(tl.load(parts + 4, mask=ok, other=-(2**31)), axis=0).to(tl.int64)
+                counts = tl.load(parts + 7, mask=ok, other=0)
+                count = tl.where(tl.max(counts, axis=0) <= seg, 0, CANDIDATES + 1)
+                chunked = tl.full((), 1, tl.int32)
+        if chunked == 0:
+            # 1. the largest score, the keys' range and each lane's largest key
+            m_lanes = tl.full((BLOCK,), float("-inf"), tl.float32)
+            lo = tl.full((BLOCK,), 2**62, tl.int64)
+            hi_lanes = tl.full((BLOCK,), -(2**62), tl.int64)
+            for start in range(0, vocab, BLOCK):
+                offs = start + cols
+                s, valid = _scores(row_ptr, offs, vocab, temperature)
+                key = _order_key(s)
+                m_lanes = tl.maximum(m_lanes, s)
+                lo = tl.minimum(lo, tl.where(valid, key, 2**62))
+                hi_lanes = tl.maximum(hi_lanes, tl.where(valid, key, -(2**62)))
+            m = tl.max(m_lanes, axis=0)
+            m = tl.where(m == float("-inf"), 0.0, m)
+            floor = tl.min(lo, axis=0)
+            hi = tl.max(hi_lanes, axis=0)
+
+            # 2. the candidates: the k-th largest of the lanes' largest keys is at or below
+            # the row's k-th (k lanes hold a token at or above it), so the tokens at or above
+            # it hold the kept set. Their ids go to the row's scratch; when they fit, the rest
+            # of the row's work runs on them in registers, with no more passes over the row.
+            if CANDIDATES > 0:  # noqa: SIM102 (a static branch: a launch with no top_k row compiles without it)
+                if top_k <= tl.minimum(vocab, BLOCK):
+                    floor = _kth_key(hi_lanes, cols < vocab, top_k, BINS)
+                    count = tl.full((), 0, tl.int32)
+                    for start in range(0, vocab, BLOCK):
+                        offs = start + cols
+                        s, valid = _scores(row_ptr, offs, vocab, temperature)
+                        take = valid & (_order_key(s) >= floor)
+                        at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+                        tl.store(
+                            scratch_ptr + entry_id * CANDIDATES + at,
+                            offs,
+                            mask=take & (at < CANDIDATES),
+                        )
+                        count += tl.sum(take.to(tl.int32), axis=0)
         if count <= CANDIDATES:
             tl.debug_barrier()  # every thread's stores are seen by the loads below
+            if chunked != 0:  # segment c of the scratch holds chunk c's candidates
+                c = cols // seg
+                inside = (c < n_chunks) & (cols - c * seg < tl.load(
+                    part_ptr + (entry_id * n_chunks + c) * PART_FIELDS + 7, mask=c < n_chunks,
+                    other=0))  # fmt: skip
+            else:
+                inside = cols < count
+            ids = tl.load(
+                scratch_ptr + entry_id * CANDIDATES + cols, mask=inside, other=0,
+                cache_modifier=".cg",
+            ).to(tl.int32)  # fmt: skip
             best = _sample_candidates(
-                row_ptr, vocab, temperature, scratch_ptr + entry_id * CANDIDATES, count, top_k,
-                top_p, m, key_lo, key_hi, max_rounds, BLOCK, BINS,
+                row_ptr, vocab, temperature, ids, inside, top_k, top_p, m, key_lo, key_hi,
+                max_rounds, BINS,
             )  # fmt: skip
             in_registers = 1
         else:
@@ -599,19 +665,23 @@ def sample_table(
         else out  # (never read or written)
     )
     n, vocab = table.shape[0], logits.shape[1]
-    chunks, chunk = chunking(n, vocab) if plain else (1, vocab)
+    chunks, chunk = chunking(n, vocab) if plain or candidates else (1, vocab)
     part = out  # (never read or written)
+    block_c = min(CHUNK_BLOCK, chunk)
+    seg = candidates // chunks  # (a chunk's share of a row's candidates)
     if chunks > 1:
         part = torch.empty((n, chunks, PART_FIELDS.value), dtype=torch.int32, device=out.device)
         common = (logits, logits.stride(0), vocab, table, part, chunk)
-        block_c = min(CHUNK_BLOCK, chunk)
-        _race_chunks_kernel[(n, chunks)](*common, BLOCK=block_c, num_warps=CHUNK_WARPS)
+        _race_chunks_kernel[(n, chunks)](
+            *common, BLOCK=block_c, BINS=BINS, TOP_K=candidates > 0, num_warps=CHUNK_WARPS
+        )
         _check_chunks_kernel[(n, chunks)](
-            *common, MAX_ROUNDS, BLOCK=block_c, CHUNKS_P2=next_power_of_2(chunks),
-            num_warps=CHUNK_WARPS,
+            *common, MAX_ROUNDS, scratch, seg, BLOCK=block_c, CHUNKS_P2=next_power_of_2(chunks),
+            CANDIDATES=candidates, num_warps=CHUNK_WARPS,
         )  # fmt: skip
     _sample_kernel[(n,)](
-        logits, logits.stride(0), vocab, table, out, scratch, part, chunks, MAX_ROUNDS,
+        logits, logits.stride(0), vocab, table, out, scratch, part, chunks, seg, MAX_ROUNDS,
         BLOCK=block, BINS=BINS, CANDIDATES=candidates, CHUNKS=chunks > 1,
-        CHUNKS_P2=next_power_of_2(chunks), num_warps=NUM_WARPS,
+        CHUNKS_P2=next_power_of_2(chunks), CHUNK_TOP_K=chunks > 1 and candidates > 0,
+        CHUNK_LANES=block_c, num_warps=NUM_WARPS,
     )  # fmt: skip
