@@ -196,12 +196,12 @@ def sampler_cases() -> dict[str, int]:
             "vocab": "i32",
             "n_chunks": "i32",
             "seg": "i32",
+            "chunk_k": "i32",
             "max_rounds": "i32",
         }
         consts = {"BLOCK": sampling.BLOCK, "BINS": sampling.BINS, "CANDIDATES": candidates,
                   "CHUNKS": chunks, "CHUNKS_P2": 16 if chunks else 1,
-                  "CHUNK_TOP_K": chunks and candidates > 0,
-                  "CHUNK_LANES": sampling.CHUNK_BLOCK}  # fmt: skip
+                  "CHUNK_TOP_K": chunks and candidates > 0}  # fmt: skip
         compiled = compile_sm90(
             sampling._sample_kernel, types, consts, div16 - {"chunk"}, num_warps=sampling.NUM_WARPS
         )
@@ -217,6 +217,7 @@ def sampler_cases() -> dict[str, int]:
             "row_stride": "i64",
             "vocab": "i32",
             "chunk": "i32",
+            "chunk_k": "i32",
             "seg": "i32",
             "max_rounds": "i32",
         }

@@ -189,8 +189,8 @@ def _fused_table(
 def _sample_fused(
     logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]
 ) -> list[int]:
-    """``sample_rows`` in one launch (``kernels.sampling.sample_table``), after one argmax
-    launch when some rows are greedy."""
+    """``sample_rows`` in one to three launches (``kernels.sampling.sample_table``), after
+    one argmax launch when some rows are greedy."""
     from loraplane.worker.kernels.sampling import sample_table
 
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -202,9 +202,10 @@ def _sample_fused(
             return tokens.tolist()  # type: ignore[no-any-return]
     else:
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
-    table = _fused_table(params, rows, indices, logits.shape[-1])
-    top_k = sum(params[i].top_k > 0 for i in rows)
-    sample_table(logits, table.to(logits.device), tokens, top_k=top_k > 0, plain=top_k < len(rows))
+    vocab = logits.shape[-1]
+    table = _fused_table(params, rows, indices, vocab)
+    top_ks = [k if 0 < k < vocab else 0 for k in (params[i].top_k for i in rows)]
+    sample_table(logits, table.to(logits.device), tokens, top_ks)
     return tokens.tolist()  # type: ignore[no-any-return]
 
 

@@ -49,6 +49,8 @@ tie of the race or a mass on the edge of ``top_p`` to within a few ulps may diff
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -350,12 +352,12 @@ PART_FIELDS = tl.constexpr(8)
 
 @triton.jit
 def _race_chunks_kernel(
-    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, BLOCK: tl.constexpr,
+    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, chunk_k, BLOCK: tl.constexpr,
     BINS: tl.constexpr, TOP_K: tl.constexpr,
 ):  # fmt: skip
     """Step 4 of the rows without a top_k, over more programs: program ``(i, c)`` races
     chunk ``c`` of entry ``i``'s row (``_race_online``) and writes its record. With
-    ``TOP_K``, step 1 of the rows with a top_k of at most ``BLOCK``: the chunk's largest
+    ``TOP_K``, step 1 of the rows with a top_k of at most ``chunk_k``: the chunk's largest
     score and key, and the k-th largest of its lanes' largest keys (or no bound, where the
     chunk has fewer lanes than k), which is at or below the row's k-th key."""
     entry_id = tl.program_id(0).to(tl.int64)
@@ -366,7 +368,7 @@ def _race_chunks_kernel(
     at = part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS
     cols = tl.arange(0, BLOCK)
     if TOP_K:  # noqa: SIM102 (a static branch)
-        if (top_k > 0) & (top_k <= BLOCK):
+        if (top_k > 0) & (top_k <= chunk_k):
             m = tl.full((BLOCK,), float("-inf"), tl.float32)
             lane_hi = tl.full((BLOCK,), -(2**62), tl.int64)
             for start in range(first, end, BLOCK):
@@ -414,19 +416,19 @@ def _combine_races(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2: tl.constexpr)
 
 @triton.jit
 def _check_chunks_kernel(
-    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, max_rounds, scratch_ptr, seg,
-    BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, CANDIDATES: tl.constexpr,
+    logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, chunk_k, max_rounds, scratch_ptr,
+    seg, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, CANDIDATES: tl.constexpr,
 ):  # fmt: skip
     """The first nucleus check of the rows without a top_k, over more programs: program
     ``(i, c)`` combines entry ``i``'s race and races chunk ``c``'s tokens above its winner.
-    With ``CANDIDATES``, step 2 of the rows with a top_k of at most ``BLOCK``: chunk ``c``'s
+    With ``CANDIDATES``, step 2 of the rows with a top_k of at most ``chunk_k``: chunk ``c``'s
     tokens at or above the row's bound (the largest of its chunks' bounds) go to segment
     ``c`` of the row's scratch (``seg`` ids), in order, their count to its record."""
     entry_id = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     row, top_k, temperature, top_p, key_lo, key_hi = _entry(table_ptr, entry_id)
     if CANDIDATES > 0:  # noqa: SIM102 (a static branch)
-        if (top_k > 0) & (top_k <= BLOCK):
+        if (top_k > 0) & (top_k <= chunk_k):
             row_ptr = logits_ptr + row * row_stride
             k = tl.arange(0, CHUNKS_P2)
             parts = part_ptr + (entry_id * tl.num_programs(1) + k) * PART_FIELDS
@@ -482,14 +484,14 @@ def _sample_kernel(
     part_ptr,  # int32 [n, n_chunks, PART_FIELDS]: the chunks' records (read only when CHUNKS)
     n_chunks,
     seg,  # scratch ids per chunk (CHUNK_TOP_K)
+    chunk_k,  # the largest top_k a row's steps 1-2 are made in chunks for (CHUNK_TOP_K)
     max_rounds,  # (a runtime value: a constant 0 made Triton 3.6's coalesce pass fail)
     BLOCK: tl.constexpr,
     BINS: tl.constexpr,
     CANDIDATES: tl.constexpr,  # at most BLOCK
     CHUNKS: tl.constexpr,  # the rows without a top_k were raced (and checked once) in chunks
     CHUNKS_P2: tl.constexpr,  # a power of two at least n_chunks
-    CHUNK_TOP_K: tl.constexpr = False,  # rows with a top_k up to CHUNK_LANES: steps 1-2 too
-    CHUNK_LANES: tl.constexpr = 1,
+    CHUNK_TOP_K: tl.constexpr = False,  # rows with a top_k up to chunk_k: steps 1-2 too
 ):
     entry_id = tl.program_id(0).to(tl.int64)
     row, top_k, temperature, top_p, key_lo, key_hi = _entry(table_ptr, entry_id)
@@ -507,7 +509,7 @@ def _sample_kernel(
         m = tl.full((), 0.0, tl.float32)
         hi = tl.full((), 0, tl.int64)
         if CHUNK_TOP_K:  # noqa: SIM102 (a static branch)
-            if top_k <= CHUNK_LANES:
+            if top_k <= chunk_k:
                 # 1 and 2 from the chunks' records
                 k = tl.arange(0, CHUNKS_P2)
                 parts = part_ptr + (entry_id * n_chunks + k) * PART_FIELDS
@@ -628,18 +630,15 @@ def sample_table(
     logits: torch.Tensor,
     table: torch.Tensor,
     out: torch.Tensor,
-    *,
-    top_k: bool = True,
-    plain: bool = True,
+    top_ks: Sequence[int] | None = None,
 ) -> None:
     """Write into ``out[row]`` the token of each row the ``table`` lists (``TABLE_COLUMNS``).
 
     ``logits`` ``[rows, vocab]`` (unit stride over the vocabulary), ``table`` int64 ``[n,
     TABLE_COLUMNS]`` on the same device (its top_k 0 or in [1, vocab), its temperature > 0,
-    its top_p in (0, 1]), ``out`` int64 ``[rows]``. ``top_k``: whether some row may have one
-    (they take a buffer of ``CANDIDATES`` ids each; without it such a row passes over its
-    logits for every step); ``plain``: whether some row may have none (a small batch races
-    them in chunks, in two more launches). No host sync."""
+    its top_p in (0, 1]), ``out`` int64 ``[rows]``. ``top_ks``: the table's top_k column as
+    host ints, which picks the launches (None: any; rows with a top_k take a buffer of
+    ``CANDIDATES`` ids each, a small batch takes chunks). No host sync."""
     fn = "sample_table"
     check_tensor(fn, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, unit_last_stride=True)
     check_tensor(fn, "table", table, ndim=2, dtypes=(torch.int64,), device=logits.device,
@@ -658,6 +657,8 @@ def sample_table(
     if table.shape[0] == 0:
         return
     block = min(BLOCK, next_power_of_2(logits.shape[1]))
+    top_k = top_ks is None or any(k > 0 for k in top_ks)
+    plain = top_ks is None or any(k <= 0 for k in top_ks)
     candidates = min(CANDIDATES, block) if top_k else 0
     scratch = (
         torch.empty((table.shape[0], candidates), dtype=torch.int32, device=logits.device)
@@ -665,23 +666,30 @@ def sample_table(
         else out  # (never read or written)
     )
     n, vocab = table.shape[0], logits.shape[1]
-    chunks, chunk = chunking(n, vocab) if plain or candidates else (1, vocab)
+    chunks, chunk = chunking(n, vocab)
     part = out  # (never read or written)
     block_c = min(CHUNK_BLOCK, chunk)
     seg = candidates // chunks  # (a chunk's share of a row's candidates)
+    # A top_k row is found in chunks when its candidates (about k a chunk) fit a chunk's share
+    # twice over; a top_k of 1000 in 16 chunks spilled to the passes over the row, 3x slower.
+    chunk_k = min(block_c, seg // 2) if chunks > 1 else 0
+    chunk_top_k = candidates > 0 and (top_ks is None or any(0 < k <= chunk_k for k in top_ks))
+    if not (plain or chunk_top_k):
+        chunks, chunk_k = 1, 0
     if chunks > 1:
         part = torch.empty((n, chunks, PART_FIELDS.value), dtype=torch.int32, device=out.device)
         common = (logits, logits.stride(0), vocab, table, part, chunk)
         _race_chunks_kernel[(n, chunks)](
-            *common, BLOCK=block_c, BINS=BINS, TOP_K=candidates > 0, num_warps=CHUNK_WARPS
+            *common, chunk_k, BLOCK=block_c, BINS=BINS, TOP_K=chunk_top_k, num_warps=CHUNK_WARPS
         )
         _check_chunks_kernel[(n, chunks)](
-            *common, MAX_ROUNDS, scratch, seg, BLOCK=block_c, CHUNKS_P2=next_power_of_2(chunks),
-            CANDIDATES=candidates, num_warps=CHUNK_WARPS,
+            *common, chunk_k, MAX_ROUNDS, scratch, seg, BLOCK=block_c,
+            CHUNKS_P2=next_power_of_2(chunks), CANDIDATES=candidates if chunk_top_k else 0,
+            num_warps=CHUNK_WARPS,
         )  # fmt: skip
     _sample_kernel[(n,)](
-        logits, logits.stride(0), vocab, table, out, scratch, part, chunks, seg, MAX_ROUNDS,
-        BLOCK=block, BINS=BINS, CANDIDATES=candidates, CHUNKS=chunks > 1,
-        CHUNKS_P2=next_power_of_2(chunks), CHUNK_TOP_K=chunks > 1 and candidates > 0,
-        CHUNK_LANES=block_c, num_warps=NUM_WARPS,
+        logits, logits.stride(0), vocab, table, out, scratch, part, chunks, seg, chunk_k,
+        MAX_ROUNDS, BLOCK=block, BINS=BINS, CANDIDATES=candidates, CHUNKS=chunks > 1,
+        CHUNKS_P2=next_power_of_2(chunks), CHUNK_TOP_K=chunks > 1 and chunk_top_k,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
