@@ -657,8 +657,8 @@ def sample_table(
     if table.shape[0] == 0:
         return
     block = min(BLOCK, next_power_of_2(logits.shape[1]))
-    top_k = top_ks is None or any(k > 0 for k in top_ks)
-    plain = top_ks is None or any(k <= 0 for k in top_ks)
+    top_k = top_ks is None or max(top_ks) > 0
+    plain = top_ks is None or min(top_ks) <= 0
     candidates = min(CANDIDATES, block) if top_k else 0
     scratch = (
         torch.empty((table.shape[0], candidates), dtype=torch.int32, device=logits.device)
@@ -673,7 +673,9 @@ def sample_table(
     # A top_k row is found in chunks when its candidates (about k a chunk) fit a chunk's share
     # twice over; a top_k of 1000 in 16 chunks spilled to the passes over the row, 3x slower.
     chunk_k = min(block_c, seg // 2) if chunks > 1 else 0
-    chunk_top_k = candidates > 0 and (top_ks is None or any(0 < k <= chunk_k for k in top_ks))
+    chunk_top_k = candidates > 0 and chunk_k > 0
+    if chunk_top_k and top_ks is not None:
+        chunk_top_k = any(0 < k <= chunk_k for k in top_ks)
     if not (plain or chunk_top_k):
         chunks, chunk_k = 1, 0
     if chunks > 1:
