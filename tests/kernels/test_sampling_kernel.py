@@ -35,10 +35,11 @@ def _logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def _chunks_of(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows without a top_k raced in chunks of ``tokens`` (0: one program a row)."""
+    """A small batch in chunks of ``tokens`` (0: one program a row), two blocks of lanes each
+    (as the default's 8192 tokens are eight blocks of 1024 lanes)."""
     if tokens:
         monkeypatch.setattr(fused, "CHUNK_MIN", tokens)
-        monkeypatch.setattr(fused, "CHUNK_BLOCK", tokens)
+        monkeypatch.setattr(fused, "CHUNK_BLOCK", tokens // 2)
         monkeypatch.setattr(fused, "CHUNKS_MIN", 2)
 
 
@@ -109,13 +110,18 @@ def test_seeded_tokens_are_the_torch_samplers_past_its_candidates(
     assert not differ, differ[:5]
 
 
-def test_top_k_rows_whose_candidates_do_not_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("chunk", [0, 64], ids=["rows", "chunks-of-64"])
+def test_top_k_rows_whose_candidates_do_not_fit(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A top_k past the lanes of a block (no bound from the lanes), and rows whose candidates
     pass the buffer (a block of ties at the k-th, a flat row): these rows pass over the row
-    for the k-th score, from the lanes' bound where there is one; the same tokens."""
+    for the k-th score, from the lanes' bound where there is one; the same tokens. In
+    chunks, the ties pass a chunk's share of the buffer (25) for a top_k of 3."""
     monkeypatch.setattr(fused, "BLOCK", 128)
+    _chunks_of(chunk, monkeypatch)
     logits = _logits(4, 300, seed=5)
-    logits[1, :200] = 1.5  # 200 tied: top_k 3 keeps them all (candidates past 128)
+    logits[1, :200] = 20.0  # 200 tied above the rest: top_k 3 keeps them all (past 128)
     logits[2] = torch.randn(300) * 0.01  # flat: top_k 120 keeps 120 of ~250 candidates
     logits = logits.to(DEVICE)
     differ = []
@@ -226,6 +232,10 @@ def test_the_table_is_checked() -> None:
         ValueError, match=r"sample_table: out must have one entry per row of logits \(2\)"
     ):
         fused.sample_table(logits, torch.tensor([row], device=DEVICE), out[:1])
+    with pytest.raises(
+        ValueError, match=r"sample_table: top_ks must have one entry per table row \(1\), got 2"
+    ):
+        fused.sample_table(logits, torch.tensor([row], device=DEVICE), out, [0, 0])
     with pytest.raises(ValueError, match="sampler must be one of"):
         sample_rows(logits, [SamplingParams(seed=1)] * 2, [0, 0], "cuda")
 

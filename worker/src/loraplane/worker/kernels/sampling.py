@@ -344,13 +344,18 @@ def _entry(table_ptr, entry_id):
     return row, top_k, temperature, top_p, key_lo, key_hi
 
 
-# A chunk's record in the partials buffer (int32, PART_FIELDS per entry and chunk; floats as
-# their bits): its race (largest score, mass, best ratio, winner, largest key), then its part
-# of the first nucleus check (best ratio above the winner, mass above it, winner).
+# A chunk's record in the partials buffer: PART_FIELDS int32 per entry and chunk, floats as
+# their bits. For a row without a top_k: 0 its largest score (-inf where every score is), 1 the
+# mass and 2 the best ratio (both put on that score), 3 the winner, 4 the largest key; then
+# its part of the first nucleus check: 5 the best ratio above the winner, 6 the mass above it,
+# 7 that race's winner (-1: none). For a row whose top_k is found in chunks: 0 its largest
+# score, 1 its bound (the k-th largest of its lanes' largest keys, or NO_BOUND), 4 its largest
+# key, 7 how many of its tokens are at or above the row's bound.
 PART_FIELDS = tl.constexpr(8)
+NO_BOUND = tl.constexpr(-(2**31))  # (below every float32 order key; -inf's is -2139095041)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "chunk_k"])
 def _race_chunks_kernel(
     logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, chunk_k, BLOCK: tl.constexpr,
     BINS: tl.constexpr, TOP_K: tl.constexpr,
@@ -375,13 +380,13 @@ def _race_chunks_kernel(
                 s, valid = _scores(logits_ptr + row * row_stride, start + cols, end, temperature)
                 m = tl.maximum(m, s)
                 lane_hi = tl.maximum(lane_hi, tl.where(valid, _order_key(s), -(2**62)))
-            bound = tl.full((), -(2**31), tl.int64)  # (below every key: no bound)
+            bound = tl.full((), NO_BOUND, tl.int64)
             if top_k <= end - first:
                 bound = _kth_key(lane_hi, cols < end - first, top_k, BINS)
             tl.store(at, tl.max(m, axis=0).to(tl.int32, bitcast=True))
             tl.store(at + 1, bound.to(tl.int32))
             tl.store(at + 4, tl.max(lane_hi, axis=0).to(tl.int32))
-    if top_k == 0:
+    if top_k <= 0:  # (as the row's program has them: no top_k)
         winner, top, mass, m, hi = _race_online(
             logits_ptr + row * row_stride, first, end, temperature, cols, key_lo, key_hi
         )
@@ -414,7 +419,7 @@ def _combine_races(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2: tl.constexpr)
     return m, z, best, tl.max(tl.where(ok, hi_c, -(2**62)), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "chunk_k", "seg"])
 def _check_chunks_kernel(
     logits_ptr, row_stride, vocab, table_ptr, part_ptr, chunk, chunk_k, max_rounds, scratch_ptr,
     seg, BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr, CANDIDATES: tl.constexpr,
@@ -432,7 +437,7 @@ def _check_chunks_kernel(
             row_ptr = logits_ptr + row * row_stride
             k = tl.arange(0, CHUNKS_P2)
             parts = part_ptr + (entry_id * tl.num_programs(1) + k) * PART_FIELDS
-            bound = tl.max(tl.load(parts + 1, mask=k < tl.num_programs(1), other=-(2**31)), axis=0)
+            bound = tl.max(tl.load(parts + 1, mask=k < tl.num_programs(1), other=NO_BOUND), axis=0)
             first = c * chunk
             end = tl.minimum(first + chunk, vocab)
             count = tl.full((), 0, tl.int32)
@@ -445,7 +450,7 @@ def _check_chunks_kernel(
                 tl.store(ids, offs, mask=take & (to < seg))
                 count += tl.sum(take.to(tl.int32), axis=0)
             tl.store(part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS + 7, count)
-    if (top_k == 0) & (top_p < 1.0) & (max_rounds > 0):
+    if (top_k <= 0) & (top_p < 1.0) & (max_rounds > 0):
         row_ptr = logits_ptr + row * row_stride
         m, _, best, _ = _combine_races(part_ptr, entry_id, tl.num_programs(1), vocab, CHUNKS_P2)
         first = c * chunk
@@ -473,14 +478,14 @@ def _combine_checks(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2: tl.constexpr
     return _pick(ratio_c, nxt_c, ok, vocab), tl.sum(tl.where(ok, mass_c, 0.0), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks", "seg", "chunk_k"])
 def _sample_kernel(
     logits_ptr,  # [rows, vocab]
     row_stride,
     vocab,
     table_ptr,  # int64 [n, TABLE_COLUMNS]
     out_ptr,  # int64 [rows]: out[row] = its token
-    scratch_ptr,  # int32 [n, CANDIDATES]: each entry's candidates (read only when CANDIDATES)
+    scratch_ptr,  # int32 [n, CANDIDATES]: each entry's candidates (used only when CANDIDATES)
     part_ptr,  # int32 [n, n_chunks, PART_FIELDS]: the chunks' records (read only when CHUNKS)
     n_chunks,
     seg,  # scratch ids per chunk (CHUNK_TOP_K)
@@ -517,8 +522,8 @@ def _sample_kernel(
                 m_c = tl.load(parts, mask=ok, other=0).to(tl.float32, bitcast=True)
                 m = tl.max(tl.where(ok, m_c, float("-inf")), axis=0)
                 m = tl.where(m == float("-inf"), 0.0, m)
-                floor = tl.max(tl.load(parts + 1, mask=ok, other=-(2**31)), axis=0).to(tl.int64)
-                hi = tl.max(tl.load(parts + 4, mask=ok, other=-(2**31)), axis=0).to(tl.int64)
+                floor = tl.max(tl.load(parts + 1, mask=ok, other=NO_BOUND), axis=0).to(tl.int64)
+                hi = tl.max(tl.load(parts + 4, mask=ok, other=NO_BOUND), axis=0).to(tl.int64)
                 counts = tl.load(parts + 7, mask=ok, other=0)
                 count = tl.where(tl.max(counts, axis=0) <= seg, 0, CANDIDATES + 1)
                 chunked = tl.full((), 1, tl.int32)
@@ -654,6 +659,10 @@ def sample_table(
             f"{fn}: out must have one entry per row of logits ({logits.shape[0]}), got "
             f"{out.shape[0]}"
         )
+    if top_ks is not None and len(top_ks) != table.shape[0]:
+        raise ValueError(
+            f"{fn}: top_ks must have one entry per table row ({table.shape[0]}), got {len(top_ks)}"
+        )
     if table.shape[0] == 0:
         return
     block = min(BLOCK, next_power_of_2(logits.shape[1]))
@@ -670,6 +679,8 @@ def sample_table(
     part = out  # (never read or written)
     block_c = min(CHUNK_BLOCK, chunk)
     seg = candidates // chunks  # (a chunk's share of a row's candidates)
+    # (one value per model: a batch size that changes the chunk count compiles nothing new)
+    chunks_p2 = next_power_of_2(max(chunks, cdiv(vocab, CHUNK_MIN)))
     # A top_k row is found in chunks when its candidates (about k a chunk) fit a chunk's share
     # twice over; a top_k of 1000 in 16 chunks spilled to the passes over the row, 3x slower.
     chunk_k = min(block_c, seg // 2) if chunks > 1 else 0
@@ -686,12 +697,12 @@ def sample_table(
         )
         _check_chunks_kernel[(n, chunks)](
             *common, chunk_k, MAX_ROUNDS, scratch, seg, BLOCK=block_c,
-            CHUNKS_P2=next_power_of_2(chunks), CANDIDATES=candidates if chunk_top_k else 0,
+            CHUNKS_P2=chunks_p2, CANDIDATES=candidates if chunk_top_k else 0,
             num_warps=CHUNK_WARPS,
         )  # fmt: skip
     _sample_kernel[(n,)](
         logits, logits.stride(0), vocab, table, out, scratch, part, chunks, seg, chunk_k,
         MAX_ROUNDS, BLOCK=block, BINS=BINS, CANDIDATES=candidates, CHUNKS=chunks > 1,
-        CHUNKS_P2=next_power_of_2(chunks), CHUNK_TOP_K=chunks > 1 and chunk_top_k,
+        CHUNKS_P2=chunks_p2, CHUNK_TOP_K=chunks > 1 and chunk_top_k,
         num_warps=NUM_WARPS,
     )  # fmt: skip
