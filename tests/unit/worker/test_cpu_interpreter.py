@@ -29,3 +29,13 @@ def test_triton_imported_first_is_refused_naming_the_fix(
     runner = ModelRunner(RunnerConfig(model=str(model_dir), device="cpu", sampler="torch"))
     assert runner.model_config.vocab_size > 0
     assert "TRITON_INTERPRET" not in os.environ
+
+
+def test_compiled_kernels_asked_for_on_a_cpu_are_refused(
+    suite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model_dir, _ = suite["llama"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"TRITON_INTERPRET=0 asks for compiled Triton kernels"):
+        ModelRunner(RunnerConfig(model=str(model_dir), device="cpu", lora_backend="torch",
+                                 sampler="triton"))  # fmt: skip

@@ -43,8 +43,16 @@ def _interpret_triton() -> None:
     helpers (``tl.zeros``...) when triton is imported: set after that, our kernels would be
     interpreted and its helpers not ("Cannot call @triton.jit'd outside of the scope of a
     kernel"). torch imports triton on its first ops (dynamo looks for it), so this runs
-    before the model is built, and refuses where triton came earlier."""
+    before the model is built, and refuses where triton came earlier, or where the
+    environment asks for compiled kernels."""
     if "TRITON_INTERPRET" in os.environ:
+        value = os.environ["TRITON_INTERPRET"]
+        if value.strip().lower() in ("", "0", "false", "off", "no"):
+            raise RuntimeError(
+                f"TRITON_INTERPRET={value} asks for compiled Triton kernels, which need a GPU: "
+                "on a CPU unset it (the worker then selects Triton's interpreter), or use "
+                "--lora-backend torch and --sampler torch"
+            )
         return  # (the caller's choice)
     if "triton" in sys.modules:
         raise RuntimeError(
