@@ -298,6 +298,21 @@ def _kth_key_of_row(row_ptr, vocab, temperature, cols, floor, top, top_k, BINS: 
 
 
 @triton.jit
+def _compact(row_ptr, first, end, temperature, cols, bound, ids_ptr, cap):
+    """The ids of the tokens of ``[first, end)`` whose key is at least ``bound``, in order, to
+    ``ids_ptr`` (the first ``cap`` of them); returns how many there are."""
+    count = tl.full((), 0, tl.int32)
+    for start in range(first, end, cols.shape[0]):
+        offs = start + cols
+        s, valid = _scores(row_ptr, offs, end, temperature)
+        take = valid & (_order_key(s) >= bound)
+        at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(ids_ptr + at, offs, mask=take & (at < cap))
+        count += tl.sum(take.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
 def _sample_candidates(
     row_ptr, vocab, temperature, ids, inside, top_k, top_p, m, key_lo, key_hi, max_rounds,
     BINS: tl.constexpr,
@@ -440,15 +455,10 @@ def _check_chunks_kernel(
             bound = tl.max(tl.load(parts + 1, mask=k < tl.num_programs(1), other=NO_BOUND), axis=0)
             first = c * chunk
             end = tl.minimum(first + chunk, vocab)
-            count = tl.full((), 0, tl.int32)
-            for start in range(first, end, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                s, valid = _scores(row_ptr, offs, end, temperature)
-                take = valid & (_order_key(s) >= bound)
-                to = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-                ids = scratch_ptr + entry_id * CANDIDATES + c * seg + to
-                tl.store(ids, offs, mask=take & (to < seg))
-                count += tl.sum(take.to(tl.int32), axis=0)
+            count = _compact(
+                row_ptr, first, end, temperature, tl.arange(0, BLOCK), bound,
+                scratch_ptr + entry_id * CANDIDATES + c * seg, seg,
+            )  # fmt: skip
             tl.store(part_ptr + (entry_id * tl.num_programs(1) + c) * PART_FIELDS + 7, count)
     if (top_k <= 0) & (top_p < 1.0) & (max_rounds > 0):
         row_ptr = logits_ptr + row * row_stride
@@ -551,18 +561,10 @@ def _sample_kernel(
             if CANDIDATES > 0:  # noqa: SIM102 (a static branch: a launch with no top_k row compiles without it)
                 if top_k <= tl.minimum(vocab, BLOCK):
                     floor = _kth_key(hi_lanes, cols < vocab, top_k, BINS)
-                    count = tl.full((), 0, tl.int32)
-                    for start in range(0, vocab, BLOCK):
-                        offs = start + cols
-                        s, valid = _scores(row_ptr, offs, vocab, temperature)
-                        take = valid & (_order_key(s) >= floor)
-                        at = count + tl.cumsum(take.to(tl.int32), axis=0) - 1
-                        tl.store(
-                            scratch_ptr + entry_id * CANDIDATES + at,
-                            offs,
-                            mask=take & (at < CANDIDATES),
-                        )
-                        count += tl.sum(take.to(tl.int32), axis=0)
+                    count = _compact(
+                        row_ptr, 0, vocab, temperature, cols, floor,
+                        scratch_ptr + entry_id * CANDIDATES, CANDIDATES,
+                    )  # fmt: skip
         if count <= CANDIDATES:
             tl.debug_barrier()  # every thread's stores are seen by the loads below
             if chunked != 0:  # segment c of the scratch holds chunk c's candidates
