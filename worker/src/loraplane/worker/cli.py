@@ -248,6 +248,16 @@ def serve_cmd(
             help="Replay decode steps from CUDA graphs (CUDA with tp = dp = 1; else ignored)"
         ),
     ] = True,
+    warmup: Annotated[
+        bool | None,
+        typer.Option(
+            "--warmup/--no-warmup",
+            help="Before listening, run the steps that compile the Triton kernels and capture "
+            "the decode graphs (base, sampler, LoRA in 1..K slots of a blank adapter), so the "
+            "first requests do not wait for them. Default: on with --device cuda",
+            show_default=False,
+        ),
+    ] = None,
     sampler: Annotated[
         str,
         typer.Option(
@@ -297,6 +307,7 @@ def serve_cmd(
             stage_slots=stage_slots,
             lora_backend=lora_backend,
             cuda_graphs=cuda_graphs,
+            warmup=warmup,
             sampler=sampler,
             max_running=max_running,
             max_model_len=max_model_len,

@@ -88,6 +88,11 @@ class Executor(Protocol):
         """Forget an adapter's host copy on every rank."""
         ...
 
+    def hold_blank(self, name: str, rank: int) -> None:
+        """Hold a zero adapter of ``rank`` over every LoRA target, as if read on every group
+        (``lora.adapter.blank_adapter``; the warm-up loads it into slots)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -145,6 +150,9 @@ class LocalExecutor:
 
     def drop_adapter(self, name: str) -> None:
         self.host.pop(name, None)
+
+    def hold_blank(self, name: str, rank: int) -> None:
+        self.host[name] = self.runner.blank_adapter(name, rank)
 
     def shutdown(self) -> None:
         pass

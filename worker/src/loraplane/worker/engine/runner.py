@@ -13,7 +13,7 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graphs_enabled
-from loraplane.worker.lora.adapter import AdapterWeights, load_adapter
+from loraplane.worker.lora.adapter import AdapterWeights, blank_adapter, load_adapter
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager, stages_eager_batches
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
@@ -128,6 +128,11 @@ class ModelRunner:
             experts_enabled=self.lora_config.experts,
             slot_dtype=self.dtype,
         )
+
+    def blank_adapter(self, name: str, rank: int) -> AdapterWeights:
+        """A zero adapter of ``rank`` over every target this runner's slots hold."""
+        assert self.lora is not None, "this runner was built without LoRA"
+        return blank_adapter(name, rank, self.lora.enabled_modules)
 
     @torch.inference_mode()
     def forward(

@@ -72,6 +72,15 @@ class AdapterWeights:
         return total
 
 
+def blank_adapter(name: str, rank: int, target_modules: tuple[str, ...]) -> AdapterWeights:
+    """An adapter of ``rank`` whose every weight is zero: in a slot, its LoRA runs every
+    kernel a real adapter of that rank runs and adds nothing (``engine.warmup``)."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    # no tensors: a slot is zeroed before an adapter's weights go in (LoRAManager.load_slot)
+    return AdapterWeights(name, "", rank, float(rank), 1.0, target_modules)
+
+
 def _dense_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) of a dense projection of the base model."""
     h = config.hidden_size

@@ -126,6 +126,10 @@ def _rank_loop(
             elif cmd == "drop":
                 host.pop(args, None)
                 outbox.put(("ok", rank, None))
+            elif cmd == "blank":
+                name, adapter_rank = args
+                host[name] = runner.blank_adapter(name, adapter_rank)
+                outbox.put(("ok", rank, None))
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except BaseException:
@@ -232,6 +236,9 @@ class MultiRankExecutor:
 
     def drop_adapter(self, name: str) -> None:
         self._send("drop", name)
+
+    def hold_blank(self, name: str, rank: int) -> None:
+        self._send("blank", (name, rank))
 
     def shutdown(self) -> None:
         try:

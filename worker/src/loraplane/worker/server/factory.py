@@ -25,6 +25,7 @@ class ServeConfig:
     lora_backend: str = "triton"
     sampler: str = "auto"  # engine.sampling.SAMPLERS
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
+    warmup: bool | None = None  # engine.warmup before serving; None: on CUDA only
     max_running: int = 32
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
     loras: tuple[tuple[str, str], ...] = ()
@@ -75,6 +76,12 @@ class ServeConfig:
             pinned=self.pinned,
             stage_slots=self.stage_slots,
         )
+
+    @property
+    def warms_up(self) -> bool:
+        """Whether the worker runs ``engine.warmup`` before it serves (default: on a GPU,
+        where kernels compile and graphs capture; a CPU runs Triton interpreted)."""
+        return self.warmup if self.warmup is not None else self.device == "cuda"
 
     @property
     def rows_per_group(self) -> int:

@@ -24,6 +24,17 @@ def build_server(config: ServeConfig) -> WorkerServer:
     max_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
     tokenizer = TextTokenizer(config.model)
     executor = make_executor(config, max_len)
+    if config.warms_up:
+        from loraplane.worker.engine.warmup import plan_for, warm_up
+
+        plan = plan_for(
+            executor.max_seqs, executor.max_len, config.max_loras_per_batch, config.max_lora_rank
+        )
+        try:
+            warm_up(executor, plan)
+        except BaseException:
+            executor.shutdown()
+            raise
     faults = FaultInjector(executor.dp_size) if config.enable_fault_injection else None
     metrics = WorkerMetrics(executor.dp_size, config.max_loras_per_batch, config.max_loaded_loras)
     engine = Engine(

@@ -1,0 +1,190 @@
+"""Probe: what a fresh worker's first requests wait for, with and without the warm-up.
+
+    python bench/probes/cold_start.py OUT.json [--device cuda|cpu] [--arch llama|qwen3-moe]
+        [--layers 8] [--hidden 2048] [--max-running 64]
+
+Writes a bf16 fixture model and two rank-16 adapters (every target) to a temporary
+directory, then runs one child process per setting, ``--no-warmup`` then ``--warmup``, each
+with an empty Triton cache (``TRITON_CACHE_DIR``, set before triton is imported), as a new
+pod has. Each child builds the worker as ``loraplane worker serve`` does (``build_server``,
+without the HTTP listener), loads both adapters and times requests of 8 new tokens, each
+kind twice in a row (``first``, ``again``): one greedy base request, 16 at once, one with
+an adapter, 16 at once with both adapters, 40 at once with one, one top_p and one top_k
+request. ``start_s`` is the time from the start of ``build_server`` to a worker that
+serves (model load, warm-up, engine start). The ``first - again`` of a kind is what its
+first request waited for: compiles and captures. Prints and writes one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REQUEST_TOKENS = 8
+
+
+def _requests(server: Any, count: int, adapters: list[str | None], params: Any) -> float:
+    """Wall seconds until ``count`` requests (adapter ``adapters[i % len]``) all finish."""
+    engine = server.engine
+    done = threading.Semaphore(0)
+    errors: list[str] = []
+
+    def sink(event: Any) -> None:
+        if event.error:
+            errors.append(event.error)
+        if event.finished:
+            done.release()
+
+    t0 = time.perf_counter()
+    for i in range(count):
+        prompt = [1 + (13 * i + j) % 200 for j in range(12)]
+        engine.submit(f"r{i}", prompt, params, adapters[i % len(adapters)], sink)
+    for _ in range(count):
+        if not done.acquire(timeout=600):
+            raise TimeoutError("a request did not finish in 600 s")
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    return time.perf_counter() - t0
+
+
+def child(
+    model: str, adapters: list[str], warmup: bool, max_running: int, device: str
+) -> dict[str, Any]:
+    from loraplane.worker.engine.sampling import SamplingParams
+    from loraplane.worker.server.factory import ServeConfig
+    from loraplane.worker.server.serve import build_server
+
+    config = ServeConfig(
+        model=model,
+        device=device,
+        dtype="float32" if device == "cpu" else None,  # (the CPU's Triton interpreter)
+        warmup=warmup,
+        max_running=max_running,
+        max_lora_rank=64,
+    )
+    t0 = time.perf_counter()
+    server = build_server(config)
+    result: dict[str, Any] = {"warmup": warmup, "start_s": time.perf_counter() - t0}
+    names = ["a", "b"]
+    t0 = time.perf_counter()
+    for name, path in zip(names, adapters, strict=True):
+        loaded = server.engine.load_adapter(name, path).result()
+        assert loaded.success, loaded.error_message
+    result["load_two_s"] = time.perf_counter() - t0
+    greedy = SamplingParams(max_new_tokens=REQUEST_TOKENS, temperature=0.0, ignore_eos=True)
+    top_p = SamplingParams(
+        max_new_tokens=REQUEST_TOKENS, temperature=0.7, top_p=0.9, ignore_eos=True
+    )
+    top_k = SamplingParams(
+        max_new_tokens=REQUEST_TOKENS, temperature=0.7, top_k=50, ignore_eos=True
+    )
+    kinds: list[tuple[str, int, list[str | None], Any]] = [
+        ("base bs1", 1, [None], greedy),
+        ("base bs16", 16, [None], greedy),
+        ("lora bs1", 1, ["a"], greedy),
+        ("lora bs16 two adapters", 16, ["a", "b"], greedy),
+        ("lora bs40", 40, ["a"], greedy),
+        ("top_p bs1", 1, [None], top_p),
+        ("top_k bs1", 1, [None], top_k),
+    ]
+    result["requests"] = []
+    try:
+        for label, count, which, params in kinds:
+            first = _requests(server, count, which, params)
+            again = _requests(server, count, which, params)
+            row = {"kind": label, "first_s": first, "again_s": again, "waited_s": first - again}
+            print(json.dumps(row), flush=True)
+            result["requests"].append(row)
+    finally:
+        server.engine.stop()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--device", default="cuda", help="cuda, or cpu to try the probe itself")
+    p.add_argument("--arch", default="llama", choices=("llama", "qwen3-moe"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--child", help=argparse.SUPPRESS)  # JSON args of one child run
+    args = p.parse_args(argv)
+    if args.child:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        spec = json.loads(args.child)
+        args.out.write_text(json.dumps(child(**spec)))
+        return 0
+
+    from loraplane.worker.bench.common import env_info
+    from loraplane.worker.fixtures.adapters import make_adapter
+    from loraplane.worker.fixtures.models import make_model
+
+    payload: dict[str, Any] = {"probe": "cold_start", "env": env_info(args.device), "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        moe = args.arch == "qwen3-moe"
+        model = make_model(
+            root / "model",
+            args.arch,
+            dtype="bfloat16",
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.hidden // 128,
+            num_kv_heads=max(1, args.hidden // 512),
+            intermediate_size=args.hidden * 11 // 4,
+            vocab_size=32000,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=args.hidden // 2,
+            head_dim=128,
+            max_position_embeddings=4096,
+        )
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        if not moe:
+            targets += ["gate_proj", "up_proj", "down_proj"]
+        adapters = [
+            str(
+                make_adapter(
+                    model,
+                    root / name,
+                    rank=16,
+                    alpha=32,
+                    targets=targets,
+                    seed=s,
+                    experts=moe,
+                    dtype="bfloat16",
+                )
+            )
+            for s, name in enumerate(("a", "b"))
+        ]
+        for warmup in (False, True):
+            out = root / f"child_{warmup}.json"
+            spec = {
+                "model": str(model),
+                "adapters": adapters,
+                "warmup": warmup,
+                "max_running": args.max_running,
+                "device": args.device,
+            }
+            env = {**os.environ, "TRITON_CACHE_DIR": str(root / f"triton_cache_{warmup}")}
+            cmd = [sys.executable, __file__, str(out), "--child", json.dumps(spec)]
+            subprocess.run(cmd, env=env, check=True)
+            run = json.loads(out.read_text())
+            print(json.dumps({k: v for k, v in run.items() if k != "requests"}), flush=True)
+            payload["runs"].append(run)
+    args.out.write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The worker's warm-up: the steps a fresh worker runs before it listens, so that its first
+requests do not wait for Triton's compiles and the decode graphs' captures.
+
+A fresh process compiles each Triton kernel variant at its first launch (the LoRA shrink,
+expand and stacked epilogues, the experts' kernels, attention, the fused sampler: one per
+batch class, stage width and rank, top_k or not, chunked or not) and captures a decode graph
+per batch bucket and LoRA shape at its first step. With an empty Triton cache, which is every
+new pod's, a request that meets them waits seconds (docs/performance.md, "Session 25").
+``warm_up`` runs them through the executor, on every rank, before the server listens; the
+pod's readiness waits for it instead of a client:
+
+* the base model: a prefill of two sequences, then a greedy decode step at every decode
+  graph bucket up to the worker's running cap (each bucket's LoRA-off graph is captured);
+* the sampler: decode steps of temperature/top_p rows and of top_k rows with a seeded one, at
+  one row (the chunked launches) and at the largest bucket;
+* LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
+  rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
+  stage width, and the kernels past the stage): a prefill with each adapter and decode steps
+  of mixed adapters at a few buckets. The slots are cleared and the adapter dropped after, so no adapter is loaded
+  when the server starts (adapters given with ``--lora`` are loaded after the warm-up).
+
+The steps write KV-cache rows at positions that a sequence given the row later writes itself
+before it reads them. Nothing the engine tracks (residency, metrics, step counts) changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraplane.worker.engine.executor import Executor, SeqWork
+from loraplane.worker.engine.graphs import graph_buckets
+from loraplane.worker.engine.sampling import GREEDY, SamplingParams
+from loraplane.worker.lora.stage import MIN_STAGE_RANK
+
+log = logging.getLogger(__name__)
+
+# The adapter the warm-up loads (never visible: the engine is not running yet).
+BLANK_NAME = "loraplane-warmup-blank"
+# Decode sizes of the LoRA steps (each rounded up to a bucket that fits the adapters): the
+# longest segment's classes of the LoRA graphs and kernels (16, 32, more).
+LORA_SIZES = (1, 16, 32, 128)
+PREFILL_LENGTHS = (16, 61)
+_TOP_P = SamplingParams(temperature=0.7, top_p=0.9)
+_TOP_K = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
+_SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=1)
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    decode_sizes: tuple[int, ...]  # greedy decode steps, one each
+    sampler_sizes: tuple[int, ...]  # decode steps of sampled rows
+    ranks: tuple[int, ...] = ()  # blank adapters' ranks; () without LoRA
+    adapter_counts: tuple[int, ...] = ()  # distinct adapters in a LoRA step
+    lora_sizes: tuple[int, ...] = ()  # decode sizes of the LoRA steps (at least the count's bucket)
+    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+
+
+def plan_for(
+    max_seqs: int, max_len: int, max_loras_per_batch: int | None, max_lora_rank: int
+) -> WarmupPlan:
+    """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
+    cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA)."""
+    sizes = tuple(graph_buckets(max_seqs))
+    lengths = tuple(min(n, max_len - 1) for n in PREFILL_LENGTHS)
+    plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), prefill_lengths=lengths)
+    if not max_loras_per_batch:
+        return plan
+    counts, n = [], 1
+    while n < max_loras_per_batch:
+        counts.append(n)
+        n *= 2
+    counts.append(max_loras_per_batch)
+    return WarmupPlan(
+        plan.decode_sizes,
+        plan.sampler_sizes,
+        ranks=stage_ranks(max_lora_rank),
+        adapter_counts=tuple(counts),
+        lora_sizes=tuple(sorted({_bucket(sizes, s) for s in LORA_SIZES})),
+        prefill_lengths=lengths,
+    )
+
+
+def stage_ranks(max_lora_rank: int) -> tuple[int, ...]:
+    """Every stage rank an adapter can get (``lora.stage.Stage.assign``: its rank rounded up
+    to a power of two, at least ``MIN_STAGE_RANK``, at most the slots'), smallest first: the
+    staged kernels and graphs differ by it."""
+    ranks, r = {max_lora_rank}, MIN_STAGE_RANK
+    while r < max_lora_rank:
+        ranks.add(r)
+        r *= 2
+    return tuple(sorted(ranks))
+
+
+def _bucket(sizes: tuple[int, ...], rows: int) -> int:
+    return next((b for b in sizes if b >= rows), sizes[-1])
+
+
+@dataclass
+class WarmupReport:
+    seconds: float = 0.0
+    steps: int = 0
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "steps": self.steps, "phases": dict(self.phases)}
+
+
+def _tokens(n: int, vocab: int, salt: int = 0) -> tuple[int, ...]:
+    return tuple(1 + (7 * j + salt) % (vocab - 1) for j in range(n))
+
+
+class _Runner:
+    """Runs the warm-up's steps on every DP group and keeps the report."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.vocab = executor.model_config.vocab_size
+        self.report = WarmupReport()
+
+    def step(self, work: list[SeqWork]) -> None:
+        self.executor.step([work] * self.executor.dp_size)
+        self.report.steps += 1
+
+    def phase(self, name: str, body: Callable[..., None], *args: Any) -> None:
+        t0 = time.perf_counter()
+        body(*args)
+        took = time.perf_counter() - t0
+        self.report.phases[name] = self.report.phases.get(name, 0.0) + took
+        log.info("warm-up: %s (%.2f s)", name, took)
+
+    def prefill(self, lengths: tuple[int, ...], slots: list[int]) -> None:
+        """One prefill step: a sequence per slot (``-1``: no adapter), lengths taking turns."""
+        self.step(
+            [
+                SeqWork(row, 0, _tokens(lengths[row % len(lengths)], self.vocab, row), slot)
+                for row, slot in enumerate(slots)
+            ]
+        )
+
+    def decode(self, slots: list[int], params: list[SamplingParams] | None = None) -> None:
+        """One decode step: row ``i`` at position 0, with ``slots[i]`` and ``params[i]``."""
+        params = params or [GREEDY] * len(slots)
+        self.step(
+            [
+                SeqWork(row, 0, _tokens(1, self.vocab, row), slot, p, index=row)
+                for row, (slot, p) in enumerate(zip(slots, params, strict=True))
+            ]
+        )
+
+
+def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
+    """Run ``plan``'s steps through ``executor`` before it serves (see the module docstring);
+    every LoRA slot it used is empty again after, and its adapter is dropped."""
+    t0 = time.perf_counter()
+    run = _Runner(executor)
+    none = -1
+    run.phase("prefill", run.prefill, plan.prefill_lengths, [none, none])
+    for size in plan.decode_sizes:
+        run.phase(f"decode bs={size}", run.decode, [none] * size)
+    for size in plan.sampler_sizes:
+        for label, mix in (("top_p", [_TOP_P]), ("top_k", [_TOP_K, _TOP_P, _SEEDED])):
+            params = [mix[i % len(mix)] for i in range(size)]
+            run.phase(f"sampler {label} bs={size}", run.decode, [none] * size, params)
+    if plan.ranks:
+        _warm_lora(run, plan)
+    run.report.seconds = time.perf_counter() - t0
+    log.info(
+        "warm-up done in %.1f s (%d steps): the first requests compile and capture nothing "
+        "it ran (--no-warmup skips it)",
+        run.report.seconds,
+        run.report.steps,
+    )
+    return run.report
+
+
+def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, sizes: list[int]) -> None:
+    run.prefill(plan.prefill_lengths, list(range(count)))
+    for size in sizes:  # rows in slot order, as the engine orders a batch
+        run.decode(sorted(i % count for i in range(size)))
+
+
+def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
+    executor = run.executor
+    used = max(plan.adapter_counts)
+    try:
+        for rank in plan.ranks:
+            executor.hold_blank(BLANK_NAME, rank)
+            for count in plan.adapter_counts:
+                for slot in range(count):
+                    executor.load_slot(slot, BLANK_NAME)
+
+                # each size rounded up to a bucket that gives every adapter a row
+                sizes = sorted({_bucket(plan.decode_sizes, max(s, count)) for s in plan.lora_sizes})
+
+                run.phase(
+                    f"LoRA rank {rank}, {count} adapter(s)", _lora_steps, run, plan, count, sizes
+                )
+    finally:
+        for slot in range(used):
+            executor.clear_slot(slot)
+        executor.drop_adapter(BLANK_NAME)
