@@ -6,11 +6,11 @@
 Writes a bf16 fixture model and two rank-16 adapters (every target) to a temporary
 directory, then runs one child process per setting, ``--no-warmup`` then ``--warmup``, each
 with an empty Triton cache (``TRITON_CACHE_DIR``, set before triton is imported), as a new
-pod has. Each child builds the worker as ``loraplane worker serve`` does (``build_server``,
-without the HTTP listener), loads both adapters and times requests of 8 new tokens, each
+pod has. Each child builds the worker's engine as ``loraplane worker serve`` does
+(``factory.build_engine``: no HTTP stack), loads both adapters and times requests of 8 new tokens, each
 kind twice in a row (``first``, ``again``): one greedy base request, 16 at once, one with
 an adapter, 16 at once with both adapters, 40 at once with one, one top_p and one top_k
-request. ``start_s`` is the time from the start of ``build_server`` to a worker that
+request. ``start_s`` is the time from the start of ``build_engine`` to an engine that
 serves (model load, warm-up, engine start). The ``first - again`` of a kind is what its
 first request waited for: compiles and captures. Prints and writes one JSON object.
 """
@@ -32,9 +32,8 @@ from typing import Any
 REQUEST_TOKENS = 8
 
 
-def _requests(server: Any, count: int, adapters: list[str | None], params: Any) -> float:
+def _requests(engine: Any, count: int, adapters: list[str | None], params: Any) -> float:
     """Wall seconds until ``count`` requests (adapter ``adapters[i % len]``) all finish."""
-    engine = server.engine
     done = threading.Semaphore(0)
     errors: list[str] = []
 
@@ -60,8 +59,7 @@ def child(
     model: str, adapters: list[str], warmup: bool, max_running: int, device: str
 ) -> dict[str, Any]:
     from loraplane.worker.engine.sampling import SamplingParams
-    from loraplane.worker.server.factory import ServeConfig
-    from loraplane.worker.server.serve import build_server
+    from loraplane.worker.server.factory import ServeConfig, build_engine
 
     config = ServeConfig(
         model=model,
@@ -72,12 +70,13 @@ def child(
         max_lora_rank=64,
     )
     t0 = time.perf_counter()
-    server = build_server(config)
+    engine = build_engine(config)
+    engine.start()
     result: dict[str, Any] = {"warmup": warmup, "start_s": time.perf_counter() - t0}
     names = ["a", "b"]
     t0 = time.perf_counter()
     for name, path in zip(names, adapters, strict=True):
-        loaded = server.engine.load_adapter(name, path).result()
+        loaded = engine.load_adapter(name, path).result()
         assert loaded.success, loaded.error_message
     result["load_two_s"] = time.perf_counter() - t0
     greedy = SamplingParams(max_new_tokens=REQUEST_TOKENS, temperature=0.0, ignore_eos=True)
@@ -99,13 +98,13 @@ def child(
     result["requests"] = []
     try:
         for label, count, which, params in kinds:
-            first = _requests(server, count, which, params)
-            again = _requests(server, count, which, params)
+            first = _requests(engine, count, which, params)
+            again = _requests(engine, count, which, params)
             row = {"kind": label, "first_s": first, "again_s": again, "waited_s": first - again}
             print(json.dumps(row), flush=True)
             result["requests"].append(row)
     finally:
-        server.engine.stop()
+        engine.stop()
     return result
 
 

@@ -4,6 +4,7 @@ the tokens a worker without the warm-up serves."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,8 +21,7 @@ pytestmark = [
 
 
 def _server(model_dir: Any, warmup: bool) -> Any:
-    from loraplane.worker.server.factory import ServeConfig
-    from loraplane.worker.server.serve import build_server
+    from loraplane.worker.server.factory import ServeConfig, build_engine
 
     config = ServeConfig(
         model=str(model_dir),
@@ -33,7 +33,9 @@ def _server(model_dir: Any, warmup: bool) -> Any:
         max_lora_rank=32,
         max_model_len=64,
     )
-    return build_server(config)
+    engine = build_engine(config)  # (serve.build_server's engine; the image has no FastAPI)
+    engine.start()
+    return SimpleNamespace(engine=engine)
 
 
 def test_the_first_requests_capture_no_graph_and_get_the_same_tokens(suite) -> None:  # type: ignore[no-untyped-def]

@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.engine import Engine, EngineObserver, FaultHook
 from loraplane.worker.engine.executor import Executor
 from loraplane.worker.engine.sampling import SAMPLERS
+from loraplane.worker.engine.tokenizer import TextTokenizer
+from loraplane.worker.engine.warmup import plan_for, warm_up
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,3 +147,40 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
 
     pconf = ParallelConfig(tp=config.tp, dp=config.dp, dp_attention=config.dp_attention)
     return MultiRankExecutor(pconf, runner, config.lora_config)
+
+
+def build_engine(
+    config: ServeConfig,
+    *,
+    observer: EngineObserver | None = None,
+    fault_hook: FaultHook | None = None,
+) -> Engine:
+    """The engine of ``config`` (not started): its executor built and, when
+    ``config.warms_up``, warmed up (``engine.warmup``), which is where a worker spends its
+    start after loading the model. Needs no HTTP stack (``serve.build_server`` adds it)."""
+    model_config = ModelConfig.from_dir(config.model)
+    max_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
+    tokenizer = TextTokenizer(config.model)
+    executor = make_executor(config, max_len)
+    try:
+        if config.warms_up:
+            plan = plan_for(
+                executor.max_seqs,
+                executor.max_len,
+                config.max_loras_per_batch,
+                config.max_lora_rank,
+            )
+            warm_up(executor, plan)
+        return Engine(
+            executor,
+            tokenizer,
+            max_loras_per_batch=config.max_loras_per_batch,
+            max_loaded_loras=config.max_loaded_loras,
+            max_running=config.max_running,
+            max_model_len=max_len,
+            observer=observer,
+            fault_hook=fault_hook,
+        )
+    except BaseException:
+        executor.shutdown()
+        raise

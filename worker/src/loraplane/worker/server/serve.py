@@ -5,11 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from loraplane.worker.config import ConfigError, ModelConfig
-from loraplane.worker.engine.engine import Engine
-from loraplane.worker.engine.tokenizer import TextTokenizer
+from loraplane.worker.config import ConfigError
 from loraplane.worker.server.app import WorkerServer, _allowed, create_app
-from loraplane.worker.server.factory import ServeConfig, make_executor
+from loraplane.worker.server.factory import ServeConfig, build_engine
 from loraplane.worker.server.faults import FaultInjector
 from loraplane.worker.server.metrics import WorkerMetrics
 
@@ -20,36 +18,12 @@ LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 def build_server(config: ServeConfig) -> WorkerServer:
     """Everything but the HTTP listener; raises ConfigError for a configuration that cannot run."""
-    model_config = ModelConfig.from_dir(config.model)
-    max_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
-    tokenizer = TextTokenizer(config.model)
-    executor = make_executor(config, max_len)
-    if config.warms_up:
-        from loraplane.worker.engine.warmup import plan_for, warm_up
-
-        plan = plan_for(
-            executor.max_seqs, executor.max_len, config.max_loras_per_batch, config.max_lora_rank
-        )
-        try:
-            warm_up(executor, plan)
-        except BaseException:
-            executor.shutdown()
-            raise
-    faults = FaultInjector(executor.dp_size) if config.enable_fault_injection else None
-    metrics = WorkerMetrics(executor.dp_size, config.max_loras_per_batch, config.max_loaded_loras)
-    engine = Engine(
-        executor,
-        tokenizer,
-        max_loras_per_batch=config.max_loras_per_batch,
-        max_loaded_loras=config.max_loaded_loras,
-        max_running=config.max_running,
-        max_model_len=max_len,
-        observer=metrics,
-        fault_hook=faults.take if faults else None,
-    )
+    faults = FaultInjector(config.dp) if config.enable_fault_injection else None
+    metrics = WorkerMetrics(config.dp, config.max_loras_per_batch, config.max_loaded_loras)
+    engine = build_engine(config, observer=metrics, fault_hook=faults.take if faults else None)
     engine.start()
     served = config.served_model_name or Path(config.model).resolve().name
-    metrics.set_info(served, config.tp, executor.dp_size)
+    metrics.set_info(served, config.tp, config.dp)
     server = WorkerServer(
         engine,
         served_model=served,
