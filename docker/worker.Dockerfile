@@ -18,7 +18,13 @@ RUN touch README.md \
  && pip install "safetensors==0.8.0" "numpy==2.4.6" "tokenizers==0.23.3" "fastapi==0.165.0" \
       "uvicorn==0.54.0" "httpx==0.28.1" "pydantic==2.14.4" "prometheus-client==0.26.0" \
       "typer==0.29.2" "rich==15.0.0" \
- && rm -rf /src
+ && rm -rf /src \
+ && mkdir -p /var/cache/loraplane/triton && chown -R 10001:10001 /var/cache/loraplane
+# Triton writes each kernel it compiles under its cache; by default that is ~/.triton, and a
+# user without a home (10001 here) gets HOME=/, which it cannot write: the first compile
+# would fail. Mount a volume here to keep compiled kernels across pod restarts (the warm-up,
+# docs/worker-server.md, then compiles nothing).
+ENV TRITON_HOME=/var/cache/loraplane TRITON_CACHE_DIR=/var/cache/loraplane/triton
 
 USER 10001:10001
 WORKDIR /

@@ -9,15 +9,18 @@ new pod's, a request that meets them waits seconds (docs/performance.md, "Sessio
 ``warm_up`` runs them through the executor, on every rank, before the server listens; the
 pod's readiness waits for it instead of a client:
 
-* the base model: a prefill of two sequences, then a greedy decode step at every decode
+* the base model: prefill steps of 16, 29, 320 and 333 tokens (sizes that are and are not
+  multiples of 16, which Triton compiles apart), then a greedy decode step at every decode
   graph bucket up to the worker's running cap (each bucket's LoRA-off graph is captured);
 * the sampler: decode steps of temperature/top_p rows and of top_k rows with a seeded one, at
   one row (the chunked launches) and at the largest bucket;
 * LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
   rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
-  stage width, and the kernels past the stage): a prefill with each adapter and decode steps
-  of mixed adapters at a few buckets. The slots are cleared and the adapter dropped after, so no adapter is loaded
-  when the server starts (adapters given with ``--lora`` are loaded after the warm-up).
+  stage width, and the kernels past the stage): the same prefill steps with the adapters
+  taking turns by row (past 256 rows a batch leaves the stage), then decode steps: one
+  adapter at every bucket, more at a few. The slots are cleared and the adapter dropped
+  after, so no adapter is loaded when the server starts (adapters given with ``--lora`` are
+  loaded after the warm-up).
 
 The steps write KV-cache rows at positions that a sequence given the row later writes itself
 before it reads them. Nothing the engine tracks (residency, metrics, step counts) changes.
@@ -40,10 +43,14 @@ log = logging.getLogger(__name__)
 
 # The adapter the warm-up loads (never visible: the engine is not running yet).
 BLANK_NAME = "loraplane-warmup-blank"
-# Decode sizes of the LoRA steps (each rounded up to a bucket that fits the adapters): the
-# longest segment's classes of the LoRA graphs and kernels (16, 32, more).
+# Decode sizes of the LoRA steps with 2 or more adapters (each rounded up to a bucket that
+# gives every adapter a row): the longest segment's classes (16, 32, more). One adapter
+# decodes at every bucket, which compiles each bucket's LoRA variants once for every count.
 LORA_SIZES = (1, 16, 32, 128)
-PREFILL_LENGTHS = (16, 61)
+# Tokens of a prefill step: Triton specializes an integer argument that is a multiple of 16,
+# so each size comes as one and as not one; past 256 rows (``EAGER_STAGE_MAX_ROWS``) a LoRA
+# batch leaves the stage for the shrink and expand kernels.
+PREFILL_TOKENS = (16, 29, 320, 333)
 _TOP_P = SamplingParams(temperature=0.7, top_p=0.9)
 _TOP_K = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
 _SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=1)
@@ -53,10 +60,11 @@ _SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=1)
 class WarmupPlan:
     decode_sizes: tuple[int, ...]  # greedy decode steps, one each
     sampler_sizes: tuple[int, ...]  # decode steps of sampled rows
+    prefill_tokens: tuple[int, ...]  # one prefill step of each size, base and per LoRA count
+    max_len: int  # positions per KV-cache row: a prompt is split over rows to fit
     ranks: tuple[int, ...] = ()  # blank adapters' ranks; () without LoRA
     adapter_counts: tuple[int, ...] = ()  # distinct adapters in a LoRA step
-    lora_sizes: tuple[int, ...] = ()  # decode sizes of the LoRA steps (at least the count's bucket)
-    prefill_lengths: tuple[int, ...] = PREFILL_LENGTHS
+    lora_sizes: tuple[int, ...] = ()  # decode sizes of the LoRA steps of 2+ adapters
 
 
 def plan_for(
@@ -65,8 +73,9 @@ def plan_for(
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
     cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA)."""
     sizes = tuple(graph_buckets(max_seqs))
-    lengths = tuple(min(n, max_len - 1) for n in PREFILL_LENGTHS)
-    plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), prefill_lengths=lengths)
+    capacity = max_seqs * (max_len - 1)  # prompt tokens one step can hold
+    tokens = tuple(sorted({min(n, capacity) for n in PREFILL_TOKENS}))
+    plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), tokens, max_len)
     if not max_loras_per_batch:
         return plan
     counts, n = [], 1
@@ -77,10 +86,11 @@ def plan_for(
     return WarmupPlan(
         plan.decode_sizes,
         plan.sampler_sizes,
+        plan.prefill_tokens,
+        max_len,
         ranks=stage_ranks(max_lora_rank),
         adapter_counts=tuple(counts),
         lora_sizes=tuple(sorted({_bucket(sizes, s) for s in LORA_SIZES})),
-        prefill_lengths=lengths,
     )
 
 
@@ -132,12 +142,20 @@ class _Runner:
         self.report.phases[name] = self.report.phases.get(name, 0.0) + took
         log.info("warm-up: %s (%.2f s)", name, took)
 
-    def prefill(self, lengths: tuple[int, ...], slots: list[int]) -> None:
-        """One prefill step: a sequence per slot (``-1``: no adapter), lengths taking turns."""
+    def prefill(self, tokens: int, adapters: int, max_len: int) -> None:
+        """One prefill step of ``tokens`` prompt tokens over as few rows as fit ``max_len``
+        and at least ``adapters`` rows; row ``i`` has slot ``i % adapters`` (0: no adapter)."""
+        rows = max(adapters, 1, -(-tokens // (max_len - 1)))
+        tokens = max(tokens, rows)
         self.step(
             [
-                SeqWork(row, 0, _tokens(lengths[row % len(lengths)], self.vocab, row), slot)
-                for row, slot in enumerate(slots)
+                SeqWork(
+                    row,
+                    0,
+                    _tokens(tokens // rows + (row < tokens % rows), self.vocab, row),
+                    row % adapters if adapters else -1,
+                )
+                for row in range(rows)
             ]
         )
 
@@ -158,7 +176,8 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
     t0 = time.perf_counter()
     run = _Runner(executor)
     none = -1
-    run.phase("prefill", run.prefill, plan.prefill_lengths, [none, none])
+    for tokens in plan.prefill_tokens:
+        run.phase(f"prefill {tokens} tokens", run.prefill, tokens, 0, plan.max_len)
     for size in plan.decode_sizes:
         run.phase(f"decode bs={size}", run.decode, [none] * size)
     for size in plan.sampler_sizes:
@@ -178,7 +197,8 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
 
 
 def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, sizes: list[int]) -> None:
-    run.prefill(plan.prefill_lengths, list(range(count)))
+    for tokens in plan.prefill_tokens:
+        run.prefill(tokens, count, plan.max_len)
     for size in sizes:  # rows in slot order, as the engine orders a batch
         run.decode(sorted(i % count for i in range(size)))
 
@@ -193,9 +213,13 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
                 for slot in range(count):
                     executor.load_slot(slot, BLANK_NAME)
 
-                # each size rounded up to a bucket that gives every adapter a row
-                sizes = sorted({_bucket(plan.decode_sizes, max(s, count)) for s in plan.lora_sizes})
-
+                sizes = sorted(
+                    # one adapter at every bucket; more at a few, rounded up to a bucket
+                    # that gives every adapter a row
+                    plan.decode_sizes
+                    if count == 1
+                    else {_bucket(plan.decode_sizes, max(s, count)) for s in plan.lora_sizes}
+                )
                 run.phase(
                     f"LoRA rank {rank}, {count} adapter(s)", _lora_steps, run, plan, count, sizes
                 )
