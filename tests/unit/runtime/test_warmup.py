@@ -25,7 +25,10 @@ def test_the_plan_covers_every_bucket_stage_width_and_rank() -> None:
     assert plan.ranks == (16, 32, 64)  # every stage rank
     assert plan.adapter_counts == (1, 2, 4, 6)  # stage widths 1, 2, 4 and K
     assert plan.lora_sizes == (1, 16, 32, 64)
-    assert plan.prefill_tokens == (16, 29, 320, 333)  # staged or not, multiple of 16 or not
+    # staged or not, row blocks of 16, 32 and 64, multiple of 16 or not
+    assert plan.prefill_tokens == (16, 29, 192, 205, 320, 333)
+    moe = plan_for(64, 4096, 4, 64, experts=(128, 8))  # Qwen3-30B-A3B: 24 and 48 pairs an expert
+    assert moe.prefill_tokens == (16, 29, 192, 205, 320, 333, 384, 397, 768, 781)
     assert stage_ranks(48) == (16, 32, 48) and stage_ranks(8) == (8,)
     short = plan_for(max_seqs=3, max_len=10, max_loras_per_batch=None, max_lora_rank=64)
     assert short.decode_sizes == (1, 2, 3) and short.ranks == () and short.adapter_counts == ()

@@ -9,8 +9,9 @@ new pod's, a request that meets them waits seconds (docs/performance.md, "Sessio
 ``warm_up`` runs them through the executor, on every rank, before the server listens; the
 pod's readiness waits for it instead of a client:
 
-* the base model: prefill steps of 16, 29, 320 and 333 tokens (sizes that are and are not
-  multiples of 16, which Triton compiles apart), then a greedy decode step at every decode
+* the base model: prefill steps of 16 to 333 tokens (sizes that are and are not multiples
+  of 16, which Triton compiles apart, and on a model with routed experts the sizes that
+  give each expert's tile 32 and 64 pairs), then a greedy decode step at every decode
   graph bucket up to the worker's running cap (each bucket's LoRA-off graph is captured);
 * the sampler: decode steps of temperature/top_p rows and of top_k rows with a seeded one, at
   one row (the chunked launches) and at the largest bucket;
@@ -48,9 +49,13 @@ BLANK_NAME = "loraplane-warmup-blank"
 # decodes at every bucket, which compiles each bucket's LoRA variants once for every count.
 LORA_SIZES = (1, 16, 32, 128)
 # Tokens of a prefill step: Triton specializes an integer argument that is a multiple of 16,
-# so each size comes as one and as not one; past 256 rows (``EAGER_STAGE_MAX_ROWS``) a LoRA
-# batch leaves the stage for the shrink and expand kernels.
-PREFILL_TOKENS = (16, 29, 320, 333)
+# so each size comes as one and as not one; a LoRA batch's longest segment picks its row
+# block (16, 32, 64: ``segment_block``), and past 256 rows (``EAGER_STAGE_MAX_ROWS``) it
+# leaves the stage for the shrink and expand kernels.
+PREFILL_TOKENS = (16, 29, 192, 205, 320, 333)
+# On a model with routed experts, the pairs per expert pick the experts' tile (16, 32 or 64
+# pairs: ``kernels.experts.expert_block_m``): prefills that land about mid-way in the upper two.
+EXPERT_PAIRS = (24, 48)
 _TOP_P = SamplingParams(temperature=0.7, top_p=0.9)
 _TOP_K = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
 _SEEDED = SamplingParams(temperature=0.8, top_k=50, seed=1)
@@ -68,13 +73,24 @@ class WarmupPlan:
 
 
 def plan_for(
-    max_seqs: int, max_len: int, max_loras_per_batch: int | None, max_lora_rank: int
+    max_seqs: int,
+    max_len: int,
+    max_loras_per_batch: int | None,
+    max_lora_rank: int,
+    experts: tuple[int, int] | None = None,
 ) -> WarmupPlan:
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
-    cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA)."""
+    cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA), on a
+    model with ``experts`` (routed experts, experts per token) or without (None)."""
     sizes = tuple(graph_buckets(max_seqs))
     capacity = max_seqs * (max_len - 1)  # prompt tokens one step can hold
-    tokens = tuple(sorted({min(n, capacity) for n in PREFILL_TOKENS}))
+    wanted = set(PREFILL_TOKENS)
+    if experts is not None:
+        num_experts, topk = experts
+        for pairs in EXPERT_PAIRS:
+            t = 16 * -(-pairs * num_experts // (16 * topk))
+            wanted |= {t, t + 13}
+    tokens = tuple(sorted({min(n, capacity) for n in wanted}))
     plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), tokens, max_len)
     if not max_loras_per_batch:
         return plan

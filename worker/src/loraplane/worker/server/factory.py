@@ -164,11 +164,13 @@ def build_engine(
     executor = make_executor(config, max_len)
     try:
         if config.warms_up:
+            moe = model_config.is_moe
             plan = plan_for(
                 executor.max_seqs,
                 executor.max_len,
                 config.max_loras_per_batch,
                 config.max_lora_rank,
+                (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
             )
             warm_up(executor, plan)
         return Engine(
