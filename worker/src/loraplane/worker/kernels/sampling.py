@@ -68,6 +68,7 @@ __all__ = ["TABLE_COLUMNS", "sample_table"]
 # index, its top_k (0: none), the float32 bits of its temperature and of its top_p
 # (sign-extended), its noise key (63 bits: ``engine.sampling.draw_seed`` for a seeded row).
 TABLE_COLUMNS = 5
+_COLUMNS = tl.constexpr(TABLE_COLUMNS)  # (what a kernel may read of it)
 
 # Tokens per loop step of a pass, and buckets per radix pass of the top_k search.
 BLOCK = 4096
@@ -348,7 +349,7 @@ def _sample_candidates(
 def _entry(table_ptr, entry_id):
     """Entry ``entry_id`` of the table: its row, top_k, temperature, top_p and the halves of
     its noise key."""
-    entry = table_ptr + entry_id * 5
+    entry = table_ptr + entry_id * _COLUMNS
     row = tl.load(entry)
     top_k = tl.load(entry + 1)
     temperature = tl.load(entry + 2).to(tl.int32).to(tl.float32, bitcast=True)
@@ -513,7 +514,10 @@ def _sample_kernel(
     row_ptr = logits_ptr + row * row_stride
     cols = tl.arange(0, BLOCK)
 
-    floor = tl.full((), -(2**62), tl.int64)  # every key
+    # A top_k row's lower bound on its k-th key: the row's least key, then step 1's bound
+    # (the lanes' or chunks' k-th largest), then the k-th key itself once step 2 found it on
+    # the fallback path. (The radix helpers' own ``floor`` is the low end of their search.)
+    floor = tl.full((), -(2**62), tl.int64)
     z = tl.full((), 0.0, tl.float32)
     in_registers = tl.full((), 0, tl.int32)  # the row was sampled from its candidates
     checking = tl.full((), 1, tl.int32)  # the winner's place in the nucleus is not known yet
@@ -593,9 +597,9 @@ def _sample_kernel(
         m, z, best, hi = _combine_races(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2)
         if (top_p < 1.0) & (max_rounds > 0):
             nxt, above_mass = _combine_checks(part_ptr, entry_id, n_chunks, vocab, CHUNKS_P2)
-            inside = (above_mass < top_p * z) | (nxt < 0)
-            checking = tl.where(inside, 0, 1)
-            best = tl.where(inside, best, nxt)
+            in_nucleus = (above_mass < top_p * z) | (nxt < 0)
+            checking = tl.where(in_nucleus, 0, 1)
+            best = tl.where(in_nucleus, best, nxt)
             rounds = tl.full((), 1, tl.int32)
     else:
         # 1 and 4 in one pass: every token is kept
@@ -613,9 +617,9 @@ def _sample_kernel(
                 row_ptr, vocab, temperature, cols, floor, _key_at(row_ptr, best, vocab, temperature),
                 m, key_lo, key_hi,
             )  # fmt: skip
-            inside = (above_mass < limit) | (nxt < 0)
-            checking = tl.where(inside, 0, 1)
-            best = tl.where(inside, best, nxt)
+            in_nucleus = (above_mass < limit) | (nxt < 0)
+            checking = tl.where(in_nucleus, 0, 1)
+            best = tl.where(in_nucleus, best, nxt)
             rounds += 1
         if checking != 0:
             best, z = _race(row_ptr, vocab, temperature, cols, hi, hi - 1, m, key_lo, key_hi)
