@@ -47,6 +47,7 @@ def test_the_first_requests_capture_no_graph_and_get_the_same_tokens(suite) -> N
         assert graphs is not None
         captured = set(graphs._graphs)
         assert {(b, None) for b in graphs.buckets} <= captured  # every LoRA-off bucket
+        assert not graphs._failed  # (a failed capture would run eagerly, keyed nowhere)
         assert servers[True].engine.lora_state()["slots"] == [None, None, None]
         outputs = {}
         for warmup, server in servers.items():

@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 from tests.engine_requests import generate
 
-from loraplane.worker.engine.warmup import plan_for, stage_ranks
+from loraplane.worker.config import LoRARuntimeConfig
+from loraplane.worker.engine.executor import LocalExecutor
+from loraplane.worker.engine.runner import RunnerConfig
+from loraplane.worker.engine.warmup import plan_for, stage_ranks, warm_up
 from loraplane.worker.server.factory import ServeConfig
 from loraplane.worker.server.serve import build_server
 
@@ -33,6 +36,22 @@ def test_the_plan_covers_every_bucket_stage_width_and_rank() -> None:
     short = plan_for(max_seqs=3, max_len=10, max_loras_per_batch=None, max_lora_rank=64)
     assert short.decode_sizes == (1, 2, 3) and short.ranks == () and short.adapter_counts == ()
     assert short.prefill_tokens == (16, 27)  # what 3 rows of 9 prompt tokens hold
+
+
+def test_more_slots_than_running_rows_warm_what_a_step_can_hold(suite) -> None:  # type: ignore[no-untyped-def]
+    """K above --max-running: a step holds at most max_running sequences, so at most that
+    many adapters; the warm-up must keep to those KV rows (it wrote past them once)."""
+    plan = plan_for(max_seqs=2, max_len=64, max_loras_per_batch=4, max_lora_rank=16)
+    assert plan.adapter_counts == (1, 2) and plan.prefill_tokens == (16, 29, 126)
+    model_dir, _ = suite["llama"]
+    executor = LocalExecutor(
+        RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=2, max_len=64),
+        LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=16),
+    )
+    report = warm_up(executor, plan)
+    assert report.phases.keys() >= {"LoRA rank 16, 2 adapter(s)", "prefill 126 tokens"}
+    assert executor.runner.lora is not None
+    assert executor.runner.lora.slot_values()[0] == [0, 0, 0, 0]
 
 
 def test_on_by_default_only_on_a_gpu() -> None:
@@ -74,7 +93,6 @@ def test_a_warmed_worker_starts_with_no_adapter_and_serves_the_same_tokens(  # t
     lora = warmed.engine.executor.runner.lora
     assert all(a is None for a in lora.slot_adapters) and lora.slot_values()[0] == [0, 0]
     assert warmed.engine.executor.host == {}  # the blank adapter was dropped
-    assert warmed.engine.steps == 0  # the engine did not count the warm-up's steps
 
     adapters = dict(suite["llama"][1])
     for server in (warmed, cold):
@@ -84,3 +102,18 @@ def test_a_warmed_worker_starts_with_no_adapter_and_serves_the_same_tokens(  # t
     assert generate(warmed, PROMPTS, ["a8", "a32", None]) == generate(
         cold, PROMPTS, ["a8", "a32", None]
     )
+
+
+def test_start_up_adapters_are_checked_before_the_model_loads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A --lora the worker would refuse fails its start at once, not after the model's load
+    and warm-up (a minute on a GPU): here there is no model at all to load."""
+    from loraplane.worker.config import ConfigError
+
+    missing = str(tmp_path / "no-model")
+    for loras, roots, reason in (
+        ((("no-model", "/adapters/a"),), (), "is the name of the served base model"),
+        ((("a", "/elsewhere/a"),), ("/adapters",), "outside the allowed adapter roots"),
+    ):
+        config = ServeConfig(model=missing, warmup=True, loras=loras, allowed_lora_roots=roots)
+        with pytest.raises(ConfigError, match=reason):
+            build_server(config)

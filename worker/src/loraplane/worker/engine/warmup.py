@@ -9,7 +9,7 @@ new pod's, a request that meets them waits seconds (docs/performance.md, "Sessio
 ``warm_up`` runs them through the executor, on every rank, before the server listens; the
 pod's readiness waits for it instead of a client:
 
-* the base model: prefill steps of 16 to 333 tokens (sizes that are and are not multiples
+* the base model: prefill steps of 16 to 333 tokens, more with routed experts (sizes that are and are not multiples
   of 16, which Triton compiles apart, and on a model with routed experts the sizes that
   give each expert's tile 32 and 64 pairs), then a greedy decode step at every decode
   graph bucket up to the worker's running cap (each bucket's LoRA-off graph is captured);
@@ -67,6 +67,7 @@ class WarmupPlan:
     sampler_sizes: tuple[int, ...]  # decode steps of sampled rows
     prefill_tokens: tuple[int, ...]  # one prefill step of each size, base and per LoRA count
     max_len: int  # positions per KV-cache row: a prompt is split over rows to fit
+    max_seqs: int  # KV-cache rows per DP group: a step uses at most these
     ranks: tuple[int, ...] = ()  # blank adapters' ranks; () without LoRA
     adapter_counts: tuple[int, ...] = ()  # distinct adapters in a LoRA step
     lora_sizes: tuple[int, ...] = ()  # decode sizes of the LoRA steps of 2+ adapters
@@ -91,19 +92,22 @@ def plan_for(
             t = 16 * -(-pairs * num_experts // (16 * topk))
             wanted |= {t, t + 13}
     tokens = tuple(sorted({min(n, capacity) for n in wanted}))
-    plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), tokens, max_len)
+    plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), tokens, max_len, max_seqs)
     if not max_loras_per_batch:
         return plan
+    # a step holds at most max_seqs sequences, so at most that many adapters
+    most = min(max_loras_per_batch, max_seqs)
     counts, n = [], 1
-    while n < max_loras_per_batch:
+    while n < most:
         counts.append(n)
         n *= 2
-    counts.append(max_loras_per_batch)
+    counts.append(most)
     return WarmupPlan(
         plan.decode_sizes,
         plan.sampler_sizes,
         plan.prefill_tokens,
         max_len,
+        max_seqs,
         ranks=stage_ranks(max_lora_rank),
         adapter_counts=tuple(counts),
         lora_sizes=tuple(sorted({_bucket(sizes, s) for s in LORA_SIZES})),
@@ -158,10 +162,11 @@ class _Runner:
         self.report.phases[name] = self.report.phases.get(name, 0.0) + took
         log.info("warm-up: %s (%.2f s)", name, took)
 
-    def prefill(self, tokens: int, adapters: int, max_len: int) -> None:
-        """One prefill step of ``tokens`` prompt tokens over as few rows as fit ``max_len``
-        and at least ``adapters`` rows; row ``i`` has slot ``i % adapters`` (0: no adapter)."""
-        rows = max(adapters, 1, -(-tokens // (max_len - 1)))
+    def prefill(self, tokens: int, adapters: int, plan: WarmupPlan) -> None:
+        """One prefill step of ``tokens`` prompt tokens over as few rows as fit the plan's
+        ``max_len`` and at least ``adapters`` rows; row ``i`` has slot ``i % adapters`` (0:
+        no adapter). ``plan_for`` keeps ``tokens`` and ``adapters`` within ``max_seqs`` rows."""
+        rows = max(adapters, 1, -(-tokens // (plan.max_len - 1)))
         tokens = max(tokens, rows)
         self.step(
             [
@@ -193,7 +198,7 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
     run = _Runner(executor)
     none = -1
     for tokens in plan.prefill_tokens:
-        run.phase(f"prefill {tokens} tokens", run.prefill, tokens, 0, plan.max_len)
+        run.phase(f"prefill {tokens} tokens", run.prefill, tokens, 0, plan)
     for size in plan.decode_sizes:
         run.phase(f"decode bs={size}", run.decode, [none] * size)
     for size in plan.sampler_sizes:
@@ -214,32 +219,28 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
 
 def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, sizes: list[int]) -> None:
     for tokens in plan.prefill_tokens:
-        run.prefill(tokens, count, plan.max_len)
+        run.prefill(tokens, count, plan)
     for size in sizes:  # rows in slot order, as the engine orders a batch
         run.decode(sorted(i % count for i in range(size)))
 
 
 def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
     executor = run.executor
-    used = max(plan.adapter_counts)
-    try:
-        for rank in plan.ranks:
-            executor.hold_blank(BLANK_NAME, rank)
-            for count in plan.adapter_counts:
-                for slot in range(count):
-                    executor.load_slot(slot, BLANK_NAME)
-
-                sizes = sorted(
-                    # one adapter at every bucket; more at a few, rounded up to a bucket
-                    # that gives every adapter a row
-                    plan.decode_sizes
-                    if count == 1
-                    else {_bucket(plan.decode_sizes, max(s, count)) for s in plan.lora_sizes}
-                )
-                run.phase(
-                    f"LoRA rank {rank}, {count} adapter(s)", _lora_steps, run, plan, count, sizes
-                )
-    finally:
-        for slot in range(used):
-            executor.clear_slot(slot)
-        executor.drop_adapter(BLANK_NAME)
+    for rank in plan.ranks:
+        executor.hold_blank(BLANK_NAME, rank)
+        for count in plan.adapter_counts:
+            for slot in range(count):
+                executor.load_slot(slot, BLANK_NAME)
+            sizes = sorted(
+                # one adapter at every bucket; more at a few, rounded up to a bucket that
+                # gives every adapter a row
+                plan.decode_sizes
+                if count == 1
+                else {_bucket(plan.decode_sizes, max(s, count)) for s in plan.lora_sizes}
+            )
+            run.phase(f"LoRA rank {rank}, {count} adapter(s)", _lora_steps, run, plan, count, sizes)
+    # (after a failure the worker does not start: the executor is shut down, and a clean-up
+    # here would only raise again on a dead rank or a broken device, over the real error)
+    for slot in range(max(plan.adapter_counts)):
+        executor.clear_slot(slot)
+    executor.drop_adapter(BLANK_NAME)

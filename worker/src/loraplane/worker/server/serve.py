@@ -18,11 +18,21 @@ LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 def build_server(config: ServeConfig) -> WorkerServer:
     """Everything but the HTTP listener; raises ConfigError for a configuration that cannot run."""
+    served = config.served_model_name or Path(config.model).resolve().name
+    for name, path in config.loras:  # (checked before the model loads and warms up)
+        if name == served:
+            raise ConfigError(
+                f"--lora {name}={path}: {name!r} is the name of the served base model "
+                "(model=<name> would reach the base); choose another adapter name"
+            )
+        if not _allowed(path, config.allowed_lora_roots):
+            raise ConfigError(
+                f"--lora {name}={path}: outside the allowed adapter roots {list(config.allowed_lora_roots)}"
+            )
     faults = FaultInjector(config.dp) if config.enable_fault_injection else None
     metrics = WorkerMetrics(config.dp, config.max_loras_per_batch, config.max_loaded_loras)
     engine = build_engine(config, observer=metrics, fault_hook=faults.take if faults else None)
     engine.start()
-    served = config.served_model_name or Path(config.model).resolve().name
     metrics.set_info(served, config.tp, config.dp)
     server = WorkerServer(
         engine,
@@ -33,17 +43,6 @@ def build_server(config: ServeConfig) -> WorkerServer:
         faults=faults,
     )
     for name, path in config.loras:
-        if name == served:
-            engine.stop()
-            raise ConfigError(
-                f"--lora {name}={path}: {name!r} is the name of the served base model "
-                "(model=<name> would reach the base); choose another adapter name"
-            )
-        if not _allowed(path, config.allowed_lora_roots):
-            engine.stop()
-            raise ConfigError(
-                f"--lora {name}={path}: outside the allowed adapter roots {list(config.allowed_lora_roots)}"
-            )
         result = engine.load_adapter(name, path, pinned=name in config.pinned).result()
         if not result.success:
             engine.stop()
