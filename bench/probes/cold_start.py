@@ -10,7 +10,8 @@ pod has. Each child builds the worker's engine as ``loraplane worker serve`` doe
 (``factory.build_engine``: no HTTP stack), loads both adapters and times requests of 8 new tokens, each
 kind twice in a row (``first``, ``again``): one greedy base request, 16 at once, one with
 an adapter, 16 at once with both adapters, 40 at once with one, one top_p and one top_k
-request. ``start_s`` is the time from the start of ``build_engine`` to an engine that
+request. Each kind also lists the Triton kernel variants its requests compiled (``compiled``:
+the ones the warm-up missed). ``start_s`` is the time from the start of ``build_engine`` to an engine that
 serves (model load, warm-up, engine start). The ``first - again`` of a kind is what its
 first request waited for: compiles and captures. Prints and writes one JSON object.
 """
@@ -55,6 +56,25 @@ def _requests(engine: Any, count: int, adapters: list[str | None], params: Any) 
     return time.perf_counter() - t0
 
 
+def _trace_compiles() -> list[str]:
+    """The Triton kernels compiled (or loaded from the disk cache) from now on in this process,
+    as "name {constexprs}": each is a variant the warm-up did not run. (Triton's
+    ``jit_cache_hook``, called before a variant's first launch in a process.)"""
+    compiled: list[str] = []
+    try:
+        from triton import knobs
+    except ImportError:  # an older Triton: nothing traced
+        return compiled
+
+    def hook(**kwargs: Any) -> bool:
+        constants = kwargs.get("compile", {}).get("constants", {})
+        compiled.append(f"{kwargs['fn'].name} {constants}"[:400])
+        return False  # (True would skip the compile)
+
+    knobs.runtime.jit_cache_hook = hook
+    return compiled
+
+
 def child(
     model: str, adapters: list[str], warmup: bool, max_running: int, device: str
 ) -> dict[str, Any]:
@@ -96,11 +116,14 @@ def child(
         ("top_k bs1", 1, [None], top_k),
     ]
     result["requests"] = []
+    compiled = _trace_compiles()
     try:
         for label, count, which, params in kinds:
+            before = len(compiled)
             first = _requests(engine, count, which, params)
             again = _requests(engine, count, which, params)
-            row = {"kind": label, "first_s": first, "again_s": again, "waited_s": first - again}
+            row = {"kind": label, "first_s": first, "again_s": again, "waited_s": first - again,
+                   "compiled": compiled[before:]}  # fmt: skip
             print(json.dumps(row), flush=True)
             result["requests"].append(row)
     finally:
@@ -116,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--max-running", type=int, default=64)
+    p.add_argument(
+        "--settings", default="both", choices=("both", "warmup"), help="warmup: only --warmup"
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON args of one child run
     args = p.parse_args(argv)
     if args.child:
@@ -166,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             for s, name in enumerate(("a", "b"))
         ]
-        for warmup in (False, True):
+        for warmup in (False, True) if args.settings == "both" else (True,):
             out = root / f"child_{warmup}.json"
             spec = {
                 "model": str(model),
