@@ -93,6 +93,9 @@ def test_a_warmed_worker_starts_with_no_adapter_and_serves_the_same_tokens(  # t
     lora = warmed.engine.executor.runner.lora
     assert all(a is None for a in lora.slot_adapters) and lora.slot_values()[0] == [0, 0]
     assert warmed.engine.executor.host == {}  # the blank adapter was dropped
+    seconds = "loraplane_worker_warmup_seconds"
+    assert warmed.metrics.registry.get_sample_value(seconds) > 0
+    assert cold.metrics.registry.get_sample_value(seconds) == 0
 
     adapters = dict(suite["llama"][1])
     for server in (warmed, cold):

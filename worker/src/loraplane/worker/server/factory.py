@@ -172,7 +172,9 @@ def build_engine(
                 config.max_lora_rank,
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
             )
-            warm_up(executor, plan)
+            report = warm_up(executor, plan)
+            if observer is not None:
+                observer.warmed_up(report.seconds)
         return Engine(
             executor,
             tokenizer,

@@ -113,6 +113,11 @@ class WorkerMetrics:
             ["model", "tp", "dp"],
             registry=r,
         )
+        self.warmup_seconds = Gauge(
+            "loraplane_worker_warmup_seconds",
+            "Seconds the worker's warm-up ran before it served (0: none; engine.warmup)",
+            registry=r,
+        )
         for g in range(dp_size):
             self.slots_total.labels(str(g)).set(max_loras_per_batch)
             self.slots_used.labels(str(g)).set(0)
@@ -123,6 +128,9 @@ class WorkerMetrics:
         for outcome in ("success", "failure"):  # born at 0: increase() sees the first failure
             self.load_seconds.labels(outcome)
             self.unload_seconds.labels(outcome)
+
+    def warmed_up(self, seconds: float) -> None:
+        self.warmup_seconds.set(seconds)
 
     def set_info(self, model: str, tp: int, dp: int) -> None:
         self.info.clear()
