@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loraplane.worker.engine.executor import Executor, SeqWork
@@ -102,12 +102,8 @@ def plan_for(
         counts.append(n)
         n *= 2
     counts.append(most)
-    return WarmupPlan(
-        plan.decode_sizes,
-        plan.sampler_sizes,
-        plan.prefill_tokens,
-        max_len,
-        max_seqs,
+    return replace(
+        plan,
         ranks=stage_ranks(max_lora_rank),
         adapter_counts=tuple(counts),
         lora_sizes=tuple(sorted({_bucket(sizes, s) for s in LORA_SIZES})),
@@ -134,9 +130,6 @@ class WarmupReport:
     seconds: float = 0.0
     steps: int = 0
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "steps": self.steps, "phases": dict(self.phases)}
 
 
 def _tokens(n: int, vocab: int, salt: int = 0) -> tuple[int, ...]:
@@ -228,9 +221,11 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
     executor = run.executor
     for rank in plan.ranks:
         executor.hold_blank(BLANK_NAME, rank)
+        loaded = 0  # slots holding this rank's blank adapter
         for count in plan.adapter_counts:
-            for slot in range(count):
+            for slot in range(loaded, count):
                 executor.load_slot(slot, BLANK_NAME)
+            loaded = count
             sizes = sorted(
                 # one adapter at every bucket; more at a few, rounded up to a bucket that
                 # gives every adapter a row
