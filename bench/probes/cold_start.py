@@ -1,7 +1,7 @@
 """Probe: what a fresh worker's first requests wait for, with and without the warm-up.
 
     python bench/probes/cold_start.py OUT.json [--device cuda|cpu] [--arch llama|qwen3-moe]
-        [--layers 8] [--hidden 2048] [--max-running 64]
+        [--layers 8] [--hidden 2048] [--max-running 64] [--settings both|warmup|cached]
 
 Writes a bf16 fixture model and two rank-16 adapters (every target) to a temporary
 directory, then runs one child process per setting, ``--no-warmup`` then ``--warmup``, each
@@ -12,8 +12,14 @@ kind twice in a row (``first``, ``again``): one greedy base request, 16 at once,
 an adapter, 16 at once with both adapters, 40 at once with one, one top_p and one top_k
 request. Each kind also lists the Triton kernel variants its requests compiled (``compiled``:
 the ones the warm-up missed). ``start_s`` is the time from the start of ``build_engine`` to an engine that
-serves (model load, warm-up, engine start). The ``first - again`` of a kind is what its
-first request waited for: compiles and captures. Prints and writes one JSON object.
+serves (model load, warm-up, engine start), ``warmup_s`` the warm-up's own part. The
+``first - again`` of a kind is what its first request waited for: compiles, captures and
+slot loads; ``first_events`` / ``again_events`` say when each slot load ended and each step
+began (ms after the submit), which places the wait.
+``--settings cached`` runs ``--warmup`` twice on one Triton cache directory: the second run
+is a restarted pod whose compile cache was kept (a ``LoRAPool`` ``spec.compileCache``
+claim), so its warm-up loads kernels instead of compiling them. Prints and writes one JSON
+object.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ from pathlib import Path
 from typing import Any
 
 REQUEST_TOKENS = 8
+# Child runs per --settings: (label, --warmup, Triton cache directory under the temp root).
+# A directory first used by a run is empty then; a later run on it finds what that one wrote.
+SETTINGS: dict[str, list[tuple[str, bool, str]]] = {
+    "both": [("no warm-up", False, "cache_a"), ("warm-up", True, "cache_b")],
+    "warmup": [("warm-up", True, "cache_a")],
+    "cached": [("warm-up", True, "cache_a"), ("warm-up, kept cache", True, "cache_a")],
+}
 
 
 def _requests(engine: Any, count: int, adapters: list[str | None], params: Any) -> float:
@@ -89,10 +102,45 @@ def child(
         max_running=max_running,
         max_lora_rank=64,
     )
+
+    class Warmed:
+        """The warm-up's seconds, and when each slot load and step began (the engine's
+        thread calls ``slot_loaded`` after a load, ``step`` before the step runs)."""
+
+        def __init__(self) -> None:
+            self.seconds: float | None = None
+            self.events: list[tuple[str, float]] = []
+
+        def warmed_up(self, seconds: float) -> None:
+            self.seconds = seconds
+
+        def slot_loaded(self, adapter: str) -> None:
+            self.events.append((f"slot {adapter}", time.perf_counter()))
+
+        def step(self, *_args: Any) -> None:
+            self.events.append(("step", time.perf_counter()))
+
+        def __getattr__(self, _name: str) -> Any:  # the engine's other hooks: ignored
+            return lambda *a, **k: None
+
+    warmed = Warmed()
+
+    def timed(count: int, which: list[str | None], params: Any) -> tuple[float, list[Any]]:
+        """``_requests`` and its events as [what, ms after the submit]."""
+        start = len(warmed.events)
+        t0 = time.perf_counter()
+        seconds = _requests(engine, count, which, params)
+        events = [[what, round((t - t0) * 1e3, 2)] for what, t in warmed.events[start:]]
+        return seconds, events
+
     t0 = time.perf_counter()
-    engine = build_engine(config)
+    engine = build_engine(config, observer=warmed)  # type: ignore[arg-type]
     engine.start()
-    result: dict[str, Any] = {"warmup": warmup, "start_s": time.perf_counter() - t0}
+    result: dict[str, Any] = {
+        "warmup": warmup,
+        "start_s": time.perf_counter() - t0,
+        "warmup_s": warmed.seconds,
+    }
     names = ["a", "b"]
     t0 = time.perf_counter()
     for name, path in zip(names, adapters, strict=True):
@@ -120,10 +168,11 @@ def child(
     try:
         for label, count, which, params in kinds:
             before = len(compiled)
-            first = _requests(engine, count, which, params)
-            again = _requests(engine, count, which, params)
+            first, first_events = timed(count, which, params)
+            again, again_events = timed(count, which, params)
             row = {"kind": label, "first_s": first, "again_s": again, "waited_s": first - again,
-                   "compiled": compiled[before:]}  # fmt: skip
+                   "compiled": compiled[before:], "first_events": first_events,
+                   "again_events": again_events}  # fmt: skip
             print(json.dumps(row), flush=True)
             result["requests"].append(row)
     finally:
@@ -140,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument(
-        "--settings", default="both", choices=("both", "warmup"), help="warmup: only --warmup"
+        "--settings",
+        default="both",
+        choices=tuple(SETTINGS),
+        help="both: --no-warmup, then --warmup (each on an empty Triton cache); warmup: only "
+        "--warmup; cached: --warmup on an empty cache, then again on the cache it filled",
     )
     p.add_argument("--child", help=argparse.SUPPRESS)  # JSON args of one child run
     args = p.parse_args(argv)
@@ -192,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             for s, name in enumerate(("a", "b"))
         ]
-        for warmup in (False, True) if args.settings == "both" else (True,):
-            out = root / f"child_{warmup}.json"
+        for i, (label, warmup, cache) in enumerate(SETTINGS[args.settings]):
+            out = root / f"child_{i}.json"
             spec = {
                 "model": str(model),
                 "adapters": adapters,
@@ -201,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
                 "max_running": args.max_running,
                 "device": args.device,
             }
-            env = {**os.environ, "TRITON_CACHE_DIR": str(root / f"triton_cache_{warmup}")}
+            env = {**os.environ, "TRITON_CACHE_DIR": str(root / cache)}
             cmd = [sys.executable, __file__, str(out), "--child", json.dumps(spec)]
             subprocess.run(cmd, env=env, check=True)
-            run = json.loads(out.read_text())
+            run = {"setting": label, **json.loads(out.read_text())}
             print(json.dumps({k: v for k, v in run.items() if k != "requests"}), flush=True)
             payload["runs"].append(run)
     args.out.write_text(json.dumps(payload, indent=1))
