@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -70,3 +72,53 @@ def test_each_slot_gives_its_own_result(runners) -> None:
     torch.testing.assert_close(together[:n0], alone_2[:n0], rtol=0, atol=1e-5)
     torch.testing.assert_close(together[n0:], alone_3[n0:], rtol=0, atol=1e-5)
     assert (alone_2[n0:] - alone_3[n0:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="no CUDA GPU here (run on the device)"
+            ),
+        ),
+    ],
+)
+def test_a_slot_holds_exactly_the_experts_its_adapter_has(suite, device: str) -> None:
+    """An adapter with some experts' weights, loaded over one with all of them, leaves no
+    stale expert behind: its experts hold its weights, the others zero, as in a new slot."""
+    model_dir, adapters = suite["qwen3-moe"]
+    cfg = RunnerConfig(str(model_dir), device=device, lora_backend="torch", max_seqs=2, max_len=32)
+    runner = ModelRunner(
+        cfg, LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=32)
+    )
+    manager = runner.lora
+    assert manager is not None
+    full = runner.read_adapter(*adapters[0])
+    assert full.experts, "the fixture adapter targets the experts"
+    kept = {k: v for k, v in full.experts.items() if k[1] % 2 == 0 and k[2] != "up_proj"}
+    partial = replace(full, experts=kept)
+    manager.load_slot(0, full)
+    manager.load_slot(0, partial)  # over the full adapter
+    manager.load_slot(1, partial)  # into an empty slot
+    rank = partial.rank
+    for layer, experts in enumerate(manager.experts):
+        assert experts is not None
+        buffers = (experts.a_gate_up, experts.b_gate_up, experts.a_down, experts.b_down)
+        for buf in buffers:
+            assert torch.equal(buf[0], buf[1])
+        i = experts.base_layer.intermediate
+        expected = [torch.zeros_like(buf[1]) for buf in buffers]  # (on the device)
+        for (li, e, module), (a, b) in kept.items():
+            if li != layer:
+                continue
+            if module == "down_proj":
+                expected[2][e, :rank] = a
+                expected[3][e, :, :rank] = b
+            else:
+                expected[0][e, :rank] = a  # gate_proj's rows first (up_proj is left out)
+                expected[1][e, :i, :rank] = b
+        for buf, want in zip(buffers, expected, strict=True):
+            assert torch.equal(buf[1], want)

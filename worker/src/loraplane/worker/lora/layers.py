@@ -378,18 +378,32 @@ class ExpertsLoRA(LoRALayer):
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
         rank: int,
     ) -> None:
+        """Every expert's (A, B) of ``weights`` into ``slot``; experts it lacks are zero.
+
+        One host-to-device copy per module and operand: a model's experts number up to
+        hundreds a layer, and a copy each (session 26) held the engine's step loop for
+        seconds on a 48-layer model (the slot loads before the step that first uses it)."""
         self.clear_slot(slot)
         i, r, tp_rank = self.base_layer.intermediate, self.max_rank, self.base_layer.tp_rank
-        for (expert, module), (a, b) in weights.items():
+        cols = slice(tp_rank * i, (tp_rank + 1) * i)  # this rank's part of the intermediate
+        for module in self.module_names:
+            experts = sorted(e for e, m in weights if m == module)
+            if not experts:
+                continue
+            pairs = [weights[(e, module)] for e in experts]
+            index = torch.tensor(experts, device=self.a_down.device)
             if module == "down_proj":  # A [r, I_full] split by columns; B [H, r] whole
-                self.a_down[slot, expert, :rank].copy_(a[:, tp_rank * i : (tp_rank + 1) * i])
-                self.b_down[slot, expert, :, :rank].copy_(b)
+                a_dst, b_dst = self.a_down[slot, :, :rank], self.b_down[slot, :, :, :rank]
+                a_src = torch.stack([a[:, cols] for a, _ in pairs])
+                b_src = torch.stack([b for _, b in pairs])
             else:  # A [r, H] whole; B [I_full, r] split by rows
                 k = 0 if module == "gate_proj" else 1
-                self.a_gate_up[slot, expert, k * r : k * r + rank].copy_(a)
-                self.b_gate_up[slot, expert, k * i : (k + 1) * i, :rank].copy_(
-                    b[tp_rank * i : (tp_rank + 1) * i]
-                )
+                a_dst = self.a_gate_up[slot, :, k * r : k * r + rank]
+                b_dst = self.b_gate_up[slot, :, k * i : (k + 1) * i, :rank]
+                a_src = torch.stack([a for a, _ in pairs])
+                b_src = torch.stack([b[cols] for _, b in pairs])
+            a_dst[index] = a_src.to(a_dst.device, a_dst.dtype)  # (in place: index_put_)
+            b_dst[index] = b_src.to(b_dst.device, b_dst.dtype)
 
     def clear_slot(self, slot: int) -> None:
         for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):
