@@ -9,6 +9,7 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, prefill_batch
+from loraplane.worker.lora.adapter import ExpertStack
 from loraplane.worker.lora.batch_info import NO_ADAPTER, LoRABatchInfo
 
 pytestmark = pytest.mark.unit
@@ -97,9 +98,16 @@ def test_a_slot_holds_exactly_the_experts_its_adapter_has(suite, device: str) ->
     manager = runner.lora
     assert manager is not None
     full = runner.read_adapter(*adapters[0])
-    assert full.experts, "the fixture adapter targets the experts"
-    kept = {k: v for k, v in full.experts.items() if k[1] % 2 == 0 and k[2] != "up_proj"}
-    partial = replace(full, experts=kept)
+    assert full.expert_stacks, "the fixture adapter targets the experts"
+    # Even experts' gate and down only (up_proj left out).
+    stacks = {}
+    for (layer, module), stack in full.expert_stacks.items():
+        even = stack.experts % 2 == 0
+        if module != "up_proj":
+            stacks[(layer, module)] = ExpertStack(stack.experts[even], stack.a[even], stack.b[even])
+    partial = replace(full, expert_stacks=stacks)
+    kept = partial.experts
+    assert kept and all(e % 2 == 0 and m != "up_proj" for _, e, m in kept)
     manager.load_slot(0, full)
     manager.load_slot(0, partial)  # over the full adapter
     manager.load_slot(1, partial)  # into an empty slot

@@ -283,7 +283,7 @@ def random_adapters(
     config: Any, n: int, rank: int, device: str, dtype: torch.dtype, seed: int = 1
 ) -> list[Any]:
     """``n`` validated-shape ``AdapterWeights`` held on ``device`` (slots copy from there)."""
-    from loraplane.worker.lora.adapter import AdapterWeights
+    from loraplane.worker.lora.adapter import AdapterWeights, ExpertStack
 
     gen = torch.Generator(device=device).manual_seed(seed)
     h, q, kv, i = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
@@ -306,13 +306,14 @@ def random_adapters(
 
     moe = config.is_moe
     modules = ("q_proj", "k_proj", "v_proj", "o_proj") if moe else DENSE_MODULES
-    experts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    stacks: dict[tuple[int, str], ExpertStack] = {}
     if moe:  # shared between adapters (same cost: every slot is its own buffer)
-        mi = config.moe_intermediate_size
+        mi, ids = config.moe_intermediate_size, torch.arange(config.num_experts)
         for layer in range(config.num_layers):
-            for e in range(config.num_experts):
-                for m in ("gate_proj", "up_proj", "down_proj"):
-                    experts[(layer, e, m)] = pair(mi, h) if m == "down_proj" else pair(h, mi)
+            for m in ("gate_proj", "up_proj", "down_proj"):
+                fan = (mi, h) if m == "down_proj" else (h, mi)
+                a, b = zip(*(pair(*fan) for _ in range(config.num_experts)), strict=True)
+                stacks[(layer, m)] = ExpertStack(ids, torch.stack(a), torch.stack(b))
     out = []
     for k in range(n):
         dense = {
@@ -327,7 +328,7 @@ def random_adapters(
                 scaling=2.0,
                 target_modules=modules + (("gate_proj", "up_proj", "down_proj") if moe else ()),
                 dense=dense,
-                experts=experts,
+                expert_stacks=stacks,
             )
         )
     return out

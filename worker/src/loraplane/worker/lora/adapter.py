@@ -46,9 +46,20 @@ class AdapterError(ValueError):
         super().__init__(f"adapter {adapter!r}: {field_name}: {reason}")
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertStack:
+    """One module's LoRA over the routed experts of one layer that an adapter has, stacked
+    as a slot takes them (``ExpertsLoRA.set_expert_slot``: one copy, not one per expert)."""
+
+    experts: torch.Tensor  # int64 [n]: expert ids, ascending
+    a: torch.Tensor  # [n, r, in]
+    b: torch.Tensor  # [n, out, r]
+
+
 @dataclass(slots=True)
 class AdapterWeights:
-    """A validated adapter in host memory, unsharded (each rank slices its own part)."""
+    """A validated adapter in host memory in the slots' dtype, unsharded (each rank slices
+    its own part)."""
 
     name: str
     path: str
@@ -58,16 +69,24 @@ class AdapterWeights:
     target_modules: tuple[str, ...]
     # (layer, module) -> (A [r, in], B [out, r])
     dense: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    # (layer, expert, module) -> (A [r, in], B [out, r])
-    experts: dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    # (layer, module) -> the experts' stacked (A, B)
+    expert_stacks: dict[tuple[int, str], ExpertStack] = field(default_factory=dict)
     version: int = 0
+
+    @property
+    def experts(self) -> dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """(layer, expert, module) -> (A [r, in], B [out, r]): views of ``expert_stacks``."""
+        return {
+            (layer, int(e), module): (stack.a[j], stack.b[j])
+            for (layer, module), stack in self.expert_stacks.items()
+            for j, e in enumerate(stack.experts.tolist())
+        }
 
     @property
     def nbytes(self) -> int:
         total = 0
-        for a, b in list(self.dense.values()) + list(self.experts.values()):
+        pairs = [*self.dense.values(), *((s.a, s.b) for s in self.expert_stacks.values())]
+        for a, b in pairs:
             total += a.numel() * a.element_size() + b.numel() * b.element_size()
         return total
 
@@ -254,13 +273,21 @@ def load_adapter(
                     )
             if not halves:
                 raise AdapterError(name, ADAPTER_WEIGHTS, "holds no LoRA weights")
+            per_expert: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
             for where, pair in halves.items():
                 a = _read_weight(name, f, pair["A"], slot_dtype)  # [r, in]
                 b = _read_weight(name, f, pair["B"], slot_dtype)  # [out, r]
                 if where[0] == "d":
                     adapter.dense[(where[1], where[2])] = (a, b)
                 else:
-                    adapter.experts[(where[1], where[2], where[3])] = (a, b)
+                    per_expert.setdefault((where[1], where[3]), {})[where[2]] = (a, b)
+            for key, by_expert in per_expert.items():
+                ids = sorted(by_expert)
+                adapter.expert_stacks[key] = ExpertStack(
+                    torch.tensor(ids, dtype=torch.int64),
+                    torch.stack([by_expert[e][0] for e in ids]),
+                    torch.stack([by_expert[e][1] for e in ids]),
+                )
     except AdapterError:
         raise
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
@@ -346,7 +373,8 @@ def _check_key(
 
 
 def _read_weight(name: str, f: Any, key: str, slot_dtype: torch.dtype) -> torch.Tensor:
-    """One validated tensor, read and checked to fit the slots (fp32 in host memory)."""
+    """One validated tensor, read, checked to fit the slots and held in their dtype (what a
+    slot holds either way; half the host memory and copy of fp32 for a 16-bit model)."""
     t = f.get_tensor(key)
     if not torch.isfinite(t).all():
         raise AdapterError(name, key, "contains NaN or Inf values")
@@ -359,4 +387,4 @@ def _read_weight(name: str, f: Any, key: str, slot_dtype: torch.dtype) -> torch.
             "worker's LoRA slots; rescale the weights (moving the factor into lora_alpha) "
             "or serve the model in a wider dtype",
         )
-    return t.float()
+    return t.to(slot_dtype)

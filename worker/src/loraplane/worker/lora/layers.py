@@ -31,6 +31,7 @@ from loraplane.worker.models.model import Experts
 
 if TYPE_CHECKING:
     from loraplane.worker.kernels.experts import ExpertLoRA
+    from loraplane.worker.lora.adapter import ExpertStack
 
 Section = Literal["local", "global"]
 
@@ -372,38 +373,30 @@ class ExpertsLoRA(LoRALayer):
             adapters=info.num_segments,  # a graph's: its segments, fixed at capture
         )
 
-    def set_expert_slot(
-        self,
-        slot: int,
-        weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
-        rank: int,
-    ) -> None:
-        """Every expert's (A, B) of ``weights`` into ``slot``; experts it lacks are zero.
+    def set_expert_slot(self, slot: int, stacks: dict[str, ExpertStack], rank: int) -> None:
+        """Each module's experts (``stacks``: the adapter's, by module) into ``slot``;
+        experts and modules it lacks are zero.
 
-        One host-to-device copy per module and operand: a model's experts number up to
-        hundreds a layer, and a copy each (session 26) held the engine's step loop for
-        seconds on a 48-layer model (the slot loads before the step that first uses it)."""
+        One host-to-device copy per module and operand, from the adapter's stacks: a model's
+        experts number up to hundreds a layer, and a copy each (before session 26) held the
+        engine's step loop, which loads a slot before the step that first uses it, for
+        seconds on a 48-layer model."""
         self.clear_slot(slot)
         i, r, tp_rank = self.base_layer.intermediate, self.max_rank, self.base_layer.tp_rank
         cols = slice(tp_rank * i, (tp_rank + 1) * i)  # this rank's part of the intermediate
-        for module in self.module_names:
-            experts = sorted(e for e, m in weights if m == module)
-            if not experts:
-                continue
-            pairs = [weights[(e, module)] for e in experts]
-            index = torch.tensor(experts, device=self.a_down.device)
+        device = self.a_down.device
+        for module, stack in stacks.items():
             if module == "down_proj":  # A [r, I_full] split by columns; B [H, r] whole
                 a_dst, b_dst = self.a_down[slot, :, :rank], self.b_down[slot, :, :, :rank]
-                a_src = torch.stack([a[:, cols] for a, _ in pairs])
-                b_src = torch.stack([b for _, b in pairs])
+                a_src, b_src = stack.a[:, :, cols], stack.b
             else:  # A [r, H] whole; B [I_full, r] split by rows
                 k = 0 if module == "gate_proj" else 1
                 a_dst = self.a_gate_up[slot, :, k * r : k * r + rank]
                 b_dst = self.b_gate_up[slot, :, k * i : (k + 1) * i, :rank]
-                a_src = torch.stack([a for a, _ in pairs])
-                b_src = torch.stack([b[cols] for _, b in pairs])
-            a_dst[index] = a_src.to(a_dst.device, a_dst.dtype)  # (in place: index_put_)
-            b_dst[index] = b_src.to(b_dst.device, b_dst.dtype)
+                a_src, b_src = stack.a, stack.b[:, cols]
+            index = stack.experts.to(device)
+            a_dst[index] = a_src.to(device, a_dst.dtype)  # (in place: index_put_)
+            b_dst[index] = b_src.to(device, b_dst.dtype)
 
     def clear_slot(self, slot: int) -> None:
         for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):

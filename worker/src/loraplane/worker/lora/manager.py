@@ -130,8 +130,12 @@ class LoRAManager:
                 w.set_slot(slot, weights, adapter.rank)
             experts = self.experts[layer_idx]
             if experts is not None:
-                ew = {(e, m): ab for (li, e, m), ab in adapter.experts.items() if li == layer_idx}
-                experts.set_expert_slot(slot, ew, adapter.rank)
+                stacks = {
+                    m: adapter.expert_stacks[(layer_idx, m)]
+                    for m in experts.module_names
+                    if (layer_idx, m) in adapter.expert_stacks
+                }
+                experts.set_expert_slot(slot, stacks, adapter.rank)
         self.slot_ranks[slot] = adapter.rank
         self.slot_scalings[slot] = adapter.scaling
         self.slot_adapters[slot] = adapter
