@@ -453,6 +453,72 @@ def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
         stack.cluster.kubectl("delete", "loraadapter", name, "-n", stack.ns, "--timeout=120s")
 
 
+def test_pool_volumes_and_a_compile_cache_claim_per_replica(stack: Stack) -> None:
+    # No storage provisioner runs here: the claim stays Pending, and so does the pod; what is
+    # checked is what the API, the StatefulSet controller and the garbage collector do.
+    cache = {"size": "1Gi", "storageClassName": "loraplane-test-unprovisioned"}
+    models = {"name": "models", "hostPath": {"path": str(stack.work)}}
+    mount = {"name": "models", "mountPath": "/models", "readOnly": True}
+    pool = _pool_manifest(
+        stack, "cached", 1, compileCache=cache, volumes=[models], volumeMounts=[mount]
+    )
+    stack.cluster.apply(pool)
+
+    def claim() -> dict[str, Any] | None:
+        found = stack.cluster.kubectl(
+            "get", "pvc", "compile-cache-cached-0", "-n", stack.ns, "-o", "json", check=False
+        )
+        return json.loads(found.stdout) if found.returncode == 0 else None
+
+    made = wait_for(claim, what="the StatefulSet controller's claim compile-cache-cached-0")
+    assert made["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert made["spec"]["storageClassName"] == "loraplane-test-unprovisioned"
+    assert made["metadata"]["labels"]["loraplane.io/pool"] == "cached"
+    sts = stack.cluster.get("statefulset", "cached", "-n", stack.ns)
+    template = sts["spec"]["template"]["spec"]
+    assert [v["name"] for v in template["volumes"]] == ["models"]
+    assert template["containers"][0]["volumeMounts"] == [
+        mount,
+        {"name": "compile-cache", "mountPath": "/var/cache/loraplane"},
+    ]
+
+    # The API server's own rules: the claims cannot change, mounts must name volumes.
+    for changed in ({**cache, "size": "2Gi"}, None):
+        spec = {k: v for k, v in pool["spec"].items() if k != "compileCache"}
+        if changed is not None:
+            spec["compileCache"] = changed
+        rejected = stack.cluster.apply({**pool, "spec": spec}, check=False)
+        assert rejected.returncode != 0 and "spec.compileCache is immutable" in rejected.stderr
+    dangling = _pool_manifest(stack, "dangling", 0, volumeMounts=[mount])
+    rejected = stack.cluster.apply(dangling, check=False)
+    assert rejected.returncode != 0 and "must name a volume in spec.volumes" in rejected.stderr
+
+    # A volume the schema lets through but the API refuses in a StatefulSet: the pool says
+    # so, naming the field, and the StatefulSet keeps its template.
+    broken = {"name": "broken", "persistentVolumeClaim": {}}
+    stack.cluster.apply(
+        _pool_manifest(
+            stack, "cached", 1, compileCache=cache, volumes=[models, broken], volumeMounts=[mount]
+        )
+    )
+    wait_for(
+        lambda: _condition(stack.pool("cached"), "Validated").get("reason") == "InvalidSpec",
+        what="pool cached reported InvalidSpec",
+    )
+    assert "claimName" in _condition(stack.pool("cached"), "Validated")["message"]
+    after = stack.cluster.get("statefulset", "cached", "-n", stack.ns)
+    assert after["spec"]["template"] == sts["spec"]["template"]
+    stack.cluster.apply(pool)
+    wait_for(
+        lambda: _condition(stack.pool("cached"), "Validated").get("status") == "True",
+        what="pool cached valid again",
+    )
+
+    stack.cluster.kubectl("delete", "lorapool", "cached", "-n", stack.ns, "--timeout=120s")
+    wait_for(lambda: claim() is None, what="compile-cache-cached-0 deleted with its pool",
+             timeout_s=120)  # fmt: skip
+
+
 def test_deleted_adapter_is_unloaded_everywhere_and_its_finalizer_removed(stack: Stack) -> None:
     lora_name = stack.adapter("summary")["status"]["loraName"]
     stack.cluster.kubectl(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from loraplane.operator import builders
@@ -9,6 +11,7 @@ from loraplane.operator.builders import Owner, PoolSpec, WorkerDefaults
 
 pytestmark = pytest.mark.unit
 
+ROOT = Path(__file__).resolve().parents[3]
 OWNER = Owner(name="qwen-small", namespace="team-a", uid="0f0e-uid")
 SPEC = PoolSpec.from_spec(
     {
@@ -158,6 +161,74 @@ def test_scheduling_fields_and_image_defaults() -> None:
     )
 
 
+def _statefulset(spec: dict) -> dict:
+    children = builders.build_pool_children(OWNER, PoolSpec.from_spec(spec), WorkerDefaults())
+    return _by_kind(children)["StatefulSet"]
+
+
+def test_without_a_compile_cache_claim_the_kernels_live_in_an_empty_dir() -> None:
+    sts = _statefulset({"model": "/m"})
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "compile-cache", "emptyDir": {}}]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "compile-cache", "mountPath": "/var/cache/loraplane"}
+    ]
+    assert "volumeClaimTemplates" not in sts["spec"] and "securityContext" not in pod
+
+
+def test_a_compile_cache_is_one_claim_per_replica_gone_with_the_pool() -> None:
+    sts = _statefulset(
+        {"model": "/m", "compileCache": {"size": "4Gi", "storageClassName": "fast-ssd"}}
+    )
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "compile-cache"
+    assert claim["metadata"]["labels"]["loraplane.io/pool"] == "qwen-small"
+    assert claim["spec"] == {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": "4Gi"}},
+        "storageClassName": "fast-ssd",
+    }
+    assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete",
+        "whenScaled": "Retain",
+    }
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["volumes"] == []  # the claim template provides compile-cache
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "compile-cache", "mountPath": "/var/cache/loraplane"}
+    ]
+    assert pod["securityContext"]["fsGroup"] == 10001  # the worker image's group may write
+    no_class = _statefulset({"model": "/m", "compileCache": {"size": "500Mi"}})
+    assert "storageClassName" not in no_class["spec"]["volumeClaimTemplates"][0]["spec"]
+
+
+def test_the_image_writes_its_triton_cache_inside_the_mounted_compile_cache() -> None:
+    dockerfile = (ROOT / "docker" / "worker.Dockerfile").read_text()
+    (line,) = [ln for ln in dockerfile.splitlines() if ln.startswith("ENV TRITON_HOME=")]
+    env = dict(pair.split("=", 1) for pair in line.removeprefix("ENV ").split())
+    for variable in ("TRITON_HOME", "TRITON_CACHE_DIR"):
+        assert (env[variable] + "/").startswith(builders.COMPILE_CACHE_PATH + "/"), variable
+
+
+def test_user_volumes_are_mounted_in_the_worker_before_the_compile_cache() -> None:
+    volumes = [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        {"name": "adapter-cache", "nfs": {"server": "nfs.local", "path": "/adapters"}},
+    ]
+    mounts = [
+        {"name": "models", "mountPath": "/models", "readOnly": True},
+        {"name": "adapter-cache", "mountPath": "/data/adapters"},
+    ]
+    pod = _statefulset({"model": "/models/qwen", "volumes": volumes, "volumeMounts": mounts})[
+        "spec"
+    ]["template"]["spec"]
+    assert pod["volumes"] == [*volumes, {"name": "compile-cache", "emptyDir": {}}]
+    assert pod["containers"][0]["volumeMounts"] == [
+        *mounts,
+        {"name": "compile-cache", "mountPath": "/var/cache/loraplane"},
+    ]
+
+
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
@@ -175,6 +246,53 @@ def test_scheduling_fields_and_image_defaults() -> None:
         (
             {"model": "/m", "stageSlots": 8, "engineArgs": ["--stage-slots=4"]},
             "spec.stageSlots: --stage-slots is also in spec.engineArgs",
+        ),
+        (
+            {"model": "/m", "compileCache": {"size": "lots"}},
+            "spec.compileCache.size: 'lots' is not a storage quantity",
+        ),
+        (
+            {"model": "/m", "volumes": [{"name": "compile-cache", "emptyDir": {}}]},
+            r"spec.volumes\[0\].name: 'compile-cache' is the operator's",
+        ),
+        (
+            {"model": "/m", "volumes": [{"name": "a", "emptyDir": {}}, {"name": "a"}]},
+            r"spec.volumes\[1\].name: 'a' is given twice",
+        ),
+        (
+            {"model": "/m", "volumes": [{"name": "Models"}]},
+            r"spec.volumes\[0\].name: 'Models' is not a DNS label",
+        ),
+        (
+            {"model": "/m", "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
+            r"spec.volumeMounts\[0\].name: no volume named 'models' in spec.volumes",
+        ),
+        (
+            {
+                "model": "/m",
+                "volumes": [{"name": "a", "emptyDir": {}}],
+                "volumeMounts": [{"name": "a", "mountPath": "models"}],
+            },
+            r"spec.volumeMounts\[0\].mountPath: 'models' is not an absolute path",
+        ),
+        (
+            {
+                "model": "/m",
+                "volumes": [{"name": "a", "emptyDir": {}}],
+                "volumeMounts": [{"name": "a", "mountPath": "/var/cache/loraplane/"}],
+            },
+            r"spec.volumeMounts\[0\].mountPath: '/var/cache/loraplane/' is the compile cache's",
+        ),
+        (
+            {
+                "model": "/m",
+                "volumes": [{"name": "a", "emptyDir": {}}, {"name": "b", "emptyDir": {}}],
+                "volumeMounts": [
+                    {"name": "a", "mountPath": "/x"},
+                    {"name": "b", "mountPath": "/x/"},
+                ],
+            },
+            r"spec.volumeMounts\[1\].mountPath: '/x/' is mounted twice",
         ),
     ],
 )

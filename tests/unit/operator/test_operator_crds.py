@@ -115,6 +115,12 @@ def test_other_uris_are_rejected(uri: str) -> None:
         ({"engineArgs": [3]}, "spec.engineArgs.0"),
         ({"stageSlots": -1}, "spec.stageSlots"),
         ({"stageSlots": 1000}, "spec.stageSlots"),
+        ({"compileCache": {"size": "lots"}}, "spec.compileCache.size"),
+        ({"compileCache": {"storageClassName": "ssd"}}, "spec.compileCache"),
+        ({"volumes": [{"emptyDir": {}}]}, "spec.volumes.0"),
+        ({"volumes": [{"name": "Models"}]}, "spec.volumes.0.name"),
+        ({"volumeMounts": [{"name": "m"}]}, "spec.volumeMounts.0"),
+        ({"volumeMounts": [{"name": "m", "mountPath": "models"}]}, "spec.volumeMounts.0.mountPath"),
     ],
 )
 def test_bad_pool_fields_are_rejected(spec: dict[str, Any], field: str) -> None:
@@ -161,6 +167,28 @@ def test_cel_rules_cover_what_a_schema_cannot() -> None:
     assert "self.dp == 1 || self.enableDPAttention" in rules
     for rule in POOL["properties"]["spec"]["x-kubernetes-validations"]:
         assert rule["message"].startswith("spec.")
+
+
+def test_pool_volumes_and_compile_cache_rules() -> None:
+    # CEL the API server evaluates (the cluster tier checks it there): mounts name volumes,
+    # the compile cache's name and path are the operator's, and compileCache is immutable.
+    spec = POOL["properties"]["spec"]
+    rules = {r["rule"]: r for r in spec["x-kubernetes-validations"]}
+    (immutable,) = [r for r in rules if "oldSelf.compileCache" in r]
+    assert rules[immutable]["message"].startswith("spec.compileCache is immutable")
+    assert "delete this LoRAPool and create it again" in rules[immutable]["message"]
+    (mounts,) = [r for r in rules if "self.volumeMounts.all" in r]
+    assert rules[mounts]["fieldPath"] == ".volumeMounts"
+    (name_rule,) = spec["properties"]["volumes"]["items"]["x-kubernetes-validations"]
+    assert "compile-cache" in name_rule["rule"]
+    (path_rule,) = spec["properties"]["volumeMounts"]["items"]["x-kubernetes-validations"]
+    assert "/var/cache/loraplane" in path_rule["rule"]
+    good = {
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+        "compileCache": {"size": "2Gi", "storageClassName": "fast"},
+    }
+    assert errors(POOL, with_spec(GOOD_POOL, **good)) == []
 
 
 def test_adapter_pool_is_immutable() -> None:

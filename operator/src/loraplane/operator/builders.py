@@ -8,6 +8,7 @@ deterministic (`<pool>` for the StatefulSet, `<pool>-workers` for the headless S
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,36 @@ POOL_LABEL = "loraplane.io/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 WORKER_PORT = 8000
 GPU_RESOURCE = "nvidia.com/gpu"
+# The worker image keeps Triton's compiled kernels here (TRITON_CACHE_DIR under it,
+# docker/worker.Dockerfile); the operator mounts the compile cache volume at it.
+COMPILE_CACHE_VOLUME = "compile-cache"
+COMPILE_CACHE_PATH = "/var/cache/loraplane"
+# The worker image's user and group (docker/worker.Dockerfile): a claim's files are made
+# group-writable for it (pod securityContext.fsGroup).
+WORKER_GROUP = 10001
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+
+
+@dataclass(frozen=True)
+class CompileCache:
+    """`spec.compileCache`: one PersistentVolumeClaim per replica for compiled kernels."""
+
+    size: str
+    storage_class: str | None = None
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any] | None) -> CompileCache | None:
+        if spec is None:
+            return None
+        size = str(spec.get("size") or "")
+        if not _QUANTITY.match(size):
+            raise ValueError(
+                f"spec.compileCache.size: {size!r} is not a storage quantity; write one such "
+                "as 2Gi or 500Mi"
+            )
+        storage_class = spec.get("storageClassName")
+        return cls(size=size, storage_class=str(storage_class) if storage_class else None)
 
 
 @dataclass(frozen=True)
@@ -43,6 +74,9 @@ class PoolSpec:
     pod_labels: Mapping[str, str] = field(default_factory=dict)
     pod_annotations: Mapping[str, str] = field(default_factory=dict)
     engine_args: Sequence[str] = ()
+    volumes: Sequence[Mapping[str, Any]] = ()
+    volume_mounts: Sequence[Mapping[str, Any]] = ()
+    compile_cache: CompileCache | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -73,6 +107,7 @@ class PoolSpec:
                 raise ValueError(
                     "spec.stageSlots: --stage-slots is also in spec.engineArgs; set it in one place"
                 )
+        check_volumes(self.volumes, self.volume_mounts)
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> PoolSpec:
@@ -95,7 +130,47 @@ class PoolSpec:
             pod_labels=dict(spec.get("podLabels") or {}),
             pod_annotations=dict(spec.get("podAnnotations") or {}),
             engine_args=[str(a) for a in spec.get("engineArgs") or []],
+            volumes=[dict(v) for v in spec.get("volumes") or []],
+            volume_mounts=[dict(m) for m in spec.get("volumeMounts") or []],
+            compile_cache=CompileCache.from_spec(spec.get("compileCache")),
         )
+
+
+def check_volumes(
+    volumes: Sequence[Mapping[str, Any]], mounts: Sequence[Mapping[str, Any]]
+) -> None:
+    """ValueError naming the field: what the CRD checks, checked again (the operator may
+    run against an older CRD), and what it cannot check (a name given twice)."""
+    names: set[str] = set()
+    for i, volume in enumerate(volumes):
+        name = volume.get("name")
+        if not isinstance(name, str) or not _DNS_LABEL.match(name) or len(name) > 63:
+            raise ValueError(f"spec.volumes[{i}].name: {name!r} is not a DNS label (a-z, 0-9, -)")
+        if name == COMPILE_CACHE_VOLUME:
+            raise ValueError(
+                f"spec.volumes[{i}].name: {name!r} is the operator's (see spec.compileCache); "
+                "pick another"
+            )
+        if name in names:
+            raise ValueError(f"spec.volumes[{i}].name: {name!r} is given twice")
+        names.add(name)
+    paths: set[str] = set()
+    for i, mount in enumerate(mounts):
+        name, path = mount.get("name"), mount.get("mountPath")
+        if name not in names:
+            raise ValueError(
+                f"spec.volumeMounts[{i}].name: no volume named {name!r} in spec.volumes"
+            )
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError(f"spec.volumeMounts[{i}].mountPath: {path!r} is not an absolute path")
+        if path.rstrip("/") == COMPILE_CACHE_PATH or path.startswith(COMPILE_CACHE_PATH + "/"):
+            raise ValueError(
+                f"spec.volumeMounts[{i}].mountPath: {path!r} is the compile cache's mount "
+                f"({COMPILE_CACHE_PATH}, see spec.compileCache); mount elsewhere"
+            )
+        if path.rstrip("/") in paths:
+            raise ValueError(f"spec.volumeMounts[{i}].mountPath: {path!r} is mounted twice")
+        paths.add(path.rstrip("/"))
 
 
 @dataclass(frozen=True)
@@ -220,6 +295,10 @@ def build_pod_template(pool: str, spec: PoolSpec, defaults: WorkerDefaults) -> M
         ],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec),
+        "volumeMounts": [
+            *(dict(m) for m in spec.volume_mounts),
+            {"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_PATH},
+        ],
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 5,
@@ -231,11 +310,22 @@ def build_pod_template(pool: str, spec: PoolSpec, defaults: WorkerDefaults) -> M
             "failureThreshold": 120,
         },
     }
+    volumes = [dict(v) for v in spec.volumes]
+    if spec.compile_cache is None:  # else the StatefulSet's claim template names it
+        volumes.append({"name": COMPILE_CACHE_VOLUME, "emptyDir": {}})
     pod_spec: Manifest = {
         "containers": [container],
+        "volumes": volumes,
         "terminationGracePeriodSeconds": defaults.termination_grace_period_s,
         "automountServiceAccountToken": False,
     }
+    if spec.compile_cache is not None:
+        # A new claim's root is the provisioner's (often root, 0755): the image's group
+        # gets it, so the worker can write its kernels there.
+        pod_spec["securityContext"] = {
+            "fsGroup": WORKER_GROUP,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
     if defaults.service_account:
         pod_spec["serviceAccountName"] = defaults.service_account
     if spec.node_selector:
@@ -265,7 +355,31 @@ def build_statefulset(owner: Owner, spec: PoolSpec, defaults: WorkerDefaults) ->
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(owner.name)},
             "template": build_pod_template(owner.name, spec, defaults),
+            **_claim_templates(owner.name, spec.compile_cache),
         },
+    }
+
+
+def _claim_templates(pool: str, cache: CompileCache | None) -> Manifest:
+    """The StatefulSet fields of a compile cache claim per replica (none without one).
+    Claims go with the pool and stay when it scales down (the replica that comes back
+    finds its kernels)."""
+    if cache is None:
+        return {}
+    claim: Manifest = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": cache.size}},
+    }
+    if cache.storage_class is not None:
+        claim["storageClassName"] = cache.storage_class
+    return {
+        "volumeClaimTemplates": [
+            {
+                "metadata": {"name": COMPILE_CACHE_VOLUME, "labels": common_labels(pool)},
+                "spec": claim,
+            }
+        ],
+        "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Delete", "whenScaled": "Retain"},
     }
 
 

@@ -28,6 +28,7 @@ from loraplane.operator.cpclient import (
 from loraplane.operator.kube import (
     ControlPlaneLocator,
     Kube,
+    Rejected,
     SecretNotReadable,
     pod_view,
     service_account_dir,
@@ -165,10 +166,17 @@ def reconcile_pool(
     except ValueError as exc:
         patch.status.update(_pool_problem(generation, dict(status), now, "InvalidSpec", str(exc)))
         raise kopf.PermanentError(str(exc)) from exc
-    for manifest in builders.build_pool_children(
-        _owner(name, namespace, uid), pool, runtime.config.worker
-    ):
-        runtime.kube.apply(manifest)
+    try:
+        for manifest in builders.build_pool_children(
+            _owner(name, namespace, uid), pool, runtime.config.worker
+        ):
+            runtime.kube.apply(manifest)
+    except Rejected as exc:
+        # What the schema and the builders let through but the API refuses (a volume's
+        # source, say); the refused object is unchanged. The next spec change retries.
+        message = f"the API refused the pool's {exc}"
+        patch.status.update(_pool_problem(generation, dict(status), now, "InvalidSpec", message))
+        raise kopf.PermanentError(message) from exc
     pods = [
         {**p, "worker": builders.worker_name(namespace, p["name"])}
         for p in runtime.kube.pool_pods(namespace, name)

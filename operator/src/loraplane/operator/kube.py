@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import os
 import threading
 import time
@@ -41,8 +42,22 @@ def load_client_config() -> None:
         config.load_kube_config()
 
 
+class Rejected(Exception):
+    """The API refused a manifest as invalid (HTTP 422); the message is the API's own, which
+    names the field (e.g. `spec.template.spec.volumes[0].persistentVolumeClaim.claimName`)."""
+
+
 class SecretNotReadable(Exception):
     """The API refused to show the operator a Secret (403: RBAC does not allow it)."""
+
+
+def api_message(exc: client.ApiException) -> str:
+    """The `message` of an API error's Status body, else its status line."""
+    try:
+        message = json.loads(exc.body or "").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return str(message) if message else f"HTTP {exc.status} {exc.reason}"
 
 
 def decode_secret_data(data: Mapping[str, str] | None) -> dict[str, str]:
@@ -75,17 +90,24 @@ class Kube:
             return self._dynamic
 
     def apply(self, manifest: Manifest) -> None:
-        """Server-side apply (creates or updates; a no-op when nothing changed)."""
+        """Server-side apply (creates or updates; a no-op when nothing changed). `Rejected`
+        when the API finds the manifest invalid: then nothing of it was applied."""
         resource = self._dyn().resources.get(
             api_version=manifest["apiVersion"], kind=manifest["kind"]
         )
-        self._dyn().server_side_apply(
-            resource,
-            body=manifest,
-            namespace=manifest["metadata"]["namespace"],
-            field_manager=FIELD_MANAGER,
-            force_conflicts=True,
-        )
+        try:
+            self._dyn().server_side_apply(
+                resource,
+                body=manifest,
+                namespace=manifest["metadata"]["namespace"],
+                field_manager=FIELD_MANAGER,
+                force_conflicts=True,
+            )
+        except client.ApiException as exc:
+            if exc.status == 422:
+                kind, name = manifest["kind"], manifest["metadata"]["name"]
+                raise Rejected(f"{kind} {name}: {api_message(exc)}") from None
+            raise
 
     def pool_pods(self, namespace: str, pool: str) -> list[dict[str, Any]]:
         """The pool's worker pods as plain dicts (`name`, `ip`, `ready`, `deleting`)."""
