@@ -120,19 +120,3 @@ def test_start_up_adapters_are_checked_before_the_model_loads(tmp_path) -> None:
         config = ServeConfig(model=missing, warmup=True, loras=loras, allowed_lora_roots=roots)
         with pytest.raises(ConfigError, match=reason):
             build_server(config)
-
-
-def test_the_warm_up_thread_hands_back_its_result_and_its_error() -> None:
-    """The warm-up runs in a thread of its own (its CUDA handles then go to the engine's
-    thread); its result, and a failure that must stop the worker's start, come back."""
-    import threading
-
-    from loraplane.worker.server.factory import in_a_thread
-
-    assert in_a_thread(lambda: threading.current_thread().name) == "loraplane-warmup"
-
-    def fails() -> None:
-        raise RuntimeError("step failed at bucket 8")
-
-    with pytest.raises(RuntimeError, match="bucket 8"):
-        in_a_thread(fails)

@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.engine import Engine, EngineObserver, FaultHook
@@ -14,8 +11,6 @@ from loraplane.worker.engine.executor import Executor
 from loraplane.worker.engine.sampling import SAMPLERS
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.engine.warmup import plan_for, warm_up
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,30 +149,6 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
     return MultiRankExecutor(pconf, runner, config.lora_config)
 
 
-def in_a_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` in a thread of its own that ends with it (its exception re-raised here).
-
-    Torch makes a cuBLAS handle for each thread at its first GEMM and gives it back to a pool
-    when the thread ends. The engine steps in its own thread: run in this (main) thread, the
-    warm-up's handle would stay here and the engine's first step would make another (its first
-    request waited 0.06-0.09 s longer on the H200 for that, session 26)."""
-    box: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # re-raised in the caller's thread
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name="loraplane-warmup")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return box[0]
-
-
 def build_engine(
     config: ServeConfig,
     *,
@@ -201,7 +172,7 @@ def build_engine(
                 config.max_lora_rank,
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
             )
-            report = in_a_thread(lambda: warm_up(executor, plan))
+            report = warm_up(executor, plan)
             if observer is not None:
                 observer.warmed_up(report.seconds)
         return Engine(
