@@ -257,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
             env = {**os.environ, "TRITON_CACHE_DIR": str(root / cache)}
             cmd = [sys.executable, __file__, str(out), "--child", json.dumps(spec)]
             subprocess.run(cmd, env=env, check=True)
-            run = {"setting": label, **json.loads(out.read_text())}
+            files = [f for f in (root / cache).rglob("*") if f.is_file()]
+            run = {
+                "setting": label,
+                **json.loads(out.read_text()),
+                "cache_mb": sum(f.stat().st_size for f in files) / 1e6,  # after this run
+                "cache_files": len(files),
+            }
             print(json.dumps({k: v for k, v in run.items() if k != "requests"}), flush=True)
             payload["runs"].append(run)
     args.out.write_text(json.dumps(payload, indent=1))
