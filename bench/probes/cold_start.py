@@ -203,48 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(child(**spec)))
         return 0
 
-    from loraplane.worker.bench.common import env_info
-    from loraplane.worker.fixtures.adapters import make_adapter
-    from loraplane.worker.fixtures.models import make_model
+    from loraplane.worker.bench.common import env_info, probe_fixtures
 
     payload: dict[str, Any] = {"probe": "cold_start", "env": env_info(args.device), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        moe = args.arch == "qwen3-moe"
-        model = make_model(
-            root / "model",
-            args.arch,
-            dtype="bfloat16",
-            hidden_size=args.hidden,
-            num_layers=args.layers,
-            num_heads=args.hidden // 128,
-            num_kv_heads=max(1, args.hidden // 512),
-            intermediate_size=args.hidden * 11 // 4,
-            vocab_size=32000,
-            num_experts=64,
-            num_experts_per_tok=8,
-            moe_intermediate_size=args.hidden // 2,
-            head_dim=128,
-            max_position_embeddings=4096,
-        )
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        if not moe:
-            targets += ["gate_proj", "up_proj", "down_proj"]
-        adapters = [
-            str(
-                make_adapter(
-                    model,
-                    root / name,
-                    rank=16,
-                    alpha=32,
-                    targets=targets,
-                    seed=s,
-                    experts=moe,
-                    dtype="bfloat16",
-                )
-            )
-            for s, name in enumerate(("a", "b"))
-        ]
+        model, paths = probe_fixtures(root, args.arch, args.layers, args.hidden)
+        adapters = [str(path) for path in paths.values()]
         for i, (label, warmup, cache) in enumerate(SETTINGS[args.settings]):
             out = root / f"child_{i}.json"
             spec = {

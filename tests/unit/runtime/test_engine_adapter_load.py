@@ -7,10 +7,11 @@ import asyncio
 import json
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -32,23 +33,27 @@ pytestmark = pytest.mark.unit
 KEY_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 
-@pytest.fixture(scope="module")
-def worker(suite) -> Iterator[tuple[Engine, WorkerMetrics]]:
-    model_dir, _ = suite["llama"]
-    executor = LocalExecutor(
+def make_engine(model_dir: Path, kind: type[LocalExecutor] = LocalExecutor, **kw: Any) -> Engine:
+    """An engine over a ``kind`` executor of the llama fixture: K=2, M=4, rank 16 (not started)."""
+    executor = kind(
         RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=4, max_len=64),
         LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=4, max_lora_rank=16),
     )
-    metrics = WorkerMetrics(1, 2, 4)
-    engine = Engine(
+    return Engine(
         executor,
         TextTokenizer(str(model_dir)),
         max_loras_per_batch=2,
         max_loaded_loras=4,
         max_running=4,
         max_model_len=64,
-        observer=metrics,
+        **kw,
     )
+
+
+@pytest.fixture(scope="module")
+def worker(suite) -> Iterator[tuple[Engine, WorkerMetrics]]:
+    metrics = WorkerMetrics(1, 2, 4)
+    engine = make_engine(suite["llama"][0], observer=metrics)
     engine.start()
     yield engine, metrics
     engine.stop()
@@ -172,20 +177,22 @@ def test_slot_gauge_drops_when_a_retired_version_finishes(worker, suite, tmp_pat
     path = copy_adapter(suite, tmp_path)
     assert engine.load_adapter("busy", str(path)).result(timeout=60).success
     before = slots_used(metrics) or 0.0
-    done = threading.Event()
+    done, running = threading.Event(), threading.Event()
 
     def sink(event: SeqEvent) -> None:
+        running.set()
         if event.finished:
             done.set()
 
     params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     engine.submit("busy-1", [5, 9, 200], params, "busy", sink)
-    assert engine.unload_adapter("busy").result(timeout=60).success  # retired, still held
-    assert done.wait(60)
+    assert running.wait(60)
     loads = metrics.registry.get_sample_value(
         "loraplane_worker_slot_loads_total", {"adapter": "busy"}
     )
-    assert loads == 1  # the request did take a slot
+    assert loads == 1  # the request took a slot
+    assert engine.unload_adapter("busy").result(timeout=60).success  # retired, still held
+    assert done.wait(60)
     with engine._lock:
         assert "busy" not in engine.residency.slots
         assert slots_used(metrics) == before == engine.residency.slots_used
@@ -314,3 +321,52 @@ def test_greedy_and_sampling_sequences_in_one_step_each_get_their_own_tokens(sui
     }
     # each step told a seeded sequence how many tokens it had generated (its draw's index)
     assert executor.seen == {1: [0, 1, 2], 2: [0, 1, 2]}
+
+
+class _SlowReads(LocalExecutor):
+    """A LocalExecutor whose adapter reads wait for the test to let them finish."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.reading = threading.Event()
+        self.finish_read = threading.Event()
+
+    def read_adapter(self, dp_group: int, name: str, path: str):  # type: ignore[no-untyped-def]
+        self.reading.set()
+        assert self.finish_read.wait(60), "the test never let the read finish"
+        return super().read_adapter(dp_group, name, path)
+
+
+def test_running_requests_keep_generating_while_an_adapter_is_read(suite) -> None:
+    """Reading an adapter (seconds for a large one) holds no step: a running request's
+    tokens keep coming until the read ends, and the adapter then serves."""
+    model_dir, adapters = suite["llama"]
+    engine = make_engine(model_dir, _SlowReads)
+    executor = cast(_SlowReads, engine.executor)
+    engine.start()
+    try:
+        tokens: list[int] = []
+        done = threading.Event()
+
+        def sink(event: SeqEvent) -> None:
+            tokens.extend(event.token_ids)
+            if event.finished:
+                done.set()
+
+        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        engine.submit("long", [5, 9, 200, 31], params, None, sink)
+        loading = engine.load_adapter("a8", str(dict(adapters)["a8"]))
+        assert executor.reading.wait(60)
+        before, waited = len(tokens), time.monotonic() + 30
+        while len(tokens) < before + 3 and not done.is_set() and time.monotonic() < waited:
+            time.sleep(0.01)
+        during = len(tokens) - before
+        assert not loading.done()  # the read still waits
+        executor.finish_read.set()
+        assert during >= 3 or done.is_set(), f"{during} tokens in 30 s while the read waited"
+        assert loading.result(timeout=60).success
+        assert len(generate(engine, "a8")) == 4
+        assert done.wait(60) and len(tokens) == 24
+    finally:
+        executor.finish_read.set()
+        engine.stop()

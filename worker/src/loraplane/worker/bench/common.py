@@ -245,3 +245,41 @@ def _json_default(obj: object) -> object:
 
 def fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def probe_fixtures(
+    root: Path, arch: str, layers: int, hidden: int, names: Sequence[str] = ("a", "b")
+) -> tuple[Path, dict[str, Path]]:
+    """The probes' bf16 fixture model (vocabulary 32000, head size 128; on qwen3-moe 64
+    experts, top 8) and one rank-16 adapter per name on every target (and every expert)."""
+    from loraplane.worker.fixtures.adapters import make_adapter
+    from loraplane.worker.fixtures.models import make_model
+
+    model = make_model(
+        root / "model",
+        arch,  # type: ignore[arg-type]
+        dtype="bfloat16",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=hidden // 128,
+        num_kv_heads=max(1, hidden // 512),
+        intermediate_size=hidden * 11 // 4,
+        vocab_size=32000,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=hidden // 2,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
+    moe = arch == "qwen3-moe"
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if not moe:
+        targets += ["gate_proj", "up_proj", "down_proj"]
+    adapters = {
+        name: make_adapter(
+            model, root / name, rank=16, alpha=32, targets=targets, seed=seed, experts=moe,
+            dtype="bfloat16",
+        )
+        for seed, name in enumerate(names)
+    }  # fmt: skip
+    return model, adapters

@@ -13,6 +13,7 @@ Other threads (the HTTP server) only call `submit`, `abort`, `load_adapter`,
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,16 @@ class EngineObserver(Protocol):
     ) -> None: ...
     def adapter_op(self, op: str, seconds: float, success: bool) -> None: ...
     def warmed_up(self, seconds: float) -> None: ...
+
+
+def _run_command(fn: Callable[[], Any], future: Future[Any]) -> None:
+    """``fn()`` into ``future`` (unless it was cancelled); its failure goes there too."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            log.exception("adapter command failed")
+            future.set_exception(exc)
 
 
 class _NullObserver:
@@ -122,19 +133,37 @@ class Engine:
         self._commands: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="loraplane-engine", daemon=True)
+        # Adapter commands, in order, on a thread of their own when the executor reads adapter
+        # files beside its steps: the read (seconds for a large adapter) then holds no step.
+        self._adapter_queue: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._adapter_thread = (
+            threading.Thread(target=self._adapter_loop, name="loraplane-adapters", daemon=True)
+            if getattr(executor, "reads_adapters_concurrently", False)
+            else None
+        )
         self.error: BaseException | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
+        if self._adapter_thread is not None:
+            self._adapter_thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, shutdown_executor: bool = True) -> None:
+        """Stop the threads; then shut the executor down unless it is to serve another
+        engine (``shutdown_executor=False``, as the probes do)."""
         with self._wake:
             self._stop = True
             self._wake.notify_all()
         self._thread.join(timeout=10)
-        self.executor.shutdown()
+        if self._adapter_thread is not None:
+            self._adapter_queue.put(None)
+            self._adapter_thread.join(timeout=10)
+        if shutdown_executor:
+            self.executor.shutdown()
 
     @property
     def alive(self) -> bool:
@@ -183,20 +212,48 @@ class Engine:
     # --- adapter commands ----------------------------------------------------------------
 
     def _command(self, fn: Callable[[], Any]) -> Future[Any]:
+        """``fn`` on the engine's thread, between steps."""
+        return self._enqueue(fn, self._commands.append)
+
+    def _adapter_command(self, fn: Callable[[], Any]) -> Future[Any]:
+        """``fn`` after every earlier adapter command: on the adapter thread if there is one
+        (its engine state changes go to the engine's thread through ``_on_engine``), else
+        on the engine's thread between steps."""
+        if self._adapter_thread is None:
+            return self._command(fn)
+        return self._enqueue(fn, self._adapter_queue.put)
+
+    def _enqueue(
+        self, fn: Callable[[], Any], put: Callable[[tuple[Callable[[], Any], Future[Any]]], None]
+    ) -> Future[Any]:
         future: Future[Any] = Future()
         with self._wake:
             if self._stop or not self._thread.is_alive():
                 future.set_exception(RuntimeError("the engine is not running"))
                 return future
-            self._commands.append((fn, future))
+            put((fn, future))
             self._wake.notify_all()
         return future
 
+    def _adapter_loop(self) -> None:
+        while (item := self._adapter_queue.get()) is not None:
+            _run_command(*item)
+        while not self._adapter_queue.empty():  # stopped: what is left will not run
+            if (left := self._adapter_queue.get()) is not None:
+                left[1].set_exception(RuntimeError("the engine is not running"))
+
+    def _on_engine(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the engine's thread, between steps (the executor's slots and host
+        copies change only there), waiting for it."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self._command(fn).result()
+
     def load_adapter(self, name: str, path: str, pinned: bool = False) -> Future[LoRAUpdateResult]:
-        return self._command(lambda: self._load(name, path, pinned))
+        return self._adapter_command(lambda: self._load(name, path, pinned))
 
     def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]:
-        return self._command(lambda: self._unload(name))
+        return self._adapter_command(lambda: self._on_engine(lambda: self._unload(name)))
 
     def _fault(self, op: str, group: int) -> str | None:
         return self.fault_hook(op, group) if self.fault_hook else None
@@ -212,6 +269,8 @@ class Engine:
         ]
 
     def _load(self, name: str, path: str, pinned: bool) -> LoRAUpdateResult:
+        """Check, read on every group (on the adapter thread if there is one: the engine keeps
+        stepping), then commit or roll back on the engine's thread."""
         t0 = time.perf_counter()
         path = str(Path(path).resolve())
         with self._lock:
@@ -257,6 +316,24 @@ class Engine:
             # rewritten in place while the groups read it: they may hold different weights
             changed = f"lora_path: {path} changed while adapter {name!r} was read; load it again"
             errors = [changed] * self.dp_size
+        return cast(
+            LoRAUpdateResult,
+            self._on_engine(lambda: self._commit_load(name, path, pinned, key, version,
+                                                      fingerprint, errors, t0)),
+        )  # fmt: skip
+
+    def _commit_load(
+        self,
+        name: str,
+        path: str,
+        pinned: bool,
+        key: str,
+        version: int,
+        fingerprint: tuple[Any, ...],
+        errors: list[str | None],
+        t0: float,
+    ) -> LoRAUpdateResult:
+        """The end of ``_load`` (engine thread): the adapter on every group, or on none."""
         with self._lock:
             if any(e is not None for e in errors):
                 # roll back wherever it was read: the adapter is on every group or on none
@@ -430,12 +507,7 @@ class Engine:
                         break
                     commands, self._commands = self._commands, []
                 for fn, future in commands:
-                    if future.set_running_or_notify_cancel():
-                        try:
-                            future.set_result(fn())
-                        except BaseException as exc:
-                            log.exception("adapter command failed")
-                            future.set_exception(exc)
+                    _run_command(fn, future)
                 self._step()
         except BaseException as exc:
             self.error = exc
@@ -457,6 +529,12 @@ class Engine:
                     )
                 for _fn, future in self._commands:
                     future.set_exception(RuntimeError(f"engine failed: {exc}"))
+                self._commands = []
+        finally:
+            with self._lock:  # stopped: queued commands will not run
+                for _fn, future in self._commands:
+                    if not future.done():
+                        future.set_exception(RuntimeError("the engine is not running"))
                 self._commands = []
 
     def _finish(self, seq: Sequence, reason: str, matched: int | str | None = None) -> None:

@@ -66,6 +66,9 @@ class AdapterInfo:
 
 class Executor(Protocol):
     dp_size: int
+    # Whether `read_adapter` may run on another thread while `step` runs (the engine then
+    # reads adapter files beside its steps; everything else stays on the engine's thread).
+    reads_adapters_concurrently: bool
     model_config: ModelConfig
     max_seqs: int  # KV-cache rows per DP group
     max_len: int  # positions per KV-cache row
@@ -116,6 +119,8 @@ class LocalExecutor:
     """One process, one rank: tp = dp = 1."""
 
     dp_size = 1
+    # A read touches host memory only (`ModelRunner.read_adapter`, then one `host` entry).
+    reads_adapters_concurrently = True
 
     def __init__(self, runner_config: RunnerConfig, lora: LoRARuntimeConfig) -> None:
         self.runner = ModelRunner(runner_config, lora)

@@ -152,6 +152,10 @@ def _rank_loop(
 class MultiRankExecutor:
     """`Executor` over `tp` rank processes with `dp` DP-attention groups."""
 
+    # The ranks take commands one at a time from one inbox each: a read would sit between
+    # two steps there anyway, so the engine keeps reads on its own thread.
+    reads_adapters_concurrently = False
+
     def __init__(
         self, pconf: ParallelConfig, runner_config: RunnerConfig, lora: LoRARuntimeConfig
     ) -> None:
