@@ -237,7 +237,10 @@ class Engine:
 
     def _adapter_loop(self) -> None:
         while (item := self._adapter_queue.get()) is not None:
-            _run_command(*item)
+            if self._stop:  # stopping: no more reads (the futures say why)
+                item[1].set_exception(RuntimeError("the engine is not running"))
+            else:
+                _run_command(*item)
         while not self._adapter_queue.empty():  # stopped: what is left will not run
             if (left := self._adapter_queue.get()) is not None:
                 left[1].set_exception(RuntimeError("the engine is not running"))
@@ -273,13 +276,13 @@ class Engine:
         stepping), then commit or roll back on the engine's thread."""
         t0 = time.perf_counter()
         path = str(Path(path).resolve())
+        fingerprint = _fingerprint(path)  # (a stat; not under the lock the steps take)
         with self._lock:
             if name in self.inconsistent:
                 return self._failed(
                     f"lora_name: adapter {name!r} is inconsistent after a partially failed unload; "
                     "retry POST /unload_lora_adapter before loading it again"
                 )
-            fingerprint = _fingerprint(path)
             current = self.residency.current(name)
             if (
                 current is not None
@@ -531,7 +534,8 @@ class Engine:
                     future.set_exception(RuntimeError(f"engine failed: {exc}"))
                 self._commands = []
         finally:
-            with self._lock:  # stopped: queued commands will not run
+            with self._lock:  # stopped: queued commands will not run, and none is queued now
+                self._stop = True
                 for _fn, future in self._commands:
                     if not future.done():
                         future.set_exception(RuntimeError("the engine is not running"))
