@@ -6,25 +6,35 @@ import threading
 from typing import Any
 
 
+def start(
+    engine: Any, prompt: list[int], adapter: str | None, tokens: int, request_id: str = ""
+) -> tuple[list[int], threading.Event]:
+    """One greedy request submitted to ``engine``: its tokens as they arrive, and its end."""
+    from loraplane.worker.engine.sampling import SamplingParams
+
+    out: list[int] = []
+    done = threading.Event()
+
+    def sink(event: Any) -> None:
+        assert event.error is None, event.error
+        out.extend(event.token_ids)
+        if event.finished:
+            done.set()
+
+    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+    engine.submit(request_id or f"r{id(out)}", prompt, params, adapter, sink)
+    return out, done
+
+
 def generate(
     server: Any, prompts: list[list[int]], adapters: list[str | None], tokens: int = 6
 ) -> list[list[int]]:
     """Greedy tokens of ``prompts`` (request ``i`` with ``adapters[i % len(adapters)]``),
     submitted together to ``server.engine``."""
-    from loraplane.worker.engine.sampling import SamplingParams
-
-    outputs: list[list[int]] = [[] for _ in prompts]
-    done = [threading.Event() for _ in prompts]
-    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-
-        def sink(event: Any, i: int = i) -> None:
-            assert event.error is None, event.error
-            outputs[i].extend(event.token_ids)
-            if event.finished:
-                done[i].set()
-
-        server.engine.submit(f"r{i}", prompt, params, adapters[i % len(adapters)], sink)
-    for event in done:
-        assert event.wait(120), "a request did not finish"
-    return outputs
+    started = [
+        start(server.engine, prompt, adapters[i % len(adapters)], tokens, f"r{i}")
+        for i, prompt in enumerate(prompts)
+    ]
+    for _, done in started:
+        assert done.wait(120), "a request did not finish"
+    return [out for out, _ in started]

@@ -16,6 +16,7 @@ from typing import Any, cast
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tests.engine_requests import start
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.engine import Engine
@@ -66,16 +67,7 @@ def copy_adapter(suite, tmp_path: Path, name: str = "a8") -> Path:
 
 
 def generate(engine: Engine, adapter: str | None, tokens: int = 4) -> list[int]:
-    out: list[int] = []
-    done = threading.Event()
-
-    def sink(event: SeqEvent) -> None:
-        out.extend(event.token_ids)
-        if event.finished:
-            done.set()
-
-    params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
-    engine.submit(f"r{id(out)}", [5, 9, 200, 31], params, adapter, sink)
+    out, done = start(engine, [5, 9, 200, 31], adapter, tokens)
     assert done.wait(60), "the request did not finish"
     return out
 
@@ -345,16 +337,7 @@ def test_running_requests_keep_generating_while_an_adapter_is_read(suite) -> Non
     executor = cast(_SlowReads, engine.executor)
     engine.start()
     try:
-        tokens: list[int] = []
-        done = threading.Event()
-
-        def sink(event: SeqEvent) -> None:
-            tokens.extend(event.token_ids)
-            if event.finished:
-                done.set()
-
-        params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
-        engine.submit("long", [5, 9, 200, 31], params, None, sink)
+        tokens, done = start(engine, [5, 9, 200, 31], None, 24)
         loading = engine.load_adapter("a8", str(dict(adapters)["a8"]))
         assert executor.reading.wait(60)
         before, waited = len(tokens), time.monotonic() + 30

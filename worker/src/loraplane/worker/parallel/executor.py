@@ -15,6 +15,7 @@ import multiprocessing as std_mp
 import os
 import queue
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -42,6 +43,57 @@ from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 _REPLY_TIMEOUT_S = 600.0
 
 
+def _read_loop(
+    rank: int,
+    ps: ParallelState,
+    runner: ModelRunner,
+    host: dict[str, AdapterWeights],
+    inbox: Any,
+    outbox: Any,
+) -> None:
+    """A rank's adapter reads (and their roll-backs), beside its steps: host memory only, no
+    collective, so the driver's adapter thread sends them while its engine thread steps."""
+    while True:
+        cmd, args = inbox.get()
+        if cmd == "stop":
+            return
+        try:
+            if cmd == "read":
+                outbox.put(_read(rank, ps, runner, host, *args))
+            elif cmd == "drop":
+                host.pop(args, None)
+                outbox.put(("ok", rank, None))
+            else:
+                raise ValueError(f"unknown read command {cmd!r}")
+        except BaseException:
+            outbox.put(("error", rank, traceback.format_exc()))
+
+
+def _read(
+    rank: int,
+    ps: ParallelState,
+    runner: ModelRunner,
+    host: dict[str, AdapterWeights],
+    group: int,
+    name: str,
+    path: str,
+) -> tuple[str, int, Any]:
+    """The reply to a read: ok with its AdapterInfo (None off the group), or rejected."""
+    if group != ps.dp_rank:
+        return ("ok", rank, None)
+    try:
+        w = runner.read_adapter(name, path)
+    except AdapterError as exc:
+        return ("rejected", rank, str(exc))
+    except Exception as exc:
+        # Reading is host-only (no collective ran): a file this rank cannot read is the
+        # adapter's fault, not the rank's; reject it and keep serving.
+        message = f"adapter {name!r}: lora_path: {path} cannot be read on rank {rank} ({exc!r})"
+        return ("rejected", rank, message)
+    host[name] = w
+    return ("ok", rank, AdapterInfo(name, path, w.rank, w.scaling, w.target_modules, w.nbytes))
+
+
 def _rank_loop(
     rank: int,
     pconf: ParallelConfig,
@@ -50,6 +102,8 @@ def _rank_loop(
     port: int,
     inbox: Any,
     outbox: Any,
+    read_inbox: Any,
+    read_outbox: Any,
 ) -> None:
     exit_with_parent()
     try:
@@ -66,6 +120,12 @@ def _rank_loop(
         )
         runner = ModelRunner(cfg, lora, ps)
         host: dict[str, AdapterWeights] = {}
+        threading.Thread(
+            target=_read_loop,
+            args=(rank, ps, runner, host, read_inbox, read_outbox),
+            name=f"loraplane-rank{rank}-reads",
+            daemon=True,
+        ).start()
         outbox.put(("ready", rank, None))
     except BaseException:
         outbox.put(("error", rank, traceback.format_exc()))
@@ -85,35 +145,6 @@ def _rank_loop(
                 leader = ps.attn_tp_rank == 0
                 result = step_result(logits, work, cfg.sampler) if leader else None
                 outbox.put(("ok", rank, result))
-            elif cmd == "read":
-                group, name, path = args
-                if group != ps.dp_rank:
-                    outbox.put(("ok", rank, None))
-                    continue
-                try:
-                    w = runner.read_adapter(name, path)
-                except AdapterError as exc:
-                    outbox.put(("rejected", rank, str(exc)))
-                    continue
-                except Exception as exc:
-                    # Reading is host-only (no collective ran): a file this rank cannot read
-                    # is the adapter's fault, not the rank's; reject it and keep serving.
-                    outbox.put(
-                        (
-                            "rejected",
-                            rank,
-                            f"adapter {name!r}: lora_path: {path} cannot be read on rank {rank} ({exc!r})",
-                        )
-                    )
-                    continue
-                host[name] = w
-                outbox.put(
-                    (
-                        "ok",
-                        rank,
-                        AdapterInfo(name, path, w.rank, w.scaling, w.target_modules, w.nbytes),
-                    )
-                )
             elif cmd == "load_slot":
                 slot, name = args
                 assert runner.lora is not None
@@ -152,9 +183,9 @@ def _rank_loop(
 class MultiRankExecutor:
     """`Executor` over `tp` rank processes with `dp` DP-attention groups."""
 
-    # The ranks take commands one at a time from one inbox each: a read would sit between
-    # two steps there anyway, so the engine keeps reads on its own thread.
-    reads_adapters_concurrently = False
+    # Each rank reads adapters on a thread of its own, from an inbox of its own (`_read_loop`):
+    # the engine's adapter thread sends reads while its engine thread sends steps.
+    reads_adapters_concurrently = True
 
     def __init__(
         self, pconf: ParallelConfig, runner_config: RunnerConfig, lora: LoRARuntimeConfig
@@ -173,10 +204,22 @@ class MultiRankExecutor:
         port = self._store.port
         self._inboxes = [ctx.Queue() for _ in range(pconf.tp)]
         self._outbox: std_mp.Queue[Any] = ctx.Queue()
+        self._read_inboxes = [ctx.Queue() for _ in range(pconf.tp)]
+        self._read_outbox: std_mp.Queue[Any] = ctx.Queue()
         self._procs = [
             ctx.Process(
                 target=_rank_loop,
-                args=(r, pconf, runner_config, lora, port, self._inboxes[r], self._outbox),
+                args=(
+                    r,
+                    pconf,
+                    runner_config,
+                    lora,
+                    port,
+                    self._inboxes[r],
+                    self._outbox,
+                    self._read_inboxes[r],
+                    self._read_outbox,
+                ),
                 name=f"loraplane-rank{r}",
                 daemon=True,
             )
@@ -191,13 +234,20 @@ class MultiRankExecutor:
             box.put((cmd, args))
         return self._collect(cmd)
 
-    def _collect(self, what: str) -> list[Any]:
+    def _send_read(self, cmd: str, args: Any) -> list[Any]:
+        """``cmd`` to every rank's read thread (the engine's adapter thread calls this)."""
+        for box in self._read_inboxes:
+            box.put((cmd, args))
+        return self._collect(cmd, self._read_outbox)
+
+    def _collect(self, what: str, outbox: std_mp.Queue[Any] | None = None) -> list[Any]:
+        outbox = outbox or self._outbox
         replies: list[Any] = [None] * len(self._procs)
         pending = set(range(len(self._procs)))
         waited = 0.0
         while pending:
             try:
-                status, rank, payload = self._outbox.get(timeout=1.0)
+                status, rank, payload = outbox.get(timeout=1.0)
             except queue.Empty:
                 waited += 1.0
                 dead = [r for r in pending if not self._procs[r].is_alive()]
@@ -221,13 +271,13 @@ class MultiRankExecutor:
         return [replies[r][1] for r in leaders]
 
     def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
-        replies = self._send("read", (dp_group, name, path))
+        replies = self._send_read("read", (dp_group, name, path))
         ranks = range(dp_group * self.pconf.attn_tp, (dp_group + 1) * self.pconf.attn_tp)
         for r in ranks:
             status, payload = replies[r]
             if status == "rejected":
                 # The group's other ranks may have read it: forget it everywhere in the group.
-                self._send("drop", name)
+                self._send_read("drop", name)
                 raise _rejected(name, payload)
         info: AdapterInfo = replies[ranks[0]][1]
         return info
@@ -246,6 +296,8 @@ class MultiRankExecutor:
 
     def shutdown(self) -> None:
         try:
+            for box in self._read_inboxes:
+                box.put(("stop", None))
             for box in self._inboxes:
                 box.put(("stop", None))
             for p in self._procs:
