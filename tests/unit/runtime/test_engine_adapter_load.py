@@ -20,7 +20,7 @@ from tests.engine_requests import start
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.engine import Engine
-from loraplane.worker.engine.executor import LocalExecutor
+from loraplane.worker.engine.executor import ExecutorFailed, LocalExecutor
 from loraplane.worker.engine.runner import RunnerConfig
 from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.engine.sequence import SeqEvent
@@ -352,4 +352,24 @@ def test_running_requests_keep_generating_while_an_adapter_is_read(suite) -> Non
         assert done.wait(60) and len(tokens) == 24
     finally:
         executor.finish_read.set()
+        engine.stop()
+
+
+class _BrokenReads(LocalExecutor):
+    def read_adapter(self, dp_group: int, name: str, path: str):  # type: ignore[no-untyped-def]
+        raise ExecutorFailed("rank 1 exited during 'read'")
+
+
+def test_an_executor_failing_during_a_read_is_not_blamed_on_the_adapter(suite) -> None:
+    """A broken executor (a dead rank) met while reading is the worker's failure: the load
+    fails with it, and the worker stops reporting itself alive (its health check fails)."""
+    model_dir, adapters = suite["llama"]
+    engine = make_engine(model_dir, _BrokenReads)
+    engine.start()
+    try:
+        with pytest.raises(ExecutorFailed, match="rank 1 exited"):
+            engine.load_adapter("a8", str(dict(adapters)["a8"])).result(timeout=60)
+        assert not engine.alive
+        assert "a8" not in engine.residency.loaded_names
+    finally:
         engine.stop()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from loraplane.worker.engine.executor import Executor, SeqWork
+from loraplane.worker.engine.executor import Executor, ExecutorFailed, SeqWork
 from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
 from loraplane.worker.engine.residency import Residency, ResidencyError
 from loraplane.worker.engine.sampling import SamplingParams
@@ -161,9 +161,10 @@ class Engine:
         self._thread.join(timeout=10)
         if self._adapter_thread is not None:
             self._adapter_queue.put(None)
-            self._adapter_thread.join(timeout=10)
-        if shutdown_executor:
+        if shutdown_executor:  # (before the join: a read in flight then ends at once)
             self.executor.shutdown()
+        if self._adapter_thread is not None:
+            self._adapter_thread.join(timeout=10)
 
     @property
     def alive(self) -> bool:
@@ -312,6 +313,10 @@ class Engine:
                 errors.append(None)
             except AdapterError as exc:
                 errors.append(str(exc))
+            except ExecutorFailed as exc:  # not the adapter's fault: the worker is broken
+                self.error = exc
+                log.error("the executor failed while reading adapter %s: %s", name, exc)
+                raise
             except Exception as exc:  # a bad file must not cost a 500: answer it, roll back
                 log.exception("reading adapter %s from %s on dp group %d failed", name, path, group)
                 errors.append(f"adapter {name!r}: lora_path: {path} cannot be read ({exc!r})")

@@ -54,6 +54,11 @@ def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto"
     )
 
 
+class ExecutorFailed(RuntimeError):
+    """The executor itself broke (a rank died, or stopped answering), not what it was asked
+    to do: the worker cannot serve on, whatever call met it."""
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
     name: str

@@ -54,19 +54,20 @@ def _read_loop(
     """A rank's adapter reads (and their roll-backs), beside its steps: host memory only, no
     collective, so the driver's adapter thread sends them while its engine thread steps."""
     while True:
-        cmd, args = inbox.get()
+        cmd, args, seq = inbox.get()
         if cmd == "stop":
             return
         try:
             if cmd == "read":
-                outbox.put(_read(rank, ps, runner, host, *args))
+                status, _, payload = _read(rank, ps, runner, host, *args)
             elif cmd == "drop":
                 host.pop(args, None)
-                outbox.put(("ok", rank, None))
+                status, payload = "ok", None
             else:
                 raise ValueError(f"unknown read command {cmd!r}")
         except BaseException:
-            outbox.put(("error", rank, traceback.format_exc()))
+            status, payload = "error", traceback.format_exc()
+        outbox.put((status, rank, (seq, payload)))  # seq: which command this answers
 
 
 def _read(
@@ -206,6 +207,7 @@ class MultiRankExecutor:
         self._outbox: std_mp.Queue[Any] = ctx.Queue()
         self._read_inboxes = [ctx.Queue() for _ in range(pconf.tp)]
         self._read_outbox: std_mp.Queue[Any] = ctx.Queue()
+        self._read_seq = 0
         self._procs = [
             ctx.Process(
                 target=_rank_loop,
@@ -235,12 +237,21 @@ class MultiRankExecutor:
         return self._collect(cmd)
 
     def _send_read(self, cmd: str, args: Any) -> list[Any]:
-        """``cmd`` to every rank's read thread (the engine's adapter thread calls this)."""
-        for box in self._read_inboxes:
-            box.put((cmd, args))
-        return self._collect(cmd, self._read_outbox)
+        """``cmd`` to every rank's read thread (the engine's adapter thread calls this).
 
-    def _collect(self, what: str, outbox: std_mp.Queue[Any] | None = None) -> list[Any]:
+        Each carries a number its replies echo: a reply that comes after its command gave up
+        (a timeout, another rank's error) is dropped, not taken for the next command's."""
+        self._read_seq += 1
+        seq = self._read_seq
+        for box in self._read_inboxes:
+            box.put((cmd, args, seq))
+        return self._collect(cmd, self._read_outbox, seq)
+
+    def _collect(
+        self, what: str, outbox: std_mp.Queue[Any] | None = None, seq: int | None = None
+    ) -> list[Any]:
+        """Every rank's ``(status, payload)`` for ``what``; with ``seq``, replies are
+        ``(seq, payload)`` and those of other commands are dropped."""
         outbox = outbox or self._outbox
         replies: list[Any] = [None] * len(self._procs)
         pending = set(range(len(self._procs)))
@@ -258,6 +269,10 @@ class MultiRankExecutor:
                         f"no reply from ranks {sorted(pending)} to {what!r} in {_REPLY_TIMEOUT_S:.0f}s"
                     ) from None
                 continue
+            if seq is not None:
+                answered, payload = payload
+                if answered != seq:
+                    continue  # the late reply of a command that gave up
             if status == "error":
                 raise RankFailed(f"rank {rank} failed during {what!r}:\n{payload}")
             replies[rank] = (status, payload)
@@ -297,7 +312,7 @@ class MultiRankExecutor:
     def shutdown(self) -> None:
         try:
             for box in self._read_inboxes:
-                box.put(("stop", None))
+                box.put(("stop", None, 0))
             for box in self._inboxes:
                 box.put(("stop", None))
             for p in self._procs:

@@ -21,13 +21,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from loraplane.worker.engine.executor import ExecutorFailed
 from loraplane.worker.parallel.state import ParallelConfig, ParallelState
 
 # Keys in the parent's store under which ranks record their failures, in the order they fail.
 _FAILURES = "loraplane/failures"
 
 
-class RankFailed(RuntimeError):
+class RankFailed(ExecutorFailed):
     """A rank process died or raised; the message names the rank and carries its traceback."""
 
 
