@@ -106,8 +106,13 @@ def test_a_slot_holds_exactly_the_experts_its_adapter_has(suite, device: str) ->
         if module != "up_proj":
             stacks[(layer, module)] = ExpertStack(stack.experts[even], stack.a[even], stack.b[even])
     partial = replace(full, expert_stacks=stacks)
-    kept = partial.experts
-    assert kept and all(e % 2 == 0 and m != "up_proj" for _, e, m in kept)
+    # (layer, expert, module) -> (A, B), one expert at a time: what the slot must hold
+    kept = {
+        (layer, int(e), module): (stack.a[j], stack.b[j])
+        for (layer, module), stack in stacks.items()
+        for j, e in enumerate(stack.experts.tolist())
+    }
+    assert kept
     manager.load_slot(0, full)
     manager.load_slot(0, partial)  # over the full adapter
     manager.load_slot(1, partial)  # into an empty slot

@@ -535,15 +535,13 @@ class Engine:
                             error=f"engine failed: {exc}",
                         )
                     )
-                for _fn, future in self._commands:
-                    future.set_exception(RuntimeError(f"engine failed: {exc}"))
-                self._commands = []
         finally:
             with self._lock:  # stopped: queued commands will not run, and none is queued now
                 self._stop = True
+                why = f"engine failed: {self.error}" if self.error else "the engine is not running"
                 for _fn, future in self._commands:
                     if not future.done():
-                        future.set_exception(RuntimeError("the engine is not running"))
+                        future.set_exception(RuntimeError(why))
                 self._commands = []
 
     def _finish(self, seq: Sequence, reason: str, matched: int | str | None = None) -> None:

@@ -74,15 +74,6 @@ class AdapterWeights:
     version: int = 0
 
     @property
-    def experts(self) -> dict[tuple[int, int, str], tuple[torch.Tensor, torch.Tensor]]:
-        """(layer, expert, module) -> (A [r, in], B [out, r]): views of ``expert_stacks``."""
-        return {
-            (layer, int(e), module): (stack.a[j], stack.b[j])
-            for (layer, module), stack in self.expert_stacks.items()
-            for j, e in enumerate(stack.experts.tolist())
-        }
-
-    @property
     def nbytes(self) -> int:
         total = 0
         pairs = [*self.dense.values(), *((s.a, s.b) for s in self.expert_stacks.values())]
