@@ -8,9 +8,11 @@ every running request waits for it; with more adapters than slots it happens at 
 swap. Writes a bf16 fixture model at a real layer shape (Llama-3-8B, or Qwen3-30B-A3B with
 128 experts; ``--layers`` of them, vocabulary 32000) and a rank-``--rank`` adapter on every
 target (every expert's too), reads the adapter into host memory as the worker does
-(``read_adapter``), then times ``load_slot`` into alternating slots ``--repeats`` times,
-synchronised. Reports the median ms per load and per layer (a model of L layers takes about
-L times the per-layer figure). Prints and writes one JSON object.
+(``read_adapter``: page-locked on CUDA), then times ``load_slot`` into alternating slots
+``--repeats`` times, from that copy and from a pageable one in turns (``--host``). Reports
+per kind the median ms until ``load_slot`` returns (``host_ms``: what the step loop waits)
+and until the GPU has the slot (``load_ms``), per load and per layer (a model of L layers
+takes about L times the per-layer figure). Prints and writes one JSON object.
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--small", action="store_true", help="a tiny model (to try the probe)")
     p.add_argument(
+        "--host",
+        default="both",
+        choices=("both", "pinned", "pageable"),
+        help="the adapter's host memory: page-locked (what a CUDA worker reads it into), "
+        "pageable (a copy, as before session 27), or both in turns",
+    )
+    p.add_argument(
         "--fixtures",
         type=Path,
         help="keep the model and adapter here and reuse them when there (several runs)",
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from loraplane.worker.bench.common import env_info
+    from loraplane.worker.bench.common import env_info, host_tensors, pageable_copy
     from loraplane.worker.server.factory import ServeConfig, make_executor
 
     shape = dict(SHAPES[args.arch])
@@ -134,20 +143,43 @@ def main(argv: list[str] | None = None) -> int:
                 if args.device == "cuda":
                     torch.cuda.synchronize()
 
-            times = []
-            for i in range(args.repeats + 1):
+            read = executor.host["a"]  # type: ignore[attr-defined]
+            kinds = {"pinned": read, "pageable": pageable_copy(read)}
+            result["read_pinned"] = all(t.is_pinned() for t in host_tensors(read))
+            if args.host != "both":
+                kinds = {args.host: kinds[args.host]}
+            for weights in kinds.values():
+                executor.host["a"] = weights  # type: ignore[attr-defined]
                 sync()
-                t0 = time.perf_counter()
-                executor.load_slot(i % 2, "a")
+                executor.load_slot(0, "a")  # (the first also allocates)
                 sync()
-                times.append((time.perf_counter() - t0) * 1e3)
-            result["load_ms"] = times[1:]  # (the first also allocates)
-            result["first_load_ms"] = times[0]
+            # The kinds take turns, each into alternating slots. host_ms: until load_slot
+            # returns (what the step loop waits before it launches the next step); load_ms:
+            # until the copies are done on the GPU too (that step starts after them).
+            times: dict[str, dict[str, list[float]]] = {k: {"host": [], "load": []} for k in kinds}
+            for i in range(args.repeats):
+                for kind, weights in kinds.items():
+                    executor.host["a"] = weights  # type: ignore[attr-defined]
+                    sync()
+                    t0 = time.perf_counter()
+                    executor.load_slot(i % 2, "a")
+                    t1 = time.perf_counter()
+                    sync()
+                    times[kind]["host"].append((t1 - t0) * 1e3)
+                    times[kind]["load"].append((time.perf_counter() - t0) * 1e3)
         finally:
             executor.shutdown()
-    median = statistics.median(result["load_ms"])
-    result["load_ms_median"] = median
-    result["load_ms_per_layer"] = median / args.layers
+    for kind, got in times.items():
+        load, host = statistics.median(got["load"]), statistics.median(got["host"])
+        result[kind] = {
+            "load_ms": got["load"],
+            "host_ms": got["host"],
+            "load_ms_median": load,
+            "host_ms_median": host,
+            "load_ms_per_layer": load / args.layers,
+            "host_ms_per_layer": host / args.layers,
+            "gb_per_s": result["adapter_mb"] / load,
+        }
     print(json.dumps({k: v for k, v in result.items() if k != "env"}), flush=True)
     args.out.write_text(json.dumps(result, indent=1))
     return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -99,6 +100,10 @@ def test_a_slot_holds_exactly_the_experts_its_adapter_has(suite, device: str) ->
     assert manager is not None
     full = runner.read_adapter(*adapters[0])
     assert full.expert_stacks, "the fixture adapter targets the experts"
+    # A CUDA worker holds what it reads page-locked (its slot copies do not hold the host).
+    host = [t for s in full.expert_stacks.values() for t in (s.experts, s.a, s.b)]
+    host += [t for pair in full.dense.values() for t in pair]
+    assert all(t.is_pinned() == (device == "cuda") for t in host)
     # Even experts' gate and down only (up_proj left out).
     stacks = {}
     for (layer, module), stack in full.expert_stacks.items():
@@ -135,3 +140,29 @@ def test_a_slot_holds_exactly_the_experts_its_adapter_has(suite, device: str) ->
                 expected[1][e, :i, :rank] = b
         for buf, want in zip(buffers, expected, strict=True):
             assert torch.equal(buf[1], want)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="this machine can lock host memory; the fallback needs one that cannot (no GPU)",
+)
+def test_an_adapter_whose_memory_cannot_be_locked_stays_pageable_with_a_warning(
+    suite, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a machine that cannot lock host memory (here: no NVIDIA driver), a worker told to
+    use CUDA keeps the adapter as read, pageable, and says what that costs; the weights are
+    the same."""
+    from loraplane.worker.lora.adapter import page_locked
+
+    model_dir, adapters = suite["llama"]
+    cfg = RunnerConfig(str(model_dir), device="cpu", lora_backend="torch", max_seqs=2, max_len=32)
+    runner = ModelRunner(
+        cfg, LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=32)
+    )
+    read = runner.read_adapter(*adapters[0])
+    with caplog.at_level(logging.WARNING, logger="loraplane.worker.lora.adapter"):
+        kept = page_locked(read, torch.device("cuda"))
+    assert kept is read and not any(a.is_pinned() or b.is_pinned() for a, b in kept.dense.values())
+    (record,) = caplog.records
+    assert f"adapter {read.name!r} stays in pageable host memory" in record.getMessage()
+    assert "lockable host memory" in record.getMessage()

@@ -9,6 +9,7 @@ median and means nothing beyond "it ran".
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -18,9 +19,12 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from loraplane.worker.lora.adapter import AdapterWeights
 
 
 def is_cuda(device: str | torch.device) -> bool:
@@ -283,3 +287,24 @@ def probe_fixtures(
         for seed, name in enumerate(names)
     }  # fmt: skip
     return model, adapters
+
+
+def host_tensors(weights: AdapterWeights) -> list[torch.Tensor]:
+    """Every tensor an adapter holds in host memory."""
+    pairs = [*weights.dense.values(), *((s.a, s.b) for s in weights.expert_stacks.values())]
+    return [t for pair in pairs for t in pair]
+
+
+def pageable_copy(weights: AdapterWeights) -> AdapterWeights:
+    """The adapter in pageable host memory (as workers held adapters before session 27, and
+    as one whose memory could not be locked): the probes' other side of a pinned copy."""
+    from loraplane.worker.lora.adapter import ExpertStack
+
+    return dataclasses.replace(
+        weights,
+        dense={k: (a.clone(), b.clone()) for k, (a, b) in weights.dense.items()},
+        expert_stacks={
+            k: ExpertStack(s.experts.clone(), s.a.clone(), s.b.clone())
+            for k, s in weights.expert_stacks.items()
+        },
+    )

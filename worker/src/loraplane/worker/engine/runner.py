@@ -13,7 +13,12 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graphs_enabled
-from loraplane.worker.lora.adapter import AdapterWeights, blank_adapter, load_adapter
+from loraplane.worker.lora.adapter import (
+    AdapterWeights,
+    blank_adapter,
+    load_adapter,
+    page_locked,
+)
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager, stages_eager_batches
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
@@ -119,7 +124,7 @@ class ModelRunner:
     def read_adapter(self, name: str, path: str | Path) -> AdapterWeights:
         """Validate an adapter against this model (host memory only; no slot is touched)."""
         assert self.lora_config is not None, "this runner was built without LoRA"
-        return load_adapter(
+        weights = load_adapter(
             name,
             path,
             self.model_config,
@@ -128,6 +133,7 @@ class ModelRunner:
             experts_enabled=self.lora_config.experts,
             slot_dtype=self.dtype,
         )
+        return page_locked(weights, self.device)  # (on the adapter thread)
 
     def blank_adapter(self, name: str, rank: int) -> AdapterWeights:
         """A zero adapter of ``rank`` over every target this runner's slots hold."""

@@ -182,8 +182,9 @@ class ColumnLoRA(LoRALayer):
                 continue  # modules the adapter lacks stay zero
             a, b = weights[name]  # [r, in], [out_full, r]
             lo, hi = self.base_layer.local_offsets[i], self.base_layer.local_offsets[i + 1]
-            self.lora_a[slot, i * r : i * r + rank].copy_(a)
-            self.lora_b[slot, lo:hi, :rank].copy_(self.base_layer.shard_rows(b, i))
+            self.lora_a[slot, i * r : i * r + rank].copy_(a, non_blocking=True)
+            b_rows = self.base_layer.shard_rows(b, i)
+            self.lora_b[slot, lo:hi, :rank].copy_(b_rows, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -262,8 +263,8 @@ class RowLoRA(LoRALayer):
         self.clear_slot(slot)
         if self.module_names[0] in weights:
             a, b = weights[self.module_names[0]]  # [r, in_full], [out, r]
-            self.lora_a[slot, :rank].copy_(self.base_layer.shard_cols(a))
-            self.lora_b[slot, :, :rank].copy_(b)
+            self.lora_a[slot, :rank].copy_(self.base_layer.shard_cols(a), non_blocking=True)
+            self.lora_b[slot, :, :rank].copy_(b, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -394,9 +395,9 @@ class ExpertsLoRA(LoRALayer):
                 a_dst = self.a_gate_up[slot, :, k * r : k * r + rank]
                 b_dst = self.b_gate_up[slot, :, k * i : (k + 1) * i, :rank]
                 a_src, b_src = stack.a, stack.b[:, cols]
-            index = stack.experts.to(device)
-            a_dst[index] = a_src.to(device, a_dst.dtype)  # (in place: index_put_)
-            b_dst[index] = b_src.to(device, b_dst.dtype)
+            index = stack.experts.to(device, non_blocking=True)
+            a_dst[index] = a_src.to(device, a_dst.dtype, non_blocking=True)  # (index_put_)
+            b_dst[index] = b_src.to(device, b_dst.dtype, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):

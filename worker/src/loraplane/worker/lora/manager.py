@@ -116,7 +116,12 @@ class LoRAManager:
     # --- slots -------------------------------------------------------------------------
 
     def load_slot(self, slot: int, adapter: AdapterWeights) -> None:
-        """Copy a validated adapter into `slot`; modules it lacks are zeroed."""
+        """Copy a validated adapter into `slot`; modules it lacks are zeroed.
+
+        The copies are queued on the current stream, before the step that first uses the
+        slot; from an adapter in page-locked memory (``AdapterWeights.pinned``, what a CUDA
+        worker reads) they do not hold the host, so the step loop goes on to launch that
+        step while they run."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         self.stage.forget(slot)
