@@ -10,9 +10,7 @@ per trial: one greedy base request of 200 tokens; once 20 have arrived, both ada
 loaded one after the other (``POST /load_lora_adapter``'s path), then unloaded when the
 request ends. Trials alternate between the engine reading adapters on its adapter thread
 (``concurrent``) and on its own thread between steps (``engine thread``, as before session
-26), over one executor. With ``--use``, a short request per adapter follows the loads, so
-each adapter's slot load runs in the step loop; trials then alternate between host copies as
-read (page-locked on CUDA) and pageable ones (as before session 27). Reports each trial's load seconds, the longest gap between two tokens
+26), over one executor. Reports each trial's load seconds, the longest gap between two tokens
 while the loads ran and the median gap outside them. Prints and writes one JSON object.
 """
 
@@ -33,13 +31,7 @@ TOKENS = 200
 LOAD_AFTER = 20
 
 
-def trial(
-    engine: Any, adapters: dict[str, str], use: bool = False, pageable: bool = False
-) -> dict[str, Any]:
-    """One trial; ``use``: after the loads, one short request per adapter, whose slot loads
-    run in the step loop (measured between the loads' end and those requests' end), from
-    the adapters' host copies as read (page-locked on CUDA) or ``pageable`` ones."""
-    from loraplane.worker.bench.common import pageable_copy
+def trial(engine: Any, adapters: dict[str, str]) -> dict[str, Any]:
     from loraplane.worker.engine.sampling import SamplingParams
 
     arrivals: list[float] = []
@@ -62,39 +54,16 @@ def trial(
         result = engine.load_adapter(name, path).result(timeout=300)
         assert result.success, result.error_message
     t1 = time.perf_counter()
-    row: dict[str, Any] = {}
-    if use:
-        host = engine.executor.host
-        if pageable:
-            for name in adapters:
-                host[name] = pageable_copy(host[name])
-        short = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-        finished = [threading.Event() for _ in adapters]
-        t1 = time.perf_counter()  # (the slot loads' window starts here)
-        for (name, _), event in zip(adapters.items(), finished, strict=True):
-            engine.submit(
-                f"use-{name}",
-                [3, 5, 7],
-                short,
-                name,
-                lambda e, ev=event: ev.set() if e.finished else None,
-            )
-        for event in finished:
-            assert event.wait(300), "a request with an adapter did not finish"
-        t2 = time.perf_counter()
-        gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > t1 and a < t2]
-        row = {"use_s": t2 - t1, "max_gap_use_ms": max(gaps, default=0.0) * 1e3}
     assert done.wait(300), "the request did not finish"
     for name in adapters:
         assert engine.unload_adapter(name).result(timeout=300).success
     gaps = [(b - a, a, b) for a, b in itertools.pairwise(arrivals)]
     during = [g for g, a, b in gaps if b > t0 and a < t1]
-    outside = [g for g, a, b in gaps if b <= t0 or a >= t1 + row.get("use_s", 0.0)]
+    outside = [g for g, a, b in gaps if b <= t0 or a >= t1]
     return {
         "load_s": t1 - t0,
         "max_gap_during_ms": max(during, default=0.0) * 1e3,
         "tokens_during": sum(1 for t in arrivals if t0 < t < t1),
-        **row,
         "median_gap_outside_ms": statistics.median(outside) * 1e3 if outside else None,
         "tokens": len(arrivals),
     }
@@ -108,13 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument(
-        "--use",
-        action="store_true",
-        help="after the loads, a short request per adapter: its slot load runs in the step "
-        "loop; trials alternate between the adapters' host copies as read (page-locked on "
-        "CUDA) and pageable copies, both read on the adapter thread",
-    )
     args = p.parse_args(argv)
 
     from loraplane.worker.bench.common import env_info, probe_fixtures
@@ -150,19 +112,13 @@ def main(argv: list[str] | None = None) -> int:
 
         plan = [("warm-up trial", True)]
         for _ in range(args.rounds):
-            if args.use:
-                plan += [("pageable", True), ("as read", True)]
-            else:
-                plan += [("engine thread", False), ("concurrent", True)]
+            plan += [("engine thread", False), ("concurrent", True)]
         try:
             for label, concurrent in plan:
                 engine = engine_for(concurrent)
                 engine.start()
                 try:
-                    row = {
-                        "setting": label,
-                        **trial(engine, adapters, args.use, pageable=label == "pageable"),
-                    }
+                    row = {"setting": label, **trial(engine, adapters)}
                 finally:
                     engine.stop(shutdown_executor=False)  # the next trial's engine takes it
                 print(json.dumps(row), flush=True)
