@@ -23,12 +23,12 @@ step kernels 250 "$PY" -m loraplane.worker.bench.kernels --device cuda \
 #    and the kernel time per graph step at bs 16 and 32 (what limits the LoRA there).
 step decode_dense 170 "$PY" -m loraplane.worker.bench.decode --device cuda --shape llama3-8b \
   --layers 8 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
-  --steps 10 --rounds 8 --warmup 3 --cuda-graphs --profile --profile-graphs 16,32 \
+  --steps 10 --rounds 8 --warmup 3 --cuda-graphs --control --profile --profile-graphs 16,32 \
   --out "$OUT/decode_dense.json"
 # 3. MoE decode (4 of 48 layers), eager + CUDA graphs (experts are routed on the device).
 step decode_moe 150 "$PY" -m loraplane.worker.bench.decode --device cuda --shape qwen3-30b-a3b \
   --layers 4 --batch-sizes 16,32,64,128 --adapters 1,4,16 --rank 16 --context 512 \
-  --steps 10 --rounds 8 --warmup 3 --cuda-graphs --out "$OUT/decode_moe.json"
+  --steps 10 --rounds 8 --warmup 3 --cuda-graphs --control --out "$OUT/decode_moe.json"
 
 ONLY="${ONLY:-}" "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
 import json, os, sys, pathlib

@@ -122,6 +122,31 @@ def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     assert all(r["timed_steps"] == 2 for r in res["rows"])
 
 
+def test_decode_bench_control_runs_lora_off_a_second_time(monkeypatch):
+    """``control=True`` adds ``off2``, LoRA-off again in its turn after ``off`` (on a GPU with
+    graphs of its own): a ratio against ``off`` that only the run's noise moves, printed
+    with the rest."""
+    from loraplane.worker.bench import decode
+
+    lora_off_steps: list[int] = []
+    real_step = decode._step
+
+    def recording_step(runner, bs, slots, context, s, sampling="greedy"):
+        if runner.lora is None and len(runner.model.layers) > 0:
+            lora_off_steps.append(s)
+        return real_step(runner, bs, slots, context, s, sampling)
+
+    monkeypatch.setattr(decode, "_step", recording_step)
+    res = _one_round(decode, control=True)
+    assert res["settings"]["control"] is True
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert list(rows) == ["head", "off", "off2", "none", "2"]
+    assert lora_off_steps == [0, 0, 0, 0, 1, 1, 2, 2]  # warm-ups, then each step twice
+    off2 = rows["off2"]
+    assert off2["ratio_vs_off"] == pytest.approx(off2["tok_s"] / rows["off"]["tok_s"])
+    assert "off2" in decode.summary_table(res)
+
+
 def test_decode_bench_refuses_an_unknown_order():
     from loraplane.worker.bench.decode import run_decode_bench
 

@@ -53,7 +53,9 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   whenever a graph is captured, the backend's default); ``--split-variants 4k1,...``: N
   adapters with the overlapped shrink's K splits capped at C (``overlap_split_k``: qkv and
   gate_up; on one rank the o/down LoRA runs wholly aside, folded into the residual, at the
-  default cap).
+  default cap). ``--control`` adds ``off2``: LoRA-off again, with graphs of its own (captured
+  apart from ``off``'s, so its buffers sit elsewhere): the same kernels, so its ratio is the
+  run's noise floor, the spread that no variant's ratio can be read finer than.
   The manager is attached once and swapped in and out of the model (``_LoRASwitch``), so every
   variant runs on the same weights. Adapters: rank ``rank``, every linear target (q, k, v, o,
   gate, up, down; on MoE the attention projections plus per-expert gate/up/down of all 128
@@ -396,7 +398,7 @@ def _active(
 
     saved_layers = runner.model.layers
     try:  # (a set-up that fails half-way is taken down too)
-        if variant in ("off", "head"):
+        if variant in ("off", "off2", "head"):
             switch.off()
             slots = [-1] * bs
         else:
@@ -518,6 +520,7 @@ def run_decode_bench(
     profile_graphs: tuple[int, ...] = (),
     order: str = "step",
     sampling: str = "greedy",
+    control: bool = False,
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row.
     ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``).
@@ -556,6 +559,7 @@ def run_decode_bench(
                 "order": order,
                 "sampling": sampling,
                 "split_variants": list(split_variants),
+                "control": control,
                 "warmup": warmup,
                 "dtype": str(tdtype),
                 "modes": modes,
@@ -592,6 +596,8 @@ def run_decode_bench(
     sink.set("setup_s", time.perf_counter() - t_start)
 
     variants: list[tuple[str, list[int] | None]] = [("off", None), ("none", None)]
+    if control:
+        variants.insert(1, ("off2", None))
     variants += [(str(n), None) for n in adapters]
     if 4 in adapters:
         variants.append(("4s", None))
@@ -863,6 +869,11 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="extra variants NkC: N adapters, the overlapped shrink's K splits capped at C",
     )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="add 'off2': LoRA-off again with graphs of its own, the ratios' noise floor",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--cuda-graphs", action="store_true")
     p.add_argument(
@@ -927,6 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         profile_graphs=tuple(_ints(args.profile_graphs)),
         order=args.order,
         sampling=args.sampling,
+        control=args.control,
     )
     if args.json:
         json.dump(result, sys.stdout, indent=1, default=str)
