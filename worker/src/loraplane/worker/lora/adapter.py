@@ -85,12 +85,11 @@ class AdapterWeights:
             total += a.numel() * a.element_size() + b.numel() * b.element_size()
         return total
 
-    def pinned(self) -> AdapterWeights:
+    def page_locked_copy(self) -> AdapterWeights:
         """The same adapter in page-locked host memory (a CUDA build only): a slot load then
-        copies it to the GPU at the link's speed without the step loop waiting on each copy
-        (``LoRAManager.load_slot``); pageable memory went through the driver's staging at
-        3-5 GB/s, one synchronous copy per module and operand. ``RuntimeError`` if the
-        memory cannot be locked."""
+        copies it to the GPU at the link's speed, asynchronously (``LoRAManager.load_slot``);
+        from pageable memory each copy went through the driver's staging, synchronously, at
+        3-6 GB/s. ``RuntimeError`` if the memory cannot be locked."""
         return dataclasses.replace(
             self,
             dense={k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in self.dense.items()},
@@ -102,13 +101,13 @@ class AdapterWeights:
 
 
 def page_locked(weights: AdapterWeights, device: torch.device) -> AdapterWeights:
-    """``weights.pinned()`` for a CUDA worker; the adapter as it is on any other device, or
-    (with a warning) where host memory cannot be locked: its slot loads then still work,
-    only slower."""
+    """``weights.page_locked_copy()`` for a CUDA worker; the adapter as it is on any other
+    device, or (with a warning) where host memory cannot be locked: its slot loads then still
+    work, only slower (docs/adr/0010-adapters-page-locked.md)."""
     if device.type != "cuda":
         return weights
     try:
-        return weights.pinned()
+        return weights.page_locked_copy()
     except RuntimeError as exc:
         log.warning(
             "adapter %r stays in pageable host memory, so each of its slot loads holds the "
