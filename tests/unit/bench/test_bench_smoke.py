@@ -89,7 +89,8 @@ def _one_round(decode, **kw):
 @pytest.mark.parametrize("order", ["step", "variant"])
 def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     """``order="step"``: step s of every variant before step s + 1 of any (a slow phase of
-    the machine falls on all of them); ``"variant"``: each variant's steps back to back."""
+    the machine falls on all of them), in turns that rotate by one variant a step (no variant
+    always follows the same one); ``"variant"``: each variant's steps back to back."""
     from loraplane.worker.bench import decode
 
     seen: list[tuple[str, int]] = []
@@ -113,8 +114,8 @@ def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     assert res["settings"]["order"] == order
     names = ["head", "off", "none", "2"]
     warm = [(v, s) for v in names for s in range(1)]  # each variant's untimed warm-up first
-    timed = (
-        [(v, s) for s in range(3) for v in names]
+    timed = (  # step order: the turns rotate by one variant a step
+        [(v, s) for s in range(3) for v in names[s:] + names[:s]]
         if order == "step"
         else [(v, s) for v in names for s in range(3)]
     )

@@ -34,7 +34,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   at a time (``--order step``, the default): step ``s`` of every variant runs before step
   ``s + 1`` of any, each step timed on its own, so a slow phase of the machine (a clock
   change, a neighbour on the host) falls on every variant alike instead of on whichever it
-  meets. ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
+  meets; the turn order rotates by one variant each step, so every variant follows every
+  other equally often (a step after the light ``head`` step runs faster). ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
   up to 20 did. Switching variants between steps is host work outside the timed step, and a
   variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
   one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
@@ -632,9 +633,13 @@ def run_decode_bench(
                 times[variant] = got[warmup:] if got is not None else []
             return times
         # order "step": step s of every variant before step s + 1 of any, so a slow phase of
-        # the machine falls on every variant alike instead of on the ones it happens to meet
+        # the machine falls on every variant alike instead of on the ones it happens to meet;
+        # and the turn order rotates by one each step, so no variant always follows the same
+        # one (``off`` always after the light ``head`` step ran ~1% faster than a second
+        # LoRA-off variant after it: session 27)
         for s in range(warmup + steps):
-            for variant in names:
+            turn = s % len(names)
+            for variant in names[turn:] + names[:turn]:
                 if variant in failed:
                     continue
                 got = sink.guarded(
