@@ -35,7 +35,7 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   ``s + 1`` of any, each step timed on its own, so a slow phase of the machine (a clock
   change, a neighbour on the host) falls on every variant alike instead of on whichever it
   meets; the turn order rotates by one variant each step, so every variant follows every
-  other equally often (a step after the light ``head`` step runs faster). ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
+  other equally often. ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
   up to 20 did. Switching variants between steps is host work outside the timed step, and a
   variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
   one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
@@ -635,8 +635,8 @@ def run_decode_bench(
         # order "step": step s of every variant before step s + 1 of any, so a slow phase of
         # the machine falls on every variant alike instead of on the ones it happens to meet;
         # and the turn order rotates by one each step, so no variant always follows the same
-        # one (``off`` always after the light ``head`` step ran ~1% faster than a second
-        # LoRA-off variant after it: session 27)
+        # one (a fairness rule: ``off`` used to follow the light ``head`` step every time; it
+        # still ran 0.3-3.3% faster than ``off2`` with the rotation, session 27)
         for s in range(warmup + steps):
             turn = s % len(names)
             for variant in names[turn:] + names[:turn]:
