@@ -177,3 +177,36 @@ def test_eager_staged_steps_keep_base_rows_bitwise(suite, arch: str) -> None:  #
         LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32),
     )
     assert fp32.lora is not None and fp32.lora.eager_stage_rows == 0
+
+
+def test_graphs_are_captured_while_another_thread_page_locks_adapters(suite) -> None:  # type: ignore[no-untyped-def]
+    """An adapter read (and page-locked) on the adapter thread while the engine captures
+    decode graphs at new batch sizes and adapter mixes: every capture succeeds (CUDA refuses
+    page-locked allocations from other threads during a capture; CUDA_CAPTURE_LOCK keeps
+    them apart) and every read adapter ends up page-locked."""
+    import threading
+
+    runner, adapters = _runner(suite, "llama", graphs=True)
+    name, path = adapters[2]
+    stop, reads, errors = threading.Event(), [], []
+
+    def read_in_a_loop() -> None:
+        try:
+            while not stop.is_set():
+                w = runner.read_adapter(name, path)
+                reads.append(all(a.is_pinned() and b.is_pinned() for a, b in w.dense.values()))
+        except Exception as exc:  # (reported below, not lost in the thread)
+            errors.append(exc)
+
+    reader = threading.Thread(target=read_in_a_loop)
+    reader.start()
+    try:
+        for slots in ([0, -1, 1, 0], [1, 1, -1], [-1] * 5, [0], [0, 1], [-1, -1]):
+            _decode(runner, slots, steps=2)
+    finally:
+        stop.set()
+        reader.join()
+    assert not errors, errors
+    assert not runner.graphs._failed, f"captures failed: {runner.graphs._failed}"
+    assert runner.graphs.replays == 12
+    assert reads and all(reads)

@@ -89,7 +89,7 @@ def _one_round(decode, **kw):
 @pytest.mark.parametrize("order", ["step", "variant"])
 def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     """``order="step"``: step s of every variant before step s + 1 of any (a slow phase of
-    the machine falls on all of them), in turns that rotate by one variant a step (no variant
+    the machine falls on all of them), in turns that change from step to step (no variant
     always follows the same one); ``"variant"``: each variant's steps back to back."""
     from loraplane.worker.bench import decode
 
@@ -114,12 +114,16 @@ def test_decode_bench_orders_the_variants_steps(monkeypatch, order):
     assert res["settings"]["order"] == order
     names = ["head", "off", "none", "2"]
     warm = [(v, s) for v in names for s in range(1)]  # each variant's untimed warm-up first
-    timed = (  # step order: the turns rotate by one variant a step
-        [(v, s) for s in range(3) for v in names[s:] + names[:s]]
-        if order == "step"
-        else [(v, s) for v in names for s in range(3)]
-    )
-    assert seen == warm + timed
+    assert seen[: len(warm)] == warm
+    timed = seen[len(warm) :]
+    if order == "step":  # every variant's step s before any step s + 1, each once
+        assert [s for _, s in timed] == [s for s in range(3) for _ in names]
+        assert all(sorted(v for v, s in timed if s == k) == sorted(names) for k in range(3))
+        # the turns change: `off` does not always come right after the same variant
+        before_off = {timed[i - 1][0] for i, (v, _) in enumerate(timed) if v == "off" and i}
+        assert len(before_off) > 1
+    else:
+        assert timed == [(v, s) for v in names for s in range(3)]
     assert all(r["timed_steps"] == 2 for r in res["rows"])
 
 
@@ -146,6 +150,26 @@ def test_decode_bench_control_runs_lora_off_a_second_time(monkeypatch):
     off2 = rows["off2"]
     assert off2["ratio_vs_off"] == pytest.approx(off2["tok_s"] / rows["off"]["tok_s"])
     assert "off2" in decode.summary_table(res)
+
+
+@pytest.mark.parametrize("n", [2, 4, 5, 8])
+def test_decode_bench_turns_are_balanced(n):
+    """Over a cycle of steps (n, or 2n for an odd count) each variant goes first equally
+    often and follows each other variant equally often: no variant's steps always come after
+    the same one's (a light step before a heavy one changes the heavy one's time)."""
+    import itertools
+    from collections import Counter
+
+    from loraplane.worker.bench.decode import turn_order
+
+    names = [f"v{i}" for i in range(n)]
+    cycle = 2 * n if n % 2 else n
+    rows = [turn_order(names, s) for s in range(cycle)]
+    assert all(sorted(row) == names for row in rows)
+    firsts = Counter(row[0] for row in rows)
+    pairs = Counter(p for row in rows for p in itertools.pairwise(row))
+    assert set(firsts) == set(names) and len(set(firsts.values())) == 1
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) == 1
 
 
 def test_decode_bench_refuses_an_unknown_order():

@@ -142,27 +142,53 @@ def test_a_slot_holds_exactly_the_experts_its_adapter_has(suite, device: str) ->
             assert torch.equal(buf[1], want)
 
 
-@pytest.mark.skipif(
-    torch.cuda.is_available(),
-    reason="this machine can lock host memory; the fallback needs one that cannot (no GPU)",
-)
-def test_an_adapter_whose_memory_cannot_be_locked_stays_pageable_with_a_warning(
-    suite, caplog: pytest.LogCaptureFixture
-) -> None:
-    """On a machine that cannot lock host memory (here: no NVIDIA driver), a worker told to
-    use CUDA keeps the adapter as read, pageable, and says what that costs; the weights are
-    the same."""
-    from loraplane.worker.lora.adapter import page_locked
-
+def _llama_runner_and_adapter(suite):  # type: ignore[no-untyped-def]
     model_dir, adapters = suite["llama"]
     cfg = RunnerConfig(str(model_dir), device="cpu", lora_backend="torch", max_seqs=2, max_len=32)
     runner = ModelRunner(
         cfg, LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=32)
     )
-    read = runner.read_adapter(*adapters[0])
+    return runner.read_adapter(*adapters[0])
+
+
+def test_an_adapter_whose_memory_cannot_be_locked_stays_pageable_with_a_warning(
+    suite, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where host memory cannot be locked (here: no NVIDIA driver; on a GPU machine, a
+    refusal injected as CUDA would raise it), a worker told to use CUDA keeps the adapter as
+    read, pageable, and says what that costs; the weights are the same."""
+    from loraplane.worker.lora.adapter import page_locked
+
+    read = _llama_runner_and_adapter(suite)
+    if torch.cuda.is_available():  # (this machine can lock memory: make it refuse)
+
+        def refuse(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("CUDA error: out of memory")
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
     with caplog.at_level(logging.WARNING, logger="loraplane.worker.lora.adapter"):
         kept = page_locked(read, torch.device("cuda"))
     assert kept is read and not any(a.is_pinned() or b.is_pinned() for a, b in kept.dense.values())
     (record,) = caplog.records
     assert f"adapter {read.name!r} stays in pageable host memory" in record.getMessage()
     assert "lockable host memory" in record.getMessage()
+
+
+def test_page_locking_waits_while_a_cuda_graph_is_captured(suite) -> None:  # type: ignore[no-untyped-def]
+    """CUDA refuses to allocate page-locked memory from another thread during a graph
+    capture: the adapter thread's pinning waits while the engine holds the capture lock,
+    and goes on when it is released (tests/gpu captures while pinning, on a GPU)."""
+    import threading
+
+    from loraplane.worker.lora.adapter import CUDA_CAPTURE_LOCK, page_locked
+
+    read = _llama_runner_and_adapter(suite)
+    done = threading.Event()
+    with CUDA_CAPTURE_LOCK:  # (what DecodeGraphs holds around a capture)
+        worker = threading.Thread(
+            target=lambda: (page_locked(read, torch.device("cuda")), done.set())
+        )
+        worker.start()
+        assert not done.wait(0.3), "pinned during a capture"
+    assert done.wait(30), "the pinning never went on after the capture"
+    worker.join()

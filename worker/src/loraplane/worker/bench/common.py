@@ -290,9 +290,9 @@ def probe_fixtures(
 
 
 def host_tensors(weights: AdapterWeights) -> list[torch.Tensor]:
-    """Every tensor an adapter holds in host memory."""
-    pairs = [*weights.dense.values(), *((s.a, s.b) for s in weights.expert_stacks.values())]
-    return [t for pair in pairs for t in pair]
+    """Every tensor an adapter holds in host memory (the experts' ids too)."""
+    stacks = [(s.experts, s.a, s.b) for s in weights.expert_stacks.values()]
+    return [t for group in [*weights.dense.values(), *stacks] for t in group]
 
 
 def pageable_copy(weights: AdapterWeights) -> AdapterWeights:

@@ -34,8 +34,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   at a time (``--order step``, the default): step ``s`` of every variant runs before step
   ``s + 1`` of any, each step timed on its own, so a slow phase of the machine (a clock
   change, a neighbour on the host) falls on every variant alike instead of on whichever it
-  meets; the turn order rotates by one variant each step, so every variant follows every
-  other equally often. ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
+  meets; the turn order follows a balanced Latin square (``turn_order``), so every variant
+  follows every other about equally often. ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
   up to 20 did. Switching variants between steps is host work outside the timed step, and a
   variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
   one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
@@ -426,6 +426,19 @@ def _active(
         switch.off()
 
 
+def turn_order(names: list[str], s: int) -> list[str]:
+    """Step ``s``'s order of the variants: row ``s`` of a Williams design (a balanced Latin
+    square, rows mirrored when the count is odd), so that over a cycle of rows each variant
+    comes first, last and right after each other variant equally often. A plain rotation
+    keeps every variant's neighbours."""
+    n = len(names)
+    base = [0] + [(i + 1) // 2 if i % 2 else n - i // 2 for i in range(1, n)]
+    row = [(x + s) % n for x in base]
+    if n % 2 and (s // n) % 2:
+        row.reverse()
+    return [names[i] for i in row]
+
+
 # What a step's tokens are picked with (``--sampling``): ``greedy`` (the argmax), or ``chat``
 # (temperature 0.7, top_p 0.9: ``sampling.sample_rows`` on the device, as the server samples),
 # by the torch sampler or (``chat-triton``) the fused one.
@@ -634,12 +647,10 @@ def run_decode_bench(
             return times
         # order "step": step s of every variant before step s + 1 of any, so a slow phase of
         # the machine falls on every variant alike instead of on the ones it happens to meet;
-        # and the turn order rotates by one each step, so no variant always follows the same
-        # one (a fairness rule: ``off`` used to follow the light ``head`` step every time; it
-        # still ran 0.3-3.3% faster than ``off2`` with the rotation, session 27)
+        # and the turns follow a balanced Latin square, so every variant follows every other
+        # about equally often (``off`` used to follow the light ``head`` step every time)
         for s in range(warmup + steps):
-            turn = s % len(names)
-            for variant in names[turn:] + names[:turn]:
+            for variant in turn_order(names, s):
                 if variant in failed:
                     continue
                 got = sink.guarded(

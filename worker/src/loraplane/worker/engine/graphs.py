@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplane.worker.lora.adapter import CUDA_CAPTURE_LOCK
 from loraplane.worker.lora.batch_info import (
     StaticLoRABatch,
     segments_of,
@@ -290,7 +291,8 @@ class DecodeGraphs:
                 forward()
         torch.cuda.current_stream(runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # (no adapter is page-locked on another thread meanwhile: CUDA_CAPTURE_LOCK)
+        with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool):
             logits = forward()
         log.info(
             "captured a decode graph: %d rows, LoRA %s",

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,13 @@ from safetensors import SafetensorError, safe_open
 from loraplane.worker.config import ATTN_MODULES, LORA_MODULES, MLP_MODULES, ModelConfig
 
 log = logging.getLogger(__name__)
+
+# Held while the engine captures a CUDA graph (engine/graphs.py) and while the adapter thread
+# page-locks a tensor: during a capture CUDA refuses cudaHostAlloc, and the host allocator's
+# event queries, from any other thread (the capture would fail and its shape run eagerly from
+# then on, and the adapter would stay pageable). Each tensor is locked on its own, so a
+# capture waits for one tensor's pinning at most.
+CUDA_CAPTURE_LOCK = threading.Lock()
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -92,12 +100,18 @@ class AdapterWeights:
         3-6 GB/s. ``RuntimeError`` if the memory cannot be locked."""
         return dataclasses.replace(
             self,
-            dense={k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in self.dense.items()},
+            dense={k: (_pinned(a), _pinned(b)) for k, (a, b) in self.dense.items()},
             expert_stacks={
-                k: ExpertStack(s.experts.pin_memory(), s.a.pin_memory(), s.b.pin_memory())
+                k: ExpertStack(_pinned(s.experts), _pinned(s.a), _pinned(s.b))
                 for k, s in self.expert_stacks.items()
             },
         )
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` page-locked, never during a CUDA graph capture (``CUDA_CAPTURE_LOCK``)."""
+    with CUDA_CAPTURE_LOCK:
+        return t.pin_memory()
 
 
 def page_locked(weights: AdapterWeights, device: torch.device) -> AdapterWeights:
