@@ -25,7 +25,10 @@ from loraplane.controlplane.workers import WorkerClient
 
 pytestmark = pytest.mark.unit
 
-LEASE_S = 0.6
+# Long enough that a pause of the test's process (a loaded 2-core CI machine stalled one for
+# over 0.3 s between a renewal and the check after it, session 27) does not look like a
+# missed renewal; the waits below are fractions of it.
+LEASE_S = 1.5
 
 
 def registry(tmp_path: Path) -> Database:
