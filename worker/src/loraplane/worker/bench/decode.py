@@ -35,8 +35,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   ``s + 1`` of any, each step timed on its own, so a slow phase of the machine (a clock
   change, a neighbour on the host) falls on every variant alike instead of on whichever it
   meets; the turn order follows a balanced Latin square (``turn_order``), so every variant
-  follows every other about equally often. ``--order variant`` runs each variant's warm-up and steps back to back, as sessions
-  up to 20 did. Switching variants between steps is host work outside the timed step, and a
+  follows every other about equally often. ``--order variant`` runs each variant's warm-up
+  and steps back to back, as sessions up to 20 did. Switching variants between steps is host work outside the timed step, and a
   variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
   one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
   Python's garbage collector stays on, as in the server's decode loop (pausing it for the
