@@ -36,9 +36,10 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   change, a neighbour on the host) falls on every variant alike instead of on whichever it
   meets; the turn order follows a balanced Latin square (``turn_order``), so every variant
   follows every other about equally often. ``--order variant`` runs each variant's warm-up
-  and steps back to back, as sessions up to 20 did. Switching variants between steps is host work outside the timed step, and a
-  variant's graph and LoRA metadata stay as its last step left them (``DecodeGraphs`` keeps
-  one per variant, keyed by its slots and the stage epoch), so no step pays to re-stage.
+  and steps back to back, as sessions up to 20 did. Switching variants between steps is
+  host work outside the timed step, and a variant's graph and LoRA metadata stay as its last
+  step left them (``DecodeGraphs`` keeps one per variant, keyed by its slots and the stage
+  epoch), so no step pays to re-stage.
   Python's garbage collector stays on, as in the server's decode loop (pausing it for the
   rounds, as ``timeit`` does, was tried in session 21: the ``none`` rows read lower, not
   closer to 1, in that call's three runs).
