@@ -373,3 +373,78 @@ def test_an_executor_failing_during_a_read_is_not_blamed_on_the_adapter(suite) -
         assert "a8" not in engine.residency.loaded_names
     finally:
         engine.stop()
+
+
+class _SlowSlotLoads(LocalExecutor):
+    """A LocalExecutor whose slot loads report themselves still copying until the test says
+    they are done (a GPU's copy stream, slowed down: the CPU copies at once). Asked to wait
+    for them, it records that and returns, as a GPU would once the copy ends."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.copied = threading.Event()
+        self.loads: list[int] = []
+        self.waits = 0
+
+    def load_slot(self, slot: int, name: str) -> None:
+        super().load_slot(slot, name)
+        self.loads.append(slot)
+
+    def loaded_slots(self, slots: list[int], wait: bool = False) -> set[int]:
+        if wait:
+            self.waits += 1
+        return set(slots) if wait or self.copied.is_set() else set()
+
+
+def test_running_requests_keep_generating_while_an_adapter_copies_into_its_slot(suite) -> None:
+    """A slot load copies beside the steps (ADR 0011): a base request keeps getting tokens
+    while it copies, the adapter's request gets none until the copy is done, and then gets
+    the same tokens as without the wait."""
+    model_dir, adapters = suite["llama"]
+    reference = make_engine(model_dir)
+    reference.start()
+    try:
+        assert reference.load_adapter("a8", str(dict(adapters)["a8"])).result(60).success
+        expected = generate(reference, "a8", 6)
+    finally:
+        reference.stop()
+    engine = make_engine(model_dir, _SlowSlotLoads)
+    executor = cast(_SlowSlotLoads, engine.executor)
+    engine.start()
+    try:
+        assert engine.load_adapter("a8", str(dict(adapters)["a8"])).result(60).success
+        base, base_done = start(engine, [5, 9, 200, 31], None, 40)
+        waited = time.monotonic() + 30
+        while len(base) < 2 and time.monotonic() < waited:
+            time.sleep(0.01)
+        lora, lora_done = start(engine, [5, 9, 200, 31], "a8", 6)
+        while not executor.loads and time.monotonic() < waited:
+            time.sleep(0.01)
+        assert executor.loads, "the adapter's request never got a slot"
+        before = len(base)
+        while len(base) < before + 3 and not base_done.is_set() and time.monotonic() < waited:
+            time.sleep(0.01)
+        assert len(base) >= before + 3, f"{len(base) - before} base tokens while the slot copied"
+        assert lora == [], "the adapter's request ran before its slot was copied"
+        executor.copied.set()
+        assert lora_done.wait(60) and base_done.wait(60)
+        assert lora == expected
+        assert executor.waits == 0  # the base request kept the steps busy: nothing waited
+    finally:
+        executor.copied.set()
+        engine.stop()
+
+
+def test_a_step_with_only_copying_adapters_waits_for_their_copy(suite) -> None:
+    """When every running request waits for a slot still copying, the step waits for the
+    copy instead of spinning, and the requests are served."""
+    model_dir, adapters = suite["llama"]
+    engine = make_engine(model_dir, _SlowSlotLoads)
+    executor = cast(_SlowSlotLoads, engine.executor)
+    engine.start()
+    try:
+        assert engine.load_adapter("a8", str(dict(adapters)["a8"])).result(60).success
+        assert len(generate(engine, "a8", 5)) == 5
+        assert executor.loads == [0] and executor.waits == 1
+    finally:
+        engine.stop()

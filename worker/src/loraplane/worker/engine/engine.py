@@ -127,6 +127,9 @@ class Engine:
         self.fingerprints: dict[str, tuple[Any, ...]] = {}
         self.evictions: list[EventRecord] = []
         self.steps = 0
+        # Slots whose load may still be copying (engine thread only): their requests sit out
+        # the steps until the executor says the copy is done (ADR 0011).
+        self._loading: set[int] = set()
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self._incoming: list[Sequence] = []
@@ -603,14 +606,16 @@ class Engine:
                 self.evictions.append(EventRecord("evict", adapter.name, time.time()))
                 self.observer.evicted(adapter.name)
                 log.info("evicted adapter %s from its slot (LRU)", adapter.name)
-            running = list(self.scheduler.running)
+            running = cast(list[Sequence], list(self.scheduler.running))
             waiting = len(self.scheduler.waiting)
             slot_names = [self.residency.adapters[key].name for _, key in admission.slot_loads]
         for (slot, key), name in zip(admission.slot_loads, slot_names, strict=True):
             self.executor.load_slot(slot, key)
+            self._loading.add(slot)
             self.observer.slot_loaded(name)
         if admission.slot_loads:
             self._publish_residency()
+        running = self._ready(running)
         if not running:
             self.observer.idle()
             if waiting:
@@ -645,6 +650,21 @@ class Engine:
                         self._release(seq)
                     self._emit(seq, tuple(seq.output_ids[before:]))
                     self.observer.tokens_generated(seq.adapter_name, 1)
+
+    def _ready(self, running: list[Sequence]) -> list[Sequence]:
+        """The running sequences this step can advance: those whose slot is not still
+        loading. Loads copy beside the steps (ADR 0011), so while a newly admitted adapter's
+        weights copy, the other requests keep getting tokens; when nothing else could run,
+        the step waits for the copies instead."""
+        if not self._loading:
+            return running
+        self._loading -= self.executor.loaded_slots(sorted(self._loading))
+        ready = [seq for seq in running if seq.slot not in self._loading]
+        if running and not ready:
+            self.executor.loaded_slots(sorted(self._loading), wait=True)
+            self._loading.clear()
+            return running
+        return ready
 
     def _append(self, seq: Sequence, token: int) -> None:
         params = seq.params

@@ -18,6 +18,7 @@ from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_rows
 from loraplane.worker.lora.adapter import AdapterWeights
 from loraplane.worker.lora.batch_info import NO_ADAPTER
+from loraplane.worker.lora.manager import LoRAManager
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 
 
@@ -54,6 +55,14 @@ def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto"
     )
 
 
+def slots_loaded(manager: LoRAManager, slots: list[int], wait: bool) -> set[int]:
+    """``Executor.loaded_slots`` on one rank's ``manager``."""
+    if wait:
+        manager.wait_for_loads()
+        return set(slots)
+    return {s for s in slots if manager.slot_loaded(s)}
+
+
 class ExecutorFailed(RuntimeError):
     """The executor itself broke (a rank died, or stopped answering), not what it was asked
     to do: the worker cannot serve on, whatever call met it."""
@@ -88,6 +97,12 @@ class Executor(Protocol):
 
     def load_slot(self, slot: int, name: str) -> None:
         """Copy an adapter already read (on every group) from host memory into `slot` on every rank."""
+        ...
+
+    def loaded_slots(self, slots: list[int], wait: bool = False) -> set[int]:
+        """Those of ``slots`` whose last ``load_slot`` has finished copying on every rank;
+        with ``wait``, all of them, once they have. A step may use a slot before that (it
+        waits for the copy on the device); the engine asks so as not to make it wait."""
         ...
 
     def clear_slot(self, slot: int) -> None: ...
@@ -153,6 +168,10 @@ class LocalExecutor:
     def load_slot(self, slot: int, name: str) -> None:
         assert self.runner.lora is not None
         self.runner.lora.load_slot(slot, self.host[name])
+
+    def loaded_slots(self, slots: list[int], wait: bool = False) -> set[int]:
+        assert self.runner.lora is not None
+        return slots_loaded(self.runner.lora, slots, wait)
 
     def clear_slot(self, slot: int) -> None:
         assert self.runner.lora is not None

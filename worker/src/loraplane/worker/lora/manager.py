@@ -61,6 +61,14 @@ class LoRAManager:
         self.slot_ranks = torch.zeros(self.num_slots, dtype=torch.int32, device=device)
         self.slot_scalings = torch.zeros(self.num_slots, dtype=torch.float32, device=device)
         self.slot_adapters: list[AdapterWeights | None] = [None] * self.num_slots
+        # On CUDA a slot load is copied on a stream of its own (``load_slot``), so the steps
+        # queued after it run while it copies; ``overlap_loads = False`` copies on the step
+        # stream instead (before session 28; the probe compares the two). Each slot's load in
+        # flight, by its event: a step that uses the slot waits for it on the device. (Other
+        # devices copy at once.)
+        self.overlap_loads = True
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._loading: dict[int, torch.cuda.Event] = {}
         self.version = 0  # bumped whenever a slot's contents change (load_slot, clear_slot)
         # layer index -> wrappers of that layer
         self.layers: list[list[LoRALayer]] = []
@@ -118,13 +126,52 @@ class LoRAManager:
     def load_slot(self, slot: int, adapter: AdapterWeights) -> None:
         """Copy a validated adapter into `slot`; modules it lacks are zeroed.
 
-        The copies are queued on the current stream, before the step that first uses the
-        slot, which waits for them (and with it every running request). From page-locked
-        memory (``AdapterWeights.page_locked_copy``: what a CUDA worker reads adapters into)
-        they run at the link's speed: 32 GB/s on an H200 against 6 from pageable memory
-        (docs/adr/0010-adapters-page-locked.md)."""
+        With ``overlap_loads`` (CUDA) the copies go on the manager's copy stream, after
+        every step queued so far (one of them may still read the slot's last adapter), and
+        return at once: the steps queued next run beside them, and the first step that uses
+        the slot waits for them on the device (``check_slots``). ``slot_loaded`` says when
+        they are done, so the engine can keep the slot's requests out of the steps until
+        then (docs/adr/0011-slot-loads-beside-the-steps.md). From page-locked memory
+        (``AdapterWeights.page_locked_copy``: what a CUDA worker reads adapters into) they
+        run at the link's speed: 32 GB/s on an H200 against 6 from pageable memory (ADR
+        0010)."""
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        if not self.overlap_loads or self.device.type != "cuda":
+            self._load_slot(slot, adapter)
+            return
+        step_stream = torch.cuda.current_stream(self.device)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self._copy_stream.wait_stream(step_stream)
+        with torch.cuda.stream(self._copy_stream):
+            self._load_slot(slot, adapter)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        self._loading[slot] = done
+
+    def slot_loaded(self, slot: int) -> bool:
+        """Whether ``slot``'s last load has finished copying (always, without a copy stream)."""
+        done = self._loading.get(slot)
+        if done is None:
+            return True
+        if not done.query():
+            return False
+        del self._loading[slot]
+        return True
+
+    def wait_for_loads(self) -> None:
+        """Block the host until every slot load in flight has finished copying."""
+        for slot in list(self._loading):
+            self._loading.pop(slot).synchronize()
+
+    def _order_after_load(self, slot: int) -> None:
+        """Make the current stream's next work wait (on the device) for ``slot``'s load."""
+        done = self._loading.pop(slot, None)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _load_slot(self, slot: int, adapter: AdapterWeights) -> None:
         self.stage.forget(slot)
         for layer_idx, wrappers in enumerate(self.layers):
             for w in wrappers:
@@ -148,6 +195,7 @@ class LoRAManager:
         self.version += 1
 
     def clear_slot(self, slot: int) -> None:
+        self._order_after_load(slot)  # (a load still copying into it would land after)
         self.stage.forget(slot)
         for wrappers in self.layers:
             for w in wrappers:
@@ -181,10 +229,16 @@ class LoRAManager:
     # --- per batch ---------------------------------------------------------------------
 
     def check_slots(self, slots: Sequence[int]) -> None:
-        """Every slot a token uses holds an adapter."""
+        """Every slot a token uses holds an adapter; the step about to be queued on the
+        current stream then waits on the device for any of their loads still copying. Every
+        path that reads slots for a step calls this first (``prepare_batch``, the decode
+        graphs)."""
         for s in slots:
             if s != NO_ADAPTER and self.slot_adapters[s] is None:
                 raise RuntimeError(f"a token uses slot {s}, which holds no adapter")
+        if self._loading:
+            for s in set(slots):
+                self._order_after_load(s)
 
     def prepare_batch(
         self, local_slots: Sequence[int], global_slots: Sequence[int] | None = None

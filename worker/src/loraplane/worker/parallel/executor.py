@@ -28,6 +28,7 @@ from loraplane.worker.engine.executor import (
     SeqWork,
     StepResult,
     build_batch,
+    slots_loaded,
     step_result,
 )
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
@@ -151,6 +152,10 @@ def _rank_loop(
                 assert runner.lora is not None
                 runner.lora.load_slot(slot, host[name])
                 outbox.put(("ok", rank, None))
+            elif cmd == "loaded":
+                slots, wait = args
+                assert runner.lora is not None
+                outbox.put(("ok", rank, slots_loaded(runner.lora, slots, wait)))
             elif cmd == "clear_slot":
                 assert runner.lora is not None
                 runner.lora.clear_slot(args)
@@ -299,6 +304,13 @@ class MultiRankExecutor:
 
     def load_slot(self, slot: int, name: str) -> None:
         self._send("load_slot", (slot, name))
+
+    def loaded_slots(self, slots: list[int], wait: bool = False) -> set[int]:
+        replies = self._send("loaded", (slots, wait))
+        done: set[int] = set(slots)
+        for _status, payload in replies:
+            done &= payload
+        return done
 
     def clear_slot(self, slot: int) -> None:
         self._send("clear_slot", slot)
