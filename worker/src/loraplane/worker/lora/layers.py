@@ -36,6 +36,19 @@ if TYPE_CHECKING:
 Section = Literal["local", "global"]
 
 
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy host ``src`` into the slot view ``dst`` without holding the host.
+
+    From page-locked memory a copy into a contiguous view is queued and returns at once. Into
+    a view that is not contiguous (a rank below the slots' maximum: ``[:, :rank]``) torch
+    waits for the stream to finish before returning (seen on an H200: the whole of a busy
+    copy stream's queue), so such a copy goes through a contiguous device buffer first."""
+    if dst.is_contiguous() or dst.device.type != "cuda":
+        dst.copy_(src, non_blocking=True)
+    else:
+        dst.copy_(src.to(dst.device, dst.dtype, non_blocking=True))
+
+
 class LoRAContext:
     """Per-forward LoRA state shared by every wrapper of one model."""
 
@@ -182,9 +195,8 @@ class ColumnLoRA(LoRALayer):
                 continue  # modules the adapter lacks stay zero
             a, b = weights[name]  # [r, in], [out_full, r]
             lo, hi = self.base_layer.local_offsets[i], self.base_layer.local_offsets[i + 1]
-            self.lora_a[slot, i * r : i * r + rank].copy_(a, non_blocking=True)
-            b_rows = self.base_layer.shard_rows(b, i)
-            self.lora_b[slot, lo:hi, :rank].copy_(b_rows, non_blocking=True)
+            copy_in(self.lora_a[slot, i * r : i * r + rank], a)
+            copy_in(self.lora_b[slot, lo:hi, :rank], self.base_layer.shard_rows(b, i))
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -263,8 +275,8 @@ class RowLoRA(LoRALayer):
         self.clear_slot(slot)
         if self.module_names[0] in weights:
             a, b = weights[self.module_names[0]]  # [r, in_full], [out, r]
-            self.lora_a[slot, :rank].copy_(self.base_layer.shard_cols(a), non_blocking=True)
-            self.lora_b[slot, :, :rank].copy_(b, non_blocking=True)
+            copy_in(self.lora_a[slot, :rank], self.base_layer.shard_cols(a))
+            copy_in(self.lora_b[slot, :, :rank], b)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()

@@ -189,8 +189,10 @@ class LoRAManager:
                     if (layer_idx, m) in adapter.expert_stacks
                 }
                 experts.set_expert_slot(slot, stacks, adapter.rank)
-        self.slot_ranks[slot] = adapter.rank
-        self.slot_scalings[slot] = adapter.scaling
+        # (``fill_``: a kernel with the value as its argument; ``t[slot] = value`` copies a
+        # pageable host scalar and so waits for the stream: for the copy stream's whole load)
+        self.slot_ranks[slot].fill_(adapter.rank)
+        self.slot_scalings[slot].fill_(adapter.scaling)
         self.slot_adapters[slot] = adapter
         self.version += 1
 
@@ -203,8 +205,8 @@ class LoRAManager:
         for experts in self.experts:
             if experts is not None:
                 experts.clear_slot(slot)
-        self.slot_ranks[slot] = 0
-        self.slot_scalings[slot] = 0.0
+        self.slot_ranks[slot].fill_(0)
+        self.slot_scalings[slot].fill_(0.0)
         self.slot_adapters[slot] = None
         self.version += 1
 
