@@ -256,6 +256,7 @@ def test_slot_loads_copy_beside_the_steps_in_order(suite, graphs: bool) -> None:
 
     # 2. a late copy: a base step does not wait for it; a step that uses the slot does
     lora.load_slot(0, names[0])
+    step(runner, [-1, -1])  # (a first step may wait for the whole device: a module load)
     torch.cuda.synchronize()
     _busy(lora._copy_stream, 300)
     lora.load_slot(0, names[2])
