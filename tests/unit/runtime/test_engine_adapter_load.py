@@ -376,14 +376,16 @@ def test_an_executor_failing_during_a_read_is_not_blamed_on_the_adapter(suite) -
 
 
 class _SlowSlotLoads(LocalExecutor):
-    """A LocalExecutor whose slot loads report themselves still copying until the test says
-    they are done (a GPU's copy stream, slowed down: the CPU copies at once). Asked to wait
-    for them, it records that and returns, as a GPU would once the copy ends."""
+    """A LocalExecutor whose slot loads report themselves still copying to the first
+    ``held`` steps that ask (a GPU's copy stream, slowed down: the CPU copies at once).
+    Asked to wait for them, it records that and returns, as a GPU would once the copy ends."""
+
+    held = 3
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.copied = threading.Event()
         self.loads: list[int] = []
+        self.polls = 0
         self.waits = 0
 
     def load_slot(self, slot: int, name: str) -> None:
@@ -393,13 +395,15 @@ class _SlowSlotLoads(LocalExecutor):
     def loaded_slots(self, slots: list[int], wait: bool = False) -> set[int]:
         if wait:
             self.waits += 1
-        return set(slots) if wait or self.copied.is_set() else set()
+            return set(slots)
+        self.polls += 1
+        return set(slots) if self.polls > self.held else set()
 
 
 def test_running_requests_keep_generating_while_an_adapter_copies_into_its_slot(suite) -> None:
-    """A slot load copies beside the steps (ADR 0011): a base request keeps getting tokens
-    while it copies, the adapter's request gets none until the copy is done, and then gets
-    the same tokens as without the wait."""
+    """A slot load copies beside the steps (ADR 0011): a base request gets tokens while the
+    adapter's slot copies, the adapter's request gets none until the copy is done, and then
+    gets the same tokens as without the wait."""
     model_dir, adapters = suite["llama"]
     reference = make_engine(model_dir)
     reference.start()
@@ -410,29 +414,37 @@ def test_running_requests_keep_generating_while_an_adapter_copies_into_its_slot(
         reference.stop()
     engine = make_engine(model_dir, _SlowSlotLoads)
     executor = cast(_SlowSlotLoads, engine.executor)
+    order: list[str] = []  # whose each token was, as the engine emitted them
+    tokens: dict[str, list[int]] = {"base": [], "lora": []}
+    done = {name: threading.Event() for name in tokens}
+
+    def sink_for(name: str) -> Any:
+        def sink(event: SeqEvent) -> None:
+            assert event.error is None, event.error
+            tokens[name].extend(event.token_ids)
+            order.extend([name] * len(event.token_ids))
+            if event.finished:
+                done[name].set()
+
+        return sink
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
     engine.start()
     try:
         assert engine.load_adapter("a8", str(dict(adapters)["a8"])).result(60).success
-        base, base_done = start(engine, [5, 9, 200, 31], None, 40)
-        waited = time.monotonic() + 30
-        while len(base) < 2 and time.monotonic() < waited:
-            time.sleep(0.01)
-        lora, lora_done = start(engine, [5, 9, 200, 31], "a8", 6)
-        while not executor.loads and time.monotonic() < waited:
-            time.sleep(0.01)
-        assert executor.loads, "the adapter's request never got a slot"
-        before = len(base)
-        while len(base) < before + 3 and not base_done.is_set() and time.monotonic() < waited:
-            time.sleep(0.01)
-        assert len(base) >= before + 3, f"{len(base) - before} base tokens while the slot copied"
-        assert lora == [], "the adapter's request ran before its slot was copied"
-        executor.copied.set()
-        assert lora_done.wait(60) and base_done.wait(60)
-        assert lora == expected
-        assert executor.waits == 0  # the base request kept the steps busy: nothing waited
+        # submitted together: both are admitted in one step, the adapter's slot load with it
+        with engine._wake:
+            engine.submit("base", [5, 9, 200, 31], params(10), None, sink_for("base"))
+            engine.submit("lora", [5, 9, 200, 31], params(6), "a8", sink_for("lora"))
+        assert done["base"].wait(60) and done["lora"].wait(60)
     finally:
-        executor.copied.set()
         engine.stop()
+    assert executor.loads == [0]
+    assert order[: _SlowSlotLoads.held] == ["base"] * _SlowSlotLoads.held, order
+    assert tokens["lora"] == expected
+    assert executor.polls == _SlowSlotLoads.held + 1 and executor.waits == 0
 
 
 def test_a_step_with_only_copying_adapters_waits_for_their_copy(suite) -> None:

@@ -36,6 +36,18 @@ if TYPE_CHECKING:
 Section = Literal["local", "global"]
 
 
+def to_device(src: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Host ``src`` copied to ``device`` without holding the host.
+
+    A copy from page-locked memory is queued and returns at once. A strided view of it (a
+    tensor-parallel rank's columns) would go through a pageable buffer, and a copy from
+    pageable memory waits for the stream; so such a view is first gathered into page-locked
+    memory of its own."""
+    if device.type == "cuda" and src.is_pinned() and not src.is_contiguous():
+        src = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+    return src.to(device, dtype, non_blocking=True)
+
+
 def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy host ``src`` into the slot view ``dst`` without holding the host.
 
@@ -43,10 +55,12 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
     a view that is not contiguous (a rank below the slots' maximum: ``[:, :rank]``) torch
     waits for the stream to finish before returning (seen on an H200: the whole of a busy
     copy stream's queue), so such a copy goes through a contiguous device buffer first."""
-    if dst.is_contiguous() or dst.device.type != "cuda":
+    if dst.device.type != "cuda":
+        dst.copy_(src)
+    elif dst.is_contiguous() and src.is_contiguous():
         dst.copy_(src, non_blocking=True)
     else:
-        dst.copy_(src.to(dst.device, dst.dtype, non_blocking=True))
+        dst.copy_(to_device(src, dst.device, dst.dtype))
 
 
 class LoRAContext:
@@ -408,8 +422,8 @@ class ExpertsLoRA(LoRALayer):
                 b_dst = self.b_gate_up[slot, :, k * i : (k + 1) * i, :rank]
                 a_src, b_src = stack.a, stack.b[:, cols]
             index = stack.experts.to(device, non_blocking=True)
-            a_dst[index] = a_src.to(device, a_dst.dtype, non_blocking=True)  # (index_put_)
-            b_dst[index] = b_src.to(device, b_dst.dtype, non_blocking=True)
+            a_dst[index] = to_device(a_src, device, a_dst.dtype)  # (index_put_)
+            b_dst[index] = to_device(b_src, device, b_dst.dtype)
 
     def clear_slot(self, slot: int) -> None:
         for buf in (self.a_gate_up, self.b_gate_up, self.a_down, self.b_down):

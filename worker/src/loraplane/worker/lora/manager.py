@@ -138,6 +138,7 @@ class LoRAManager:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
         if not self.overlap_loads or self.device.type != "cuda":
+            self._order_after_load(slot)  # (a load still copying into it would land after)
             self._load_slot(slot, adapter)
             return
         step_stream = torch.cuda.current_stream(self.device)
