@@ -632,7 +632,7 @@ class Engine:
             )
             order[seq.dp_group].append(seq)
         self.observer.step(
-            self.scheduler.distinct_adapters(),
+            len({seq.adapter_key for seq in running if seq.adapter_key is not None}),
             [len(o) for o in order],
             waiting,
             admission.waiting_for_slot,

@@ -105,4 +105,6 @@ class Scheduler:
         return True
 
     def distinct_adapters(self) -> int:
+        """Adapters of the running sequences (the engine's step may leave out some whose
+        slot is still loading: it counts its own)."""
         return len({s.adapter_key for s in self.running if s.adapter_key is not None})
