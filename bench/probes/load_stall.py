@@ -16,7 +16,6 @@ while the loads ran and the median gap outside them. Prints and writes one JSON 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -70,21 +69,16 @@ def trial(engine: Any, adapters: dict[str, str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("out", type=Path)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--arch", default="qwen3-moe", choices=("llama", "qwen3-moe"))
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=2)
+    from loraplane.worker.bench.common import engine_probe_parser, engine_probe_result
+
+    p = engine_probe_parser(__doc__, rounds=2)
     args = p.parse_args(argv)
 
-    from loraplane.worker.bench.common import env_info, probe_fixtures
+    from loraplane.worker.bench.common import probe_fixtures
     from loraplane.worker.engine.engine import Engine
     from loraplane.worker.server.factory import ServeConfig, build_engine
 
-    result: dict[str, Any] = {"probe": "load_stall", "env": env_info(args.device), "trials": []}
-    result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result = engine_probe_result("load_stall", args)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model, paths = probe_fixtures(root, args.arch, args.layers, args.hidden)

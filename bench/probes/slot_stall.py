@@ -18,7 +18,6 @@ per trial and writes one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import statistics
@@ -58,7 +57,8 @@ def trial(engine: Any, names: list[str]) -> dict[str, Any]:
     base, base_done = _request(engine, None, BASE_TOKENS)
     waited = time.perf_counter() + 300
     while len(base) < START_AFTER:
-        assert time.perf_counter() < waited, "the base request did not start"
+        if time.perf_counter() > waited:
+            raise TimeoutError(f"the base request got {len(base)} tokens in 300 s")
         time.sleep(0.001)
     t0 = time.perf_counter()
     first_token_ms = []
@@ -86,23 +86,18 @@ def trial(engine: Any, names: list[str]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("out", type=Path)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--arch", default="qwen3-moe", choices=("llama", "qwen3-moe"))
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--rounds", type=int, default=3)
+    from loraplane.worker.bench.common import engine_probe_parser, engine_probe_result
+
+    p = engine_probe_parser(__doc__, rounds=3)
     p.add_argument("--adapters", type=int, default=4, help="distinct adapters (>= 3)")
     args = p.parse_args(argv)
     if args.adapters < 3:
         p.error("--adapters must be >= 3: with two slots, fewer would not evict each time")
 
-    from loraplane.worker.bench.common import env_info, probe_fixtures
+    from loraplane.worker.bench.common import probe_fixtures
     from loraplane.worker.server.factory import ServeConfig, build_engine
 
-    result: dict[str, Any] = {"probe": "slot_stall", "env": env_info(args.device), "trials": []}
-    result["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result = engine_probe_result("slot_stall", args)
     names = [f"ad{i}" for i in range(args.adapters)]
     with tempfile.TemporaryDirectory() as tmp:
         model, paths = probe_fixtures(Path(tmp), args.arch, args.layers, args.hidden, names)

@@ -9,6 +9,7 @@ median and means nothing beyond "it ran".
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -249,6 +250,26 @@ def _json_default(obj: object) -> object:
 
 def fmt(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
+
+
+def engine_probe_parser(doc: str | None, rounds: int) -> argparse.ArgumentParser:
+    """The options the engine probes (``bench/probes/load_stall.py``, ``slot_stall.py``) share:
+    where their JSON goes, the device, and the fixture model's architecture and size
+    (``probe_fixtures``), and how many rounds of trials."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--arch", default="qwen3-moe", choices=("llama", "qwen3-moe"))
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=rounds)
+    return p
+
+
+def engine_probe_result(probe: str, args: argparse.Namespace) -> dict[str, Any]:
+    """An engine probe's JSON object before its trials: the probe, the machine, its settings."""
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {"probe": probe, "env": env_info(args.device), "settings": settings, "trials": []}
 
 
 def probe_fixtures(
