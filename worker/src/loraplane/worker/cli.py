@@ -344,6 +344,14 @@ def bench_decode_cmd(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
+@bench_app.command("serve", context_settings=_PASSTHROUGH)
+def bench_serve_cmd(ctx: typer.Context) -> None:
+    """Streaming clients over HTTP (or in-process): out tok/s, TTFT, ITL, GPU busy; `--help` for options."""
+    from loraplane.worker.bench.serve import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
 @bench_app.command("worker-cpu", context_settings=_PASSTHROUGH)
 def bench_worker_cpu_cmd(ctx: typer.Context) -> None:
     """Requests/s and tokens/s of a real `worker serve` process on CPU, LoRA on vs off."""

@@ -12,6 +12,7 @@ already holding a reference keep it (and its slot) until they finish; then it is
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -31,6 +32,7 @@ class ResidentAdapter:
     running: int = 0  # running sequences using it now
     refs: int = 0  # sequences (waiting or running) that hold this version
     retired: bool = False
+    slot_since: int = 0  # logical clock when it last took a slot
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,20 +147,23 @@ class Residency:
         self._clock += 1
         return self._clock
 
-    def _victim(self) -> ResidentAdapter | None:
+    def _victim(self, prefer: Collection[str] = ()) -> ResidentAdapter | None:
+        """The idle unpinned slot holder to evict: one of ``prefer`` (adapters being
+        drained for a waiting request) if any is idle, else the least recently used."""
         candidates = [
             a
             for a in self.adapters.values()
             if a.slot is not None and not a.pinned and a.running == 0
         ]
-        return min(candidates, key=lambda a: a.last_used, default=None)
+        return min(candidates, key=lambda a: (a.key not in prefer, a.last_used), default=None)
 
     def can_acquire(self, key: str) -> bool:
         adapter = self.adapters[key]
         return adapter.slot is not None or None in self.slots or self._victim() is not None
 
-    def acquire(self, key: str) -> SlotGrant | None:
-        """A slot for a sequence that starts running with `key`; None if every slot is busy."""
+    def acquire(self, key: str, prefer: Collection[str] = ()) -> SlotGrant | None:
+        """A slot for a sequence that starts running with `key`; None if every slot is busy.
+        An eviction takes an idle adapter of ``prefer`` first."""
         adapter = self.adapters[key]
         grant: SlotGrant | None
         if adapter.slot is not None:
@@ -166,12 +171,14 @@ class Residency:
         elif None in self.slots:
             grant = SlotGrant(self.slots.index(None), load=True)
         else:
-            victim = self._victim()
+            victim = self._victim(prefer)
             if victim is None:
                 return None
             assert victim.slot is not None
             grant = SlotGrant(victim.slot, load=True, evicted=victim.key)
             victim.slot = None
+        if grant.load:
+            adapter.slot_since = self._clock + 1
         adapter.slot = grant.slot
         self.slots[grant.slot] = key
         adapter.running += 1

@@ -2,10 +2,19 @@
 
 Plain Python. Sequences join the running set between steps and leave it when they finish.
 Each DP group has its own KV rows (`0..rows_per_group-1`); a new sequence goes to the group
-with the most free rows. Admission is FIFO by arrival with one exception that cannot starve
-anyone: a request without an adapter may pass a request that waits for an adapter slot (it
-takes no slot). Once a request waits for a slot, no later request with an adapter is admitted
-until it got one, so the running adapters drain and the LRU one gives its slot up.
+with the most free rows. Admission is FIFO by arrival, with LoRA-fair draining when more
+adapters are wanted than there are slots (ADR 0013):
+
+- A request whose adapter holds a slot, and a request without an adapter, is admitted as
+  soon as a KV row is free, even past requests that wait for a slot.
+- A request whose adapter has no slot takes a free slot, or the slot of an idle unpinned
+  adapter. If there is none, its adapter is *blocked*, and one running unpinned adapter per
+  blocked adapter is *drained*: no new request of a draining adapter is admitted, so its
+  running requests finish and its slot goes to the blocked adapter that waited longest.
+  The victim is the slot holder the queue needs least: fewest waiting requests, then the
+  one that has held its slot longest (so slots rotate), then fewest running.
+- Requests of one adapter keep their order; a blocked adapter's wait is bounded by its
+  victim's running requests, and blocked adapters get freed slots in order of arrival.
 """
 
 from __future__ import annotations
@@ -50,45 +59,87 @@ class Scheduler:
         ]
         self.waiting: deque[Schedulable] = deque()
         self.running: list[Schedulable] = []
+        # adapters whose new requests wait so that their slot drains for a blocked adapter
+        self.draining: set[str] = set()
 
     def add(self, seq: Schedulable) -> None:
         self.waiting.append(seq)
 
     def schedule(self) -> Admission:
         out = Admission()
-        slot_blocked = False
+        blocked: list[str] = []  # adapters without a slot, by their first waiting request
         keep: deque[Schedulable] = deque()
-        while self.waiting:
-            seq = self.waiting.popleft()
-            group = max(range(self.dp_size), key=lambda g: (len(self.free_rows[g]), -g))
-            if len(self.running) >= self.max_running or not self.free_rows[group]:
+        self.draining = {
+            k
+            for k in self.draining
+            if k in self.residency.adapters and self.residency.adapters[k].slot is not None
+        }
+        rows_full = False
+        for seq in self.waiting:
+            key = seq.adapter_key
+            if not rows_full:
+                group = max(range(self.dp_size), key=lambda g: (len(self.free_rows[g]), -g))
+                rows_full = len(self.running) >= self.max_running or not self.free_rows[group]
+            if rows_full:
                 keep.append(seq)
-                keep.extend(self.waiting)
-                self.waiting.clear()
-                break
+                continue
             grant: SlotGrant | None = None
-            if seq.adapter_key is not None:
-                if slot_blocked:
+            if key is not None:
+                if key in self.draining or key in blocked:
                     keep.append(seq)
                     out.waiting_for_slot += 1
                     continue
-                grant = self.residency.acquire(seq.adapter_key)
+                grant = self.residency.acquire(key, prefer=self.draining)
                 if grant is None:
-                    slot_blocked = True
+                    blocked.append(key)
                     keep.append(seq)
                     out.waiting_for_slot += 1
                     continue
                 if grant.load:
-                    out.slot_loads.append((grant.slot, seq.adapter_key))
+                    out.slot_loads.append((grant.slot, key))
                 if grant.evicted is not None:
                     out.evicted.append(grant.evicted)
+                    self.draining.discard(grant.evicted)
             seq.dp_group = group
             seq.cache_row = self.free_rows[group].pop()
             seq.slot = grant.slot if grant is not None else -1
             self.running.append(seq)
             out.admitted.append(seq)
         self.waiting = keep
+        self._plan_drains(blocked)
         return out
+
+    def _plan_drains(self, blocked: list[str]) -> None:
+        """As many draining adapters as blocked ones (fewer if fewer can drain): new
+        victims when more are blocked, and the draining adapters the queue needs most
+        released when fewer are."""
+        if not blocked:
+            self.draining.clear()
+            return
+        queued: dict[str, int] = {}
+        for seq in self.waiting:
+            if seq.adapter_key is not None:
+                queued[seq.adapter_key] = queued.get(seq.adapter_key, 0) + 1
+
+        def need(key: str) -> tuple[int, int, int]:
+            a = self.residency.adapters[key]
+            return (queued.get(key, 0), a.slot_since, a.running)
+
+        if len(self.draining) > len(blocked):
+            self.draining = set(sorted(self.draining, key=need)[: len(blocked)])
+            return
+        candidates = sorted(
+            (
+                a.key
+                for a in self.residency.adapters.values()
+                if a.slot is not None
+                and not a.pinned
+                and not a.retired  # a retired version frees its slot when its requests end
+                and a.key not in self.draining
+            ),
+            key=need,
+        )
+        self.draining.update(candidates[: len(blocked) - len(self.draining)])
 
     def finish(self, seq: Schedulable) -> None:
         """A running sequence is done: its KV row and adapter use are released."""

@@ -1,0 +1,726 @@
+"""`loraplane bench serve`: what a streaming client sees, in the field's form.
+
+Like SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``: clients stream completions
+from a worker (or the control plane's router) and the benchmark reports output tokens per
+second, time to first token and inter-token gaps, per workload row. A row is one transport
+(``http`` or ``in-process``), one load (``clients`` closed-loop streams, or a Poisson
+``rate``) and one number of distinct ``adapters`` in use (0 = the base model); every row is
+measured over ``--windows`` windows of ``--duration`` seconds after ``--warmup`` seconds.
+
+- ``--url`` targets a running server; ``--model`` starts ``loraplane worker serve`` itself
+  (``--worker-arg`` passes flags through), ``--transports in-process`` drives the same engine without
+  HTTP (``serve.factory.build_engine``), for the HTTP / in-process ratio.
+- ``--fixture dense|moe`` writes the probe models first (the Llama-3-8B or
+  Qwen3-30B-A3B layer shape, ``--layers`` of them, bf16, random weights) and
+  ``--num-adapters`` rank-16 adapters on every target.
+- Prompts are random token ids (``--prompt-len``), ``--output-len`` new tokens, greedy with
+  ``ignore_eos``; adapters are drawn ``uniform`` or ``zipf`` from the first ``adapters`` of
+  the list, per request.
+- ``gpu_busy`` is NVML's utilisation (the share of time a kernel ran), sampled every
+  100 ms through the window, when NVML can be loaded; null otherwise.
+
+Progress goes to stderr, one JSON object to stdout (and ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+# --- what one request saw -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    adapter: str | None
+    start: float
+    chunks: list[float] = field(default_factory=list)  # arrival time of each streamed chunk
+    tokens: int = 0  # completion tokens the server reported (or counted)
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunks[0] - self.start if self.chunks else None
+
+    def token_times(self) -> list[float]:
+        """When each output token arrived: a chunk carrying several tokens (held-back text)
+        counts them all at its arrival; tokens past the last chunk count there."""
+        if not self.chunks or not self.tokens:
+            return []
+        per = self.tokens / len(self.chunks)
+        times: list[float] = []
+        for i, t in enumerate(self.chunks):
+            n = round((i + 1) * per) - round(i * per)
+            times.extend([t] * n)
+        return times
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def summarise(records: list[RequestRecord], t0: float, t1: float) -> dict[str, Any]:
+    """A window's figures: tokens that arrived in [t0, t1), the TTFT of requests started in
+    it, the gaps between chunks that arrived in it."""
+    tokens = sum(1 for r in records for t in r.token_times() if t0 <= t < t1)
+    started = [r for r in records if t0 <= r.start < t1]
+    ttfts = [r.ttft * 1e3 for r in started if r.ttft is not None and r.error is None]
+    gaps = [
+        (b - a) * 1e3
+        for r in records
+        for a, b in zip(r.chunks, r.chunks[1:], strict=False)
+        if t0 <= b < t1
+    ]
+    ended = [r for r in records if r.chunks and t0 <= r.chunks[-1] < t1 and r.error is None]
+    return {
+        "out_tok_s": round(tokens / (t1 - t0), 1),
+        "ttft_ms_p50": _round(percentile(ttfts, 50)),
+        "ttft_ms_p99": _round(percentile(ttfts, 99)),
+        "ttft_ms_max": _round(max(ttfts, default=None)),
+        "itl_ms_p50": _round(percentile(gaps, 50)),
+        "itl_ms_p99": _round(percentile(gaps, 99)),
+        "requests": len(ended),
+        "req_s": round(len(ended) / (t1 - t0), 2),
+        "errors": sum(1 for r in started if r.error is not None),
+    }
+
+
+def _round(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+# --- transports ---------------------------------------------------------------------------
+
+
+class Transport(Protocol):
+    name: str
+
+    async def stream(
+        self, prompt: list[int], adapter: str | None, output_len: int, record: RequestRecord
+    ) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class HttpTransport:
+    """Streams ``POST /v1/completions`` (text deltas, usage in the last chunk)."""
+
+    name = "http"
+
+    def __init__(self, url: str, base_model: str | None, token: str | None, clients: int) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        limits = httpx.Limits(max_connections=clients * 2 + 8, max_keepalive_connections=clients)
+        self.client = httpx.AsyncClient(
+            base_url=url.rstrip("/"), headers=headers, limits=limits, timeout=600
+        )
+        self.base_model = base_model
+
+    async def stream(
+        self, prompt: list[int], adapter: str | None, output_len: int, record: RequestRecord
+    ) -> None:
+        body = {
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        if adapter is not None:
+            body["model"] = adapter
+        elif self.base_model is not None:
+            body["model"] = self.base_model
+        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:200]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    record.error = str(chunk["error"])[:200]
+                    return
+                usage = chunk.get("usage")
+                choices = chunk.get("choices") or [{}]
+                if choices[0].get("text") or not record.chunks:
+                    record.chunks.append(now)
+                if usage:
+                    record.tokens = int(usage["completion_tokens"])
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class InProcessTransport:
+    """The same engine driven through ``Engine.submit`` in this process (no HTTP)."""
+
+    name = "in-process"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def stream(
+        self, prompt: list[int], adapter: str | None, output_len: int, record: RequestRecord
+    ) -> None:
+        from loraplane.worker.engine.sampling import SamplingParams
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+        seq = self.engine.submit(
+            uuid.uuid4().hex,
+            prompt,
+            params,
+            adapter,
+            lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
+        )
+        try:
+            while True:
+                event = await queue.get()
+                if event.error:
+                    record.error = event.error[:200]
+                    return
+                if event.token_ids:
+                    record.chunks.append(time.perf_counter())
+                    record.tokens += len(event.token_ids)
+                if event.finished:
+                    return
+        finally:
+            if not record.chunks or record.error:
+                self.engine.abort(seq)
+
+    async def close(self) -> None:
+        pass
+
+
+# --- load -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    transport: str
+    adapters: int  # distinct adapters in use; 0 = the base model
+    clients: int  # closed-loop streams (0 under a Poisson rate)
+    rate: float | None  # Poisson requests per second, or None
+
+
+class AdapterDraw:
+    def __init__(self, names: list[str], dist: str, rng: random.Random) -> None:
+        self.names = names
+        self.rng = rng
+        weights = [1.0 / (i + 1) for i in range(len(names))] if dist == "zipf" else None
+        self.weights = weights
+
+    def __call__(self) -> str | None:
+        if not self.names:
+            return None
+        return self.rng.choices(self.names, weights=self.weights)[0]
+
+
+async def run_row(
+    transport: Transport,
+    row: Row,
+    draw: AdapterDraw,
+    *,
+    prompt_len: int,
+    output_len: int,
+    vocab: int,
+    warmup: float,
+    duration: float,
+    windows: int,
+    seed: int,
+    busy: GpuBusy,
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Drive one row's load and return one summary per window."""
+    rng = random.Random(seed)
+    records: list[RequestRecord] = []
+    end = time.perf_counter() + warmup + duration * windows
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one() -> None:
+        prompt = [rng.randrange(1, vocab) for _ in range(prompt_len)]
+        record = RequestRecord(draw(), time.perf_counter())
+        records.append(record)
+        try:
+            await transport.stream(prompt, record.adapter, output_len, record)
+        except Exception as exc:  # a dropped connection is a row's error, not the bench's
+            record.error = f"{type(exc).__name__}: {exc}"[:200]
+
+    async def client() -> None:
+        while time.perf_counter() < end:
+            await one()
+
+    start = time.perf_counter()
+    if row.rate is None:
+        tasks = {asyncio.create_task(client()) for _ in range(row.clients)}
+    else:
+        arrivals = random.Random(seed + 1)
+
+        async def poisson() -> None:
+            while time.perf_counter() < end:
+                task = asyncio.create_task(one())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                await asyncio.sleep(arrivals.expovariate(row.rate or 1.0))
+
+        tasks = {asyncio.create_task(poisson())}
+    edges = [start + warmup + duration * i for i in range(windows + 1)]
+    summaries: list[dict[str, Any]] = []
+    for i in range(windows):
+        await asyncio.sleep(max(0.0, edges[i] - time.perf_counter()))
+        busy.begin()
+        await asyncio.sleep(max(0.0, edges[i + 1] - time.perf_counter()))
+        gpu_busy = busy.end()
+        summary = summarise(records, edges[i], edges[i + 1])
+        summary["gpu_busy"] = gpu_busy
+        summary["window"] = i
+        summaries.append(summary)
+        progress(
+            f"  window {i}: {summary['out_tok_s']} tok/s, ttft p50 {summary['ttft_ms_p50']} ms, "
+            f"itl p50 {summary['itl_ms_p50']} ms, {summary['requests']} requests, "
+            f"{summary['errors']} errors, gpu_busy {gpu_busy}"
+        )
+    # stop issuing; let the streams in flight end so the next row starts from an idle server
+    await asyncio.gather(*list(tasks), return_exceptions=True)
+    return summaries
+
+
+class GpuBusy:
+    """NVML utilisation sampled on a thread between ``begin`` and ``end`` (null without NVML)."""
+
+    def __init__(self, device_index: int) -> None:
+        self.handle: Any = None
+        self.nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.nvml = pynvml
+        except Exception:  # no driver, no pynvml: gpu_busy is reported as null
+            self.handle = None
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> None:
+        if self.handle is None:
+            return
+        self.samples = []
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            rates = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
+            self.samples.append(rates.gpu / 100.0)
+
+    def end(self) -> float | None:
+        if self._thread is None:
+            return None
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        return round(statistics.fmean(self.samples), 3) if self.samples else None
+
+
+# --- the worker under test ------------------------------------------------------------------
+
+
+def make_fixtures(kind: str, root: Path, layers: int, adapters: int) -> tuple[Path, list[Path]]:
+    """The probe model (``bench.common.probe_fixtures`` shapes at full width) and adapters."""
+    from loraplane.worker.fixtures.adapters import make_adapter
+    from loraplane.worker.fixtures.models import make_model
+
+    model_dir = root / f"{kind}-{layers}l"
+    moe = kind == "moe"
+    hidden = 2048 if moe else 4096
+    if not (model_dir / "config.json").is_file():
+        make_model(
+            model_dir,
+            "qwen3-moe" if moe else "llama",
+            dtype="bfloat16",
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=32,
+            num_kv_heads=4 if moe else 8,
+            intermediate_size=14336,
+            vocab_size=32000,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            head_dim=128,
+            max_position_embeddings=4096,
+        )
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    if not moe:
+        targets += ["gate_proj", "up_proj", "down_proj"]
+    paths = []
+    for i in range(adapters):
+        path = root / f"{kind}-{layers}l-a{i}"
+        if not (path / "adapter_config.json").is_file():
+            make_adapter(
+                model_dir, path, rank=16, alpha=32, targets=targets, seed=i, experts=moe,
+                dtype="bfloat16",
+            )  # fmt: skip
+        paths.append(path)
+    return model_dir, paths
+
+
+def _free_port() -> int:
+    from loraplane.devcluster.processes import free_port
+
+    return free_port()
+
+
+class WorkerProcess:
+    """``loraplane worker serve`` in a child process, stopped with the benchmark."""
+
+    def __init__(self, args: list[str], log: Path, progress: Callable[[str], None]) -> None:
+        self.port = _free_port()
+        cmd = [
+            sys.executable, "-c", "from loraplane.cli import app; app()", "worker", "serve",
+            *args, "--port", str(self.port), "--log-level", "warning",
+        ]  # fmt: skip
+        progress(f"starting worker: {' '.join(cmd[3:])} (log {log})")
+        self.log = log.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float) -> float:
+        import httpx
+
+        start = time.perf_counter()
+        while time.perf_counter() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"the worker exited with {self.proc.returncode} before it was ready; see {self.log.name}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - start
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the worker was not ready after {timeout} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+# --- the command ----------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="loraplane bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    target = p.add_argument_group("what to measure")
+    target.add_argument("--url", help="a running worker or router (skips starting a worker)")
+    target.add_argument("--model", type=Path, help="start `loraplane worker serve` on this model")
+    target.add_argument(
+        "--fixture", choices=("dense", "moe"), help="write the probe model and adapters first"
+    )
+    target.add_argument("--workdir", type=Path, default=Path("/tmp/loraplane-bench-serve"))
+    target.add_argument("--layers", type=int, default=16, help="--fixture: decoder layers")
+    target.add_argument(
+        "--num-adapters", type=int, default=32, help="--fixture: adapters to write and load"
+    )
+    target.add_argument(
+        "--lora", action="append", default=[], help="NAME=PATH to load at start; repeat"
+    )
+    target.add_argument(
+        "--adapter-names",
+        help="comma-separated adapters the server already holds (with --url)",
+    )
+    target.add_argument("--device", default="cuda")
+    target.add_argument("--slots", type=int, default=32, help="K (--max-loras-per-batch)")
+    target.add_argument("--max-running", type=int, default=64)
+    target.add_argument("--lora-backend", default="triton", help="triton | torch (both transports)")
+    target.add_argument("--sampler", default="auto", help="auto | torch | triton (both transports)")
+    target.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="another flag for `worker serve` (http only; write --worker-arg=--flag); repeat",
+    )
+    target.add_argument(
+        "--transports",
+        default="http",
+        help="comma-separated: http, in-process (in-process builds the engine in this process)",
+    )
+    target.add_argument("--token", default=os.environ.get("LORAPLANE_TOKEN"))
+    load = p.add_argument_group("the workload")
+    load.add_argument("--clients", default="48", help="closed-loop streams; comma-separated sweep")
+    load.add_argument(
+        "--rate",
+        default="",
+        help="Poisson requests/s rows (comma-separated), beside the closed-loop rows",
+    )
+    load.add_argument(
+        "--poisson-fraction",
+        type=float,
+        default=0.0,
+        help="after each closed-loop row, a Poisson row at this fraction of its req/s",
+    )
+    load.add_argument(
+        "--adapters",
+        default="0,4,16,32",
+        help="distinct adapters in use per row (0 = base); comma-separated",
+    )
+    load.add_argument("--dist", choices=("uniform", "zipf"), default="uniform")
+    load.add_argument("--prompt-len", type=int, default=256)
+    load.add_argument("--output-len", type=int, default=128)
+    load.add_argument("--vocab", type=int, help="prompt ids below this (default: the model's)")
+    load.add_argument("--warmup", type=float, default=5.0, help="seconds before the windows")
+    load.add_argument("--duration", type=float, default=20.0, help="seconds per window")
+    load.add_argument("--windows", type=int, default=1)
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--out", type=Path, help="also write the JSON here")
+    return p
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def progress(message: str) -> None:
+    print(f"[bench serve {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _resolve_target(args: argparse.Namespace) -> tuple[Path | None, list[tuple[str, str]]]:
+    loras = [tuple(x.split("=", 1)) for x in args.lora]
+    bad = [x for x, parts in zip(args.lora, loras, strict=True) if len(parts) != 2]
+    if bad:
+        raise SystemExit(f"error: --lora {bad[0]!r}: expected NAME=PATH")
+    model: Path | None = args.model
+    if args.fixture:
+        progress(f"writing the {args.fixture} probe model and {args.num_adapters} adapters")
+        model, paths = make_fixtures(args.fixture, args.workdir, args.layers, args.num_adapters)
+        loras = [(f"a{i}", str(path)) for i, path in enumerate(paths)]
+    return model, [(str(n), str(p)) for n, p in loras]
+
+
+def _vocab(args: argparse.Namespace, model: Path | None) -> int:
+    if args.vocab:
+        return int(args.vocab)
+    if model is not None:
+        return int(json.loads((model / "config.json").read_text())["vocab_size"])
+    return 1000
+
+
+def _worker_flags(args: argparse.Namespace, model: Path, loras: list[tuple[str, str]]) -> list[str]:
+    flags = [
+        "--model", str(model), "--device", args.device,
+        "--max-loras-per-batch", str(args.slots),
+        "--max-loaded-loras", str(max(args.slots, len(loras), 1)),
+        "--max-running", str(args.max_running),
+        "--lora-backend", args.lora_backend, "--sampler", args.sampler,
+    ]  # fmt: skip
+    for name, path in loras:
+        flags += ["--lora", f"{name}={path}"]
+    return flags + list(args.worker_arg)
+
+
+def _serve_config(args: argparse.Namespace, model: Path, loras: list[tuple[str, str]]) -> Any:
+    from loraplane.worker.server.factory import ServeConfig
+
+    return ServeConfig(
+        model=str(model),
+        device=args.device,
+        max_loras_per_batch=args.slots,
+        max_loaded_loras=max(args.slots, len(loras), 1),
+        max_running=args.max_running,
+        lora_backend=args.lora_backend,
+        sampler=args.sampler,
+    )
+
+
+def _rows(args: argparse.Namespace, transport: str) -> list[Row]:
+    rows = [Row(transport, a, c, None) for c in _ints(args.clients) for a in _ints(args.adapters)]
+    rates = [float(x) for x in args.rate.split(",") if x.strip()]
+    rows += [Row(transport, a, 0, r) for r in rates for a in _ints(args.adapters)]
+    return rows
+
+
+async def _measure(
+    transport: Transport,
+    args: argparse.Namespace,
+    names: list[str],
+    vocab: int,
+    busy: GpuBusy,
+    slots: int | None,
+) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    for i, row in enumerate(_rows(args, transport.name)):
+        todo = [row]
+        while todo:
+            row = todo.pop(0)
+            if row.adapters > len(names):
+                progress(f"skip {row}: only {len(names)} adapters are loaded")
+                continue
+            progress(f"row {row}")
+            draw = AdapterDraw(names[: row.adapters], args.dist, random.Random(args.seed + i))
+            windows = await run_row(
+                transport,
+                row,
+                draw,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+                vocab=vocab,
+                warmup=args.warmup,
+                duration=args.duration,
+                windows=args.windows,
+                seed=args.seed + 1000 * i,
+                busy=busy,
+                progress=progress,
+            )
+            for summary in windows:
+                results.append({**asdict(row), "slots": slots, **summary})
+            if row.rate is None and args.poisson_fraction > 0:
+                peak = statistics.fmean(w["req_s"] for w in windows)
+                if peak > 0:
+                    todo.append(Row(row.transport, row.adapters, 0, round(peak * args.poisson_fraction, 2)))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = [t for t in transports if t not in ("http", "in-process")]
+    if unknown:
+        print(f"error: --transports {unknown[0]!r}: expected http or in-process", file=sys.stderr)
+        return 2
+    if args.url and "in-process" in transports:
+        print("error: --transports in-process needs --model or --fixture, not --url", file=sys.stderr)
+        return 2
+    if not args.url and not (args.model or args.fixture):
+        print("error: give --url, --model or --fixture", file=sys.stderr)
+        return 2
+    model, loras = _resolve_target(args)
+    names = [n for n, _ in loras] or [
+        n for n in (args.adapter_names or "").split(",") if n.strip()
+    ]
+    vocab = _vocab(args, model)
+    busy = GpuBusy(0)
+    out: dict[str, Any] = {
+        "bench": "serve",
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "env": _env(args.device),
+        "rows": [],
+    }
+
+    def flush() -> None:
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(out, indent=1))
+
+    for name in transports:
+        if name == "http":
+            worker = None
+            url = args.url
+            if url is None:
+                assert model is not None
+                log = args.workdir / "worker.log"
+                args.workdir.mkdir(parents=True, exist_ok=True)
+                worker = WorkerProcess(_worker_flags(args, model, loras), log, progress)
+            try:
+                if worker is not None:
+                    out["ready_s"] = round(worker.wait_ready(args.ready_timeout), 1)
+                    progress(f"worker ready after {out['ready_s']} s")
+                    url = worker.url
+                assert url is not None
+                transport: Transport = HttpTransport(
+                    url, None, args.token, max(_ints(args.clients), default=64)
+                )
+                slots = args.slots if worker is not None else None
+                out["rows"] += asyncio.run(_run(transport, args, names, vocab, busy, slots))
+            finally:
+                if worker is not None:
+                    worker.stop()
+        else:
+            assert model is not None
+            from loraplane.worker.server.factory import build_engine
+
+            progress("building the engine in this process")
+            engine = build_engine(_serve_config(args, model, loras))
+            engine.start()
+            try:
+                for lname, path in loras:
+                    result = engine.load_adapter(lname, path, False).result()
+                    if not result.success:
+                        raise RuntimeError(f"--lora {lname}: {result.error_message}")
+                out["rows"] += asyncio.run(
+                    _run(InProcessTransport(engine), args, names, vocab, busy, args.slots)
+                )
+            finally:
+                engine.stop()
+        flush()
+    print(json.dumps(out, indent=1))
+    flush()
+    return 1 if any(r["errors"] for r in out["rows"]) else 0
+
+
+async def _run(
+    transport: Transport,
+    args: argparse.Namespace,
+    names: list[str],
+    vocab: int,
+    busy: GpuBusy,
+    slots: int | None,
+) -> list[dict[str, Any]]:
+    try:
+        return await _measure(transport, args, names, vocab, busy, slots)
+    finally:
+        await transport.close()
+
+
+def _env(device: str) -> dict[str, Any]:
+    from loraplane.worker.bench.common import env_info
+
+    info = env_info(device)
+    info["nvidia_smi"] = shutil.which("nvidia-smi") is not None
+    return info
+
+
+if __name__ == "__main__":
+    sys.exit(main())
