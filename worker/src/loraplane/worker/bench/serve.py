@@ -619,7 +619,9 @@ async def _measure(
             if row.rate is None and args.poisson_fraction > 0:
                 peak = statistics.fmean(w["req_s"] for w in windows)
                 if peak > 0:
-                    todo.append(Row(row.transport, row.adapters, 0, round(peak * args.poisson_fraction, 2)))
+                    todo.append(
+                        Row(row.transport, row.adapters, 0, round(peak * args.poisson_fraction, 2))
+                    )
     return results
 
 
@@ -631,15 +633,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --transports {unknown[0]!r}: expected http or in-process", file=sys.stderr)
         return 2
     if args.url and "in-process" in transports:
-        print("error: --transports in-process needs --model or --fixture, not --url", file=sys.stderr)
+        print(
+            "error: --transports in-process needs --model or --fixture, not --url", file=sys.stderr
+        )
         return 2
     if not args.url and not (args.model or args.fixture):
         print("error: give --url, --model or --fixture", file=sys.stderr)
         return 2
     model, loras = _resolve_target(args)
-    names = [n for n, _ in loras] or [
-        n for n in (args.adapter_names or "").split(",") if n.strip()
-    ]
+    names = [n for n, _ in loras] or [n for n in (args.adapter_names or "").split(",") if n.strip()]
     vocab = _vocab(args, model)
     busy = GpuBusy(0)
     out: dict[str, Any] = {
