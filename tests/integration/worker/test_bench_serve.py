@@ -25,34 +25,12 @@ def test_bench_serve_streams_base_and_adapter_rows_over_http(
     a, b = make_adapter_dir("bench-a", seed=1), make_adapter_dir("bench-b", seed=2)
     worker = worker_factory("--lora", f"a={a}", "--lora", f"b={b}", "--max-loras-per-batch", "2")
     out = tmp_path / "serve.json"
+    args = (
+        f"--url {worker.url} --adapter-names a,b --device cpu --clients 3 --adapters 0,2 "
+        f"--prompt-len 8 --output-len 6 --warmup 0.5 --duration 2 --vocab 500 --out {out}"
+    )
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loraplane.worker.bench.serve",
-            "--url",
-            worker.url,
-            "--adapter-names",
-            "a,b",
-            "--device",
-            "cpu",
-            "--clients",
-            "3",
-            "--adapters",
-            "0,2",
-            "--prompt-len",
-            "8",
-            "--output-len",
-            "6",
-            "--warmup",
-            "0.5",
-            "--duration",
-            "2",
-            "--vocab",
-            "500",
-            "--out",
-            str(out),
-        ],  # fmt: skip
+        [sys.executable, "-m", "loraplane.worker.bench.serve", *args.split()],
         capture_output=True,
         text=True,
         timeout=300,
