@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The serving benchmark on one H200, in one call (well under 9 minutes):
+#   OUT=/some/dir bash bench/run_gpu_serve.sh     (the device tool sets $OUT)
+# The worker's HTTP stack (FastAPI, pydantic, uvicorn) is not in the device image: install
+# the wheels first (docs/performance.md, "Serving"). ONLY="k8 k32" picks steps.
+# Writes $OUT/serve_k8.json (16 adapters on 8 slots, 32 clients) and $OUT/serve_k32.json
+# (0/4/16/32 adapters on 32 slots, 48 clients; two 15 s windows per row, the first one
+# starting when the worker is ready), and $OUT/run.log.
+. "$(dirname "$0")/gpu_env.sh"
+WORK=/tmp/loraplane-bench-serve
+COMMON=(--fixture dense --layers 16 --num-adapters 32 --workdir "$WORK" --device cuda
+        --max-running 64 --prompt-len 256 --output-len 128)
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
+step k8 240 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
+  --adapters 0,16 --warmup 5 --duration 15 --transports ${TRANSPORTS:-http} --out "$OUT/serve_k8.json"
+step k32 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
+  --adapters 0,4,16,32 --warmup 0 --windows 2 --duration 15 --transports ${TRANSPORTS:-http} \
+  --out "$OUT/serve_k32.json"
+"$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+import json, pathlib, sys
+for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
+    rows = json.loads(p.read_text())["rows"]
+    print(f"--- {p.name}")
+    print("transport  clients adapters slots window  tok/s  ttft50  ttft99  itl50  itl99  req  err  busy")
+    for r in rows:
+        print(f"{r['transport']:<10} {r['clients']:>7} {r['adapters']:>8} {r['slots']:>5} {r['window']:>6} "
+              f"{r['out_tok_s']:>6} {r['ttft_ms_p50']!s:>7} {r['ttft_ms_p99']!s:>7} {r['itl_ms_p50']!s:>6} "
+              f"{r['itl_ms_p99']!s:>6} {r['requests']:>4} {r['errors']:>4} {r['gpu_busy']!s:>5}")
+PY
+echo "total $(( $(date +%s) - T0 ))s"
