@@ -407,7 +407,7 @@ class WorkerProcess:
         self.port = _free_port()
         cmd = [
             sys.executable, "-c", "from loraplane.cli import app; app()", "worker", "serve",
-            *args, "--port", str(self.port), "--log-level", "warning",
+            *args, "--port", str(self.port),
         ]  # fmt: skip
         progress(f"starting worker: {' '.join(cmd[3:])} (log {log})")
         self.log = log.open("wb")
@@ -488,6 +488,11 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated: http, in-process (in-process builds the engine in this process)",
     )
     target.add_argument("--token", default=os.environ.get("LORAPLANE_TOKEN"))
+    target.add_argument(
+        "--worker-log-level",
+        default="warning",
+        help="the started worker's --log-level (info lists each decode graph it captures)",
+    )
     load = p.add_argument_group("the workload")
     load.add_argument("--clients", default="48", help="closed-loop streams; comma-separated sweep")
     load.add_argument(
@@ -555,6 +560,7 @@ def _worker_flags(args: argparse.Namespace, model: Path, loras: list[tuple[str, 
         "--max-loaded-loras", str(max(args.slots, len(loras), 1)),
         "--max-running", str(args.max_running),
         "--lora-backend", args.lora_backend, "--sampler", args.sampler,
+        "--log-level", args.worker_log_level,
     ]  # fmt: skip
     for name, path in loras:
         flags += ["--lora", f"{name}={path}"]
