@@ -30,6 +30,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -139,11 +140,20 @@ class _ForwardingObserver:
         return lambda *args: self.outbox.call(name, args)
 
 
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_core(config: ServeConfig, conn: Connection) -> None:
     """The core process's main: build and warm up the engine, say ready, serve the pipe."""
     from loraplane.worker.server.serve import LOG_FORMAT
 
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    # The front end stops the core: a Ctrl-C in a terminal (SIGINT to the whole process
+    # group) reaches it through the front end's shutdown; a SIGTERM of its own stops it
+    # cleanly (its executor shuts its rank processes down on the way out).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit)
     outbox = _Outbox(conn)
     observer = _ForwardingObserver(outbox)
     faults = FaultInjector(config.dp) if config.enable_fault_injection else None
@@ -349,9 +359,9 @@ class ProcessEngineClient:
                 self._observer.tokens_generated(adapter, count)
             for rid, event in events:
                 with self._lock:
-                    sink = self._requests.pop(rid) if event.finished else self._requests.get(rid)
+                    sink = (self._requests.pop if event.finished else self._requests.get)(rid, None)
                 if sink is not None:
-                    sink(event)
+                    self._deliver(sink, event)
         elif kind == "reply":
             _, call_id, ok, value = message
             with self._lock:
@@ -362,12 +372,19 @@ class ProcessEngineClient:
                 else:
                     future.set_exception(_error(*value))
 
+    @staticmethod
+    def _deliver(sink: Sink, event: SeqEvent) -> None:
+        try:
+            sink(event)
+        except Exception:  # one request's failure must not stop the others' events
+            log.exception("a request's sink failed")
+
     def _fail_all(self, why: str) -> None:
         with self._lock:
             requests, self._requests = self._requests, {}
             calls, self._calls = self._calls, {}
         for sink in requests.values():
-            sink(SeqEvent("", (), True, "abort", error=f"engine failed: {why}"))
+            self._deliver(sink, SeqEvent("", (), True, "abort", error=f"engine failed: {why}"))
         for future in calls.values():
             future.set_exception(RuntimeError(f"the engine is not running: {why}"))
 
@@ -391,7 +408,7 @@ class ProcessEngineClient:
 
     @property
     def alive(self) -> bool:
-        return self._error is None and not self._stopping and self._process.is_alive()
+        return self._error is None and not self._stopping  # (the reader sees the core end)
 
     @property
     def error(self) -> str | None:
