@@ -27,6 +27,7 @@ from loraplane.worker.engine.sequence import SeqEvent
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.server import protocol as p
 from loraplane.worker.server.app import WorkerServer
+from loraplane.worker.server.engine_client import InThreadEngineClient
 from loraplane.worker.server.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit
@@ -144,7 +145,7 @@ def test_unexpected_error_while_reading_is_rolled_back(
 def test_adapter_named_like_the_base_model_is_rejected(worker, suite, tmp_path: Path) -> None:
     engine, metrics = worker
     server = WorkerServer(
-        engine,
+        InThreadEngineClient(engine, start=False),
         served_model="tiny-llama",
         model_root=str(suite["llama"][0]),
         allowed_lora_roots=(),

@@ -75,6 +75,7 @@ def servers(suite) -> Iterator[dict[bool, Any]]:  # type: ignore[no-untyped-def]
                 max_loaded_loras=2,
                 max_lora_rank=32,
                 max_model_len=64,
+                engine_process=not warmup,  # the warmed engine is looked into, on a thread here
             )
             built[warmup] = build_server(config)
         yield built
@@ -90,9 +91,9 @@ def test_a_warmed_worker_starts_with_no_adapter_and_serves_the_same_tokens(  # t
     state = warmed.engine.lora_state()
     assert state["loaded"] == 0 and state["adapters"] == []
     assert state["slots"] == [None, None]
-    lora = warmed.engine.executor.runner.lora
+    lora = warmed.engine.engine.executor.runner.lora
     assert all(a is None for a in lora.slot_adapters) and lora.slot_values()[0] == [0, 0]
-    assert warmed.engine.executor.host == {}  # the blank adapter was dropped
+    assert warmed.engine.engine.executor.host == {}  # the blank adapter was dropped
     seconds = "loraplane_worker_warmup_seconds"
     assert warmed.metrics.registry.get_sample_value(seconds) > 0
     assert cold.metrics.registry.get_sample_value(seconds) == 0

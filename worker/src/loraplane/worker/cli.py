@@ -280,6 +280,15 @@ def serve_cmd(
         str | None, typer.Option(help="Base model id in /v1/models (default: dir name)")
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+    engine_process: Annotated[
+        bool,
+        typer.Option(
+            "--engine-process/--no-engine-process",
+            help="Run the engine core (scheduler, executor, warm-up) in a process of its own, "
+            "apart from the HTTP front end, so its steps never wait on the front end's "
+            "Python; --no-engine-process runs it on a thread of the front end's process",
+        ),
+    ] = True,
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
     from loraplane.worker.config import ConfigError
@@ -319,6 +328,7 @@ def serve_cmd(
             host=host,
             port=port,
             log_level=log_level,
+            engine_process=engine_process,
         )
         serve(config)
     except (ConfigError, AdapterError) as exc:

@@ -6,8 +6,10 @@ sequence of every DP group: a new sequence's whole prompt (prefill) or its last 
 (decode). Slot copies therefore never overlap a forward, and a request keeps the adapter
 version it was admitted with until it finishes.
 
-Other threads (the HTTP server) only call `submit`, `abort`, `load_adapter`,
-`unload_adapter` and the read-only views; shared bookkeeping is guarded by one lock.
+Other threads (an `EngineClient`: the engine-core process's reader, or the HTTP server's
+event loop) only call `submit`, `abort`, `load_adapter`, `unload_adapter` and the read-only
+views; shared bookkeeping is guarded by one lock. The engine deals in token ids only: text,
+and the stop strings matched on it, are the front end's (`engine.detokenizer`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -73,6 +75,49 @@ def _run_command(fn: Callable[[], Any], future: Future[Any]) -> None:
             future.set_exception(exc)
 
 
+def resolve_key(name: str, key: str | None, inconsistent: bool, loaded: Iterable[str]) -> str:
+    """`key` (the version new requests for adapter `name` get), or why `name` is not routable."""
+    if inconsistent:
+        raise UnknownAdapterError(
+            f"adapter {name!r} is inconsistent after a partially failed unload and is not routable; "
+            "retry POST /unload_lora_adapter"
+        )
+    if key is None:
+        raise UnknownAdapterError(
+            f"adapter {name!r} is not loaded on this worker; loaded: {sorted(loaded)}"
+        )
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRoutes:
+    """What a front end needs to route requests and list adapters, as of one moment."""
+
+    keys: dict[str, str]  # adapter name -> the key (version) new requests get
+    inconsistent: frozenset[str]
+    pinned: frozenset[str]
+    group_adapters: tuple[dict[str, str], ...]  # per DP group: name -> path
+
+    def resolve(self, name: str) -> str:
+        return resolve_key(name, self.keys.get(name), name in self.inconsistent, self.keys)
+
+    def listed(self) -> list[dict[str, Any]]:
+        """Every name some DP group holds: name, path, pinned, inconsistent."""
+        names: dict[str, str] = {}
+        for g in self.group_adapters:
+            for n, p in g.items():
+                names.setdefault(n, p)
+        return [
+            {
+                "name": n,
+                "path": p,
+                "pinned": n in self.pinned,
+                "inconsistent": n in self.inconsistent,
+            }
+            for n, p in sorted(names.items())
+        ]
+
+
 class _NullObserver:
     def __getattr__(self, _name: str) -> Callable[..., None]:
         return lambda *a, **k: None
@@ -111,6 +156,7 @@ class Engine:
         max_model_len: int,
         observer: EngineObserver | None = None,
         fault_hook: FaultHook | None = None,
+        on_step: Callable[[], None] | None = None,
     ) -> None:
         self.executor = executor
         self.tokenizer = tokenizer
@@ -120,6 +166,9 @@ class Engine:
         self.scheduler = Scheduler(self.dp_size, executor.max_seqs, max_running, self.residency)
         self.observer: Any = observer or _NullObserver()
         self.fault_hook = fault_hook
+        # called on the engine's thread after each round of commands and a step (outside the
+        # lock): the engine-core process sends what the step's sinks and observer got then
+        self.on_step = on_step
         # per DP group: adapter name -> path, as that group holds them
         self.group_adapters: list[dict[str, str]] = [{} for _ in range(self.dp_size)]
         self.inconsistent: set[str] = set()
@@ -179,16 +228,12 @@ class Engine:
         """The key of the version new requests for `name` get; UnknownAdapterError otherwise."""
         with self._lock:
             adapter = self.residency.current(name)
-            if name in self.inconsistent:
-                raise UnknownAdapterError(
-                    f"adapter {name!r} is inconsistent after a partially failed unload and is not routable; "
-                    "retry POST /unload_lora_adapter"
-                )
-            if adapter is None:
-                raise UnknownAdapterError(
-                    f"adapter {name!r} is not loaded on this worker; loaded: {sorted(self.residency.loaded_names)}"
-                )
-            return adapter.key
+            return resolve_key(
+                name,
+                adapter.key if adapter is not None else None,
+                name in self.inconsistent,
+                self.residency.loaded_names,
+            )
 
     def submit(
         self,
@@ -482,23 +527,19 @@ class Engine:
                 "running": len(self.scheduler.running),
             }
 
+    def routes(self) -> AdapterRoutes:
+        with self._lock:
+            r = self.residency
+            return AdapterRoutes(
+                keys={a.name: a.key for a in r.adapters.values() if not a.retired},
+                inconsistent=frozenset(self.inconsistent),
+                pinned=frozenset(r.pinned_names),
+                group_adapters=tuple(dict(g) for g in self.group_adapters),
+            )
+
     def listed_adapters(self) -> list[dict[str, Any]]:
         """Every name some DP group holds: name, path, pinned, inconsistent."""
-        with self._lock:
-            names: dict[str, str] = {}
-            for g in self.group_adapters:
-                for n, p in g.items():
-                    names.setdefault(n, p)
-            pinned = set(self.residency.pinned_names)
-            return [
-                {
-                    "name": n,
-                    "path": p,
-                    "pinned": n in pinned,
-                    "inconsistent": n in self.inconsistent,
-                }
-                for n, p in sorted(names.items())
-            ]
+        return self.routes().listed()
 
     # --- the loop ------------------------------------------------------------------------
 
@@ -520,6 +561,8 @@ class Engine:
                 for fn, future in commands:
                     _run_command(fn, future)
                 self._step()
+                if self.on_step is not None:
+                    self.on_step()
         except BaseException as exc:
             self.error = exc
             log.exception("engine loop died")
@@ -558,19 +601,10 @@ class Engine:
 
     def _emit(self, seq: Sequence, new_tokens: tuple[int, ...]) -> None:
         finished = seq.finish_reason is not None
-        end = len(seq.text)
-        if not finished:
-            if seq.params.stop:
-                end -= max(len(s) for s in seq.params.stop) - 1
-            while end > seq.emitted and seq.text[end - 1] == "\ufffd":
-                end -= 1
-        end = max(end, seq.emitted)
-        delta = seq.text[seq.emitted : end]
-        seq.emitted = end
-        if delta or new_tokens or finished:
+        if new_tokens or finished:
             seq.sink(
                 SeqEvent(
-                    delta,
+                    "",
                     new_tokens,
                     finished,
                     seq.finish_reason,
@@ -676,18 +710,6 @@ class Engine:
             self._finish(seq, "stop", token)
             return
         seq.output_ids.append(token)
-        previous = len(seq.text)
-        seq.text = self.tokenizer.decode(seq.output_ids)
-        if params.stop:
-            longest = max(len(s) for s in params.stop)
-            start = max(0, min(previous, len(seq.text)) - longest)
-            hits = [(seq.text.find(s, start), s) for s in params.stop]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                index, stop = min(hits)
-                seq.text = seq.text[:index]
-                self._finish(seq, "stop", stop)
-                return
         if (
             seq.generated >= params.max_new_tokens
             or len(seq.prompt_ids) + seq.generated >= self.max_model_len

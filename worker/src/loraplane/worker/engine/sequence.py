@@ -13,7 +13,8 @@ _ids = itertools.count()
 
 @dataclass(frozen=True, slots=True)
 class SeqEvent:
-    """What a request's consumer receives after a step: new text and tokens, or the end."""
+    """What a request's consumer receives after a step: new tokens (and, from the front end's
+    `TextStream`, new text), or the end. The engine itself sends no text."""
 
     text_delta: str
     token_ids: tuple[int, ...]
@@ -40,8 +41,6 @@ class Sequence:
     cache_row: int = -1
     slot: int = -1
     cached: int = 0  # tokens of this sequence in its KV row
-    text: str = ""
-    emitted: int = 0  # characters of `text` already sent
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     aborted: bool = False

@@ -1,4 +1,4 @@
-"""The worker's FastAPI app: SGLang-named endpoints over one `Engine`."""
+"""The worker's FastAPI app: SGLang-named endpoints over one engine (an `EngineClient`)."""
 
 from __future__ import annotations
 
@@ -8,19 +8,23 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from loraplane.worker.engine.engine import Engine, UnknownAdapterError
+from loraplane.worker.engine.engine import UnknownAdapterError
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
-from loraplane.worker.engine.sequence import SeqEvent, Sequence
+from loraplane.worker.engine.sequence import SeqEvent
 from loraplane.worker.engine.tokenizer import TokenizerError
 from loraplane.worker.server import protocol as p
+from loraplane.worker.server.engine_client import EngineClient
 from loraplane.worker.server.faults import FaultInjector
+
+if TYPE_CHECKING:
+    from loraplane.worker.server.engine_process import CoreFaults
 from loraplane.worker.server.metrics import WorkerMetrics
 
 
@@ -57,13 +61,13 @@ class WorkerServer:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineClient,
         *,
         served_model: str,
         model_root: str,
         allowed_lora_roots: tuple[str, ...],
         metrics: WorkerMetrics,
-        faults: FaultInjector | None,
+        faults: FaultInjector | CoreFaults | None,
     ) -> None:
         self.engine = engine
         self.served_model = served_model
@@ -156,7 +160,7 @@ class WorkerServer:
 
     def prompt_ids(self, text: str | None, ids: list[int] | None, field: str) -> list[int]:
         if ids is not None:
-            vocab = self.engine.executor.model_config.vocab_size
+            vocab = self.engine.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ApiError(
@@ -185,7 +189,7 @@ class WorkerServer:
 
     def start(
         self, prompt: list[int], params: SamplingParams, adapter: str | None, rid: str
-    ) -> tuple[Sequence, asyncio.Queue[SeqEvent]]:
+    ) -> tuple[object, asyncio.Queue[SeqEvent]]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -200,9 +204,7 @@ class WorkerServer:
             raise ApiError(404, str(exc), "model", "not_found") from exc
         return seq, queue
 
-    async def events(
-        self, seq: Sequence, queue: asyncio.Queue[SeqEvent]
-    ) -> AsyncIterator[SeqEvent]:
+    async def events(self, seq: object, queue: asyncio.Queue[SeqEvent]) -> AsyncIterator[SeqEvent]:
         finished = False
         try:
             while not finished:
@@ -216,7 +218,7 @@ class WorkerServer:
                 self.engine.abort(seq)
 
     async def collect(
-        self, seq: Sequence, queue: asyncio.Queue[SeqEvent]
+        self, seq: object, queue: asyncio.Queue[SeqEvent]
     ) -> tuple[str, list[int], SeqEvent]:
         text: list[str] = []
         ids: list[int] = []

@@ -36,6 +36,7 @@ class ServeConfig:
     allowed_lora_roots: tuple[str, ...] = ()
     enable_fault_injection: bool = False
     served_model_name: str | None = None
+    engine_process: bool = True  # the engine core in a process of its own (ADR 0012)
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"

@@ -1,4 +1,5 @@
-"""`loraplane worker serve`: build executor, engine and app, load the start-up adapters, run uvicorn."""
+"""`loraplane worker serve`: start the engine (its core process, or a thread here), load the
+start-up adapters, run uvicorn over the app."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 
 from loraplane.worker.config import ConfigError
 from loraplane.worker.server.app import WorkerServer, _allowed, create_app
+from loraplane.worker.server.engine_client import EngineClient, InThreadEngineClient
+from loraplane.worker.server.engine_process import CoreFaults, ProcessEngineClient
 from loraplane.worker.server.factory import ServeConfig, build_engine
 from loraplane.worker.server.faults import FaultInjector
 from loraplane.worker.server.metrics import WorkerMetrics
@@ -17,7 +20,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 
 def build_server(config: ServeConfig) -> WorkerServer:
-    """Everything but the HTTP listener; raises ConfigError for a configuration that cannot run."""
+    """Everything but the HTTP listener: the engine (in its core process when
+    ``config.engine_process``) warmed up and holding the --lora adapters; raises ConfigError
+    for a configuration that cannot run."""
     served = config.served_model_name or Path(config.model).resolve().name
     for name, path in config.loras:  # (checked before the model loads and warms up)
         if name == served:
@@ -29,13 +34,21 @@ def build_server(config: ServeConfig) -> WorkerServer:
             raise ConfigError(
                 f"--lora {name}={path}: outside the allowed adapter roots {list(config.allowed_lora_roots)}"
             )
-    faults = FaultInjector(config.dp) if config.enable_fault_injection else None
     metrics = WorkerMetrics(config.dp, config.max_loras_per_batch, config.max_loaded_loras)
-    engine = build_engine(config, observer=metrics, fault_hook=faults.take if faults else None)
-    engine.start()
+    client: EngineClient
+    faults: FaultInjector | CoreFaults | None
+    if config.engine_process:
+        client = ProcessEngineClient(config, observer=metrics)
+        faults = CoreFaults(client) if config.enable_fault_injection else None
+    else:
+        injector = FaultInjector(config.dp) if config.enable_fault_injection else None
+        engine = build_engine(
+            config, observer=metrics, fault_hook=injector.take if injector else None
+        )
+        client, faults = InThreadEngineClient(engine), injector
     metrics.set_info(served, config.tp, config.dp)
     server = WorkerServer(
-        engine,
+        client,
         served_model=served,
         model_root=str(Path(config.model).resolve()),
         allowed_lora_roots=config.allowed_lora_roots,
@@ -43,9 +56,9 @@ def build_server(config: ServeConfig) -> WorkerServer:
         faults=faults,
     )
     for name, path in config.loras:
-        result = engine.load_adapter(name, path, pinned=name in config.pinned).result()
+        result = client.load_adapter(name, path, pinned=name in config.pinned).result()
         if not result.success:
-            engine.stop()
+            client.stop()
             raise ConfigError(f"--lora {name}={path}: {result.error_message or 'load failed'}")
     return server
 
@@ -56,10 +69,11 @@ def serve(config: ServeConfig) -> None:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     server = build_server(config)
     log.info(
-        "serving %s on http://%s:%d (tp=%d dp=%d, K=%d slots, M=%d adapters, rank<=%d, backend=%s, sampler=%s, device=%s, cuda graphs %s)",
+        "serving %s on http://%s:%d (engine %s; tp=%d dp=%d, K=%d slots, M=%d adapters, rank<=%d, backend=%s, sampler=%s, device=%s, cuda graphs %s)",
         server.served_model,
         config.host,
         config.port,
+        "in its core process" if config.engine_process else "on a thread of this process",
         config.tp,
         config.dp,
         config.max_loras_per_batch,
