@@ -5,15 +5,16 @@
 # the wheels first (docs/performance.md, "Serving"). ONLY="k8 k32" picks steps.
 # Writes $OUT/serve_k8.json (16 adapters on 8 slots, 32 clients) and $OUT/serve_k32.json
 # (0/4/16/32 adapters on 32 slots, 48 clients; two 15 s windows per row, the first one
-# starting when the worker is ready), and $OUT/run.log.
+# starting when the worker is ready; TRANSPORTS=http,in-process adds the engine driven in
+# the benchmark's process), $OUT/captures.txt and $OUT/run.log.
 . "$(dirname "$0")/gpu_env.sh"
 WORK=/tmp/loraplane-bench-serve
 COMMON=(--fixture dense --layers 16 --num-adapters 32 --workdir "$WORK" --device cuda
-        --max-running 64 --prompt-len 256 --output-len 128)
+        --max-running 64 --prompt-len 256 --output-len 128 --worker-log-level info)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
-step k8 240 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
-  --adapters 0,16 --warmup 5 --duration 15 --transports ${TRANSPORTS:-http} --out "$OUT/serve_k8.json"
-step k32 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
+step k8 200 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
+  --adapters 0,16 --warmup 5 --duration 15 --transports http --out "$OUT/serve_k8.json"
+step k32 380 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
   --adapters 0,4,16,32 --warmup 0 --windows 2 --duration 15 --transports ${TRANSPORTS:-http} \
   --out "$OUT/serve_k32.json"
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
@@ -27,4 +28,10 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
               f"{r['out_tok_s']:>6} {r['ttft_ms_p50']!s:>7} {r['ttft_ms_p99']!s:>7} {r['itl_ms_p50']!s:>6} "
               f"{r['itl_ms_p99']!s:>6} {r['requests']:>4} {r['errors']:>4} {r['gpu_busy']!s:>5}")
 PY
+# the decode graphs each worker captured after its warm-up (what a client waited for)
+for f in "$WORK"/worker-k*.log; do
+  [ -f "$f" ] || continue
+  echo "--- $(basename "$f"): graphs captured after the warm-up: $(sed -n '/warm-up done/,$p' "$f" | grep -c 'captured a decode graph')"
+  sed -n '/warm-up done/,$p' "$f" | grep 'captured a decode graph' | head -40
+done | tee "$OUT/captures.txt"
 echo "total $(( $(date +%s) - T0 ))s"

@@ -668,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             url = args.url
             if url is None:
                 assert model is not None
-                log = args.workdir / "worker.log"
+                log = args.workdir / f"worker-k{args.slots}.log"
                 args.workdir.mkdir(parents=True, exist_ok=True)
                 worker = WorkerProcess(_worker_flags(args, model, loras), log, progress)
             try:
