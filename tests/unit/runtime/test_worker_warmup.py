@@ -27,7 +27,8 @@ def test_the_plan_covers_every_bucket_stage_width_and_rank() -> None:
     assert plan.sampler_sizes == (1, 64)  # chunked and one program a row
     assert plan.ranks == (16, 32, 64)  # every stage rank
     assert plan.adapter_counts == (1, 2, 4, 6)  # stage widths 1, 2, 4 and K
-    assert plan.lora_sizes == (1, 16, 32, 64)
+    assert plan.stage_positions == 0  # (the executor's: plan_for's caller passes it)
+    assert plan_for(64, 4096, 6, 64, stage_positions=16).stage_positions == 6  # at most K
     # staged or not, row blocks of 16, 32 and 64, multiple of 16 or not
     assert plan.prefill_tokens == (16, 29, 192, 205, 320, 333)
     moe = plan_for(64, 4096, 4, 64, experts=(128, 8))  # Qwen3-30B-A3B: 24 and 48 pairs an expert
@@ -121,3 +122,97 @@ def test_start_up_adapters_are_checked_before_the_model_loads(tmp_path) -> None:
         config = ServeConfig(model=missing, warmup=True, loras=loras, allowed_lora_roots=roots)
         with pytest.raises(ConfigError, match=reason):
             build_server(config)
+
+
+class _StageOnly:
+    """An executor that runs nothing: it keeps the stage positions the warm-up's steps
+    would assign (``lora.stage.Stage``, as a decode graph or a staged eager step assigns
+    them) and records the LoRA decode graph each decode step would replay."""
+
+    dp_size = 1
+
+    def __init__(self, max_seqs: int, positions: int, max_rank: int) -> None:
+        from types import SimpleNamespace
+
+        from loraplane.worker.lora.stage import Stage
+
+        class _Wrapper:
+            def stage_copy(self, position: int, slot: int, rank: int) -> None:
+                pass
+
+        self.model_config = SimpleNamespace(vocab_size=100)
+        self.max_seqs, self.max_len, self.stage_positions = max_seqs, 64, positions
+        self.rank = 0
+        self.stage = Stage(positions, [_Wrapper()], lambda _slot: self.rank, max_rank)
+        self.graphs: set[tuple[Any, ...]] = set()
+
+    def step(self, work: list[list[Any]]) -> list[Any]:
+        from loraplane.worker.engine.graphs import graph_buckets
+        from loraplane.worker.lora.batch_info import segments_of, static_shape
+        from loraplane.worker.lora.stage import stage_width
+
+        rows = work[0]
+        slots = [w.slot for w in rows]
+        segments = segments_of(slots)
+        positions = self.stage.assign(segments[2]) if segments[2] else None
+        decode = all(len(w.tokens) == 1 for w in rows)
+        if decode and segments[2]:
+            bucket = next(b for b in graph_buckets(self.max_seqs) if b >= len(rows))
+            width = stage_width(positions.values(), self.stage.positions) if positions else 0
+            rank = self.stage.rank if positions else 0
+            self.graphs.add((bucket, static_shape(segments, bucket), width, rank))
+        return []
+
+    def load_slot(self, slot: int, name: str) -> None:
+        self.stage.forget(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        self.stage.forget(slot)
+
+    def hold_blank(self, name: str, rank: int) -> None:
+        self.rank = rank
+
+    def drop_adapter(self, name: str) -> None:
+        pass
+
+
+def _reachable_graphs(
+    max_seqs: int, slots: int, positions: int, ranks: tuple[int, ...]
+) -> set[tuple[Any, ...]]:
+    """Every LoRA decode graph key a batch of at most ``max_seqs`` rows over ``slots`` slots
+    can meet: each multiset of rows (a slot or none per row), at each stage width its
+    adapters' positions can give and each stage rank, or unstaged past the positions."""
+    from itertools import combinations_with_replacement
+
+    from loraplane.worker.engine.graphs import graph_buckets
+    from loraplane.worker.engine.warmup import stage_widths
+    from loraplane.worker.lora.batch_info import segments_of, static_shape
+
+    keys = set()
+    for n in range(1, max_seqs + 1):
+        bucket = next(b for b in graph_buckets(max_seqs) if b >= n)
+        for rows in combinations_with_replacement(range(-1, slots), n):
+            segments = segments_of(list(rows))
+            count = len(segments[2])
+            if not count:
+                continue
+            shape = static_shape(segments, bucket)
+            if count > positions:
+                keys.add((bucket, shape, 0, 0))
+            for width in stage_widths(count, positions):
+                keys |= {(bucket, shape, width, rank) for rank in ranks}
+    return keys
+
+
+@pytest.mark.parametrize(
+    ("max_seqs", "slots", "positions"), [(8, 4, 2), (6, 3, 3), (5, 2, 0), (40, 3, 2)]
+)
+def test_the_warm_up_captures_every_lora_decode_graph_a_batch_can_need(
+    max_seqs: int, slots: int, positions: int
+) -> None:
+    plan = plan_for(max_seqs, 64, slots, 32, stage_positions=positions)
+    executor = _StageOnly(max_seqs, positions, 32)
+    warm_up(executor, plan)  # type: ignore[arg-type]
+    reachable = _reachable_graphs(max_seqs, slots, positions, plan.ranks)
+    assert reachable - executor.graphs == set()
+    assert executor.graphs - reachable == set()  # (the test's enumeration misses nothing)

@@ -86,6 +86,8 @@ class Executor(Protocol):
     model_config: ModelConfig
     max_seqs: int  # KV-cache rows per DP group
     max_len: int  # positions per KV-cache row
+    # Stage positions of the stacked shrinks (lora/stage.py); 0 where nothing is staged.
+    stage_positions: int
 
     def step(self, work: list[list[SeqWork]]) -> list[StepResult]:
         """Run one forward; per DP group, its sequences' next tokens (``StepResult``)."""
@@ -147,6 +149,10 @@ class LocalExecutor:
         self.model_config = self.runner.model_config
         self.max_seqs = runner_config.max_seqs
         self.max_len = runner_config.max_len
+        lora_manager = self.runner.lora
+        self.stage_positions = (
+            lora_manager.stage.positions if lora_manager and lora_manager.stage.enabled else 0
+        )
         self.host: dict[str, AdapterWeights] = {}
 
     def step(self, work: list[list[SeqWork]]) -> list[StepResult]:

@@ -18,10 +18,14 @@ pod's readiness waits for it instead of a client:
 * LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
   rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
   stage width, and the kernels past the stage): the same prefill steps with the adapters
-  taking turns by row (past 256 rows a batch leaves the stage), then decode steps: one
-  adapter at every bucket, more at a few. The slots are cleared and the adapter dropped
-  after, so no adapter is loaded when the server starts (adapters given with ``--lora`` are
-  loaded after the warm-up).
+  taking turns by row (past 256 rows a batch leaves the stage), then a decode step for every
+  graph a batch of that many adapters can meet: every bucket, and in each the longest
+  segment's classes (16 rows, 32, more: ``lora_decode_batches``); for batches the stage
+  holds, also at every stage width above their own (a batch of one adapter whose stage
+  position is the fourth computes a width of 4). A graph the warm-up did not capture is
+  captured when a request first needs it, and every request waits for that. The slots are
+  cleared and the adapter dropped after, so no adapter is loaded when the server starts
+  (adapters given with ``--lora`` are loaded after the warm-up).
 
 The steps write KV-cache rows at positions that a sequence given the row later writes itself
 before it reads them. Nothing the engine tracks (residency, metrics, step counts) changes.
@@ -44,10 +48,9 @@ log = logging.getLogger(__name__)
 
 # The adapter the warm-up loads (never visible: the engine is not running yet).
 BLANK_NAME = "loraplane-warmup-blank"
-# Decode sizes of the LoRA steps with 2 or more adapters (each rounded up to a bucket that
-# gives every adapter a row): the longest segment's classes (16, 32, more). One adapter
-# decodes at every bucket, which compiles each bucket's LoRA variants once for every count.
-LORA_SIZES = (1, 16, 32, 128)
+# The longest segment's classes a LoRA decode graph is captured for (``static_shape``):
+# at most 16 rows, at most 32, more.
+SEGMENT_CLASSES = (16, 32)
 # Tokens of a prefill step: Triton specializes an integer argument that is a multiple of 16,
 # so each size comes as one and as not one; a LoRA batch's longest segment picks its row
 # block (16, 32, 64: ``segment_block``), and past 256 rows (``EAGER_STAGE_MAX_ROWS``) it
@@ -70,7 +73,7 @@ class WarmupPlan:
     max_seqs: int  # KV-cache rows per DP group: a step uses at most these
     ranks: tuple[int, ...] = ()  # blank adapters' ranks; () without LoRA
     adapter_counts: tuple[int, ...] = ()  # distinct adapters in a LoRA step
-    lora_sizes: tuple[int, ...] = ()  # decode sizes of the LoRA steps of 2+ adapters
+    stage_positions: int = 0  # the executor's stage positions (0: nothing is staged)
 
 
 def plan_for(
@@ -79,10 +82,12 @@ def plan_for(
     max_loras_per_batch: int | None,
     max_lora_rank: int,
     experts: tuple[int, int] | None = None,
+    stage_positions: int = 0,
 ) -> WarmupPlan:
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
     cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA), on a
-    model with ``experts`` (routed experts, experts per token) or without (None)."""
+    model with ``experts`` (routed experts, experts per token) or without (None), on an
+    executor with ``stage_positions`` (``Executor.stage_positions``)."""
     sizes = tuple(graph_buckets(max_seqs))
     capacity = max_seqs * (max_len - 1)  # prompt tokens one step can hold
     wanted = set(PREFILL_TOKENS)
@@ -106,7 +111,7 @@ def plan_for(
         plan,
         ranks=stage_ranks(max_lora_rank),
         adapter_counts=tuple(counts),
-        lora_sizes=tuple(sorted({_bucket(sizes, s) for s in LORA_SIZES})),
+        stage_positions=min(stage_positions, most),
     )
 
 
@@ -121,8 +126,38 @@ def stage_ranks(max_lora_rank: int) -> tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
-def _bucket(sizes: tuple[int, ...], rows: int) -> int:
-    return next((b for b in sizes if b >= rows), sizes[-1])
+def lora_decode_batches(buckets: tuple[int, ...], slots: list[int]) -> list[list[int]]:
+    """Decode batches (each row's slot, in the engine's row order: no adapter first, then by
+    slot) that meet every LoRA graph a batch of the distinct ``slots`` can: at each bucket
+    of at least ``len(slots)`` rows, one batch per class of its longest segment that such a
+    batch can have (``SEGMENT_CLASSES``, then longer). The other adapters get a row each,
+    the remaining rows none."""
+    others = slots[1:]
+    batches = []
+    for bucket in buckets:
+        top = bucket - len(others)  # the longest segment a batch of ``bucket`` rows can have
+        if top < 1:
+            continue
+        longest = {min(c, top) for c in SEGMENT_CLASSES} | {top}
+        for length in sorted(longest):
+            rows = [-1] * (top - length) + [slots[0]] * length + others
+            batches.append(sorted(rows))
+    return batches
+
+
+def stage_widths(count: int, positions: int) -> list[int]:
+    """The stage widths a staged batch of ``count`` adapters can compute (``stage_width``:
+    its highest position + 1 rounded up to a power of two, at most ``positions``)."""
+    if not 0 < count <= positions:
+        return []
+    widths, w = set(), 1
+    while w < count:
+        w *= 2
+    while True:
+        widths.add(min(w, positions))
+        if w >= positions:
+            return sorted(widths)
+        w *= 2
 
 
 @dataclass
@@ -210,15 +245,29 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
     return run.report
 
 
-def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, sizes: list[int]) -> None:
+def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, decode: bool) -> None:
     for tokens in plan.prefill_tokens:
         run.prefill(tokens, count, plan)
-    for size in sizes:  # rows in slot order, as the engine orders a batch
-        run.decode(sorted(i % count for i in range(size)))
+    if decode:
+        for slots in lora_decode_batches(plan.decode_sizes, list(range(count))):
+            run.decode(slots)
+
+
+def _wider_stage_steps(run: _Runner, plan: WarmupPlan) -> None:
+    """Staged batches at every width above their own. The stage now holds slot ``p`` at
+    position ``p`` (each count's steps staged slots 0..count-1 in turn into the lowest free
+    positions), so the slots ``width - count .. width - 1`` compute ``width``."""
+    for count in plan.adapter_counts:
+        for width in stage_widths(count, plan.stage_positions)[1:]:
+            slots = list(range(width - count, width))
+            for batch in lora_decode_batches(plan.decode_sizes, slots):
+                run.decode(batch)
 
 
 def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
     executor = run.executor
+    # decode graphs of batches past the stage are the same at every stage rank
+    unstaged_decoded: set[int] = set()
     for rank in plan.ranks:
         executor.hold_blank(BLANK_NAME, rank)
         loaded = 0  # slots holding this rank's blank adapter
@@ -226,14 +275,13 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
             for slot in range(loaded, count):
                 executor.load_slot(slot, BLANK_NAME)
             loaded = count
-            sizes = sorted(
-                # one adapter at every bucket; more at a few, rounded up to a bucket that
-                # gives every adapter a row
-                plan.decode_sizes
-                if count == 1
-                else {_bucket(plan.decode_sizes, max(s, count)) for s in plan.lora_sizes}
-            )
-            run.phase(f"LoRA rank {rank}, {count} adapter(s)", _lora_steps, run, plan, count, sizes)
+            decode = count <= plan.stage_positions or count not in unstaged_decoded
+            if count > plan.stage_positions:
+                unstaged_decoded.add(count)
+            label = f"LoRA rank {rank}, {count} adapter(s)"
+            run.phase(label, _lora_steps, run, plan, count, decode)
+        if plan.stage_positions:
+            run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan)
     # (after a failure the worker does not start: the executor is shut down, and a clean-up
     # here would only raise again on a dead rank or a broken device, over the real error)
     for slot in range(max(plan.adapter_counts)):

@@ -192,6 +192,7 @@ class MultiRankExecutor:
     # Each rank reads adapters on a thread of its own, from an inbox of its own (`_read_loop`):
     # the engine's adapter thread sends reads while its engine thread sends steps.
     reads_adapters_concurrently = True
+    stage_positions = 0  # ranks of a multi-rank worker do not stage (lora/manager.py)
 
     def __init__(
         self, pconf: ParallelConfig, runner_config: RunnerConfig, lora: LoRARuntimeConfig

@@ -172,6 +172,7 @@ def build_engine(
                 config.max_loras_per_batch,
                 config.max_lora_rank,
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
+                stage_positions=executor.stage_positions,
             )
             report = warm_up(executor, plan)
             if observer is not None:
