@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         choices=("both", "pinned", "pageable"),
         help="the adapter's host memory: page-locked (what a CUDA worker reads it into), "
-        "pageable (a copy, as before session 27), or both in turns",
+        "pageable (a copy, for comparison), or both in turns",
     )
     p.add_argument(
         "--fixtures",
