@@ -2,7 +2,7 @@
 # The serving benchmark on one H200, in one call (well under 9 minutes):
 #   OUT=/some/dir bash bench/run_gpu_serve.sh     (the device tool sets $OUT)
 # The worker's HTTP stack (FastAPI, pydantic, uvicorn) is not in the device image: install
-# the wheels first (docs/performance.md, "Serving"). ONLY="k8 k32" picks steps.
+# the wheels first (docs/performance.md, "How to run"). ONLY="k8 k32" picks steps.
 # Writes $OUT/serve_k8.json (16 adapters on 8 slots, 32 clients) and $OUT/serve_k32.json
 # (0/4/16/32 adapters on 32 slots, 48 clients; two 15 s windows per row, the first one
 # starting when the worker is ready; TRANSPORTS=http,in-process adds the engine driven in

@@ -1,7 +1,7 @@
 # loraplane worker: `loraplane worker serve` (PyTorch + Triton, CUDA). The torch wheel bundles
 # the CUDA runtime; the node needs only the NVIDIA driver and device plugin.
 # Build from the repository root:  docker build -f docker/worker.Dockerfile -t ghcr.io/loraplane/worker:0.1.0 .
-# Versions: the ones the test suite runs with (.venv).
+# Dependencies: the base and the `worker` extra of pyproject.toml.
 FROM python:3.11.7-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -10,14 +10,10 @@ COPY pyproject.toml setup.py ./
 COPY operator/src operator/src
 COPY controlplane/src controlplane/src
 COPY worker/src worker/src
-# torch/triton pinned to what the H200 tests use (pyproject comment); cu128 wheels.
+# CUDA torch wheels come from PyTorch's index (TORCH_INDEX), within pyproject.toml's bounds.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
 RUN touch README.md \
- && pip install --index-url https://download.pytorch.org/whl/cu128 "torch==2.11.0" \
- && pip install "triton==3.6.0" \
- && pip install --no-deps . \
- && pip install "safetensors==0.8.0" "numpy==2.4.6" "tokenizers==0.23.3" "fastapi==0.165.0" \
-      "uvicorn==0.54.0" "httpx==0.28.1" "pydantic==2.14.4" "prometheus-client==0.26.0" \
-      "typer==0.29.2" "rich==15.0.0" \
+ && pip install --extra-index-url "$TORCH_INDEX" ".[worker]" \
  && rm -rf /src \
  && mkdir -p /var/cache/loraplane/triton && chown -R 10001:10001 /var/cache/loraplane
 # Triton writes each kernel it compiles under its cache; by default that is ~/.triton, and a

@@ -10,8 +10,8 @@ timed at three tile configs (``stacked.STACKED_OVERRIDE``). Everything is graph-
 cold L2 (``bench.common.time_graph``, 50 calls a replay).
 
 It runs against whichever tree is on ``PYTHONPATH``, so one device call can compare two
-commits: a tree whose ``StageInfo`` has ``row_pos`` (session 15 on) gets each row's stage
-position; an older one gets the full segments as ``StaticLoRABatch`` built them for a graph
+commits: a tree whose ``StageInfo`` has ``row_pos`` (rows read in place) gets each row's stage
+position; a tree without it gets the full segments as ``StaticLoRABatch`` built them for a graph
 (adapter segments, then an empty no-adapter segment; ``max_len`` the batch's rows).
 """
 

@@ -7,13 +7,12 @@ eager steps and every per-expert MoE LoRA run. For Llama-3-8B-shaped qkv / o / g
 and Qwen3-30B-A3B-shaped MoE gate_up / down at decode sizes (16 and 128 tokens; 1, 4, 16
 adapters interleaved; ranks 16 and 64), each expand is graph-timed from cold L2
 (``bench.common.time_graph``) at every ``(block_n, num_warps)`` of ``CONFIGS``
-(``_triton_utils.EXPAND_OVERRIDE``), next to a device copy of the same bytes. (Session 9 also
-timed the slices a column block misses loaded masked, session 7's kernel, against the branch
-past them that the kernel now takes: ``bench/results/2026-11-30-h200-s9``, c0a6763.) Bytes are counted as
+(``_triton_utils.EXPAND_OVERRIDE``), next to a device copy of the same bytes. (The kernel branches past the slices a column block
+misses rather than loading them masked: ``bench/results/2026-11-30-h200-s9``, c0a6763.) Bytes are counted as
 ``bench/kernels.py`` counts them (y, each used B once at the real rank, out read + written);
 ``pct_peak`` is against a 2 GiB copy in the same run (``bench.common.copy_bandwidth``, as
-``bench/kernels.py``; session 9's first run timed a 1 GiB copy in a graph instead and read a
-peak of 2756 GB/s against 4246, so its percentages are 1.54x too high). Prints one JSON
+``bench/kernels.py``: a 1 GiB copy timed in a graph reads a peak of 2756 GB/s against 4246,
+which would make every percentage 1.54x too high). Prints one JSON
 object per case and writes them all to OUT.json.
 """
 

@@ -4,18 +4,17 @@
 
 A staged decode step computes ``x [W; A_staged]^T`` over the first ``N + need`` rows of the
 stacked weight (``need = width * slices * rank``). cuBLAS picks its kernel by shape, and a few
-extra rows can move it to a slower tile or split (``docs/performance.md``, session 9). Reading
+extra rows can move it to a slower tile or split (``docs/performance.md``). Reading
 more rows than needed is free of meaning (the columns past ``N + need`` are never read) and
 sometimes faster. For each Llama-3-8B projection, each ``need`` of 1/2/4 stage positions at
 ranks 16/32/64 and each decode graph bucket up to 256 rows, every candidate extent is
 graph-timed from cold L2 (``bench.common.time_graph``). ``table`` lists the cases where the
 fastest candidate beats ``need`` by at least ``MIN_GAIN``.
 
-Session 9 wired such a table into the runtime (264b424: the stacked weight padded, the GEMM
-reading the table's extent) and measured the decode bench with it and without it, twice each
-in one call: with it, bs 16 read 0.94 against 0.96 for 1 and 4 adapters, bs 32 0.96-0.98
-against 0.95-0.96. A GEMM that is faster alone was not faster inside the step, so it was
-reverted (5bb9fbe); see docs/performance.md.
+A full table of such extents in the runtime (264b424) read bs 16 at 0.94 against 0.96 without
+it in the decode bench, bs 32 0.96-0.98 against 0.95-0.96: a GEMM that is faster alone is not
+always faster inside the step, so the runtime keeps only the 32-row bucket's extents
+(``lora/extents.py``; docs/performance.md, "Tried and not kept").
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     python bench/probes/graph_gaps.py OUT.json [--shape llama3-8b] [--layers 8]
         [--batch-sizes 128] [--variants off,1]
 
-Session 21 found a one-adapter dense graph at bs 128 replaying ~100 µs slower than LoRA-off
-(``graph_host.py``) while its kernels summed only ~30 µs more (``--profile-graphs``): the rest
-would be the device idling between kernels. This profiles 3 graph steps per variant and,
+Where a graph replay's time goes beyond its kernels: a one-adapter dense graph at bs 128
+replayed ~100 µs slower than LoRA-off (``graph_host.py``) while its kernels summed only ~30 µs
+more (``--profile-graphs``), which would leave the device idling between kernels. This profiles 3 graph steps per variant and,
 from the kernels' start and end times (torch.profiler / CUPTI, one profile per step, the
 step's copies and sampling included), reports per step:
 ``span_us`` (first kernel's start to last kernel's end), ``busy_us`` (the union of kernel

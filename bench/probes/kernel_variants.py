@@ -4,7 +4,7 @@
 
 A variant is ``base`` or comma-separated ``key=value`` settings:
 
-- ``maxnreg=N``: registers per thread (``_triton_utils.MAXNREG``; Nsight Compute, session 13:
+- ``maxnreg=N``: registers per thread (``_triton_utils.MAXNREG``; Nsight Compute on an H200:
   the expand at 114 registers fits 4 programs per multiprocessor, the shrink at 120 as many);
 - ``ewarps=W``, ``bn=N``: the expand's warps and column block (``EXPAND_OVERRIDE``);
 - ``sk=K,sw=W,ss=S``: the shrink's K step, warps and stages (``SHRINK_OVERRIDE``);

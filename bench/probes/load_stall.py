@@ -9,8 +9,8 @@ top 8) and two rank-16 adapters (every target, every expert), builds the worker'
 per trial: one greedy base request of 200 tokens; once 20 have arrived, both adapters are
 loaded one after the other (``POST /load_lora_adapter``'s path), then unloaded when the
 request ends. Trials alternate between the engine reading adapters on its adapter thread
-(``concurrent``) and on its own thread between steps (``engine thread``, as before session
-26), over one executor. Reports each trial's load seconds, the longest gap between two tokens
+(``concurrent``) and on its own thread between steps (``engine thread``, for comparison),
+over one executor. Reports each trial's load seconds, the longest gap between two tokens
 while the loads ran and the median gap outside them. Prints and writes one JSON object.
 """
 

@@ -1,18 +1,16 @@
-"""Probe: the time of the engine's sampling stage, per step, before and after session 22.
+"""Probe: the time of the engine's sampling stage, per step: on the device against on the host.
 
     python bench/probes/sampling_stage.py [OUT.json] [--device cpu|cuda] [--samplers]
 
-Until 7bc9a0f the executor returned every sequence's last-token logits as fp32 on the host
-(``logits.float().cpu()``) and the engine sampled each row there, greedy ones included; from
-7bc9a0f greedy rows took their argmax on the device, but sequences that sample still moved
-their full rows and sampled on the host, one row at a time. Now ``sampling.sample_rows``
-picks every row's token where the logits are. This times, over a logits tensor of a real
+``sampling.sample_rows`` picks every row's token where the logits are. The reference is
+the host path it replaced (7bc9a0f and earlier): each sequence's last-token logits moved to
+the host as fp32 (``logits.float().cpu()``) and sampled there one row at a time. This times, over a logits tensor of a real
 vocabulary (bf16; on a CPU also fp32) at bs 16 and 128 (median of 20 calls, of 5 when a
 call takes over 0.1 s; ms):
 
-- ``greedy``: every row greedy, host (before 7bc9a0f) against ``sample_rows``;
-- ``sampled``: every row at temperature 0.7, top_p 0.9 (common chat settings), host
-  (before session 22) against ``sample_rows``; and the same over flat logits, with top_k 50,
+- ``greedy``: every row greedy, on the host against ``sample_rows``;
+- ``sampled``: every row at temperature 0.7, top_p 0.9 (common chat settings), on the host
+  against ``sample_rows``; and the same over flat logits, with top_k 50,
   and seeded (``CASES``).
 
 On ``cuda`` the times include the device-to-host copies; on ``cpu`` they are host work
@@ -52,7 +50,7 @@ CASES = {
 
 
 def _host_row(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """The engine's per-row sampler before session 22 (fp32 row on the host)."""
+    """The host reference: one fp32 row sampled on the host."""
     if params.greedy:
         return int(torch.argmax(logits).item())
     scores = logits / params.temperature
@@ -153,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--ops", action="store_true", help="time the sampler's steps one by one")
     p.add_argument(
-        "--after-only", action="store_true", help="time sample_rows alone (not the old path)"
+        "--after-only", action="store_true", help="time sample_rows alone (not the host path)"
     )
     p.add_argument(
         "--samplers", action="store_true", help="time the torch sampler against the fused one"

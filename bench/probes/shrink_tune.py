@@ -4,10 +4,10 @@
     python bench/probes/shrink_tune.py --ncu shrink|expand CASE [BLOCK_K,WARPS,STAGES,TARGET]
 
 The shrink's launch config is a fixed rule (``_triton_utils.shrink_config``: 4 warps, Triton's
-default pipeline of 3 stages, K steps of 256 columns at rank 16-64 until this probe's first
-run, session 13, put 128 closer to each case's best) and only its K splits had been measured
-(``shrink_split.py``). At the decode cases where a device copy of the same
-bytes reaches 45-98% of the peak, the shrink reached 30-57% (session 11's ``kernels.json``).
+default pipeline of 3 stages, K steps of 128 columns at rank 16-64, which this probe found
+closer to each case's best than 256); its K splits are measured by ``shrink_split.py``. At the
+decode cases where a device copy of the same bytes reaches 45-98% of the peak, the shrink
+reached 30-57% (``bench/kernels.py`` on an H200).
 For those cases (``CASES``: Llama-3-8B-shaped and Qwen3-30B-A3B-shaped modules, interleaved
 adapters as ``bench/kernels.py`` builds them) this graph-times the runtime's shrink
 (``lora_apply_shrink``, ``moe_lora_shrink``) from cold L2 (``bench.common.time_graph``) at
@@ -46,7 +46,7 @@ from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.lora.batch_info import LoRABatchInfo
 
 MODULES = {m.name: m for m in SHAPES["llama3-8b"] + SHAPES["qwen3-30b-a3b"][2:]}
-# (module, tokens, rank, adapters): where session 11's copy of the same bytes reached >= 45%.
+# (module, tokens, rank, adapters): where a device copy of the same bytes reaches >= 45% of the peak.
 CASES = [
     ("down", 128, 64, 16),
     ("down", 64, 64, 16),

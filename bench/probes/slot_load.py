@@ -3,9 +3,9 @@
     python bench/probes/slot_load.py OUT.json [--device cuda|cpu] [--arch llama|qwen3-moe]
         [--layers 2] [--rank 16] [--repeats 6] [--fixtures DIR]
 
-The engine loads a slot in its step loop, before the step that first uses the adapter, so
-every running request waits for it; with more adapters than slots it happens at every LRU
-swap. Writes a bf16 fixture model at a real layer shape (Llama-3-8B, or Qwen3-30B-A3B with
+The engine loads a slot before the step that first uses the adapter, on the slot manager's
+copy stream (ADR 0011), and with more adapters than slots at every LRU swap: the copy's
+length is how long that adapter's requests wait. Writes a bf16 fixture model at a real layer shape (Llama-3-8B, or Qwen3-30B-A3B with
 128 experts; ``--layers`` of them, vocabulary 32000) and a rank-``--rank`` adapter on every
 target (every expert's too), reads the adapter into host memory as the worker does
 (``read_adapter``: page-locked on CUDA), then times ``load_slot`` into alternating slots
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         default="both",
         choices=("both", "pinned", "pageable"),
         help="the adapter's host memory: page-locked (what a CUDA worker reads it into), "
-        "pageable (a copy, as before session 27), or both in turns",
+        "pageable (a copy, for comparison), or both in turns",
     )
     p.add_argument(
         "--fixtures",

@@ -9,8 +9,7 @@ with two slots (``factory.build_engine``, no warm-up: a first trial runs everyth
 run), then per trial: one greedy base request of 300 tokens; once 20 have arrived, one
 4-token request per adapter, one after another, twice over. With two slots every adapter
 request evicts another one, so each brings a slot load. Trials alternate between the slot
-copies on the step stream (``step stream``: every running request waits for them, as before
-session 28) and on the manager's copy stream (``copy stream``: ADR 0011). Reports the base
+copies on the step stream (``step stream``: every running request waits for them) and on the manager's copy stream (``copy stream``: ADR 0011). Reports the base
 request's longest and median gap between tokens while the adapter requests ran, the median
 gap outside them, and the adapter requests' time to their first token. Prints one JSON line
 per trial and writes one JSON object.

@@ -3,9 +3,9 @@
     python bench/probes/step_order.py OUT.json [--shape llama3-8b] [--layers 8]
         [--batch-sizes 16,128] [--block 6] [--rounds 6]
 
-Session 21 interleaved the decode bench's variants step by step (``--order step``) and the
-``none`` rows, which replay a graph of the same LoRA-off kernels as ``off``, read 0.97-0.99
-instead of 1.00. This probe times single steps (``decode._step``, graphs on) in two
+With the decode bench's variants interleaved step by step (``--order step``), the ``none``
+rows, which replay a graph of the same LoRA-off kernels as ``off``, can read 0.97-0.99 instead
+of 1.00. This probe times single steps (``decode._step``, graphs on) in two
 patterns over the variants ``head``, ``off``, ``none`` and ``1``:
 
 - ``blocks``: each variant runs ``--block`` steps in a row, variants in turn, ``--rounds``

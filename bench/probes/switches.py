@@ -12,20 +12,11 @@ docs/performance.md):
   (``Attention.fused_rope``; 0: the torch ops and ``stacked_plain``);
 - ``norm``: RMSNorm as one kernel (``RMSNorm.fused``; 0: the torch ops);
 - ``attn``: a fixed number of decode-attention splits over positions
-  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), as before session 10);
+  (``attention.SPLITS_OVERRIDE``; 1: one program per (token, KV head), no split);
 - ``ralign``: rank columns an expand load rounds up to (``expand.RANK_ALIGN``; 1: the loaded
-  rank masks every column, as before session 11);
+  rank masks every column, which splits B's loads into single elements);
 - ``extents``: ``0`` makes the staged GEMM read exactly the rows its stage positions need,
   not the GPU table's wider extent (``lora/extents.py``).
-
-(Session 9's ``skip=0``, the expand and stacked epilogues loading every slice masked, was
-measured, c0a6763, and removed once the branch past them stayed.)
-
-(Session 5's ``presum`` switch, a side-stream sum of the shrink's split-K partials, went when
-the shrink came to sum its own partials in one launch.)
-
-(Session 4 also switched 16-row blocks up to 128-row segments and 64-column expands here, at
-70e3e2d: within noise of the defaults, so those switches were removed again.)
 
 Name OUT without ``=`` or ``,``: the device tool does not bring such files back.
 """

@@ -5,7 +5,7 @@
 At decode a LoRA costs its launches, not its bytes (docs/performance.md). This probe asks
 whether one kernel could do a batch-of-one-adapter projection whole: the base GEMM with the
 shrink in its K loop (each K step of ``x`` also multiplied with that step of ``A``) and the
-expand in its epilogue (``linear_lora`` below). Measured in session 6 and not adopted:
+expand in its epilogue (``linear_lora`` below). Not adopted, by its measurement on an H200:
 the plain Triton GEMM keeps up with cuBLAS at 16-64 rows, but the shrink's second dot in the
 K loop slows it 1.3-2x at most shapes (``bench/results/2026-11-30-h200-s6/``).
 

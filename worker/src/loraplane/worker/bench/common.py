@@ -317,8 +317,8 @@ def host_tensors(weights: AdapterWeights) -> list[torch.Tensor]:
 
 
 def pageable_copy(weights: AdapterWeights) -> AdapterWeights:
-    """The adapter in pageable host memory (as workers held adapters before session 27, and
-    as one whose memory could not be locked): the probes' other side of a pinned copy."""
+    """The adapter in pageable host memory (as a worker holds one whose memory could not be
+    locked): the probes' other side of a pinned copy."""
     from loraplane.worker.lora.adapter import ExpertStack
 
     return dataclasses.replace(

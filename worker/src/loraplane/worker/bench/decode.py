@@ -41,8 +41,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   step left them (``DecodeGraphs`` keeps one per variant, keyed by its slots and the stage
   epoch), so no step pays to re-stage.
   Python's garbage collector stays on, as in the server's decode loop (pausing it for the
-  rounds, as ``timeit`` does, was tried in session 21: the ``none`` rows read lower, not
-  closer to 1, in that call's three runs).
+  rounds, as ``timeit`` does, makes the ``none`` rows read lower, not closer to 1: three runs
+  on an H200).
   Each row's ``tok_s`` is from the median of its steps pooled over the rounds, and
   ``ratio_by_round`` holds one ratio per round (that round's median step against the same
   round's ``off``), whose median and range the table prints: on a shared machine the ratios
@@ -649,7 +649,8 @@ def run_decode_bench(
         # order "step": step s of every variant before step s + 1 of any, so a slow phase of
         # the machine falls on every variant alike instead of on the ones it happens to meet;
         # and the turns follow a balanced Latin square, so every variant follows every other
-        # about equally often (``off`` used to follow the light ``head`` step every time)
+        # about equally often (a fixed order would always put the light ``head`` step before
+        # the same variant and make that variant's steps faster)
         for s in range(warmup + steps):
             for variant in turn_order(names, s):
                 if variant in failed:

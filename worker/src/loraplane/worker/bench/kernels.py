@@ -15,8 +15,8 @@ flushed before each repetition):
 
 * ``shrink_us``, ``expand_us`` (and ``routing_us`` for MoE): the Triton kernels as the runtime
   launches them. Dense: ``lora_apply_shrink`` (one launch; at decode its K splits are summed by
-  the last program of each tile) and ``PendingLoRA.expand_into`` (one launch). Results before session 5 timed
-  the standalone ``lora_shrink`` instead, which adds a zero fill and a partial-sum kernel;
+  the last program of each tile) and ``PendingLoRA.expand_into`` (one launch), not the
+  standalone ``lora_shrink``, which adds a zero fill and a partial-sum kernel;
 * ``ref_us``: the torch reference (shrink + expand, host clock with a sync; it reads device
   tensors back by design);
 * ``dense_us``: the base projection of the same size through cuBLAS, ``x @ W^T`` with

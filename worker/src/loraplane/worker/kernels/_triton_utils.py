@@ -217,8 +217,8 @@ def _shrink_config(
     block_r = rank_block(rank_max)
     # Keep the x tile + A tile around 32 KB, in K steps of at most 128 columns. (fp32 at
     # 64 x 64 with 256-wide K steps asked an H200 for 256 KB of shared memory over the
-    # software pipeline's stages, more than its 227 KB.) 128 against the 256 used before, on
-    # an H200 over 15 decode cases (bench/probes/shrink_tune.py, session 13): 1.055 of the
+    # software pipeline's stages, more than its 227 KB.) 128 against 256, on an H200 over
+    # 15 decode cases (bench/probes/shrink_tune.py): 1.055 of the
     # best config's time against 1.124 for the dense shapes (qkv rank 64: 16.8 -> 13.5 us),
     # 1.043 against 1.058 for the MoE; stages and warps changed under 3%.
     budget = 16384 * 2 // max(1, elem_bytes)
@@ -239,14 +239,14 @@ def _shrink_config(
 # Programs wanted in flight: about two per multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 264
 # Each K split covers at least this many columns of K. The shrink's last program per tile
-# sums the splits, so their number no longer costs every expand column block a re-read; what
+# sums the splits, so their number costs no expand column block a re-read; what
 # is left is each program's fixed cost against its share of K, and that last program's serial
-# sum. Measured on an H200 at decode (bench/probes/shrink_split.py, session 6, rank 16, 1/4
+# sum. Measured on an H200 at decode (bench/probes/shrink_split.py, rank 16, 1/4
 # adapters, 16-128 tokens), graph-timed shrink: K 4096 best at 8 splits (one 256-column step
 # each at 16: up to 1.9 us slower), K 14336 at 28 (8 splits: 7.7-9.6 us, 28: 5.9-8.4 us): 512
-# columns per split picks both. (Session 13 halved the K step to 128 with the splits counted
-# in steps, two per split: a one-adapter down shrink at rank 64 split 56 ways and its last
-# program summed 56 partials, 14 -> 20 us; bench/results/2026-11-30-h200-s13/kernels.json.)
+# columns per split picks both. (Counted in K steps instead, two 128-column steps a split, a
+# one-adapter down shrink at rank 64 splits 56 ways and its last program sums 56 partials:
+# 14 -> 20 us; bench/results/2026-11-30-h200-s13/kernels.json.)
 MIN_K_PER_SPLIT = 512
 # A fixed cap on the splits instead of the rule above when set (bench/probes/switches.py split=N).
 MAX_SPLIT_K: int | None = None

@@ -11,7 +11,7 @@ writes its unnormalized sum with its running max and denominator; the last split
 to finish combines them (no second launch). ``splits_for`` picks the count from the batch's
 shape alone, enough programs for the GPU (a decode batch of 32 rows has only 32 x 8 (token,
 KV head) pairs for 132 multiprocessors); with one split the kernel writes the output itself. Measured on an H200
-(``bench/probes/attention_tune.py``, session 10): one program per (token, KV head) read 16
+(``bench/probes/attention_tune.py``): one program per (token, KV head) read 16
 rows x 4096 positions at 2.6 TB/s; split, 3.4 TB/s. A split the row's length does not reach
 reads no position, but still stores its empty record and counts itself in (the combine waits
 for every split).
@@ -47,8 +47,8 @@ __all__ = ["decode_attention"]
 
 # Positions per chunk; a program takes chunks ``split, split + SPLITS, ...`` of its row,
 # ``BLOCK_L`` positions per step, with ``NUM_WARPS`` (module values, so
-# bench/probes/attention_tune.py can set them). Measured on an H200 (attention_tune.json,
-# session 10): 256 x 64 was the best or within 5% of it at 16-128 rows and 512-4096 positions
+# bench/probes/attention_tune.py can set them). Measured on an H200 (attention_tune.json):
+# 256 x 64 was the best or within 5% of it at 16-128 rows and 512-4096 positions
 # among 128/256 positions per chunk, 32/64/128 per step and 4/8 warps.
 CHUNK = 256
 BLOCK_L = 64

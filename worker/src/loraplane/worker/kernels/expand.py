@@ -183,8 +183,8 @@ def _lora_expand_kernel(
         # The loads cover the rank rounded up to RANK_ALIGN columns (inside the row: rank_max
         # is a multiple of it), a mask constant over RANK_ALIGN-wide groups, so they move
         # whole vectors; the extra columns are zeroed before the dot. Masked at the loaded
-        # rank itself, which may end at any column, every B and y value was its own load (ncu
-        # on an H200, session 11: the MoE expand L1/TEX-bound at 91%, DRAM at 35%).
+        # rank itself, which may end at any column, every B and y value is its own load (ncu
+        # on an H200: the MoE expand then L1/TEX-bound at 91%, DRAM at 35%).
         r_load = (offs_r // RANK_ALIGN) < (rank + RANK_ALIGN - 1) // RANK_ALIGN
     else:
         r_load = r_mask

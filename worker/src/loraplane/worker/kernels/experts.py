@@ -730,7 +730,7 @@ EXPAND_CHUNKS = 8
 # SHRINK_SPLIT programs share each tile's passes; below it one program does them all (a
 # second one cost 0.3-3 us a layer with 4 adapters), and down's expand stays one program per
 # group of blocks (splitting it cost more than it saved). Measured at Qwen3-30B-A3B's shapes,
-# 16 adapters: docs/performance.md, session 20. A decode graph counts its adapters in
+# 16 adapters: docs/kernels.md, docs/performance.md. A decode graph counts its adapters in
 # powers of two (its segments), so there batches of 5-7 adapters split too (not measured).
 SHRINK_SPLIT_FROM = 8
 SHRINK_SPLIT = 2

@@ -1,9 +1,9 @@
 """RMSNorm in Triton, one launch; reference: ``reference.rms_norm``.
 
 The model's ``RMSNorm`` on the CPU is six torch ops (``float``, ``pow``, ``mean``, ``rsqrt``,
-two ``mul``), each a kernel on a GPU: in a Llama-3-8B-shaped decode step on an H200 they were
-about 13% of the step (``bench decode --profile-graphs``, session 9: the mean's reduction alone
-8.9 us per call). Here one program normalizes one row held in registers, with the torch
+two ``mul``), each a kernel on a GPU: in a Llama-3-8B-shaped decode step on an H200 they are
+about 13% of the step (``bench decode --profile-graphs``: the mean's reduction alone 8.9 us per
+call). Here one program normalizes one row held in registers, with the torch
 module's rounding steps: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, the sum in fp32
 (in another order, and ``1 / sqrt`` rounded where torch's ``rsqrt`` is approximate: equal to
 tolerance, not bit for bit).

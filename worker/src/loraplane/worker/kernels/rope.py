@@ -11,7 +11,7 @@ fp32, rounded once.
 
 On the torch path this is about ten kernels per layer (the angles, ``cos``, ``sin``, two
 ``cat``, the rotations, two index writes), about 9% of a Llama-3-8B-shaped decode step on an
-H200 (``bench decode --profile-graphs``, session 9).
+H200 (``bench decode --profile-graphs``).
 
 **With LoRA** (``lora_b`` and ``stage`` given): ``qkv`` is the stacked GEMM's output ``full``
 (``kernels/stacked.py``): ``[T, N + width * nR]``, row ``t``'s ``y`` for stage position ``p``
@@ -22,7 +22,7 @@ place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) sa
 program adds its LoRA: one per (row block, stage position, head), the one of position 0 also
 taking the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows'
 positions, cache rows, stage positions and ``y`` first, then their values, ``cos | sin`` and
-B: two round trips, as without LoRA (the segment-by-segment version, sessions 10 to 14, waited on the
+B: two round trips, as without LoRA (a program per adapter segment would wait on the
 segment's bounds, then its row indices, then the positions, then the table).
 """
 

@@ -3,7 +3,7 @@
 
 ``engine.sampling``'s torch path is about 40 launches a step (a ``topk`` of 1024 candidates,
 softmaxes, cumsums, a sort when a nucleus runs past the candidates). On an H200 at bs 128 and
-a 128k vocabulary it took 0.65-0.83 ms a step for top_p / top_k rows (session 22). Here one
+a 128k vocabulary it takes 0.65-0.83 ms a step for top_p / top_k rows. Here one
 program samples one row, in a few passes over its logits. In a small batch (``chunking``),
 two launches before it race the rows without a top_k in chunks, and check the winner
 against the nucleus once (``_race_chunks_kernel``, ``_check_chunks_kernel``); the row's

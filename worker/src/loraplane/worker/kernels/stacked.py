@@ -249,8 +249,8 @@ def _launch(
     # 16 x 64 tiles: many programs for a decode batch (a [T, 4096] output at 16-128 rows is
     # 64-512 of them, not 32 of 64 x 128). The SwiGLU epilogue reads two tiles per output
     # tile and does better with fewer, larger ones from 128 rows on. Measured on an H200
-    # (bench/probes/stacked_tune.py, session 9): against session 7's segment-sized rows and
-    # 128 columns, 0.4-3.1 us less per launch at 32-128 rows, within 0.2 us at 16.
+    # (bench/probes/stacked_tune.py): against segment-sized row blocks and 128 columns,
+    # 0.4-3.1 us less per launch at 32-128 rows, within 0.2 us at 16.
     block_s, block_n = (32, 128) if mode == _SILU_MUL and rows >= 128 else (16, 64)
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
     num_warps = 4

@@ -8,9 +8,9 @@ One kernel where torch needs two (``silu``, then ``mul`` reading back what ``sil
 measured on an H200 at Llama-3-8B decode shapes, 2.8-5.3 us against torch's 7.6-15 us
 (``bench/results/2026-11-30-h200-s5/swiglu_probe.json``). The math is fp32, rounded once.
 
-(A form with gate_up's LoRA expand fused in was tried at 20b4a39 and removed: a row block
-holding several adapters' rows took one serial pass per adapter, up to 10x slower than the
-separate expand; see docs/performance.md.)
+gate_up's LoRA expand stays a separate launch: fused in here (20b4a39), a row block holding
+several adapters' rows takes one serial pass per adapter, up to 10x slower than the separate
+expand (docs/performance.md, "Tried and not kept").
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
