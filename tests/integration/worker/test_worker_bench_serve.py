@@ -19,15 +19,20 @@ def _generated(metrics: str, adapter: str) -> float:
     return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix))
 
 
+@pytest.mark.parametrize("endpoint", ["generate", "completions"])
 def test_bench_serve_streams_base_and_adapter_rows_over_http(
-    worker_factory: Callable[..., object], make_adapter_dir: Callable[..., Path], tmp_path: Path
+    endpoint: str,
+    worker_factory: Callable[..., object],
+    make_adapter_dir: Callable[..., Path],
+    tmp_path: Path,
 ) -> None:
     a, b = make_adapter_dir("bench-a", seed=1), make_adapter_dir("bench-b", seed=2)
     worker = worker_factory("--lora", f"a={a}", "--lora", f"b={b}", "--max-loras-per-batch", "2")
     out = tmp_path / "serve.json"
     args = (
         f"--url {worker.url} --adapter-names a,b --device cpu --clients 3 --adapters 0,2 "
-        f"--prompt-len 8 --output-len 6 --warmup 0.5 --duration 2 --vocab 500 --out {out}"
+        f"--prompt-len 8 --output-len 6 --warmup 0.5 --duration 2 --vocab 500 --out {out} "
+        f"--endpoint {endpoint}"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "loraplane.worker.bench.serve", *args.split()],

@@ -1,7 +1,8 @@
 """`loraplane bench serve`: what a streaming client sees, in the field's form.
 
-Like SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``: clients stream completions
-from a worker (or the control plane's router) and the benchmark reports output tokens per
+Like SGLang's ``bench_serving`` and vLLM's ``benchmark_serving``: clients stream generations
+from a worker (``/generate``) or the control plane's router (``--endpoint completions``) and
+the benchmark reports output tokens per
 second, time to first token and inter-token gaps, per workload row. A row is one transport
 (``http`` or ``in-process``), one load (``clients`` closed-loop streams, or a Poisson
 ``rate``) and one number of distinct ``adapters`` in use (0 = the base model); every row is
@@ -124,11 +125,14 @@ class Transport(Protocol):
 
 
 class HttpTransport:
-    """Streams ``POST /v1/completions`` (text deltas, usage in the last chunk)."""
+    """Streams ``POST /generate`` (a worker: one event per step, so every token's arrival is
+    seen) or ``POST /v1/completions`` (a worker or the router: an event per text delta, so
+    tokens that decode to no text yet arrive with the next one, and TTFT and the gaps count
+    text, not tokens)."""
 
     name = "http"
 
-    def __init__(self, url: str, base_model: str | None, token: str | None, clients: int) -> None:
+    def __init__(self, url: str, endpoint: str, token: str | None, clients: int) -> None:
         import httpx
 
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -136,11 +140,24 @@ class HttpTransport:
         self.client = httpx.AsyncClient(
             base_url=url.rstrip("/"), headers=headers, limits=limits, timeout=600
         )
-        self.base_model = base_model
+        self.endpoint = endpoint
 
-    async def stream(
-        self, prompt: list[int], adapter: str | None, output_len: int, record: RequestRecord
-    ) -> None:
+    def _request(
+        self, prompt: list[int], adapter: str | None, output_len: int
+    ) -> tuple[str, dict[str, Any]]:
+        if self.endpoint == "generate":
+            body: dict[str, Any] = {
+                "input_ids": prompt,
+                "sampling_params": {
+                    "max_new_tokens": output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+                "stream": True,
+            }
+            if adapter is not None:
+                body["lora_path"] = adapter
+            return "/generate", body
         body = {
             "prompt": prompt,
             "max_tokens": output_len,
@@ -150,9 +167,13 @@ class HttpTransport:
         }
         if adapter is not None:
             body["model"] = adapter
-        elif self.base_model is not None:
-            body["model"] = self.base_model
-        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+        return "/v1/completions", body
+
+    async def stream(
+        self, prompt: list[int], adapter: str | None, output_len: int, record: RequestRecord
+    ) -> None:
+        path, body = self._request(prompt, adapter, output_len)
+        async with self.client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:200]}"
@@ -165,12 +186,17 @@ class HttpTransport:
                 if "error" in chunk:
                     record.error = str(chunk["error"])[:200]
                     return
-                usage = chunk.get("usage")
+                if self.endpoint == "generate":
+                    tokens = int(chunk["meta_info"]["completion_tokens"])
+                    if tokens > record.tokens:
+                        record.chunks.append(now)
+                        record.tokens = tokens
+                    continue
                 choices = chunk.get("choices") or [{}]
                 if choices[0].get("text") or not record.chunks:
                     record.chunks.append(now)
-                if usage:
-                    record.tokens = int(usage["completion_tokens"])
+                if chunk.get("usage"):
+                    record.tokens = int(chunk["usage"]["completion_tokens"])
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -487,6 +513,13 @@ def parser() -> argparse.ArgumentParser:
         default="http",
         help="comma-separated: http, in-process (in-process builds the engine in this process)",
     )
+    target.add_argument(
+        "--endpoint",
+        choices=("generate", "completions"),
+        default="generate",
+        help="generate: the worker's /generate, every token seen (default); completions: "
+        "/v1/completions, what the router serves (chunks carry text, not tokens)",
+    )
     target.add_argument("--token", default=os.environ.get("LORAPLANE_TOKEN"))
     target.add_argument(
         "--worker-log-level",
@@ -678,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
                     url = worker.url
                 assert url is not None
                 transport: Transport = HttpTransport(
-                    url, None, args.token, max(_ints(args.clients), default=64)
+                    url, args.endpoint, args.token, max(_ints(args.clients), default=64)
                 )
                 slots = args.slots if worker is not None else None
                 out["rows"] += asyncio.run(_run(transport, args, names, vocab, busy, slots))
