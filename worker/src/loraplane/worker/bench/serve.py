@@ -628,6 +628,7 @@ async def _measure(
     vocab: int,
     busy: GpuBusy,
     slots: int | None,
+    on_row: Callable[[list[dict[str, Any]]], None],
 ) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for i, row in enumerate(_rows(args, transport.name)):
@@ -655,6 +656,7 @@ async def _measure(
             )
             for summary in windows:
                 results.append({**asdict(row), "slots": slots, **summary})
+            on_row(results)
             if row.rate is None and args.poisson_fraction > 0:
                 peak = statistics.fmean(w["req_s"] for w in windows)
                 if peak > 0:
@@ -690,10 +692,12 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
 
-    def flush() -> None:
+    def flush(rows: list[dict[str, Any]] | None = None) -> None:
+        """Write the JSON so far (with ``rows``, the transport's measured so far)."""
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(out, indent=1))
+            doc = out if rows is None else {**out, "rows": out["rows"] + rows}
+            args.out.write_text(json.dumps(doc, indent=1))
 
     for name in transports:
         if name == "http":
@@ -714,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
                     url, args.endpoint, args.token, max(_ints(args.clients), default=64)
                 )
                 slots = args.slots if worker is not None else None
-                out["rows"] += asyncio.run(_run(transport, args, names, vocab, busy, slots))
+                out["rows"] += asyncio.run(_run(transport, args, names, vocab, busy, slots, flush))
             finally:
                 if worker is not None:
                     worker.stop()
@@ -731,7 +735,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not result.success:
                         raise RuntimeError(f"--lora {lname}: {result.error_message}")
                 out["rows"] += asyncio.run(
-                    _run(InProcessTransport(engine), args, names, vocab, busy, args.slots)
+                    _run(InProcessTransport(engine), args, names, vocab, busy, args.slots, flush)
                 )
             finally:
                 engine.stop()
@@ -748,9 +752,10 @@ async def _run(
     vocab: int,
     busy: GpuBusy,
     slots: int | None,
+    on_row: Callable[[list[dict[str, Any]]], None],
 ) -> list[dict[str, Any]]:
     try:
-        return await _measure(transport, args, names, vocab, busy, slots)
+        return await _measure(transport, args, names, vocab, busy, slots, on_row)
     finally:
         await transport.close()
 
