@@ -145,26 +145,15 @@ class HttpTransport:
     def _request(
         self, prompt: list[int], adapter: str | None, output_len: int
     ) -> tuple[str, dict[str, Any]]:
+        """The path and body of one greedy streamed request of ``output_len`` tokens."""
+        greedy = {"temperature": 0, "ignore_eos": True}
         if self.endpoint == "generate":
-            body: dict[str, Any] = {
-                "input_ids": prompt,
-                "sampling_params": {
-                    "max_new_tokens": output_len,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-                "stream": True,
-            }
+            sampling = {"max_new_tokens": output_len, **greedy}
+            body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
             if adapter is not None:
                 body["lora_path"] = adapter
             return "/generate", body
-        body = {
-            "prompt": prompt,
-            "max_tokens": output_len,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        body = {"prompt": prompt, "max_tokens": output_len, **greedy, "stream": True}
         if adapter is not None:
             body["model"] = adapter
         return "/v1/completions", body
