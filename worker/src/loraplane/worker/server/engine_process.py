@@ -160,7 +160,8 @@ def run_core(config: ServeConfig, conn: Connection) -> None:
     try:
         engine = build_engine(config, observer=observer, fault_hook=faults.take if faults else None)
     except BaseException as exc:
-        log.exception("the engine core could not start")
+        if not isinstance(exc, ConfigError):  # (the front end reports a ConfigError)
+            log.exception("the engine core could not start")
         outbox.send(("failed", type(exc).__name__, str(exc)))
         conn.close()
         return
@@ -278,7 +279,6 @@ class ProcessEngineClient:
     (ConfigError, or the core's own error, if it could not start)."""
 
     def __init__(self, config: ServeConfig, *, observer: EngineObserver | None = None) -> None:
-        self.tokenizer = TextTokenizer(config.model)
         self.dp_size = config.dp
         self._observer: Any = observer or _NullObserver()
         self._send_lock = threading.Lock()
@@ -301,6 +301,7 @@ class ProcessEngineClient:
         except BaseException:
             self.stop()
             raise
+        self.tokenizer = TextTokenizer(config.model)  # (the core has read the model dir)
         self._max_model_len: int = info["max_model_len"]
         self._vocab_size: int = info["vocab_size"]
         self._reader = threading.Thread(
