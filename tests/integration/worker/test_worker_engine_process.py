@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from tests.procs import worker_serve_command
 from workerkit import WorkerProcess, generate
 
 pytestmark = pytest.mark.integration
@@ -155,3 +157,20 @@ def streamed_text(worker: WorkerProcess, prompt: str, max_tokens: int, stop: str
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["text"]
     return text
+
+
+def test_a_core_that_cannot_start_fails_the_worker_with_its_reason(tmp_path: Path) -> None:
+    from workerkit import LORAPLANE
+
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    result = subprocess.run(
+        worker_serve_command(LORAPLANE, empty, 1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode != 0
+    assert f"model directory {empty} has no config.json" in result.stderr
+    assert "Traceback" not in result.stderr  # a wrong setting is a message, not a crash

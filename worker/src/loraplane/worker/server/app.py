@@ -502,7 +502,8 @@ def create_app(server: WorkerServer) -> FastAPI:
     @app.get("/lora_state", response_model=p.LoRAStateResponse, tags=["adapters"])
     async def lora_state() -> Any:
         """Slots, pins, LRU order and per-DP-group adapters of this worker."""
-        return server.engine.lora_state()
+        # (a round trip to the engine core: off the event loop)
+        return await asyncio.to_thread(server.engine.lora_state)
 
     @app.get(
         "/health",

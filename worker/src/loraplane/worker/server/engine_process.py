@@ -1,4 +1,4 @@
-"""The engine core in a process of its own, and the front end's client of it (ADR 0012).
+"""The front end's client of the engine core's process (ADR 0012; the core: `engine_core`).
 
 The front end (uvicorn, FastAPI, tokenizing, detokenizing) starts the core with the spawn
 context (CUDA needs it) and talks to it over one duplex pipe of pickled tuples:
@@ -11,7 +11,7 @@ context (CUDA needs it) and talks to it over one duplex pipe of pickled tuples:
                         ("reply", call_id, ok, value)
                         ("ready", info) | ("failed", kind, message) | ("dead", message)
 
-The core runs today's `Engine` (executor, warm-up, adapter thread; a multi-rank executor's
+The core runs the `Engine` (executor, warm-up, adapter thread; a multi-rank executor's
 rank processes are its children). After each step it sends ONE "out" message: every
 sequence's new token ids and end, the observer calls of the step (the front end's
 `WorkerMetrics` replays them, so /metrics stays in the front end), and the adapter routes
@@ -26,34 +26,24 @@ that goes away closes the pipe; the core sees the end of it, stops its engine an
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import multiprocessing as mp
-import signal
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 from typing import Any
 
 from loraplane.worker.config import ConfigError
-from loraplane.worker.engine.engine import (
-    AdapterRoutes,
-    Engine,
-    EngineObserver,
-    UnknownAdapterError,
-    _NullObserver,
-)
+from loraplane.worker.engine.engine import AdapterRoutes, EngineObserver, _NullObserver
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingParams
-from loraplane.worker.engine.sequence import SeqEvent, Sequence
+from loraplane.worker.engine.sequence import SeqEvent
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.server.engine_client import Sink, text_sink
-from loraplane.worker.server.factory import ServeConfig, build_engine
-from loraplane.worker.server.faults import FaultInjector
+from loraplane.worker.server.engine_core import event_from_row, run_core
+from loraplane.worker.server.factory import ServeConfig
 
-log = logging.getLogger("loraplane.worker.engine_core")
+log = logging.getLogger("loraplane.worker.engine_client")
 
 _ERRORS: dict[str, type[Exception]] = {
     "ConfigError": ConfigError,
@@ -66,219 +56,11 @@ def _error(kind: str, message: str) -> Exception:
     return _ERRORS.get(kind, RuntimeError)(message)
 
 
-# --- the core (the child process) ----------------------------------------------------------
-
-
-class _Outbox:
-    """What the core sends: a step's events, observer calls and routes in one message;
-    any other message after what is buffered."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._lock = threading.Lock()  # the buffers (taken under an engine lock too)
-        self._send_lock = threading.Lock()  # one message at a time, in order
-        self._events: list[tuple[int, SeqEvent]] = []
-        self._calls: list[tuple[str, tuple[Any, ...]]] = []
-        self._tokens: dict[str | None, int] = {}
-        self._routes: AdapterRoutes | None = None
-
-    def event(self, rid: int, event: SeqEvent) -> None:
-        with self._lock:
-            self._events.append((rid, event))
-
-    def call(self, name: str, args: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._calls.append((name, args))
-
-    def tokens(self, adapter: str | None, count: int) -> None:
-        with self._lock:
-            self._tokens[adapter] = self._tokens.get(adapter, 0) + count
-
-    def routes(self, routes: AdapterRoutes) -> None:
-        with self._lock:
-            self._routes = routes
-
-    def flush(self) -> None:
-        with self._send_lock:
-            self._flush()
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock:
-            self._flush()
-            self._send(message)
-
-    def _flush(self) -> None:
-        with self._lock:
-            if not (self._events or self._calls or self._tokens or self._routes):
-                return
-            message = ("out", self._events, self._calls, self._tokens, self._routes)
-            self._events, self._calls, self._tokens, self._routes = [], [], {}, None
-        self._send(message)
-
-    def _send(self, message: tuple[Any, ...]) -> None:
-        with contextlib.suppress(OSError):  # the front end is gone: the reader sees the pipe end
-            self._conn.send(message)
-
-
-class _ForwardingObserver:
-    """The engine's observer in the core: every call goes to the front end's metrics with
-    the step's message; a residency change sends the adapter routes too."""
-
-    def __init__(self, outbox: _Outbox) -> None:
-        self.outbox = outbox
-        self.engine: Engine | None = None
-
-    def tokens_generated(self, adapter: str | None, count: int) -> None:
-        self.outbox.tokens(adapter, count)
-
-    def residency_changed(self, *args: Any) -> None:
-        self.outbox.call("residency_changed", args)
-        if self.engine is not None:
-            self.outbox.routes(self.engine.routes())
-
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *args: self.outbox.call(name, args)
-
-
-def _exit(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def run_core(config: ServeConfig, conn: Connection) -> None:
-    """The core process's main: build and warm up the engine, say ready, serve the pipe."""
-    from loraplane.worker.server.serve import LOG_FORMAT
-
-    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
-    # The front end stops the core: a Ctrl-C in a terminal (SIGINT to the whole process
-    # group) reaches it through the front end's shutdown; a SIGTERM of its own stops it
-    # cleanly (its executor shuts its rank processes down on the way out).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit)
-    outbox = _Outbox(conn)
-    observer = _ForwardingObserver(outbox)
-    faults = FaultInjector(config.dp) if config.enable_fault_injection else None
-    try:
-        engine = build_engine(config, observer=observer, fault_hook=faults.take if faults else None)
-    except BaseException as exc:
-        log.exception("the engine core could not start")
-        outbox.send(("failed", type(exc).__name__, str(exc)))
-        conn.close()
-        return
-    observer.engine = engine
-    engine.on_step = outbox.flush
-    engine.start()
-    try:
-        outbox.routes(engine.routes())
-        info = {
-            "max_model_len": engine.max_model_len,
-            "vocab_size": engine.executor.model_config.vocab_size,
-        }
-        outbox.send(("ready", info))
-        _CoreServer(engine, conn, outbox, faults).serve()
-    finally:
-        engine.stop()
-        outbox.flush()
-        conn.close()
-
-
-class _CoreServer:
-    """The core's reader: requests, aborts and calls off the pipe, into the engine."""
-
-    def __init__(
-        self, engine: Engine, conn: Connection, outbox: _Outbox, faults: FaultInjector | None
-    ) -> None:
-        self.engine = engine
-        self.conn = conn
-        self.outbox = outbox
-        self.faults = faults
-        self.live: dict[int, Sequence] = {}
-
-    def serve(self) -> None:
-        while True:
-            if not self.conn.poll(0.5):
-                if not self.engine.alive:
-                    break
-                continue
-            try:
-                message = self.conn.recv()
-            except (EOFError, OSError):
-                log.info("the front end closed the pipe: stopping the engine core")
-                return
-            kind = message[0]
-            if kind == "stop":
-                return
-            if kind == "submit":
-                self._submit(*message[1:])
-            elif kind == "abort":
-                seq = self.live.get(message[1])
-                if seq is not None:
-                    self.engine.abort(seq)
-            elif kind == "call":
-                self._call(*message[1:])
-        why = f"engine failed: {self.engine.error}"
-        self.outbox.send(("dead", why))
-
-    def _submit(
-        self,
-        rid: int,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        adapter: str | None,
-    ) -> None:
-        def sink(event: SeqEvent) -> None:
-            if event.finished:
-                self.live.pop(rid, None)
-            self.outbox.event(rid, event)
-
-        try:
-            seq = self.engine.submit(request_id, prompt_ids, params, adapter, sink)
-        except UnknownAdapterError as exc:  # unloaded since the front end resolved it
-            self.outbox.event(rid, SeqEvent("", (), True, "abort", error=str(exc)))
-            self.outbox.flush()
-            return
-        self.live[rid] = seq
-        if seq.finish_reason is not None:
-            self.live.pop(rid, None)
-
-    def _call(self, call_id: int, method: str, args: tuple[Any, ...]) -> None:
-        def reply(ok: bool, value: Any) -> None:
-            self.outbox.send(("reply", call_id, ok, value))
-
-        def done(future: Future[Any]) -> None:
-            exc = future.exception()
-            if exc is None:
-                reply(True, future.result())
-            else:
-                reply(False, (type(exc).__name__, str(exc)))
-
-        try:
-            if method == "load":
-                self.engine.load_adapter(*args).add_done_callback(done)
-            elif method == "unload":
-                self.engine.unload_adapter(*args).add_done_callback(done)
-            elif method == "lora_state":
-                reply(True, self.engine.lora_state())
-            elif method == "arm_fault" and self.faults is not None:
-                self.faults.arm(*args)
-                reply(True, self.faults.snapshot())
-            elif method == "fault_snapshot" and self.faults is not None:
-                reply(True, self.faults.snapshot())
-            else:
-                reply(False, ("ValueError", f"the engine core has no call {method!r}"))
-        except Exception as exc:
-            reply(False, (type(exc).__name__, str(exc)))
-
-
-# --- the front end's client ----------------------------------------------------------------
-
-
 class ProcessEngineClient:
     """The engine core in a child process: started, warmed up and ready when this returns
     (ConfigError, or the core's own error, if it could not start)."""
 
     def __init__(self, config: ServeConfig, *, observer: EngineObserver | None = None) -> None:
-        self.tokenizer = TextTokenizer(config.model)
         self.dp_size = config.dp
         self._observer: Any = observer or _NullObserver()
         self._send_lock = threading.Lock()
@@ -301,6 +83,7 @@ class ProcessEngineClient:
         except BaseException:
             self.stop()
             raise
+        self.tokenizer = TextTokenizer(config.model)  # (the core has read the model dir)
         self._max_model_len: int = info["max_model_len"]
         self._vocab_size: int = info["vocab_size"]
         self._reader = threading.Thread(
@@ -357,11 +140,12 @@ class ProcessEngineClient:
                 getattr(self._observer, name)(*args)
             for adapter, count in tokens.items():
                 self._observer.tokens_generated(adapter, count)
-            for rid, event in events:
+            for row in events:
+                rid, finished = row[0], row[2]
                 with self._lock:
-                    sink = (self._requests.pop if event.finished else self._requests.get)(rid, None)
+                    sink = (self._requests.pop if finished else self._requests.get)(rid, None)
                 if sink is not None:
-                    self._deliver(sink, event)
+                    self._deliver(sink, event_from_row(row))
         elif kind == "reply":
             _, call_id, ok, value = message
             with self._lock:
