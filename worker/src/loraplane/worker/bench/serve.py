@@ -192,7 +192,8 @@ class HttpTransport:
 
 
 class InProcessTransport:
-    """The same engine driven through ``Engine.submit`` in this process (no HTTP)."""
+    """The same engine driven in this process through ``InThreadEngineClient`` (its
+    detokenizing included), without HTTP."""
 
     name = "in-process"
 
@@ -713,11 +714,11 @@ def main(argv: list[str] | None = None) -> int:
                     worker.stop()
         else:
             assert model is not None
+            from loraplane.worker.server.engine_client import InThreadEngineClient
             from loraplane.worker.server.factory import build_engine
 
             progress("building the engine in this process")
-            engine = build_engine(_serve_config(args, model, loras))
-            engine.start()
+            engine = InThreadEngineClient(build_engine(_serve_config(args, model, loras)))
             try:
                 for lname, path in loras:
                     result = engine.load_adapter(lname, path, False).result()
