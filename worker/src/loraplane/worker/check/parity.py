@@ -123,7 +123,8 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def lora_config_for(adapters: Sequence[tuple[str, str | Path]]) -> LoRARuntimeConfig:
-    ranks = [int(read_adapter_config(n, Path(p))["r"]) for n, p in adapters]
+    configs = [read_adapter_config(n, Path(p)) for n, p in adapters]
+    ranks = [max([int(c["r"]), *map(int, (c.get("rank_pattern") or {}).values())]) for c in configs]
     return LoRARuntimeConfig(
         max_loras_per_batch=max(1, len(adapters)),
         max_loaded_loras=max(1, len(adapters)),
