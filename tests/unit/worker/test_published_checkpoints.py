@@ -1,6 +1,7 @@
 """Issue 38: checkpoints that transformers writes with the config values of published ones
 (Llama-3.1-8B, Llama-3.2-1B, Qwen2.5-7B with YaRN, Qwen3-8B, Qwen3-30B-A3B) and adapters
-that PEFT writes (all-linear, rslora, rank_pattern / alpha_pattern) match HF + PEFT in fp32."""
+that PEFT writes (all-linear, rslora, rank_pattern / alpha_pattern,
+layers_to_transform) match HF + PEFT in fp32."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ def families(
                 ),
             ),
         ]
+        adapters.append(
+            (
+                "layer1",
+                write_peft_adapter(
+                    model,
+                    root / "layer1",
+                    seed=3,
+                    target_modules=[*ATTENTION, "down_proj"] if "a3b" not in name else ATTENTION,
+                    layers_to_transform=[1],
+                ),
+            )
+        )
         built[name] = (model, adapters)
     return built
 

@@ -296,6 +296,13 @@ def load_adapter(
                         f"dtype {dtype} is not supported; LoRA weights must be one of {list(_WEIGHT_DTYPES)}",
                     )
                 r_key = patterns.rank_of(_module_path(where))
+                if r_key > max_rank:
+                    raise AdapterError(
+                        name,
+                        "rank_pattern" if r_key != rank else "r",
+                        f"{_describe(where)} has rank {r_key}, above max_lora_rank {max_rank}; "
+                        "start the worker with a larger --max-lora-rank",
+                    )
                 expected = [r_key, d_in] if ab == "A" else [d_out, r_key]
                 if shape != expected:
                     raise AdapterError(
@@ -324,14 +331,6 @@ def load_adapter(
             # slot's extra rows then add nothing) and B carries its scaling's ratio to the
             # adapter's, so one rank and one scaling per slot stay exact.
             adapter.rank = max(patterns.rank_of(_module_path(w)) for w in halves)
-            if adapter.rank > max_rank:
-                field_name = "r" if adapter.rank == rank else "rank_pattern"
-                raise AdapterError(
-                    name,
-                    field_name,
-                    f"rank {adapter.rank} is above max_lora_rank {max_rank}; start the worker "
-                    "with a larger --max-lora-rank",
-                )
             per_expert: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
             for where, pair in halves.items():
                 path_of = _module_path(where)
