@@ -128,7 +128,12 @@ CASES: list[tuple[str, Callable[[Path], None], str, str]] = [
         "modules_to_save",
         "not supported",
     ),
-    ("fan_in_fan_out", lambda p: edit_config(p, fan_in_fan_out=True), "fan_in_fan_out", "only False"),
+    (
+        "fan_in_fan_out",
+        lambda p: edit_config(p, fan_in_fan_out=True),
+        "fan_in_fan_out",
+        "only False",
+    ),
     ("lora_bias", lambda p: edit_config(p, lora_bias=True), "lora_bias", "not supported"),
     (
         "layer_replication",
