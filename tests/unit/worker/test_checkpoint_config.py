@@ -201,3 +201,12 @@ def test_eos_list_and_chat_template_beside_the_tokenizer(tmp_path: Path) -> None
     assert {7, 9} <= tok.eos_token_ids
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(ids).replace(" ", "") == "<user>hi"
+
+
+def test_worker_and_control_plane_refuse_the_same_peft_fields() -> None:
+    """The control plane may not import the worker, so each holds the table; they must agree
+    (an adapter the preflight passes is one every worker loads)."""
+    from loraplane.controlplane import sources
+    from loraplane.worker.lora.adapter import REFUSED_PEFT_FIELDS
+
+    assert sources._UNUSED_PEFT_VALUES == REFUSED_PEFT_FIELDS
