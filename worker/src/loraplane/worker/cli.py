@@ -297,7 +297,7 @@ def serve_cmd(
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
-    from loraplane.worker.config import ConfigError
+    from loraplane.worker.config import ConfigError, ModelConfig
     from loraplane.worker.lora.adapter import AdapterError
     from loraplane.worker.server.factory import ServeConfig
     from loraplane.worker.server.serve import serve
@@ -309,6 +309,8 @@ def serve_cmd(
             _fail(f"--lora {spec!r} must be NAME=PATH")
         loras.append((name, path))
     try:
+        # config.json's refusals here, before any engine process or rank starts
+        ModelConfig.from_dir(model)
         config = ServeConfig(
             model=str(model),
             tp=tp,
