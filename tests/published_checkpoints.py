@@ -91,6 +91,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]] = {
         },
         {},
     ),
+    "mistral-7b-v0.3": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        {
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 32768,
+            "sliding_window": None,
+            "head_dim": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        {},
+    ),
     "qwen3-30b-a3b": (
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",

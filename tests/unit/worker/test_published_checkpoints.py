@@ -1,6 +1,6 @@
 """Issue 38: checkpoints that transformers writes with the config values of published ones
-(Llama-3.1-8B, Llama-3.2-1B, Qwen2.5-7B with YaRN, Qwen3-8B, Qwen3-30B-A3B) and adapters
-that PEFT writes (all-linear, rslora, rank_pattern / alpha_pattern,
+(Llama-3.1-8B, Llama-3.2-1B, Qwen2.5-7B with YaRN, Qwen3-8B, Mistral-7B-v0.3, Qwen3-30B-A3B)
+and adapters that PEFT writes (all-linear, rslora, rank_pattern / alpha_pattern,
 layers_to_transform) match HF + PEFT in fp32."""
 
 from __future__ import annotations
