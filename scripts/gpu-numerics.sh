@@ -3,6 +3,8 @@
 #   kernels vs torch references in bf16, CUDA-graph decode vs eager, and `check parity` on a bf16 model of ~1.1B
 #   parameters' shape against HF + PEFT and merged weights.
 #   With 2 GPUs (kind nvidia-h200-x2) it also runs tp=2 dp=2 DP attention over NCCL.
+# FP32_REFERENCE=1: the parity runs also report ours and HF + PEFT in bf16 against HF + PEFT in fp32
+#   (check parity --fp32-reference; docs/numerics.md).
 # Results: $OUT/*.json (or ./out/ when OUT is unset).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +44,7 @@ ADAPTERS=(a4="$big/a4" a8="$big/a8" a16="$big/a16" a32="$big/a32")
 if [ "$MODE" = all ] || [ "$MODE" = parity ] || [ "$MODE" = moe ]; then
   echo "== check parity: qwen3-moe (64 experts, top-8), bf16, triton experts + expert LoRA, one GPU"
   $PY - "$OUT/parity_moe_bf16.json" <<'PY'
-import json, sys
+import json, os, sys
 from pathlib import Path
 from loraplane.worker.check.parity import check_parity
 from loraplane.worker.fixtures.models import make_model
@@ -59,7 +61,8 @@ for i, r in enumerate((8, 16)):
         make_adapter(root / "model", p, rank=r, alpha=2.0 * r, seed=70 + i, dtype="bfloat16", experts=True,
                      targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     adapters.append((f"a{r}", str(p)))
-rep = check_parity(root / "model", adapters, prompts=12, max_new_tokens=8, backend="triton", device="cuda", dtype="bfloat16")
+rep = check_parity(root / "model", adapters, prompts=12, max_new_tokens=8, backend="triton", device="cuda", dtype="bfloat16",
+                   fp32_reference=os.environ.get("FP32_REFERENCE") == "1")
 json.dump(rep.as_dict(), open(sys.argv[1], "w"), indent=2)
 print(json.dumps(rep.as_dict(), indent=1))
 PY
@@ -67,10 +70,11 @@ fi
 if [ "$MODE" = all ] || [ "$MODE" = parity ]; then
   echo "== check parity: 1.1B bf16, triton, one GPU"
   $PY - "$OUT/parity_1b_bf16.json" <<'PY'
-import json, sys
+import json, os, sys
 from loraplane.worker.check.parity import check_parity
 adapters = [(f"a{r}", f"/tmp/loraplane-1b/a{r}") for r in (4, 8, 16, 32)]
-rep = check_parity("/tmp/loraplane-1b/model", adapters, prompts=16, max_new_tokens=8, backend="triton", device="cuda", dtype="bfloat16")
+rep = check_parity("/tmp/loraplane-1b/model", adapters, prompts=16, max_new_tokens=8, backend="triton", device="cuda", dtype="bfloat16",
+                  fp32_reference=os.environ.get("FP32_REFERENCE") == "1")
 json.dump(rep.as_dict(), open(sys.argv[1], "w"), indent=2)
 print(json.dumps(rep.as_dict(), indent=1))
 PY

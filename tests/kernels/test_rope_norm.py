@@ -9,6 +9,7 @@ import torch
 from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
 from tests.kernels.test_stacked import R, _batch, _rows
 
+from loraplane.worker.config import RopeScaling
 from loraplane.worker.kernels import norm, reference, rope
 from loraplane.worker.models.layers import RMSNorm, RotaryEmbedding
 
@@ -55,10 +56,12 @@ def test_rms_norm_reads_a_row_strided_view_and_names_bad_input() -> None:
 # --- rotary + KV write ---------------------------------------------------------------------
 
 
-def _rope_inputs(t: int, dtype: torch.dtype, d: int = D, seed: int = 0) -> dict[str, object]:
+def _rope_inputs(
+    t: int, dtype: torch.dtype, d: int = D, seed: int = 0, scaling: RopeScaling | None = None
+) -> dict[str, object]:
     g = torch.Generator().manual_seed(seed)
     n = (H + 2 * KV) * d
-    rotary = RotaryEmbedding(d, 10000.0).to(DEVICE)
+    rotary = RotaryEmbedding(d, 10000.0, scaling).to(DEVICE)
     positions = torch.randint(0, MAX_LEN, (t,), generator=g)
     cache_rows = torch.randperm(ROWS, generator=g)[:t] if t <= ROWS else torch.arange(t) % ROWS
     # distinct (row, position) pairs, as a batch writes them
@@ -114,6 +117,25 @@ def test_rope_qkv_rotates_q_and_writes_k_and_v_as_the_torch_path(
     # v is copied bit for bit, and only the batch's (row, position) pairs were written
     assert torch.equal(inp["v_cache"], want_v)
     assert int((inp["k_cache"] != 0).any(-1).any(-1).sum()) == t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_qkv_reads_yarns_scaled_table_as_the_torch_path(dtype: torch.dtype) -> None:
+    """YaRN's scaled frequencies and attention factor live in the cos | sin table, which the
+    kernel reads as it is: the same rotation as the torch path's."""
+    yarn = RopeScaling(
+        "yarn", factor=4.0, original_max_position_embeddings=16, attention_factor=1.2
+    )
+    inp = _rope_inputs(11, dtype, scaling=yarn)
+    plain = _rope_inputs(11, dtype)
+    assert not torch.equal(inp["cos_sin"], plain["cos_sin"])
+    want_q, want_k, _ = _torch_path(inp)
+    q = rope.rope_qkv(*_args(inp), H)
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(q.cpu().float(), want_q.cpu().float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        inp["k_cache"].cpu().float(), want_k.cpu().float(), rtol=tol, atol=tol
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,10 +8,74 @@ inside their commands, so `loraplane --help` stays fast.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+from typing import Any
 
 import typer
 
-app = typer.Typer(
+# What a command raises when it refuses what it was given: a value (ConfigError, AdapterError,
+# pydantic's ValidationError and the other ValueErrors) or a path. Printed as one line.
+REFUSALS: tuple[type[Exception], ...] = (
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
+
+
+def refusal_line(exc: BaseException | str) -> str:
+    """``error: …`` on one line: pydantic's errors as ``field: reason; …``, any other
+    message with its line breaks folded."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            parts = [
+                f"{'.'.join(str(x) for x in e.get('loc', ())) or '?'}: {e.get('msg', '')}"
+                for e in errors()
+            ]
+        except (TypeError, AttributeError):
+            parts = []
+        if parts:
+            return "error: " + "; ".join(parts)
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"error: {text}"
+
+
+# click's exceptions, from the click that typer uses (its own copy in typer >= 0.25)
+_CLICK = sys.modules[typer.BadParameter.__module__]
+_ABORT: tuple[type[BaseException], ...] = (typer.Abort, getattr(_CLICK, "Abort", typer.Abort))
+
+
+class LoraplaneApp(typer.Typer):
+    """The `loraplane` command: a refusal (``REFUSALS``) raised by any sub-command, and a
+    usage error (a bad or missing option), print one ``error: …`` line on stderr and exit 2;
+    LORAPLANE_TRACEBACK=1 shows a refusal's traceback instead (for a bug that raises one)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("standalone_mode", False)  # click's errors come here, not printed
+        try:
+            code = super().__call__(*args, **kwargs)
+        except _CLICK.ClickException as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError":  # no arguments: the help, exit 2
+                exc.show()
+                raise SystemExit(exc.exit_code) from None
+            where = f" (see `{exc.ctx.command_path} --help`)" if getattr(exc, "ctx", None) else ""
+            print(refusal_line(exc.format_message()) + where, file=sys.stderr)
+            raise SystemExit(exc.exit_code) from None
+        except _ABORT:
+            print("aborted", file=sys.stderr)
+            raise SystemExit(1) from None
+        except REFUSALS as exc:
+            if os.environ.get("LORAPLANE_TRACEBACK") == "1":
+                raise
+            print(refusal_line(exc), file=sys.stderr)
+            raise SystemExit(2) from None
+        raise SystemExit(code if isinstance(code, int) else 0)
+
+
+app = LoraplaneApp(
     name="loraplane",
     help=(
         "Run many LoRA adapters on a fleet of GPU inference workers.\n\n"

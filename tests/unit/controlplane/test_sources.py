@@ -51,8 +51,10 @@ def test_rank_above_pool_max(make_adapter: Callable[..., Path]) -> None:
 
 
 def test_unsupported_target_modules(make_adapter: Callable[..., Path]) -> None:
+    error = rejected(make_adapter(modules=("q_proj", "gate_proj")))
+    assert "['gate_proj'] are not supported by the pool" in error.message
     error = rejected(make_adapter(modules=("q_proj", "lm_head")))
-    assert "['lm_head'] are not supported by the pool" in error.message
+    assert "target_modules: LoRA on ['lm_head'] is not supported" in error.message
 
 
 def test_base_model_mismatch(make_adapter: Callable[..., Path]) -> None:
@@ -238,3 +240,41 @@ def test_shapes_that_do_not_fit_a_readable_base_model_are_refused(
     assert error.code == "preflight_failed"
     assert "self_attn.q_proj.lora_A.weight' has shape [8, 32]" in error.message
     assert "q_proj of the pool's model has in=48" in error.message
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"use_dora": True}, "use_dora is True: not supported"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save is ['lm_head']: not supported"),
+        ({"fan_in_fan_out": True}, "fan_in_fan_out is True: not supported"),
+        ({"bias": "lora_only"}, "bias is 'lora_only': not supported"),
+        ({"lora_bias": True}, "lora_bias is True: not supported"),
+        ({"rank_pattern": {"q_proj": 32}}, "rank_pattern {'q_proj': 32} is above the pool's"),
+        ({"rank_pattern": {"q_proj": "4"}}, "rank_pattern must map module names to positive"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, "LoRA on ['embed_tokens'] is not"),
+    ],
+)
+def test_peft_fields_that_change_the_math_are_refused_by_name(
+    make_adapter: Callable[..., Path], extra: dict[str, object], needle: str
+) -> None:
+    assert needle in rejected(make_adapter(config_extra=extra)).message
+
+
+def test_rank_pattern_and_full_module_paths_pass(make_adapter: Callable[..., Path]) -> None:
+    """PEFT's all-linear writes full module paths; a rank_pattern gives a module its own rank
+    (the tensors' shapes must then follow it)."""
+    directory = make_adapter(rank=4, modules=("q_proj",))
+    config = json.loads((directory / "adapter_config.json").read_text())
+    config.update(
+        r=8,
+        rank_pattern={"q_proj": 4},
+        target_modules=["model.layers.0.self_attn.q_proj"],
+        layers_to_transform=[0],
+    )
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    facts = check(directory)
+    assert facts.target_modules == ("q_proj",)  # type: ignore[attr-defined]
+    config["rank_pattern"] = {"v_proj": 4}  # q_proj's tensors are now r=4 against r=8
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    assert "lora_A must be [r=8, in]" in rejected(directory).message

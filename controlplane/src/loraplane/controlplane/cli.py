@@ -64,6 +64,7 @@ def serve(
     if auth is not None:
         overrides["auth"] = auth
     settings = settings.model_copy(update=overrides)
+    _check_urls(settings.db_url, settings.redis_url)
     if allowed_root:
         from pathlib import Path
 
@@ -79,3 +80,24 @@ def serve(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+
+
+def _check_urls(db_url: str, redis_url: str | None) -> None:
+    """Refuse (ValueError, one line: ``loraplane.cli``) a URL that cannot be parsed, before
+    the server starts and fails inside its lifespan."""
+    from urllib.parse import urlparse
+
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        make_url(db_url)
+    except ArgumentError as exc:
+        raise ValueError(
+            f"--db / LORAPLANE_DB_URL {db_url!r} is not a SQLAlchemy URL "
+            "(e.g. postgresql+psycopg://user@host/db or sqlite:///./loraplane.db)"
+        ) from exc
+    if redis_url and urlparse(redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(
+            f"--redis / LORAPLANE_REDIS_URL {redis_url!r} must be a redis://host:port/db URL"
+        )

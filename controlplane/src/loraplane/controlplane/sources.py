@@ -24,7 +24,7 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -418,10 +418,15 @@ _LORA_KEY = re.compile(
 
 
 def check_safetensors(
-    path: Path, rank: int, max_bytes: int, shapes: ModelShapes | None = None
+    path: Path,
+    rank: int | Callable[[str], int],
+    max_bytes: int,
+    shapes: ModelShapes | None = None,
 ) -> None:
-    """Header parses, LoRA A/B tensors have rank ``rank`` (and fit ``shapes`` when the model's
-    config is readable), every value is finite (no torch)."""
+    """Header parses, LoRA A/B tensors have rank ``rank`` (or ``rank(tensor name)``: an
+    adapter with a ``rank_pattern``) and fit ``shapes`` when the model's config is readable,
+    every value is finite (no torch)."""
+    rank_of = rank if callable(rank) else (lambda _name, r=rank: r)
     size = path.stat().st_size
     if size > max_bytes:
         raise source_error(
@@ -458,14 +463,15 @@ def check_safetensors(
                 raise source_error(
                     f"tensor {name!r} lies outside the file", code="preflight_failed"
                 )
-            if "lora_A" in name and (len(shape) < 2 or shape[0] != rank):
+            r = rank_of(name)
+            if "lora_A" in name and (len(shape) < 2 or shape[0] != r):
                 raise source_error(
-                    f"tensor {name!r} has shape {shape}; lora_A must be [r={rank}, in]",
+                    f"tensor {name!r} has shape {shape}; lora_A must be [r={r}, in]",
                     code="preflight_failed",
                 )
-            if "lora_B" in name and (len(shape) < 2 or shape[-1] != rank):
+            if "lora_B" in name and (len(shape) < 2 or shape[-1] != r):
                 raise source_error(
-                    f"tensor {name!r} has shape {shape}; lora_B must be [out, r={rank}]",
+                    f"tensor {name!r} has shape {shape}; lora_B must be [out, r={r}]",
                     code="preflight_failed",
                 )
             if shapes is not None:
@@ -491,6 +497,69 @@ def check_safetensors(
                 raise source_error(
                     f"tensor {name!r} holds NaN or infinite values", code="preflight_failed"
                 )
+
+
+# adapter_config.json fields that change the math and that the workers do not implement, with
+# the values that mean "not used" (the workers refuse the same: loraplane.worker.lora.adapter).
+_UNUSED_PEFT_VALUES: dict[str, tuple[object, ...]] = {
+    "use_dora": (None, False),
+    "modules_to_save": (None, []),
+    "fan_in_fan_out": (None, False),
+    "bias": (None, "none"),
+    "lora_bias": (None, False),
+    "layer_replication": (None, []),
+    "trainable_token_indices": (None, [], {}),
+    "alora_invocation_tokens": (None, []),
+    "use_qalora": (None, False),
+    "use_bdlora": (None, False, {}),
+}
+
+
+def _refuse_peft_fields(config: dict[str, Any]) -> None:
+    for name, unused in _UNUSED_PEFT_VALUES.items():
+        if config.get(name) not in unused:
+            raise source_error(
+                f"adapter_config.json {name} is {config[name]!r}: not supported (it changes "
+                f"the math and the workers do not implement it); only {unused[-1]!r} or absent",
+                code="preflight_failed",
+            )
+
+
+def _rank_pattern(config: dict[str, Any], rank: int, max_rank: int) -> Callable[[str], int]:
+    """Each LoRA tensor's rank: ``rank_pattern``'s where a key matches the module (PEFT's
+    rule, ``(.*\\.)?(key)$``, first key in order), else ``r``."""
+    pattern = config.get("rank_pattern") or {}
+    if not isinstance(pattern, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pattern.values()
+    ):
+        raise source_error(
+            f"adapter_config.json rank_pattern must map module names to positive integers, "
+            f"got {pattern!r}",
+            code="preflight_failed",
+        )
+    for key in pattern:
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise source_error(
+                f"adapter_config.json rank_pattern key {key!r} is not a valid pattern ({exc})",
+                code="preflight_failed",
+            ) from exc
+    above = {k: v for k, v in pattern.items() if v > max_rank}
+    if above:
+        raise source_error(
+            f"adapter_config.json rank_pattern {above} is above the pool's max_lora_rank={max_rank}",
+            code="preflight_failed",
+        )
+
+    def rank_of(tensor: str) -> int:
+        module = re.sub(
+            r"\.lora_[AB](\.\w+)?\.weight$", "", tensor.removeprefix("base_model.model.")
+        )
+        key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", module)), None)
+        return int(pattern[key]) if key is not None else rank
+
+    return rank_of
 
 
 def preflight(
@@ -520,12 +589,25 @@ def preflight(
             f"adapter_config.json lora_alpha must be a number, got {alpha!r}",
             code="preflight_failed",
         )
+    _refuse_peft_fields(config)
+    rank_of = _rank_pattern(config, rank, pool.max_lora_rank)
     modules = config.get("target_modules")
+    if modules == "all-linear":
+        modules = list(pool.target_modules)
     if isinstance(modules, str):
         modules = [modules]
     if not isinstance(modules, list) or not modules or not all(isinstance(m, str) for m in modules):
         raise source_error(
             f"adapter_config.json target_modules must be a non-empty list of names, got {modules!r}",
+            code="preflight_failed",
+        )
+    # PEFT writes full module paths for "all-linear" (model.layers.0.self_attn.q_proj)
+    modules = list(dict.fromkeys(m.split(".")[-1] for m in modules))
+    embedding = [m for m in modules if m in ("embed_tokens", "lm_head")]
+    if embedding:
+        raise source_error(
+            f"adapter_config.json target_modules: LoRA on {embedding} is not supported; only "
+            f"the attention and MLP projections {list(pool.target_modules)}",
             code="preflight_failed",
         )
     unsupported = sorted(set(modules) - set(pool.target_modules))
@@ -547,7 +629,7 @@ def preflight(
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise source_error(f"{WEIGHTS_FILE} is missing in {directory}", code="preflight_failed")
-    check_safetensors(weights, rank, max_bytes, ModelShapes.read(pool.model))
+    check_safetensors(weights, rank_of, max_bytes, ModelShapes.read(pool.model))
     digest = sha256_file(weights)
     if sha256 is not None and sha256.lower() != digest:
         raise ApiError(

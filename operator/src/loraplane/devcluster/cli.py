@@ -59,7 +59,7 @@ def up(
             timeout_s=timeout,
             log=lambda line: typer.echo(line, err=True),
         )
-    except (cluster.ClusterError, RuntimeError, ValueError) as exc:
+    except (cluster.ClusterError, RuntimeError) as exc:  # (a ValueError is a refusal: exit 2)
         typer.echo(f"cluster up failed: {exc}", err=True)
         raise typer.Exit(1) from exc
     typer.echo(f'ready: eval "$(loraplane cluster env{_state_flag(state_dir)})"', err=True)

@@ -16,7 +16,7 @@ def _labels(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise typer.BadParameter(f"--worker-pod-label {pair!r} must be KEY=VALUE")
+            raise ValueError(f"--worker-pod-label {pair!r} must be KEY=VALUE")
         labels[key] = value
     return labels
 
@@ -96,11 +96,12 @@ def run(
     from loraplane.operator.status import RetryPolicy
 
     if controlplane_port < 1 or max_attempts < 1 or resync_interval <= 0:
-        raise typer.BadParameter(
-            "--controlplane-port, --max-attempts, --resync-interval must be > 0"
+        raise ValueError(
+            f"--controlplane-port ({controlplane_port}), --max-attempts ({max_attempts}) and "
+            f"--resync-interval ({resync_interval}) must be > 0"
         )
     if not 0 <= metrics_port <= 65535:
-        raise typer.BadParameter("--metrics-port must be 0..65535")
+        raise ValueError(f"--metrics-port must be 0..65535, got {metrics_port}")
     config = OperatorConfig(
         controlplane_url=controlplane_url,
         controlplane_selector=controlplane_selector,

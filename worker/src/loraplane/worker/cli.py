@@ -147,11 +147,21 @@ def parity_cmd(
         int | None, typer.Option(help="Give this DP group no requests (idle rank test)")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the prompts")] = 0,
+    fp32_reference: Annotated[
+        bool,
+        typer.Option(
+            "--fp32-reference",
+            help="Also compare our run and HF + PEFT in --dtype against HF + PEFT in fp32 "
+            "(one rank): is a gap ours or the dtype's?",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Run one mixed batch through our runtime and HF transformers + PEFT (and merged weights)."""
     if backend not in ("triton", "torch"):
         _fail(f"--backend {backend!r} is not supported; expected triton or torch")
+    if fp32_reference and (tp > 1 or dp > 1):
+        _fail("--fp32-reference runs with one rank; drop --tp / --dp")
     adapters = _parse_adapters(adapter)
     if tp > 1 or dp > 1:
         from loraplane.worker.check.parity_dist import check_parity_dist
@@ -182,6 +192,7 @@ def parity_cmd(
             device=device,
             dtype=dtype,
             seed=seed,
+            fp32_reference=fp32_reference,
         )
     data = report.as_dict()
     if as_json:
@@ -199,6 +210,10 @@ def parity_cmd(
             continue
         table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
     for key, value in data.get("extra", {}).items():
+        if isinstance(value, dict):  # fp32_reference: one row per figure
+            for sub, v in value.items():
+                table.add_row(f"{key}.{sub}", f"{v:.3g}" if isinstance(v, float) else str(v))
+            continue
         table.add_row(key, f"{value:.3g}" if isinstance(value, float) else str(value))
     Console().print(table)
 
@@ -291,7 +306,7 @@ def serve_cmd(
     ] = True,
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
-    from loraplane.worker.config import ConfigError
+    from loraplane.worker.config import ConfigError, ModelConfig
     from loraplane.worker.lora.adapter import AdapterError
     from loraplane.worker.server.factory import ServeConfig
     from loraplane.worker.server.serve import serve
@@ -303,6 +318,8 @@ def serve_cmd(
             _fail(f"--lora {spec!r} must be NAME=PATH")
         loras.append((name, path))
     try:
+        # config.json's refusals here, before any engine process or rank starts
+        ModelConfig.from_dir(model)
         config = ServeConfig(
             model=str(model),
             tp=tp,

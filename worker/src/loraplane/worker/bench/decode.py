@@ -172,6 +172,7 @@ def model_config(shape: str, layers: int, dtype: torch.dtype) -> Any:
 
 def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
     """``CausalLM`` at ``config``'s shapes with random weights, built on ``device``."""
+    from loraplane.worker.models.loader import reset_rotary
     from loraplane.worker.models.model import CausalLM
 
     with torch.device("meta"):
@@ -179,13 +180,7 @@ def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0) -> 
     model = model.to_empty(device=device)
     model.to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):  # lost on the meta device (as in loader.load_model)
-            hd = module.inv_freq.numel() * 2
-            module.inv_freq = 1.0 / (
-                config.rope_theta
-                ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
-            )
+    reset_rotary(model, device)  # lost on the meta device
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:

@@ -123,7 +123,8 @@ def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def lora_config_for(adapters: Sequence[tuple[str, str | Path]]) -> LoRARuntimeConfig:
-    ranks = [int(read_adapter_config(n, Path(p))["r"]) for n, p in adapters]
+    configs = [read_adapter_config(n, Path(p)) for n, p in adapters]
+    ranks = [max([int(c["r"]), *map(int, (c.get("rank_pattern") or {}).values())]) for c in configs]
     return LoRARuntimeConfig(
         max_loras_per_batch=max(1, len(adapters)),
         max_loaded_loras=max(1, len(adapters)),
@@ -175,7 +176,11 @@ def check_parity(
     dtype: str | None = None,
     seed: int = 0,
     reference_device: str | None = None,
+    fp32_reference: bool = False,
 ) -> ParityReport:
+    """Our runtime against the references; with ``fp32_reference``, also ours and HF + PEFT
+    in ``dtype`` against HF + PEFT in fp32 (``extra["fp32_reference"]``,
+    ``fp32_reference_figures``)."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
     dtype_name = dtype or config.torch_dtype
@@ -192,7 +197,7 @@ def check_parity(
         device=device,
         dtype=dtype_name,
     )
-    return compare_with_references(
+    report = compare_with_references(
         model_dir,
         adapters,
         prompt_ids,
@@ -203,6 +208,18 @@ def check_parity(
         dtype=dtype_name,
         reference_device=reference_device or device,
     )
+    if fp32_reference:
+        report.extra["fp32_reference"] = fp32_reference_figures(
+            model_dir,
+            adapters,
+            prompt_ids,
+            assignment,
+            lora_run,
+            base_run,
+            dtype=dtype_name,
+            reference_device=reference_device or device,
+        )
+    return report
 
 
 def compare_with_references(
@@ -300,3 +317,74 @@ def compare_with_references(
         greedy_identical_count=greedy,
         base_rows_bitwise_equal=bitwise,
     )
+
+
+def fp32_reference_figures(
+    model_dir: Path,
+    adapters: Sequence[tuple[str, str | Path]],
+    prompt_ids: list[list[int]],
+    assignment: list[int | None],
+    lora_run: OurRun,
+    base_run: OurRun,
+    *,
+    dtype: str,
+    reference_device: str,
+) -> dict[str, float | str]:
+    """Our run (in ``dtype``) and HF + PEFT in ``dtype``, each against HF + PEFT in fp32 on the
+    same token sequences: how much of a gap is ours and how much is the dtype's own.
+
+    ``ours_*`` / ``hf_*``: mean |Δ| of the realised tokens' logprobs, max |Δ| over the full
+    vocabulary, delta corr of the LoRA's effect (with LoRA − base) against fp32's, and the
+    prompts whose every greedy token is fp32's argmax. ``mean_ratio``: ours / HF's mean |Δ|
+    (the issue's acceptance: at most 1.2)."""
+    from loraplane.worker.check import reference as ref
+
+    seqs = lora_run.sequences
+
+    def logprobs(kind: str, dt: str) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        base = ref.cached_logprobs("base", model_dir, None, dt, reference_device, seqs)
+        for a in set(assignment):
+            idxs = [i for i, x in enumerate(assignment) if x == a]
+            if a is None or kind == "base":
+                got = [base[i] for i in idxs]
+            else:
+                got = ref.cached_logprobs(
+                    "peft", model_dir, adapters[a][1], dt, reference_device, [seqs[i] for i in idxs]
+                )
+            for i, lp in zip(idxs, got, strict=True):
+                out[i] = lp
+        return [lp for lp in out if lp is not None]
+
+    fp32, fp32_base = logprobs("peft", "float32"), logprobs("base", "float32")
+    hf, hf_base = logprobs("peft", dtype), logprobs("base", dtype)
+    ours = [lp.cpu() for lp in lora_run.logprobs]
+    ours_base = [lp.cpu() for lp in base_run.logprobs]
+    figures: dict[str, float | str] = {}
+    for who, mine, mine_base in (("ours", ours, ours_base), ("hf", hf, hf_base)):
+        mean, delta, truth_delta = [], [], []
+        worst, greedy = 0.0, 0
+        for i, seq in enumerate(seqs):
+            gen = lora_run.generated[i]
+            t_mine = _token_logprobs(mine[i], seq, gen)
+            t_fp32 = _token_logprobs(fp32[i], seq, gen)
+            mean.append((t_mine - t_fp32).abs())
+            worst = max(worst, float((mine[i] - fp32[i]).abs().max()))
+            start = len(prompt_ids[i]) - 1
+            greedy += int(
+                mine[i][start:].argmax(-1).tolist() == fp32[i][start:].argmax(-1).tolist()
+            )
+            if assignment[i] is not None:
+                delta.append(t_mine - _token_logprobs(mine_base[i], seq, gen))
+                truth_delta.append(t_fp32 - _token_logprobs(fp32_base[i], seq, gen))
+        figures[f"{who}_vs_fp32_mean_abs"] = float(torch.cat(mean).mean())
+        figures[f"{who}_vs_fp32_max_abs"] = worst
+        figures[f"{who}_vs_fp32_delta_corr"] = (
+            _corr(torch.cat(delta), torch.cat(truth_delta)) if delta else float("nan")
+        )
+        figures[f"{who}_vs_fp32_greedy"] = f"{greedy}/{len(seqs)}"
+    hf_mean = float(figures["hf_vs_fp32_mean_abs"])
+    figures["mean_ratio"] = (
+        float(figures["ours_vs_fp32_mean_abs"]) / hf_mean if hf_mean else float("nan")
+    )
+    return figures

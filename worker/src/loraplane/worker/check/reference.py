@@ -46,8 +46,19 @@ def write_merged_checkpoint(
     model_dir, adapter_dir, out = Path(model_dir), Path(adapter_dir), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
-    r, alpha = int(cfg["r"]), float(cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA))
-    scaling = alpha / (r**0.5 if cfg.get("use_rslora") else r)
+    from peft.utils.other import get_pattern_key
+
+    def scaling(module: str) -> float:
+        """The module's scaling with rank_pattern / alpha_pattern matched by PEFT's own rule."""
+        ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+        r = int(ranks.get(get_pattern_key(ranks.keys(), module), cfg["r"]))
+        alpha = float(
+            alphas.get(
+                get_pattern_key(alphas.keys(), module), cfg.get("lora_alpha", PEFT_DEFAULT_ALPHA)
+            )
+        )
+        return alpha / (r**0.5 if cfg.get("use_rslora") else r)
+
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(adapter_dir / ADAPTER_WEIGHTS), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118
@@ -61,7 +72,8 @@ def write_merged_checkpoint(
                 t = f.get_tensor(key)
                 if key in pairs:
                     ab = pairs.pop(key)
-                    t = (t.float() + scaling * (ab["B"] @ ab["A"])).to(t.dtype)
+                    s = scaling(key.removesuffix(".weight"))
+                    t = (t.float() + s * (ab["B"] @ ab["A"])).to(t.dtype)
                 tensors[key] = t.contiguous()
         save_file(tensors, str(out / path.name), metadata={"format": "pt"})
     if pairs:

@@ -34,6 +34,9 @@ class TextTokenizer:
         self.bos_token = _token_text(self.config.get("bos_token"))
         self.eos_token = _token_text(self.config.get("eos_token"))
         template = self.config.get("chat_template")
+        jinja_path = model_dir / "chat_template.jinja"  # where transformers >= 4.50 saves it
+        if template is None and jinja_path.is_file():
+            template = jinja_path.read_text(encoding="utf-8")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next(
                 (t.get("template") for t in template if t.get("name") == "default"), None

@@ -12,6 +12,7 @@ import logging
 import math
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,9 +214,10 @@ def load_adapter(
     if peft_type != "LORA":
         raise AdapterError(name, "peft_type", f"{peft_type!r} is not supported; only LORA")
     rank = raw.get("r")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+    if not _is_positive_int(rank):
         raise AdapterError(name, "r", f"must be a positive integer, got {rank!r}")
-    if rank > max_rank:
+    assert isinstance(rank, int)
+    if rank > max_rank and not raw.get("rank_pattern"):
         raise AdapterError(
             name,
             "r",
@@ -224,18 +226,11 @@ def load_adapter(
     alpha = raw.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     if not _is_finite_number(alpha):
         raise AdapterError(name, "lora_alpha", f"must be a finite number, got {alpha!r}")
-    for unsupported, empty in (
-        ("use_dora", False),
-        ("modules_to_save", None),
-        ("rank_pattern", {}),
-        ("alpha_pattern", {}),
-    ):
-        value = raw.get(unsupported)
-        if value not in (empty, None, False, {}, []):
-            raise AdapterError(name, unsupported, f"{value!r} is not supported")
-    if raw.get("bias", "none") != "none":
-        raise AdapterError(name, "bias", f"{raw.get('bias')!r} is not supported; only 'none'")
+    refuse_peft_fields(raw, lambda f, reason: AdapterError(name, f, reason))
+    patterns = RankPatterns.read(raw, rank, float(alpha), lambda f, r: AdapterError(name, f, r))
     targets_raw = raw.get("target_modules") or []
+    if targets_raw == "all-linear":
+        targets_raw = list(allowed_modules)
     if isinstance(targets_raw, str):
         targets_raw = [targets_raw]
     if not isinstance(targets_raw, list):
@@ -249,6 +244,14 @@ def load_adapter(
             name, "target_parameters", f"must be a list of parameter names, got {params_raw!r}"
         )
     target_params = [str(t) for t in params_raw]
+    embedding = [t for t in targets if t in ("embed_tokens", "lm_head")]
+    if embedding:
+        raise AdapterError(
+            name,
+            "target_modules",
+            f"LoRA on {embedding} is not supported; only the attention and MLP projections "
+            f"{list(allowed_modules)}",
+        )
     unknown = [t for t in targets if t not in allowed_modules and t != "experts"]
     if unknown:
         raise AdapterError(
@@ -262,7 +265,7 @@ def load_adapter(
             "target_parameters",
             f"{target_params} is not supported; target expert modules by name",
         )
-    scaling = float(alpha) / (math.sqrt(rank) if raw.get("use_rslora") else rank)
+    scaling = patterns.scaling(rank, float(alpha))
 
     adapter = AdapterWeights(
         name=name,
@@ -292,12 +295,20 @@ def load_adapter(
                         key,
                         f"dtype {dtype} is not supported; LoRA weights must be one of {list(_WEIGHT_DTYPES)}",
                     )
-                expected = [rank, d_in] if ab == "A" else [d_out, rank]
+                r_key = patterns.rank_of(_module_path(where))
+                if r_key > max_rank:
+                    raise AdapterError(
+                        name,
+                        "rank_pattern" if r_key != rank else "r",
+                        f"{_describe(where)} has rank {r_key}, above max_lora_rank {max_rank}; "
+                        "start the worker with a larger --max-lora-rank",
+                    )
+                expected = [r_key, d_in] if ab == "A" else [d_out, r_key]
                 if shape != expected:
                     raise AdapterError(
                         name,
                         key,
-                        f"shape {shape} does not fit the base model (expected {expected} for r={rank})",
+                        f"shape {shape} does not fit the base model (expected {expected} for r={r_key})",
                     )
                 pair = halves.setdefault(where, {})
                 if ab in pair:
@@ -315,10 +326,17 @@ def load_adapter(
                     )
             if not halves:
                 raise AdapterError(name, ADAPTER_WEIGHTS, "holds no LoRA weights")
+            # With rank_pattern / alpha_pattern a module's rank and scaling may differ from
+            # the adapter's: its A and B are zero-padded to the adapter's largest rank (the
+            # slot's extra rows then add nothing) and B carries its scaling's ratio to the
+            # adapter's, so one rank and one scaling per slot stay exact.
+            adapter.rank = max(patterns.rank_of(_module_path(w)) for w in halves)
             per_expert: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
             for where, pair in halves.items():
-                a = _read_weight(name, f, pair["A"], slot_dtype)  # [r, in]
-                b = _read_weight(name, f, pair["B"], slot_dtype)  # [out, r]
+                path_of = _module_path(where)
+                ratio = patterns.scaling_of(path_of) / scaling
+                a = _read_weight(name, f, pair["A"], slot_dtype, pad_rows=adapter.rank)
+                b = _read_weight(name, f, pair["B"], slot_dtype, pad_cols=adapter.rank, times=ratio)
                 if where[0] == "d":
                     adapter.dense[(where[1], where[2])] = (a, b)
                 else:
@@ -339,6 +357,10 @@ def load_adapter(
     return adapter
 
 
+def _is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _is_finite_number(value: object) -> bool:
     """A JSON number a float can hold (an integer of 400 digits is not)."""
     if not isinstance(value, int | float) or isinstance(value, bool):
@@ -356,6 +378,99 @@ def _checkpoint_dtype(config: ModelConfig) -> torch.dtype:
 
 # ("d", layer, module) for a dense projection, ("e", layer, expert, module) for a routed expert
 _Where = tuple[Any, ...]
+
+
+def _module_path(where: _Where) -> str:
+    """The module's name in the base model, as PEFT matches rank_pattern keys against it."""
+    if where[0] == "d":
+        parent = "self_attn" if where[2] in ATTN_MODULES else "mlp"
+        return f"model.layers.{where[1]}.{parent}.{where[2]}"
+    return f"model.layers.{where[1]}.mlp.experts.{where[2]}.{where[3]}"
+
+
+# adapter_config.json fields that change the math, refused unless at their default: the field
+# and the values that mean "not used". (layers_to_transform / layers_pattern need nothing: the
+# adapter then has no weights for the other layers, and modules an adapter lacks add nothing.)
+REFUSED_PEFT_FIELDS: dict[str, tuple[object, ...]] = {
+    "use_dora": (None, False),
+    "modules_to_save": (None, []),
+    "fan_in_fan_out": (None, False),
+    "bias": (None, "none"),
+    "lora_bias": (None, False),
+    "layer_replication": (None, []),
+    "trainable_token_indices": (None, [], {}),
+    "alora_invocation_tokens": (None, []),
+    "use_qalora": (None, False),
+    "use_bdlora": (None, False, {}),
+}
+
+
+def refuse_peft_fields(raw: dict[str, Any], error: Callable[[str, str], Exception]) -> None:
+    """Raise ``error(field, reason)`` for the first field of ``REFUSED_PEFT_FIELDS`` in use."""
+    for field_name, unused in REFUSED_PEFT_FIELDS.items():
+        value = raw.get(field_name)
+        if value not in unused:
+            raise error(
+                field_name,
+                f"{value!r} is not supported (it changes the math and this worker does not "
+                f"implement it); only {unused[-1]!r} or absent",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RankPatterns:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern``: a module whose name matches a key (PEFT's
+    rule: ``(.*\\.)?(key)$``, first key in order) has that rank / alpha instead of ``r`` /
+    ``lora_alpha``."""
+
+    rank: int
+    alpha: float
+    rslora: bool
+    ranks: dict[str, int]
+    alphas: dict[str, float]
+
+    @classmethod
+    def read(
+        cls, raw: dict[str, Any], rank: int, alpha: float, error: Callable[[str, str], Exception]
+    ) -> RankPatterns:
+        patterns: list[dict[str, Any]] = []
+        for field_name in ("rank_pattern", "alpha_pattern"):
+            value = raw.get(field_name) or {}
+            if not isinstance(value, dict):
+                raise error(field_name, f"must map module names to numbers, got {value!r}")
+            for key, v in value.items():
+                if field_name == "rank_pattern" and not _is_positive_int(v):
+                    raise error(field_name, f"{key!r}: must be a positive integer, got {v!r}")
+                if field_name == "alpha_pattern" and not _is_finite_number(v):
+                    raise error(field_name, f"{key!r}: must be a finite number, got {v!r}")
+                try:
+                    re.compile(key)
+                except re.error as exc:
+                    raise error(field_name, f"{key!r} is not a valid pattern ({exc})") from exc
+            patterns.append(value)
+        return cls(
+            rank,
+            alpha,
+            bool(raw.get("use_rslora")),
+            {k: int(v) for k, v in patterns[0].items()},
+            {k: float(v) for k, v in patterns[1].items()},
+        )
+
+    @staticmethod
+    def _match(pattern: dict[str, Any], module: str) -> str | None:
+        return next((k for k in pattern if re.match(rf"(.*\.)?({k})$", module)), None)
+
+    def rank_of(self, module: str) -> int:
+        key = self._match(self.ranks, module)
+        return self.ranks[key] if key is not None else self.rank
+
+    def scaling(self, rank: int, alpha: float) -> float:
+        return alpha / (math.sqrt(rank) if self.rslora else rank)
+
+    def scaling_of(self, module: str) -> float:
+        key = self._match(self.alphas, module)
+        alpha = self.alphas[key] if key is not None else self.alpha
+        return self.scaling(self.rank_of(module), alpha)
 
 
 def _describe(where: _Where) -> str:
@@ -414,12 +529,29 @@ def _check_key(
     raise AdapterError(name, key, "is not a LoRA weight of a supported module")
 
 
-def _read_weight(name: str, f: Any, key: str, slot_dtype: torch.dtype) -> torch.Tensor:
+def _read_weight(
+    name: str,
+    f: Any,
+    key: str,
+    slot_dtype: torch.dtype,
+    *,
+    pad_rows: int = 0,
+    pad_cols: int = 0,
+    times: float = 1.0,
+) -> torch.Tensor:
     """One validated tensor, read, checked to fit the slots and held in their dtype (what a
-    slot holds either way; half the host memory and copy of fp32 for a 16-bit model)."""
+    slot holds either way; half the host memory and copy of fp32 for a 16-bit model);
+    multiplied by ``times`` (in fp32) and zero-padded to ``pad_rows`` rows or ``pad_cols``
+    columns (a module below the adapter's rank)."""
     t = f.get_tensor(key)
     if not torch.isfinite(t).all():
         raise AdapterError(name, key, "contains NaN or Inf values")
+    if times != 1.0:
+        t = t.float() * times
+    if pad_rows > t.shape[0]:
+        t = torch.cat((t, t.new_zeros(pad_rows - t.shape[0], t.shape[1])))
+    if pad_cols > t.shape[1]:
+        t = torch.cat((t, t.new_zeros(t.shape[0], pad_cols - t.shape[1])), dim=1)
     peak, limit = t.abs().max().item(), torch.finfo(slot_dtype).max
     if peak > limit:
         raise AdapterError(

@@ -8,6 +8,7 @@ With one rank they are plain linears.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplane.worker.config import ConfigError
+from loraplane.worker.config import ConfigError, RopeScaling
 from loraplane.worker.kernels._triton_utils import MAX_ROW_COLUMNS
 
 
@@ -49,20 +50,77 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """HF-default rotary embedding (rotate_half form)."""
-
-    # cos | sin tables by (head_dim, theta, positions, dtype, device): one for all layers
-    # (each layer has its own module; a 128K-position table in bf16 is 32 MB at d 128).
-    _tables: ClassVar[dict[tuple[int, float, int, torch.dtype, torch.device], torch.Tensor]] = {}
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.theta = theta
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScaling, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """``[d/2]`` fp32 rotary inverse frequencies, as transformers' ``ROPE_INIT_FUNCTIONS``
+    computes them for ``scaling.rope_type`` (same formulas, same fp32 steps)."""
+    inv_freq = 1.0 / (
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device).float() / head_dim)
+    )
+    kind, factor = scaling.rope_type, scaling.factor
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
         )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        orig = scaling.original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # (as transformers: no division by zero)
+        pos_freqs = theta ** (
+            torch.arange(0, head_dim, 2).to(device=device, dtype=torch.float) / head_dim
+        )
+        extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+        ramp = torch.clamp(
+            (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+        )
+        keep = 1 - ramp.to(device=device)  # [d/2]: 1 where the frequency is kept as it is
+        return interpolation * (1 - keep) + extrapolation * keep
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """HF rotary embedding (rotate_half form), with the checkpoint's rope scaling: the
+    scaled inverse frequencies, and YaRN's attention factor on cos and sin. The torch path
+    (``forward``) and the fused kernel's table (``cos_sin``) compute both the same way."""
+
+    # cos | sin tables by (head_dim, theta, scaling, positions, dtype, device): one for all
+    # layers (each layer has its own module; a 128K-position table in bf16 is 32 MB at d 128).
+    _tables: ClassVar[
+        dict[tuple[int, float, RopeScaling, int, torch.dtype, torch.device], torch.Tensor]
+    ] = {}
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling or RopeScaling()
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(head_dim, theta, self.scaling), persistent=False
+        )
+
+    def reset_inv_freq(self, device: torch.device | str) -> None:
+        """Recompute ``inv_freq`` on ``device`` (a model built on the meta device lost it)."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -70,8 +128,11 @@ class RotaryEmbedding(nn.Module):
         # positions [T]; q [T, heads, d]; k [T, kv_heads, d]
         freqs = self._angles(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos().to(q.dtype)[:, None, :]
-        sin = emb.sin().to(q.dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling.attention_factor != 1.0:
+            cos, sin = cos * self.scaling.attention_factor, sin * self.scaling.attention_factor
+        cos = cos.to(q.dtype)[:, None, :]
+        sin = sin.to(q.dtype)[:, None, :]
         return _rope(q, cos, sin), _rope(k, cos, sin)
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
@@ -79,14 +140,15 @@ class RotaryEmbedding(nn.Module):
         return positions.float()[:, None] * self.inv_freq.float()[None, :]
 
     def cos_sin(self, max_pos: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[max_pos, d]``: ``cos`` then ``sin`` of ``position * inv_freq`` for positions
-        ``0 .. max_pos - 1``, in ``dtype`` as ``forward`` rounds them; the table that
-        ``kernels.rope_qkv`` reads. Built once per size, dtype and device and shared by every
-        layer with the same head size and theta. It must first be built outside a CUDA graph
-        capture (the first forward of a KV cache runs eagerly: prefill, or a graph's warm-up),
-        or the table would hold values that only the graph's replay computes."""
+        """``[max_pos, d]``: ``cos`` then ``sin`` of ``position * inv_freq`` (times the
+        attention factor) for positions ``0 .. max_pos - 1``, in ``dtype`` as ``forward``
+        rounds them; the table that ``kernels.rope_qkv`` reads. Built once per size, dtype and
+        device and shared by every layer with the same head size and rope. It must first be
+        built outside a CUDA graph capture (the first forward of a KV cache runs eagerly:
+        prefill, or a graph's warm-up), or the table would hold values that only the graph's
+        replay computes."""
         device = self.inv_freq.device
-        key = (self.inv_freq.numel() * 2, self.theta, max_pos, dtype, device)
+        key = (self.inv_freq.numel() * 2, self.theta, self.scaling, max_pos, dtype, device)
         table = self._tables.get(key)
         if table is None:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -95,7 +157,10 @@ class RotaryEmbedding(nn.Module):
                     "run one forward with this KV cache eagerly first"
                 )
             freqs = self._angles(torch.arange(max_pos, device=device))
-            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            if self.scaling.attention_factor != 1.0:
+                table = table * self.scaling.attention_factor
+            table = table.to(dtype)
             self._tables[key] = table
         return table
 

@@ -1,7 +1,9 @@
-"""Load an HF-format checkpoint directory (config.json + *.safetensors) into `CausalLM`."""
+"""Load an HF-format checkpoint directory (config.json + *.safetensors, or shards and their
+``model.safetensors.index.json``) into `CausalLM`."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -9,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from loraplane.worker.config import ConfigError, ModelConfig
-from loraplane.worker.models.layers import ColumnParallelLinear, RowParallelLinear
+from loraplane.worker.models.layers import ColumnParallelLinear, RotaryEmbedding, RowParallelLinear
 from loraplane.worker.models.model import MLP, CausalLM, SparseMoE
 from loraplane.worker.parallel.state import ParallelState
 
@@ -17,6 +19,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+INDEX = "model.safetensors.index.json"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,28 +44,23 @@ def load_model(
     """Build the model for this rank and fill it with its shard of every weight."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model directory {model_dir} has no *.safetensors files")
+    files, expected = checkpoint_files(model_dir)
     dtype = dtype or resolve_dtype(config.torch_dtype)
     with torch.device("meta"):
         model = CausalLM(config, ps)
     model.to_empty(device=device)
     model.to(dtype)
-    # Buffers computed at construction (rotary inv_freq) were lost on the meta device.
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):
-            hd = module.inv_freq.numel() * 2
-            module.inv_freq = 1.0 / (
-                config.rope_theta
-                ** (torch.arange(0, hd, 2, dtype=torch.int64, device=device).float() / hd)
-            )
+    reset_rotary(model, device)
     seen: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 _load_tensor(model, config, key, f.get_tensor(key))
                 seen.add(key)
+    if expected - seen:
+        raise ConfigError(
+            f"{INDEX} of {model_dir} names tensors no shard holds: {sorted(expected - seen)[:5]}"
+        )
     if config.tie_word_embeddings or "lm_head.weight" not in seen:
         model.lm_head.load(model.embed_tokens.weight.data)
     missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in seen]
@@ -69,6 +68,37 @@ def load_model(
         raise ConfigError(f"checkpoint {model_dir} lacks {missing}")
     model.eval()
     return model
+
+
+def reset_rotary(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Recompute the rotary ``inv_freq`` buffers that building on the meta device lost."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_inv_freq(device)
+
+
+def checkpoint_files(model_dir: Path) -> tuple[list[Path], set[str]]:
+    """The safetensors files of a checkpoint and the tensor names its index promises: the
+    shards ``model.safetensors.index.json`` names (other ``*.safetensors`` files beside them,
+    such as Mistral's ``consolidated.safetensors``, are not read), else every
+    ``*.safetensors`` file (and no promise)."""
+    index = model_dir / INDEX
+    if not index.is_file():
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"model directory {model_dir} has no *.safetensors files")
+        return files, set()
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{index} is not a safetensors index ({exc})") from exc
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index}: weight_map must map tensor names to shard files")
+    names = sorted(set(map(str, weight_map.values())))
+    absent = [n for n in names if not (model_dir / n).is_file()]
+    if absent:
+        raise ConfigError(f"{index}: weight_map names shards that are not in {model_dir}: {absent}")
+    return [model_dir / n for n in names], set(weight_map)
 
 
 def _load_tensor(model: CausalLM, config: ModelConfig, key: str, t: torch.Tensor) -> None:
@@ -96,7 +126,8 @@ def _load_tensor(model: CausalLM, config: ModelConfig, key: str, t: torch.Tensor
             qkv.load(t, _QKV[parts[1]])
         else:
             lo, hi = qkv.local_offsets[_QKV[parts[1]]], qkv.local_offsets[_QKV[parts[1]] + 1]
-            assert qkv.bias is not None, f"{key}: model built without attention bias"
+            if qkv.bias is None:
+                raise ConfigError(f"checkpoint tensor {key!r}: {config.arch} has no q/k/v bias")
             qkv.bias.data[lo:hi].copy_(qkv.shard_rows(t, _QKV[parts[1]]))
     elif rest == "self_attn.o_proj.weight":
         o: RowParallelLinear = attn.o_proj
