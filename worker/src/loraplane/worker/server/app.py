@@ -19,6 +19,7 @@ from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
 from loraplane.worker.engine.sequence import SeqEvent, Sequence
 from loraplane.worker.engine.tokenizer import TokenizerError
+from loraplane.worker.server import guards
 from loraplane.worker.server import protocol as p
 from loraplane.worker.server.faults import FaultInjector
 from loraplane.worker.server.metrics import WorkerMetrics
@@ -64,8 +65,12 @@ class WorkerServer:
         allowed_lora_roots: tuple[str, ...],
         metrics: WorkerMetrics,
         faults: FaultInjector | None,
+        max_body_bytes: int = guards.DEFAULT_MAX_BODY_BYTES,
+        admin_token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.admin_token = admin_token
         self.served_model = served_model
         self.model_root = model_root
         self.allowed_lora_roots = allowed_lora_roots
@@ -248,14 +253,12 @@ def create_app(server: WorkerServer) -> FastAPI:
         description="One model with many LoRA adapters; SGLang- and OpenAI-compatible endpoints.",
     )
 
+    guards.install(app, max_body_bytes=server.max_body_bytes)
+
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        body = p.ErrorResponse(
-            error=p.ErrorDetail(
-                message=exc.message, type=exc.kind, param=exc.param, code=exc.status
-            )
-        )
-        return JSONResponse(body.model_dump(), status_code=exc.status)
+        body = guards.error_body(exc.status, exc.message, exc.param, exc.kind)
+        return JSONResponse(body, status_code=exc.status)
 
     def streaming(gen: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
         return StreamingResponse(

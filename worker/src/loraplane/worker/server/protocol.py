@@ -9,7 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field
 # --- sampling, shared ----------------------------------------------------------------------
 
 
-class _Sampling(BaseModel):
+class _Body(BaseModel):
+    """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class _Sampling(_Body):
     temperature: float | None = Field(
         default=None, ge=0, le=100, description="0 (or below 1e-5) = greedy"
     )
@@ -25,11 +31,11 @@ class _Sampling(BaseModel):
 
 
 class GenerateSamplingParams(_Sampling):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     max_new_tokens: int = Field(default=128, ge=0)
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Body):
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
@@ -94,8 +100,8 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -135,13 +141,13 @@ class ChatCompletionResponse(BaseModel):
 # --- adapters ------------------------------------------------------------------------------
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
     lora_path: str = Field(min_length=1)
     pinned: bool = False
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1)
 
 
@@ -214,7 +220,7 @@ class LoRAStateResponse(BaseModel):
     running: int
 
 
-class FaultRequest(BaseModel):
+class FaultRequest(_Body):
     op: Literal["load", "unload"]
     dp_group: int = Field(ge=0)
     count: int = Field(default=1, ge=0)
