@@ -763,3 +763,30 @@ def test_namespaced_adapters_route_only_with_their_tokens(
     )
     assert hidden.status_code == 404
     assert "adapter 'sql' not found in namespace 'default'" in hidden.json()["error"]["message"]
+
+
+def test_router_refuses_non_finite_numbers_by_name_and_releases_the_worker(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a1").status_code == 201
+    bodies = {
+        "body.temperature": '{"model": "tiny:a1", "prompt": "hi", "temperature": NaN}',
+        "body.top_p": '{"model": "tiny:a1", "prompt": "hi", "top_p": Infinity}',
+        "body.max_tokens": '{"model": "tiny:a1", "prompt": "hi", "max_tokens": 1e400}',
+    }
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for field, body in bodies.items():
+            r = cp.post(
+                path,
+                content=body.encode(),
+                headers={**ADMIN, "content-type": "application/json"},
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["field"] == field, r.text
+    good = cp.post(
+        "/v1/completions", json={"model": "tiny:a1", "prompt": "hi", "max_tokens": 2}, headers=ADMIN
+    )
+    assert good.status_code == 200, good.text
+    listed = cp.get("/v1/workers", headers=ADMIN).json()["items"]
+    assert {w["name"]: w["inflight"] for w in listed} == {"w0": 0, "w1": 0}
