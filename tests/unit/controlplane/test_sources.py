@@ -238,3 +238,27 @@ def test_shapes_that_do_not_fit_a_readable_base_model_are_refused(
     assert error.code == "preflight_failed"
     assert "self_attn.q_proj.lora_A.weight' has shape [8, 32]" in error.message
     assert "q_proj of the pool's model has in=48" in error.message
+
+
+def test_config_nested_too_deeply_is_refused(make_adapter: Callable[..., Path]) -> None:
+    directory = make_adapter()
+    (directory / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    error = rejected(directory)
+    assert error.code == "preflight_failed" and error.field == "body.source.uri"
+    assert "adapter_config.json is nested too deeply" in error.message
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/a\x00b", "file:///tmp/a\nb", "s3://b/\x00"])
+def test_control_characters_in_a_uri_are_refused(tmp_path: Path, uri: str) -> None:
+    with pytest.raises(ApiError) as info:
+        resolver(tmp_path, allowed_roots=[tmp_path]).fetch(uri)
+    assert info.value.status == 400 and info.value.field == "body.source.uri"
+    assert "control character" in info.value.message
+
+
+def test_an_error_quotes_only_a_prefix_of_a_long_uri(tmp_path: Path) -> None:
+    for uri in ("ftp://" + "x" * 100_000, "file:///" + "y" * 100_000):
+        with pytest.raises(ApiError) as info:
+            resolver(tmp_path, allowed_roots=[tmp_path]).fetch(uri)
+        assert info.value.status == 400 and len(info.value.message) < 400
+        assert "(100006 characters)" in info.value.message or "100008" in info.value.message

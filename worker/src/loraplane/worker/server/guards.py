@@ -28,7 +28,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def quote(value: str) -> str:
+def excerpt(value: str) -> str:
     """``repr(value)``, cut to `QUOTE_CHARS` characters with the full length named."""
     if len(value) <= QUOTE_CHARS:
         return repr(value)
