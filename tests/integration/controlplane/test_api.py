@@ -4,6 +4,7 @@ adapters, operations, tokens; every bad input is a 4xx naming the field, and cha
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,21 @@ def test_register_adapter_without_ready_workers_is_pending(
     assert [a["name"] for a in listed] == ["sql"]
     dup = register(client, directory)
     assert dup.status_code == 409 and dup.json()["error"]["field"] == "body.name"
+
+
+def test_parallel_registrations_of_one_new_name_create_it_once(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
+) -> None:
+    directory = make_adapter()
+    with ThreadPoolExecutor(10) as threads:
+        answers = list(threads.map(lambda _: register(client, directory, "race"), range(10)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [201] + [409] * 9, [r.text for r in answers]
+    for r in answers:
+        if r.status_code == 409:
+            assert r.json()["error"]["field"] == "body.name", r.text
+    listed = client.get("/v1/adapters", headers=ADMIN).json()["items"]
+    assert [a["name"] for a in listed] == ["race"]
 
 
 def test_idempotency_key_replays_and_refuses_a_different_body(

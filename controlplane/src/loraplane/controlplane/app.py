@@ -74,6 +74,15 @@ def install_error_handlers(app: FastAPI) -> None:
         body = {"error": {"code": "database_unavailable", "field": None, "message": message}}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
+    @app.exception_handler(sqlalchemy.exc.IntegrityError)
+    async def integrity_error(_: Request, exc: sqlalchemy.exc.IntegrityError) -> JSONResponse:
+        # a concurrent request wrote the same unique row first (the SQL is not shown: it
+        # quotes the request's values)
+        log.info("conflicting write: %s", type(exc.orig).__name__)
+        message = "a concurrent request created or changed the same object first; read it and retry"
+        body = {"error": {"code": "conflict", "field": None, "message": message}}
+        return JSONResponse(body, status_code=409)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
+import sqlalchemy.exc
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -299,7 +300,12 @@ async def register_adapter(
             last_used_at=0.0,
         )
         session.add(adapter)
-        session.flush()
+        try:
+            session.flush()
+        except sqlalchemy.exc.IntegrityError as exc:  # a concurrent registration won the name
+            raise conflict(
+                f"adapter {body.namespace}/{body.name} already exists", field="body.name"
+            ) from exc
         session.refresh(adapter)
         plan: dict[str, Any] = {
             "adapter_id": adapter.id,
