@@ -790,3 +790,117 @@ def test_router_refuses_non_finite_numbers_by_name_and_releases_the_worker(
     assert good.status_code == 200, good.text
     listed = cp.get("/v1/workers", headers=ADMIN).json()["items"]
     assert {w["name"]: w["inflight"] for w in listed} == {"w0": 0, "w1": 0}
+
+
+class EventStream:
+    """The events a token receives from /v1/events, read on a thread."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.client = httpx.Client(base_url=url, headers=headers, timeout=None)
+        self.subscribed = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        assert self.subscribed.wait(30), "no ': subscribed' line from /v1/events"
+
+    def _read(self) -> None:
+        with (
+            contextlib.suppress(httpx.HTTPError, RuntimeError),
+            self.client.stream("GET", "/v1/events") as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith(": subscribed"):
+                    self.subscribed.set()
+                elif line.startswith("data: "):
+                    self.events.append(json.loads(line[6:]))
+
+    def types(self, namespace: str) -> set[str]:
+        return {e["type"] for e in list(self.events) if e.get("namespace") == namespace}
+
+    def close(self) -> None:
+        self.client.close()
+        self.thread.join(10)
+
+
+EVENT_TYPES = (
+    "worker.registered",
+    "worker.ready",
+    "adapter.loaded",
+    "adapter.failed",
+    "adapter.evicted",
+    "adapter.unloaded",
+    "operation.finished",
+    "placement.drift_repaired",
+)
+
+
+def test_events_carry_their_namespace_and_reach_only_its_readers(
+    db_url: str, tiny: tuple[Path, Path], workers: list[WorkerProc], tmp_path: Path
+) -> None:
+    plane = ControlPlane(db_url, tiny[1], tmp_path)
+    plane.env["LORAPLANE_RECONCILER__INTERVAL_S"] = "0.3"
+    plane.start()
+    streams: list[EventStream] = []
+    try:
+        api = httpx.Client(base_url=plane.url, headers=ADMIN, timeout=120)
+        created = api.post(
+            "/v1/tokens", json={"name": "reader-a", "scopes": ["read"], "namespace": "team-a"}
+        )
+        assert created.status_code == 201, created.text
+        streams.append(
+            EventStream(plane.url, {"Authorization": f"Bearer {created.json()['token']}"})
+        )
+        streams.append(EventStream(plane.url, ADMIN))
+        team_a, everyone = streams
+        for namespace, worker in (("default", workers[0]), ("team-a", workers[1])):
+            pool = api.put(f"/v1/pools/{namespace}/tiny", json=pool_spec(tiny[0], workers))
+            assert pool.status_code == 200, pool.text
+            body = {
+                "name": f"w-{namespace}",
+                "namespace": namespace,
+                "pool": "tiny",
+                "endpoint": worker.url,
+                "dp_size": worker.dp,
+            }
+            assert api.post("/v1/workers", json=body).status_code == 201
+        for name in ("w-default", "w-team-a"):
+            wait_for(
+                lambda n=name: api.get(f"/v1/workers/{n}").json()["state"] == "ready",
+                timeout=30,
+                what=f"{name} ready",
+            )
+
+        def register_in(namespace: str, name: str) -> httpx.Response:
+            uri = f"file://{tiny[1] / name}"
+            body = {"namespace": namespace, "name": name, "pool": "tiny", "source": {"uri": uri}}
+            return api.post("/v1/adapters", json=body)
+
+        workers[0].fault("load", 0, "injected for the events test")
+        assert register_in("default", "a0").status_code >= 400  # adapter.failed
+        for name in ("a1", "a2", "a3", "a4"):
+            assert register_in("default", name).status_code == 201
+        loaded = api.post("/v1/adapters/default/a0/load", json={})  # a fifth: adapter.evicted
+        assert loaded.status_code == 200, loaded.text
+        for name in ("a1", "a2"):  # room on the worker for a stray
+            assert api.post(f"/v1/adapters/default/{name}/unload", json={}).status_code == 200
+        stray = {"lora_name": "stray", "lora_path": str(tiny[1] / "stray")}
+        assert httpx.post(workers[0].url + "/load_lora_adapter", json=stray).status_code == 200
+        assert register_in("team-a", "a2").status_code == 201
+        wait_for(
+            lambda: set(EVENT_TYPES) <= everyone.types("default"),
+            timeout=30,
+            what=f"every event type in default (so far {everyone.types('default')})",
+        )
+        wait_for(
+            lambda: "adapter.loaded" in team_a.types("team-a"), timeout=30, what="team-a's load"
+        )
+        api.close()
+    finally:
+        for stream in streams:  # an open stream would hold the server's shutdown
+            stream.close()
+        plane.stop()
+    for kind in EVENT_TYPES:
+        seen = [e for e in everyone.events if e["type"] == kind]
+        assert all(e.get("namespace") in ("default", "team-a") for e in seen), (kind, seen)
+    leaked = [e for e in team_a.events if e.get("namespace") != "team-a"]
+    assert leaked == [], leaked
