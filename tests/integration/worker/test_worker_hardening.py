@@ -77,3 +77,114 @@ def test_non_finite_sampling_numbers_are_refused_by_name(worker: WorkerProcess, 
             assert error["param"] == prefix + field, (body, error)
             assert "finite" in error["message"], error
     still_serving(worker)
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_parsed(
+    worker: WorkerProcess,
+) -> None:
+    big = b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}'
+    r = worker.client.post(
+        "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    error = error_of(r, 413)
+    assert error["param"] == "body" and "16777216 bytes" in error["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams in
+        for _ in range(17):
+            yield b" " * (1024 * 1024)
+
+    r = worker.client.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert error_of(r, 413)["param"] == "body"
+    still_serving(worker)
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_tokenizing(
+    worker: WorkerProcess,
+) -> None:
+    five_mb = "word " * (1024 * 1024)
+    r = worker.client.post("/v1/completions", json={"prompt": five_mb, "max_tokens": 1})
+    error = error_of(r, 400)
+    assert error["param"] == "prompt"
+    assert f"the prompt has {len(five_mb)} characters" in error["message"], error
+    assert len(r.content) < 1000
+    r = worker.client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": five_mb}]}
+    )
+    assert error_of(r, 400)["param"] == "messages"
+    r = worker.client.post("/generate", json={"text": five_mb})
+    assert error_of(r, 400)["param"] == "text"
+    still_serving(worker)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/a", "pinned": "yes"}, "pinned"),
+        ("/v1/completions", {"prompt": "hi", "stream": "true"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4.5}, "max_tokens"),
+        ("/generate", {"text": "hi", "sampling_params": {"ignore_eos": 1}}, "sampling_params."),
+    ],
+)
+def test_booleans_and_numbers_are_not_coerced(
+    worker: WorkerProcess, path: str, body: dict[str, Any], param: str
+) -> None:
+    error = error_of(worker.client.post(path, json=body), 422)
+    assert error["param"].startswith(param), error
+    assert [m["id"] for m in worker.client.get("/v1/models").json()["data"]] == [
+        "tiny-llama",
+        "good",
+    ]
+
+
+def test_errors_quote_at_most_a_short_prefix_of_the_input(worker: WorkerProcess) -> None:
+    huge = "p" * (10 * 1024 * 1024)
+    r = worker.client.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": huge})
+    assert error_of(r, 422)["param"] == "lora_path" and len(r.content) < 1000
+    r = worker.client.post("/generate", json={"text": "hi", "lora_path": huge})
+    assert error_of(r, 404)["param"] == "lora_path" and len(r.content) < 1000
+    r = worker.client.post("/v1/completions", json={"prompt": "hi", "model": huge})
+    assert error_of(r, 404)["param"] == "model" and len(r.content) < 1000
+    still_serving(worker)
+
+
+def test_with_a_token_configured_adapter_and_debug_endpoints_refuse_strangers(
+    tiny_model: Path, make_adapter_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    good = make_adapter_dir("good")
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    guarded = start_worker(
+        tiny_model,
+        tmp_path,
+        "--allowed-lora-root",
+        str(good.parent),
+        "--admin-token-file",
+        str(token_file),
+        "--enable-fault-injection",
+    )
+    try:
+        c = guarded.client
+        load = {"lora_name": "good", "lora_path": str(good)}
+        wrong = {"Authorization": "Bearer nope"}
+        for headers in ({}, wrong):
+            error = error_of(c.post("/load_lora_adapter", json=load, headers=headers), 401)
+            assert "admin token" in error["message"] and error["type"] == "authentication_error"
+            unload = {"lora_name": "good"}
+            error_of(c.post("/unload_lora_adapter", json=unload, headers=headers), 401)
+            error_of(c.get("/lora_state", headers=headers), 401)
+            fault = {"op": "load", "dp_group": 0}
+            error_of(c.post("/debug/fault", json=fault, headers=headers), 401)
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-llama"]
+        admin = {"Authorization": "Bearer s3cret-token"}
+        r = c.post("/load_lora_adapter", json=load, headers=admin)
+        assert r.status_code == 200, r.text
+        assert c.get("/lora_state", headers=admin).status_code == 200
+        # generation and health stay open
+        assert generate(guarded, "hello", "good", max_tokens=2)["usage"]["completion_tokens"] >= 1
+        assert c.get("/health").status_code == 200
+    finally:
+        guarded.stop()

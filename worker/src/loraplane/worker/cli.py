@@ -280,6 +280,16 @@ def serve_cmd(
         str | None, typer.Option(help="Base model id in /v1/models (default: dir name)")
     ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning")] = "info",
+    max_request_bytes: Annotated[
+        int, typer.Option(help="A request body larger than this is refused with 413")
+    ] = 16 * 1024 * 1024,
+    admin_token_file: Annotated[
+        str | None,
+        typer.Option(
+            help="File holding the bearer token the adapter and debug endpoints require "
+            "(default: $LORAPLANE_WORKER_ADMIN_TOKEN; neither: no token is required)"
+        ),
+    ] = None,
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
     from loraplane.worker.config import ConfigError
@@ -319,6 +329,8 @@ def serve_cmd(
             host=host,
             port=port,
             log_level=log_level,
+            max_request_bytes=max_request_bytes,
+            admin_token_file=admin_token_file,
         )
         serve(config)
     except (ConfigError, AdapterError) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, cast
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -18,7 +19,7 @@ from loraplane.worker.engine.engine import Engine, UnknownAdapterError
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
 from loraplane.worker.engine.sequence import SeqEvent, Sequence
-from loraplane.worker.engine.tokenizer import TokenizerError
+from loraplane.worker.engine.tokenizer import TextTokenizer, TokenizerError
 from loraplane.worker.server import guards
 from loraplane.worker.server import protocol as p
 from loraplane.worker.server.faults import FaultInjector
@@ -44,6 +45,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": p.ErrorResponse, "description": "bad request (the message names the field)"},
     404: {"model": p.ErrorResponse, "description": "unknown adapter or model"},
 }
+
+
+@functools.cache
+def _longest_token(tokenizer: TextTokenizer) -> int:
+    return max((len(token) for token in tokenizer.tokenizer.get_vocab()), default=1)
+
+
+def prompt_char_limit(tokenizer: TextTokenizer, max_model_len: int) -> int:
+    """Characters a prompt of `max_model_len` tokens can hold at most (every token its longest)."""
+    return max_model_len * max(1, _longest_token(tokenizer))
 
 
 def _allowed(path: str, roots: tuple[str, ...]) -> bool:
@@ -93,7 +104,8 @@ class WorkerServer:
             if base != self.served_model:
                 raise ApiError(
                     404,
-                    f"model: {model!r} names base {base!r}, but this worker serves {self.served_model!r}",
+                    f"model: {guards.excerpt(model)} names base {guards.excerpt(base)}, "
+                    f"but this worker serves {self.served_model!r}",
                     "model",
                     "not_found",
                 )
@@ -102,6 +114,10 @@ class WorkerServer:
         return name
 
     def _check_adapter(self, name: str, field: str) -> None:
+        if len(name) > guards.QUOTE_CHARS:  # longer than any adapter name: not quoted whole
+            raise ApiError(
+                404, f"{field}: no adapter is named {guards.excerpt(name)}", field, "not_found"
+            )
         try:
             self.engine.resolve_adapter(name)
         except UnknownAdapterError as exc:
@@ -113,7 +129,7 @@ class WorkerServer:
             # `model=<name>` routes to the base model, so such an adapter could never be reached
             message = f"lora_name: {body.lora_name!r} is the name of the served base model; choose another adapter name"
         elif not _allowed(body.lora_path, self.allowed_lora_roots):
-            message = f"lora_path: {body.lora_path!r} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
+            message = f"lora_path: {guards.excerpt(body.lora_path)} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
         if message is not None:
             return self._update_response(
                 LoRAUpdateResult(False, message, self._first_group_adapters())
@@ -159,7 +175,7 @@ class WorkerServer:
         except SamplingError as exc:
             raise ApiError(400, str(exc), field) from exc
 
-    def prompt_ids(self, text: str | None, ids: list[int] | None, field: str) -> list[int]:
+    async def prompt_ids(self, text: str | None, ids: list[int] | None, field: str) -> list[int]:
         if ids is not None:
             vocab = self.engine.executor.model_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -171,10 +187,23 @@ class WorkerServer:
                 )
             prompt = list(ids)
         elif text is not None:
-            prompt = self.engine.tokenizer.encode(text)
+            self.check_chars(len(text), field)
+            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, text)
         else:
             raise ApiError(400, f"{field}: give a text prompt or token ids", field)
         return self._check_length(prompt, field)
+
+    def check_chars(self, chars: int, field: str) -> None:
+        """Refuse, before tokenizing, a prompt of more characters than `max_model_len` tokens of
+        this tokenizer's longest token hold: it cannot fit, and tokenizing it costs seconds."""
+        limit = prompt_char_limit(self.engine.tokenizer, self.engine.max_model_len)
+        if chars > limit:
+            raise ApiError(
+                400,
+                f"{field}: the prompt has {chars} characters; this worker's max_model_len is "
+                f"{self.engine.max_model_len} tokens, which hold at most {limit} characters",
+                field,
+            )
 
     def _check_length(self, prompt: list[int], field: str) -> list[int]:
         if not prompt:
@@ -273,7 +302,7 @@ def create_app(server: WorkerServer) -> FastAPI:
     async def generate(body: p.GenerateRequest) -> Any:
         """SGLang native generation; `stream: true` answers SSE with the cumulative text."""
         adapter = server.adapter_for(None, body.lora_path)
-        prompt = server.prompt_ids(
+        prompt = await server.prompt_ids(
             body.text, body.input_ids, "text" if body.input_ids is None else "input_ids"
         )
         params = server.sampling(
@@ -314,9 +343,9 @@ def create_app(server: WorkerServer) -> FastAPI:
         """OpenAI completions; the adapter is `model: "<base>:<adapter>"`, `model: "<adapter>"` or `lora_path`."""
         adapter = server.adapter_for(body.model, body.lora_path)
         if isinstance(body.prompt, str):
-            prompt = server.prompt_ids(body.prompt, None, "prompt")
+            prompt = await server.prompt_ids(body.prompt, None, "prompt")
         else:
-            prompt = server.prompt_ids(None, body.prompt, "prompt")
+            prompt = await server.prompt_ids(None, body.prompt, "prompt")
         params = server.sampling(body, body.max_tokens, "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
@@ -373,9 +402,11 @@ def create_app(server: WorkerServer) -> FastAPI:
     async def chat_completions(body: p.ChatCompletionRequest) -> Any:
         """OpenAI chat completions; the prompt is the model's chat template over `messages`."""
         adapter = server.adapter_for(body.model, body.lora_path)
+        server.check_chars(sum(len(m.content) for m in body.messages), "messages")
         try:
-            prompt = server.engine.tokenizer.apply_chat_template(
-                [m.model_dump() for m in body.messages]
+            prompt = await asyncio.to_thread(
+                server.engine.tokenizer.apply_chat_template,
+                [m.model_dump() for m in body.messages],
             )
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from exc
@@ -450,11 +481,16 @@ def create_app(server: WorkerServer) -> FastAPI:
 
     # --- adapters ------------------------------------------------------------------------
 
+    admin = [Depends(guards.admin_dependency(server.admin_token))]
+    unauthorized: dict[int | str, dict[str, Any]] = {
+        401: {"model": p.ErrorResponse, "description": "the admin token is missing or wrong"}
+    }
     update_responses: dict[int | str, dict[str, Any]] = {
         400: {
             "model": p.LoRAUpdateResponse,
             "description": "failed (merged fail-first over DP groups)",
-        }
+        },
+        **unauthorized,
     }
 
     @app.post(
@@ -462,6 +498,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         response_model=p.LoRAUpdateResponse,
         responses=update_responses,
         tags=["adapters"],
+        dependencies=admin,
     )
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest) -> Any:
         """Load (or replace with a new version) an adapter on every DP group; fail-first merge."""
@@ -472,6 +509,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         response_model=p.LoRAUpdateResponse,
         responses=update_responses,
         tags=["adapters"],
+        dependencies=admin,
     )
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> Any:
         """Unload an adapter from every DP group; a partial failure leaves it inconsistent."""
@@ -500,7 +538,13 @@ def create_app(server: WorkerServer) -> FastAPI:
             )
         return p.ModelList(data=cards)
 
-    @app.get("/lora_state", response_model=p.LoRAStateResponse, tags=["adapters"])
+    @app.get(
+        "/lora_state",
+        response_model=p.LoRAStateResponse,
+        responses=unauthorized,
+        tags=["adapters"],
+        dependencies=admin,
+    )
     async def lora_state() -> Any:
         """Slots, pins, LRU order and per-DP-group adapters of this worker."""
         return server.engine.lora_state()
@@ -527,7 +571,13 @@ def create_app(server: WorkerServer) -> FastAPI:
     if server.faults is not None:
         faults = server.faults
 
-        @app.post("/debug/fault", response_model=p.FaultResponse, responses=_ERRORS, tags=["debug"])
+        @app.post(
+            "/debug/fault",
+            response_model=p.FaultResponse,
+            responses={**_ERRORS, **unauthorized},
+            tags=["debug"],
+            dependencies=admin,
+        )
         async def debug_fault(body: p.FaultRequest) -> Any:
             """Test only: make `dp_group` fail its next `count` loads or unloads with `message`."""
             try:

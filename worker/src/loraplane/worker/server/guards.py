@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplane.worker.config import ConfigError
 from loraplane.worker.server import protocol as p
 
 QUOTE_CHARS = 200
@@ -114,7 +118,9 @@ class BodyLimit:
 async def http_error(_request: Request, exc: Exception) -> JSONResponse:
     """404, 405, 413 … in the documented shape."""
     assert isinstance(exc, StarletteHTTPException)
-    kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+    kind = {404: "not_found", 401: "authentication_error"}.get(
+        exc.status_code, "invalid_request_error"
+    )
     param = "body" if exc.status_code == 413 else None
     return JSONResponse(
         error_body(exc.status_code, str(exc.detail), param, kind),
@@ -123,12 +129,45 @@ async def http_error(_request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def token_matches(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization: Bearer <token>`` header carries `token` (constant time)."""
-    if not header:
-        return False
-    scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), token)
+TOKEN_ENV = "LORAPLANE_WORKER_ADMIN_TOKEN"
+
+
+def read_admin_token(path: str | None) -> str | None:
+    """The admin token from `path` (surrounding whitespace dropped), else from `TOKEN_ENV`;
+    None when neither is set. An empty or unreadable file is a `ConfigError`."""
+    if path is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--admin-token-file {path}: {exc.strerror or exc}") from exc
+    if not token:
+        raise ConfigError(f"--admin-token-file {path}: the file is empty")
+    return token
+
+
+_bearer = HTTPBearer(auto_error=False, description="the worker's admin token, when configured")
+
+
+def admin_dependency(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A route dependency: with `token` set, a request without ``Authorization: Bearer
+    <token>`` is refused with 401 (documented in the OpenAPI schema as a bearer scheme)."""
+
+    async def require_admin(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if token is None:
+            return
+        given = credentials.credentials if credentials is not None else None
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            raise StarletteHTTPException(
+                401,
+                "Authorization: this endpoint needs the worker's admin token "
+                "(Authorization: Bearer <token>)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return require_admin
 
 
 def install(app: FastAPI, *, max_body_bytes: int) -> None:

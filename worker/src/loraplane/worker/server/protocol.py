@@ -10,9 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name)."""
+    """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name) and
+    nothing is coerced (``"yes"`` is no boolean, ``"5"`` no number)."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, strict=True)
 
 
 class _Sampling(_Body):
@@ -31,7 +32,7 @@ class _Sampling(_Body):
 
 
 class GenerateSamplingParams(_Sampling):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore")
     max_new_tokens: int = Field(default=128, ge=0)
 
 
@@ -101,7 +102,7 @@ class CompletionResponse(BaseModel):
 
 
 class ChatMessage(_Body):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
 
@@ -143,12 +144,12 @@ class ChatCompletionResponse(BaseModel):
 
 class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-    lora_path: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, max_length=4096)
     pinned: bool = False
 
 
 class UnloadLoRAAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1)
+    lora_name: str = Field(min_length=1, max_length=200)
 
 
 class LoRAUpdateResponse(BaseModel):

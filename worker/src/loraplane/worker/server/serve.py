@@ -9,6 +9,7 @@ from loraplane.worker.config import ConfigError
 from loraplane.worker.server.app import WorkerServer, _allowed, create_app
 from loraplane.worker.server.factory import ServeConfig, build_engine
 from loraplane.worker.server.faults import FaultInjector
+from loraplane.worker.server.guards import read_admin_token
 from loraplane.worker.server.metrics import WorkerMetrics
 
 log = logging.getLogger("loraplane.worker.server")
@@ -41,6 +42,8 @@ def build_server(config: ServeConfig) -> WorkerServer:
         allowed_lora_roots=config.allowed_lora_roots,
         metrics=metrics,
         faults=faults,
+        max_body_bytes=config.max_request_bytes,
+        admin_token=read_admin_token(config.admin_token_file),
     )
     for name, path in config.loras:
         result = engine.load_adapter(name, path, pinned=name in config.pinned).result()
