@@ -564,3 +564,35 @@ def test_a_worker_slower_than_the_request_timeout_is_a_504_and_stays_ready(
             assert client.get("/v1/workers/w0", headers=ADMIN).json()["state"] == "ready"
     finally:
         worker.close()
+
+
+def test_a_body_over_the_limit_is_refused_with_413(
+    settings: Settings, pool: dict[str, Any], client: TestClient
+) -> None:
+    big = b'{"name": "' + b"x" * (17 * 1024 * 1024) + b'"}'
+    for path in ("/v1/adapters", "/v1/completions"):
+        r = client.post(path, content=big, headers={**ADMIN, "content-type": "application/json"})
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["error"]["field"] == "body" and r.json()["error"]["code"] == "too_large"
+    assert client.get("/v1/adapters", headers=ADMIN).json()["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"pinned": "yes"}, "body.pinned"),
+        ({"load": 1}, "body.load"),
+        ({"priority": "5"}, "body.priority"),
+    ],
+)
+def test_booleans_and_numbers_are_not_coerced(
+    client: TestClient,
+    pool: dict[str, Any],
+    make_adapter: Callable[..., Path],
+    fields: dict[str, Any],
+    field: str,
+) -> None:
+    r = register(client, make_adapter(), **fields)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["field"] == field, r.text
+    assert client.get("/v1/adapters", headers=ADMIN).json()["items"] == []

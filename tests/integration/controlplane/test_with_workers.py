@@ -25,6 +25,7 @@ import pytest
 import sqlalchemy as sa
 from cp_kit import ADMIN, ControlPlane, PrivateRedis, WorkerProc, metric_value, wait_for
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from loraplane.controlplane.app import create_app
 from loraplane.controlplane.settings import Settings
@@ -904,3 +905,33 @@ def test_events_carry_their_namespace_and_reach_only_its_readers(
         assert all(e.get("namespace") in ("default", "team-a") for e in seen), (kind, seen)
     leaked = [e for e in team_a.events if e.get("namespace") != "team-a"]
     assert leaked == [], leaked
+
+
+def test_a_worker_closed_by_a_token_is_driven_with_the_configured_token(
+    settings: Settings, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    token_file = tmp_path / "worker-token"
+    token_file.write_text("worker-secret")
+    worker = WorkerProc(tiny[0], tmp_path, roots=(tiny[1],))
+    worker.args += ["--admin-token-file", str(token_file)]
+    worker.start()
+    try:
+        stranger = httpx.post(
+            worker.url + "/load_lora_adapter",
+            json={"lora_name": "a3", "lora_path": str(tiny[1] / "a3")},
+        )
+        assert stranger.status_code == 401, stranger.text
+        settings.sources.allowed_roots = [tiny[1]]
+        settings.workers.admin_token = SecretStr("worker-secret")
+        with TestClient(create_app(settings)) as cp:
+            join(cp, tiny, [worker])
+            assert register(cp, tiny, "a3").status_code == 201
+            assert adapter(cp, "a3")["routable"] is True
+            routed = cp.post(
+                "/v1/completions",
+                json={"model": "tiny:a3", "prompt": "hi", "max_tokens": 2},
+                headers=ADMIN,
+            )
+            assert routed.status_code == 200, routed.text
+    finally:
+        worker.stop()

@@ -50,7 +50,7 @@ class CredentialsSpec(BaseModel):
     """Per-adapter credentials for fetching the source: used by the preflight only, never
     stored, never logged, not part of the idempotency hash (SecretStr hides them in reprs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     aws_access_key_id: Secret | None = Field(None, description="s3:// (with the secret key)")
     aws_secret_access_key: Secret | None = Field(None, description="s3:// (with the key id)")
@@ -69,7 +69,7 @@ class CredentialsSpec(BaseModel):
 
 
 class SourceSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     uri: str = Field(min_length=1, max_length=2048)
     sha256: str | None = Field(
@@ -92,7 +92,7 @@ UNHASHED = {"source": {"credentials"}}
 
 
 class PlacementCount(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     count: int = Field(ge=1, le=10_000)
 
@@ -101,7 +101,7 @@ Placement = Literal["all"] | PlacementCount
 
 
 class AdapterCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     namespace: str = "default"
     name: str
@@ -114,20 +114,20 @@ class AdapterCreate(BaseModel):
 
 
 class LoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     placement: Placement | None = None
 
 
 class AdapterPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     pinned: bool | None = None
     priority: int | None = Field(None, ge=-1000, le=1000)
 
 
 class VersionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     source: SourceSpec
 

@@ -27,7 +27,7 @@ ENDPOINT = re.compile(r"^https?://[^/\s]+(/[^\s]*)?$")
 
 
 class WorkerRegister(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=253)
     namespace: str = "default"
