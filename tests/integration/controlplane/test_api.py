@@ -596,3 +596,17 @@ def test_booleans_and_numbers_are_not_coerced(
     assert r.status_code == 422, r.text
     assert r.json()["error"]["field"] == field, r.text
     assert client.get("/v1/adapters", headers=ADMIN).json()["items"] == []
+
+
+def test_load_policy_defaults_to_on_demand_and_takes_only_its_two_values(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
+) -> None:
+    bad = register(client, make_adapter(), load_policy="Never")
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "body.load_policy"
+    created = register(client, make_adapter())
+    assert created.status_code == 201 and created.json()["adapter"]["load_policy"] == "OnDemand"
+    patched = client.patch(
+        "/v1/adapters/default/sql", json={"load_policy": "Explicit"}, headers=ADMIN
+    )
+    assert patched.status_code == 200, patched.text
+    assert client.get("/v1/adapters/default/sql", headers=ADMIN).json()["load_policy"] == "Explicit"

@@ -935,3 +935,24 @@ def test_a_worker_closed_by_a_token_is_driven_with_the_configured_token(
             assert routed.status_code == 200, routed.text
     finally:
         worker.stop()
+
+
+def test_an_explicit_adapter_an_operator_unloaded_stays_unloaded(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers[:1])
+    assert register(cp, tiny, "a3", load_policy="Explicit").status_code == 201
+    assert adapter(cp, "a3")["load_policy"] == "Explicit"
+    assert cp.post("/v1/adapters/default/a3/unload", json={}, headers=ADMIN).status_code == 200
+    body = {"model": "tiny:a3", "prompt": "hi", "max_tokens": 1}
+    refused = cp.post("/v1/completions", json=body, headers=ADMIN)
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "adapter_not_loaded" and error["field"] == "body.model"
+    assert "default/a3" in error["message"] and "Explicit" in error["message"]
+    assert workers[0].models() == set() and adapter(cp, "a3")["placements"] == []
+    # the policy is the adapter's own: switched to OnDemand, routing loads it again
+    patched = cp.patch("/v1/adapters/default/a3", json={"load_policy": "OnDemand"}, headers=ADMIN)
+    assert patched.status_code == 200 and patched.json()["adapter"]["load_policy"] == "OnDemand"
+    assert cp.post("/v1/completions", json=body, headers=ADMIN).status_code == 200
+    assert workers[0].models() == {"a3"}

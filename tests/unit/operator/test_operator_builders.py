@@ -345,5 +345,8 @@ def test_control_plane_bodies() -> None:
         "placement": {"count": 2},
         "priority": 0,
         "load": True,
+        "load_policy": "OnDemand",
     }
+    explicit = {"pool": "p", "source": {"uri": "s3://b/x"}, "loadPolicy": "Explicit"}
+    assert builders.build_adapter_registration("ns", "x", explicit)["load_policy"] == "Explicit"
     assert builders.placement_of({}) == "all"

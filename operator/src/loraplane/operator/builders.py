@@ -549,4 +549,5 @@ def build_adapter_registration(
         "placement": placement_of(spec),
         "priority": int(spec.get("priority", 0)),
         "load": True,
+        "load_policy": str(spec.get("loadPolicy", "OnDemand")),
     }

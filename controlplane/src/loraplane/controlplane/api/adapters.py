@@ -100,6 +100,16 @@ class PlacementCount(BaseModel):
 Placement = Literal["all"] | PlacementCount
 
 
+LoadPolicy = Annotated[
+    Literal["OnDemand", "Explicit"],
+    Field(
+        description="OnDemand: a routed request for it loads it where it is not loaded; "
+        "Explicit: only a load (registration, POST .../load) does, and the router refuses "
+        "requests while it is loaded nowhere"
+    ),
+]
+
+
 class AdapterCreate(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -111,6 +121,7 @@ class AdapterCreate(BaseModel):
     placement: Placement = "all"
     priority: int = Field(0, ge=-1000, le=1000)
     load: bool = True
+    load_policy: LoadPolicy = "OnDemand"
 
 
 class LoadRequest(BaseModel):
@@ -124,6 +135,7 @@ class AdapterPatch(BaseModel):
 
     pinned: bool | None = None
     priority: int | None = Field(None, ge=-1000, le=1000)
+    load_policy: LoadPolicy | None = None
 
 
 class VersionRequest(BaseModel):
@@ -293,6 +305,7 @@ async def register_adapter(
             pinned=body.pinned,
             placement_count=count_of(body.placement),
             priority=body.priority,
+            load_policy=body.load_policy,
             version=1,
             desired="loaded" if body.load else "unloaded",
             phase="Pending",
@@ -455,6 +468,8 @@ async def patch_adapter(
         ensure_usable(adapter)
         if body.priority is not None:
             adapter.priority = body.priority
+        if body.load_policy is not None:
+            adapter.load_policy = body.load_policy
         if body.pinned is None or body.pinned == adapter.pinned:
             session.flush()
             return JSONResponse({"adapter": adapter_json(adapter), "operation": None})

@@ -192,6 +192,15 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
                 key,
                 lora_name(adapter.namespace, adapter.name, adapter.version),
             )
+        if adapter.load_policy == "Explicit":
+            raise ApiError(
+                409,
+                "adapter_not_loaded",
+                f"body.model: adapter {namespace}/{key} is not loaded on any ready worker and "
+                "its load_policy is Explicit: it is loaded only on request "
+                f"(POST /v1/adapters/{namespace}/{key}/load), never by routing",
+                field="body.model",
+            )
     started = time.perf_counter()
     timeout = services.settings.router.on_demand_timeout_s
     try:
