@@ -188,3 +188,118 @@ def test_with_a_token_configured_adapter_and_debug_endpoints_refuse_strangers(
         assert c.get("/health").status_code == 200
     finally:
         guarded.stop()
+
+
+def openai_client(worker: WorkerProcess) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_official_openai_client_completes_and_chats_with_text_parts(
+    worker: WorkerProcess,
+) -> None:
+    client = openai_client(worker)
+    done = client.completions.create(
+        model="tiny-llama:good", prompt="The quick brown fox", max_tokens=3, temperature=0
+    )
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 3
+    as_string = client.chat.completions.create(
+        model="good",
+        messages=[{"role": "user", "content": "Say hi\nand bye"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    as_parts = client.chat.completions.create(
+        model="good",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Say hi"},
+                    {"type": "text", "text": "and bye"},
+                ],
+            }
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="good",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi\nand bye"}]}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == as_string.choices[0].message.content
+
+
+UNSUPPORTED_COMPLETION = [
+    ("logprobs", {"logprobs": 2}),
+    ("echo", {"echo": True}),
+    ("best_of", {"best_of": 2}),
+    ("n", {"n": 2}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("logit_bias", {"logit_bias": {"5": 10}}),
+]
+UNSUPPORTED_CHAT = [
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("n", {"n": 2}),
+    ("presence_penalty", {"presence_penalty": 1.0}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+]
+
+
+@pytest.mark.parametrize(("field", "extra"), UNSUPPORTED_COMPLETION)
+def test_unsupported_completion_fields_are_refused_by_name(
+    worker: WorkerProcess, field: str, extra: dict[str, Any]
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(worker).completions.create(
+            model="tiny-llama:good", prompt="hi", max_tokens=2, **extra
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == field, error
+    assert f"{field}: " in error["message"] and "not supported" in error["message"], error
+
+
+@pytest.mark.parametrize(("field", "extra"), UNSUPPORTED_CHAT)
+def test_unsupported_chat_fields_are_refused_by_name(
+    worker: WorkerProcess, field: str, extra: dict[str, Any]
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(worker).chat.completions.create(
+            model="good", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == field, error
+
+
+def test_sglang_log_probabilities_and_non_text_parts_are_refused_by_name(
+    worker: WorkerProcess,
+) -> None:
+    c = worker.client
+    r = c.post("/generate", json={"text": "hi", "return_logprob": True})
+    assert error_of(r, 400)["param"] == "return_logprob"
+    r = c.post("/generate", json={"text": "hi", "sampling_params": {"presence_penalty": 0.5}})
+    assert error_of(r, 400)["param"] == "sampling_params.presence_penalty"
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]}
+    r = c.post("/v1/chat/completions", json=body)
+    assert error_of(r, 400)["param"] == "messages.0.content.1.type"
+    # the neutral values of those fields are accepted
+    r = c.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1, "logprobs": 0, "echo": False, "n": 1},
+    )
+    assert r.status_code == 200, r.text
+    still_serving(worker)

@@ -263,6 +263,45 @@ class WorkerServer:
         return "".join(text), ids, last
 
 
+def refuse_unsupported(body: p._Refusing, prefix: str = "") -> None:
+    """400 naming a field this worker does not implement, when it asks for something."""
+    found = body.unsupported()
+    if found is None:
+        return
+    field, value = found
+    neutral = " or ".join(repr(n) for n in body.NEUTRAL[field]) or "null"
+    shown = json.dumps(value, default=str)
+    if len(shown) > guards.QUOTE_CHARS:
+        shown = f"{shown[: guards.QUOTE_CHARS]}… ({len(shown)} characters)"
+    raise ApiError(
+        400,
+        f"{prefix}{field}: {shown} is not supported by this worker; leave it out or give {neutral}",
+        prefix + field,
+    )
+
+
+def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template, each content one string (text parts joined by \\n)."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if not isinstance(content, str):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    field = f"messages.{i}.content.{j}"
+                    raise ApiError(
+                        400,
+                        f"{field}.type: {guards.excerpt(part.type)} parts are not supported; "
+                        "give text parts ({'type': 'text', 'text': ...})",
+                        f"{field}.type",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out.append({**message.model_dump(), "content": content})
+    return out
+
+
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -301,6 +340,8 @@ def create_app(server: WorkerServer) -> FastAPI:
     )
     async def generate(body: p.GenerateRequest) -> Any:
         """SGLang native generation; `stream: true` answers SSE with the cumulative text."""
+        refuse_unsupported(body)
+        refuse_unsupported(body.sampling_params, "sampling_params.")
         adapter = server.adapter_for(None, body.lora_path)
         prompt = await server.prompt_ids(
             body.text, body.input_ids, "text" if body.input_ids is None else "input_ids"
@@ -341,6 +382,7 @@ def create_app(server: WorkerServer) -> FastAPI:
     )
     async def completions(body: p.CompletionRequest) -> Any:
         """OpenAI completions; the adapter is `model: "<base>:<adapter>"`, `model: "<adapter>"` or `lora_path`."""
+        refuse_unsupported(body)
         adapter = server.adapter_for(body.model, body.lora_path)
         if isinstance(body.prompt, str):
             prompt = await server.prompt_ids(body.prompt, None, "prompt")
@@ -400,14 +442,14 @@ def create_app(server: WorkerServer) -> FastAPI:
         tags=["openai"],
     )
     async def chat_completions(body: p.ChatCompletionRequest) -> Any:
-        """OpenAI chat completions; the prompt is the model's chat template over `messages`."""
+        """OpenAI chat completions; the prompt is the model's chat template over `messages`
+        (a message's content: a string or a list of text parts, joined with newlines)."""
+        refuse_unsupported(body)
         adapter = server.adapter_for(body.model, body.lora_path)
-        server.check_chars(sum(len(m.content) for m in body.messages), "messages")
+        messages = chat_messages(body.messages)
+        server.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            prompt = await asyncio.to_thread(
-                server.engine.tokenizer.apply_chat_template,
-                [m.model_dump() for m in body.messages],
-            )
+            prompt = await asyncio.to_thread(server.engine.tokenizer.apply_chat_template, messages)
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from exc
         prompt = server._check_length(prompt, "messages")
