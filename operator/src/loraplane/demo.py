@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -168,6 +169,10 @@ def run(
 
     env = dict(os.environ)
     env.setdefault("TRITON_INTERPRET", "1")
+    # the workers require this token on their adapter endpoints; the control plane sends it
+    worker_token = secrets.token_urlsafe(24)
+    env["LORAPLANE_WORKER_ADMIN_TOKEN"] = worker_token
+    env["LORAPLANE_WORKERS__ADMIN_TOKEN"] = worker_token
     cp_port = free_port()
     cp = f"http://127.0.0.1:{cp_port}"
     with _processes(logs) as procs:
@@ -353,7 +358,11 @@ def run(
             title="workers' own view (/lora_state)",
         )
         for name, url, _ in worker_urls:
-            state = httpx.get(f"{url}/lora_state", timeout=10).json()
+            state = httpx.get(
+                f"{url}/lora_state",
+                headers={"Authorization": f"Bearer {worker_token}"},
+                timeout=10,
+            ).json()
             for g in state["dp_groups"]:
                 table.add_row(
                     name,

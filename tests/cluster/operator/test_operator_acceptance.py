@@ -290,6 +290,18 @@ def test_pool_pods_run_on_gpu_nodes_and_register(stack: Stack) -> None:
     assert status["readyReplicas"] == 2
     assert all(len(w["dpGroups"]) == 2 for w in status["workers"])
     assert _condition(stack.pool("pool"), "Ready")["status"] == "True"
+    # the workers' token: the pool's own Secret, read by its pods (workers registered and
+    # probed with it above), and the chart's NetworkPolicy accepted by the API server
+    secret = stack.cluster.get("secret", "pool-worker-token", "-n", stack.ns)
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "LoRAPool"
+    for pod in pods:
+        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+        ref = env["LORAPLANE_WORKER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "pool-worker-token", "key": "token"}
+    policy = stack.cluster.get(
+        "networkpolicy", f"{RELEASE}-loraplane-workers", "-n", stack.release_ns
+    )
+    assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
 
 
 def test_three_adapters_become_ready_on_both_replicas(stack: Stack) -> None:
@@ -554,8 +566,9 @@ def test_operator_rbac_allows_what_it_needs_and_no_more(stack: Stack) -> None:
     assert can("watch", "pods")
     assert can("patch", "statefulsets.apps")
     assert not can("delete", "statefulsets.apps")
-    # Secrets: one by name (spec.source.credentialsSecretRef), never listed or watched.
-    assert can("get", "secrets")
+    # Secrets: one by name (spec.source.credentialsSecretRef; the pools' token Secrets are
+    # applied), never listed or watched.
+    assert can("get", "secrets") and can("patch", "secrets")
     assert not can("list", "secrets") and not can("watch", "secrets")
     assert not can("delete", "pods")
     assert not can("update", "loraadapters.loraplane.io")

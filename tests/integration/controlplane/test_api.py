@@ -4,6 +4,7 @@ adapters, operations, tokens; every bad input is a 4xx naming the field, and cha
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,21 @@ def test_register_adapter_without_ready_workers_is_pending(
     assert [a["name"] for a in listed] == ["sql"]
     dup = register(client, directory)
     assert dup.status_code == 409 and dup.json()["error"]["field"] == "body.name"
+
+
+def test_parallel_registrations_of_one_new_name_create_it_once(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
+) -> None:
+    directory = make_adapter()
+    with ThreadPoolExecutor(10) as threads:
+        answers = list(threads.map(lambda _: register(client, directory, "race"), range(10)))
+    codes = sorted(r.status_code for r in answers)
+    assert codes == [201] + [409] * 9, [r.text for r in answers]
+    for r in answers:
+        if r.status_code == 409:
+            assert r.json()["error"]["field"] == "body.name", r.text
+    listed = client.get("/v1/adapters", headers=ADMIN).json()["items"]
+    assert [a["name"] for a in listed] == ["race"]
 
 
 def test_idempotency_key_replays_and_refuses_a_different_body(
@@ -548,3 +564,49 @@ def test_a_worker_slower_than_the_request_timeout_is_a_504_and_stays_ready(
             assert client.get("/v1/workers/w0", headers=ADMIN).json()["state"] == "ready"
     finally:
         worker.close()
+
+
+def test_a_body_over_the_limit_is_refused_with_413(
+    settings: Settings, pool: dict[str, Any], client: TestClient
+) -> None:
+    big = b'{"name": "' + b"x" * (17 * 1024 * 1024) + b'"}'
+    for path in ("/v1/adapters", "/v1/completions"):
+        r = client.post(path, content=big, headers={**ADMIN, "content-type": "application/json"})
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["error"]["field"] == "body" and r.json()["error"]["code"] == "too_large"
+    assert client.get("/v1/adapters", headers=ADMIN).json()["items"] == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"pinned": "yes"}, "body.pinned"),
+        ({"load": 1}, "body.load"),
+        ({"priority": "5"}, "body.priority"),
+    ],
+)
+def test_booleans_and_numbers_are_not_coerced(
+    client: TestClient,
+    pool: dict[str, Any],
+    make_adapter: Callable[..., Path],
+    fields: dict[str, Any],
+    field: str,
+) -> None:
+    r = register(client, make_adapter(), **fields)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["field"] == field, r.text
+    assert client.get("/v1/adapters", headers=ADMIN).json()["items"] == []
+
+
+def test_load_policy_defaults_to_on_demand_and_takes_only_its_two_values(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
+) -> None:
+    bad = register(client, make_adapter(), load_policy="Never")
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "body.load_policy"
+    created = register(client, make_adapter())
+    assert created.status_code == 201 and created.json()["adapter"]["load_policy"] == "OnDemand"
+    patched = client.patch(
+        "/v1/adapters/default/sql", json={"load_policy": "Explicit"}, headers=ADMIN
+    )
+    assert patched.status_code == 200, patched.text
+    assert client.get("/v1/adapters/default/sql", headers=ADMIN).json()["load_policy"] == "Explicit"

@@ -25,6 +25,7 @@ import pytest
 import sqlalchemy as sa
 from cp_kit import ADMIN, ControlPlane, PrivateRedis, WorkerProc, metric_value, wait_for
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from loraplane.controlplane.app import create_app
 from loraplane.controlplane.settings import Settings
@@ -763,3 +764,195 @@ def test_namespaced_adapters_route_only_with_their_tokens(
     )
     assert hidden.status_code == 404
     assert "adapter 'sql' not found in namespace 'default'" in hidden.json()["error"]["message"]
+
+
+def test_router_refuses_non_finite_numbers_by_name_and_releases_the_worker(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a1").status_code == 201
+    bodies = {
+        "body.temperature": '{"model": "tiny:a1", "prompt": "hi", "temperature": NaN}',
+        "body.top_p": '{"model": "tiny:a1", "prompt": "hi", "top_p": Infinity}',
+        "body.max_tokens": '{"model": "tiny:a1", "prompt": "hi", "max_tokens": 1e400}',
+    }
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for field, body in bodies.items():
+            r = cp.post(
+                path,
+                content=body.encode(),
+                headers={**ADMIN, "content-type": "application/json"},
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["field"] == field, r.text
+    good = cp.post(
+        "/v1/completions", json={"model": "tiny:a1", "prompt": "hi", "max_tokens": 2}, headers=ADMIN
+    )
+    assert good.status_code == 200, good.text
+    listed = cp.get("/v1/workers", headers=ADMIN).json()["items"]
+    assert {w["name"]: w["inflight"] for w in listed} == {"w0": 0, "w1": 0}
+
+
+class EventStream:
+    """The events a token receives from /v1/events, read on a thread."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.client = httpx.Client(base_url=url, headers=headers, timeout=None)
+        self.subscribed = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        assert self.subscribed.wait(30), "no ': subscribed' line from /v1/events"
+
+    def _read(self) -> None:
+        with (
+            contextlib.suppress(httpx.HTTPError, RuntimeError),
+            self.client.stream("GET", "/v1/events") as response,
+        ):
+            for line in response.iter_lines():
+                if line.startswith(": subscribed"):
+                    self.subscribed.set()
+                elif line.startswith("data: "):
+                    self.events.append(json.loads(line[6:]))
+
+    def types(self, namespace: str) -> set[str]:
+        return {e["type"] for e in list(self.events) if e.get("namespace") == namespace}
+
+    def close(self) -> None:
+        self.client.close()
+        self.thread.join(10)
+
+
+EVENT_TYPES = (
+    "worker.registered",
+    "worker.ready",
+    "adapter.loaded",
+    "adapter.failed",
+    "adapter.evicted",
+    "adapter.unloaded",
+    "operation.finished",
+    "placement.drift_repaired",
+)
+
+
+def test_events_carry_their_namespace_and_reach_only_its_readers(
+    db_url: str, tiny: tuple[Path, Path], workers: list[WorkerProc], tmp_path: Path
+) -> None:
+    plane = ControlPlane(db_url, tiny[1], tmp_path)
+    plane.env["LORAPLANE_RECONCILER__INTERVAL_S"] = "0.3"
+    plane.start()
+    streams: list[EventStream] = []
+    try:
+        api = httpx.Client(base_url=plane.url, headers=ADMIN, timeout=120)
+        created = api.post(
+            "/v1/tokens", json={"name": "reader-a", "scopes": ["read"], "namespace": "team-a"}
+        )
+        assert created.status_code == 201, created.text
+        streams.append(
+            EventStream(plane.url, {"Authorization": f"Bearer {created.json()['token']}"})
+        )
+        streams.append(EventStream(plane.url, ADMIN))
+        team_a, everyone = streams
+        for namespace, worker in (("default", workers[0]), ("team-a", workers[1])):
+            pool = api.put(f"/v1/pools/{namespace}/tiny", json=pool_spec(tiny[0], workers))
+            assert pool.status_code == 200, pool.text
+            body = {
+                "name": f"w-{namespace}",
+                "namespace": namespace,
+                "pool": "tiny",
+                "endpoint": worker.url,
+                "dp_size": worker.dp,
+            }
+            assert api.post("/v1/workers", json=body).status_code == 201
+        for name in ("w-default", "w-team-a"):
+            wait_for(
+                lambda n=name: api.get(f"/v1/workers/{n}").json()["state"] == "ready",
+                timeout=30,
+                what=f"{name} ready",
+            )
+
+        def register_in(namespace: str, name: str) -> httpx.Response:
+            uri = f"file://{tiny[1] / name}"
+            body = {"namespace": namespace, "name": name, "pool": "tiny", "source": {"uri": uri}}
+            return api.post("/v1/adapters", json=body)
+
+        workers[0].fault("load", 0, "injected for the events test")
+        assert register_in("default", "a0").status_code >= 400  # adapter.failed
+        for name in ("a1", "a2", "a3", "a4"):
+            assert register_in("default", name).status_code == 201
+        loaded = api.post("/v1/adapters/default/a0/load", json={})  # a fifth: adapter.evicted
+        assert loaded.status_code == 200, loaded.text
+        for name in ("a1", "a2"):  # room on the worker for a stray
+            assert api.post(f"/v1/adapters/default/{name}/unload", json={}).status_code == 200
+        stray = {"lora_name": "stray", "lora_path": str(tiny[1] / "stray")}
+        assert httpx.post(workers[0].url + "/load_lora_adapter", json=stray).status_code == 200
+        assert register_in("team-a", "a2").status_code == 201
+        wait_for(
+            lambda: set(EVENT_TYPES) <= everyone.types("default"),
+            timeout=30,
+            what=f"every event type in default (so far {everyone.types('default')})",
+        )
+        wait_for(
+            lambda: "adapter.loaded" in team_a.types("team-a"), timeout=30, what="team-a's load"
+        )
+        api.close()
+    finally:
+        for stream in streams:  # an open stream would hold the server's shutdown
+            stream.close()
+        plane.stop()
+    for kind in EVENT_TYPES:
+        seen = [e for e in everyone.events if e["type"] == kind]
+        assert all(e.get("namespace") in ("default", "team-a") for e in seen), (kind, seen)
+    leaked = [e for e in team_a.events if e.get("namespace") != "team-a"]
+    assert leaked == [], leaked
+
+
+def test_a_worker_closed_by_a_token_is_driven_with_the_configured_token(
+    settings: Settings, tiny: tuple[Path, Path], tmp_path: Path
+) -> None:
+    token_file = tmp_path / "worker-token"
+    token_file.write_text("worker-secret")
+    worker = WorkerProc(tiny[0], tmp_path, roots=(tiny[1],))
+    worker.args += ["--admin-token-file", str(token_file)]
+    worker.start()
+    try:
+        stranger = httpx.post(
+            worker.url + "/load_lora_adapter",
+            json={"lora_name": "a3", "lora_path": str(tiny[1] / "a3")},
+        )
+        assert stranger.status_code == 401, stranger.text
+        settings.sources.allowed_roots = [tiny[1]]
+        settings.workers.admin_token = SecretStr("worker-secret")
+        with TestClient(create_app(settings)) as cp:
+            join(cp, tiny, [worker])
+            assert register(cp, tiny, "a3").status_code == 201
+            assert adapter(cp, "a3")["routable"] is True
+            routed = cp.post(
+                "/v1/completions",
+                json={"model": "tiny:a3", "prompt": "hi", "max_tokens": 2},
+                headers=ADMIN,
+            )
+            assert routed.status_code == 200, routed.text
+    finally:
+        worker.stop()
+
+
+def test_an_explicit_adapter_an_operator_unloaded_stays_unloaded(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    join(cp, tiny, workers[:1])
+    assert register(cp, tiny, "a3", load_policy="Explicit").status_code == 201
+    assert adapter(cp, "a3")["load_policy"] == "Explicit"
+    assert cp.post("/v1/adapters/default/a3/unload", json={}, headers=ADMIN).status_code == 200
+    body = {"model": "tiny:a3", "prompt": "hi", "max_tokens": 1}
+    refused = cp.post("/v1/completions", json=body, headers=ADMIN)
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "adapter_not_loaded" and error["field"] == "body.model"
+    assert "default/a3" in error["message"] and "Explicit" in error["message"]
+    assert workers[0].models() == set() and adapter(cp, "a3")["placements"] == []
+    # the policy is the adapter's own: switched to OnDemand, routing loads it again
+    patched = cp.patch("/v1/adapters/default/a3", json={"load_policy": "OnDemand"}, headers=ADMIN)
+    assert patched.status_code == 200 and patched.json()["adapter"]["load_policy"] == "OnDemand"
+    assert cp.post("/v1/completions", json=body, headers=ADMIN).status_code == 200
+    assert workers[0].models() == {"a3"}

@@ -47,11 +47,11 @@ def test_in_process_bus_delivers_to_every_subscriber() -> None:
     async def run() -> tuple[list[str], list[str]]:
         bus = EventBus(replica_id="r1")
         async with bus.subscribe() as first, bus.subscribe() as second:
-            await bus.publish("worker.registered", worker="w0")
-            await bus.publish("operation.finished", operation="op_1")
+            await bus.publish("worker.registered", namespace="default", worker="w0")
+            await bus.publish("operation.finished", namespace="default", operation="op_1")
             a = [first.get_nowait()["type"] for _ in range(2)]
             b = [second.get_nowait()["type"] for _ in range(2)]
-        await bus.publish("after.unsubscribe")
+        await bus.publish("after.unsubscribe", namespace=None)
         return a, b
 
     a, b = asyncio.run(run())
@@ -63,7 +63,7 @@ def test_a_full_subscriber_does_not_block_publishers() -> None:
         bus = EventBus(replica_id="r1")
         async with bus.subscribe(maxsize=1) as queue:
             for i in range(5):
-                await bus.publish("x", i=i)
+                await bus.publish("x", namespace=None, i=i)
             return queue.qsize()
 
     assert asyncio.run(run()) == 1

@@ -278,3 +278,27 @@ def test_rank_pattern_and_full_module_paths_pass(make_adapter: Callable[..., Pat
     config["rank_pattern"] = {"v_proj": 4}  # q_proj's tensors are now r=4 against r=8
     (directory / "adapter_config.json").write_text(json.dumps(config))
     assert "lora_A must be [r=8, in]" in rejected(directory).message
+
+
+def test_config_nested_too_deeply_is_refused(make_adapter: Callable[..., Path]) -> None:
+    directory = make_adapter()
+    (directory / "adapter_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    error = rejected(directory)
+    assert error.code == "preflight_failed" and error.field == "body.source.uri"
+    assert "adapter_config.json is nested too deeply" in error.message
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/a\x00b", "file:///tmp/a\nb", "s3://b/\x00"])
+def test_control_characters_in_a_uri_are_refused(tmp_path: Path, uri: str) -> None:
+    with pytest.raises(ApiError) as info:
+        resolver(tmp_path, allowed_roots=[tmp_path]).fetch(uri)
+    assert info.value.status == 400 and info.value.field == "body.source.uri"
+    assert "control character" in info.value.message
+
+
+def test_an_error_quotes_only_a_prefix_of_a_long_uri(tmp_path: Path) -> None:
+    for uri in ("ftp://" + "x" * 100_000, "file:///" + "y" * 100_000):
+        with pytest.raises(ApiError) as info:
+            resolver(tmp_path, allowed_roots=[tmp_path]).fetch(uri)
+        assert info.value.status == 400 and len(info.value.message) < 400
+        assert "(100006 characters)" in info.value.message or "100008" in info.value.message

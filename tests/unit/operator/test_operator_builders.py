@@ -59,6 +59,27 @@ def test_children_are_a_statefulset_headless_service_and_pdb_with_owner_referenc
     assert children["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
 
 
+def test_with_a_workers_token_each_pool_gets_a_secret_its_workers_read() -> None:
+    children = _by_kind(
+        builders.build_pool_children(OWNER, SPEC, WorkerDefaults(admin_token="lpw_token"))
+    )
+    secret = children["Secret"]
+    assert secret["metadata"]["name"] == "qwen-small-worker-token"
+    assert secret["metadata"]["namespace"] == "team-a"
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "LoRAPool"
+    assert secret["stringData"] == {"token": "lpw_token"}
+    container = children["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["LORAPLANE_WORKER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "qwen-small-worker-token",
+        "key": "token",
+    }
+    assert "lpw_token" not in repr(children["StatefulSet"])  # by reference, never inline
+    bare = builders.build_statefulset(OWNER, SPEC, WorkerDefaults())
+    names = {e["name"] for e in bare["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "LORAPLANE_WORKER_ADMIN_TOKEN" not in names
+
+
 def test_selectors_match_the_pod_template_labels() -> None:
     children = _by_kind(builders.build_pool_children(OWNER, SPEC, WorkerDefaults()))
     pod_labels = children["StatefulSet"]["spec"]["template"]["metadata"]["labels"]
@@ -345,5 +366,8 @@ def test_control_plane_bodies() -> None:
         "placement": {"count": 2},
         "priority": 0,
         "load": True,
+        "load_policy": "OnDemand",
     }
+    explicit = {"pool": "p", "source": {"uri": "s3://b/x"}, "loadPolicy": "Explicit"}
+    assert builders.build_adapter_registration("ns", "x", explicit)["load_policy"] == "Explicit"
     assert builders.placement_of({}) == "all"

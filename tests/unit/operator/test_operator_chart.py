@@ -185,11 +185,15 @@ def secret_rules(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in doc["rules"] if "secrets" in r["resources"]]
 
 
-def test_operator_may_only_get_secrets_and_only_where_it_watches() -> None:
-    # spec.source.credentialsSecretRef: `get` only (no list/watch), bound to the operator.
+SECRET_VERBS = ["get", "create", "patch"]
+
+
+def test_operator_reaches_secrets_by_name_only_and_only_where_it_watches() -> None:
+    # spec.source.credentialsSecretRef: `get`; each pool's `<pool>-worker-token`: `create` and
+    # `patch` (server-side apply); no list/watch/delete. Bound to the operator.
     docs = render()
     role = by_name(docs, "ClusterRole", "rel-loraplane-operator-secrets")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "verbs": SECRET_VERBS}]
     binding = by_name(docs, "ClusterRoleBinding", "rel-loraplane-operator-secrets")
     assert binding["roleRef"]["name"] == "rel-loraplane-operator-secrets"
     assert binding["subjects"] == [
@@ -204,7 +208,46 @@ def test_operator_may_only_get_secrets_and_only_where_it_watches() -> None:
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "team-b"]
     for role in roles:
         assert secret_rules(role) == role["rules"]
-        assert role["rules"][0]["verbs"] == ["get"]
+        assert role["rules"][0]["verbs"] == SECRET_VERBS
     bindings = [d for d in docs if d["kind"] == "RoleBinding"]
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "team-b"]
     assert all(b["subjects"][0]["name"] == "rel-loraplane-operator" for b in bindings)
+
+
+def env_of(docs: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
+    spec = by_name(docs, "Deployment", deployment)["spec"]["template"]["spec"]
+    return {e["name"]: e for e in spec["containers"][0]["env"]}
+
+
+def test_the_workers_token_reaches_the_control_plane_and_the_operator() -> None:
+    docs = render()
+    secret = by_name(docs, "Secret", "rel-loraplane-admin")
+    assert set(secret["data"]) == {"admin-token", "worker-token"}
+    assert secret["data"]["worker-token"] != secret["data"]["admin-token"]
+    ref = {"name": "rel-loraplane-admin", "key": "worker-token", "optional": True}
+    cp = env_of(docs, "rel-loraplane-controlplane")
+    assert cp["LORAPLANE_WORKERS__ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == ref
+    op = env_of(docs, "rel-loraplane-operator")
+    assert op["LORAPLANE_WORKER_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == ref
+
+
+def test_network_policies_let_only_the_control_plane_and_prometheus_reach_workers() -> None:
+    policies = [d for d in render() if d["kind"] == "NetworkPolicy"]
+    assert [p["metadata"]["namespace"] for p in policies] == ["lp"]
+    spec = policies[0]["spec"]
+    assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "worker"
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "lp"}
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "controlplane"
+    docs = render(
+        "operator.watchNamespaces={ml,team-b}",
+        "networkPolicy.prometheus.namespaceSelector.matchLabels.name=monitoring",
+    )
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert sorted(p["metadata"]["namespace"] for p in policies) == ["lp", "ml", "team-b"]
+    for policy in policies:
+        peers = policy["spec"]["ingress"][0]["from"]
+        assert peers[1]["namespaceSelector"] == {"matchLabels": {"name": "monitoring"}}
+    assert not [d for d in render("networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]

@@ -55,6 +55,9 @@ def test_plan_applies_spec_changes_in_place() -> None:
         == "update_version"
     )
     assert plan(cp_adapter(), spec={**SPEC, "pinned": True}).action == "patch"
+    assert plan(cp_adapter(), spec={**SPEC, "loadPolicy": "Explicit"}).action == "patch"
+    explicit = {**cp_adapter(), "load_policy": "Explicit"}
+    assert plan(explicit, spec={**SPEC, "loadPolicy": "Explicit"}).action != "patch"
     placed = status.plan_adapter(SPEC, {"count": 1}, {}, 1, cp_adapter(), ["w0", "w1"], POLICY, NOW)
     assert placed.action == "load"
 

@@ -30,6 +30,7 @@ from loraplane.controlplane.db import Database
 from loraplane.controlplane.deps import Services
 from loraplane.controlplane.errors import ApiError
 from loraplane.controlplane.events import close_within, make_bus
+from loraplane.controlplane.limits import BodyLimit
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
@@ -74,11 +75,23 @@ def install_error_handlers(app: FastAPI) -> None:
         body = {"error": {"code": "database_unavailable", "field": None, "message": message}}
         return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
+    @app.exception_handler(sqlalchemy.exc.IntegrityError)
+    async def integrity_error(_: Request, exc: sqlalchemy.exc.IntegrityError) -> JSONResponse:
+        # a concurrent request wrote the same unique row first (the SQL is not shown: it
+        # quotes the request's values)
+        log.info("conflicting write: %s", type(exc.orig).__name__)
+        message = "a concurrent request created or changed the same object first; read it and retry"
+        body = {"error": {"code": "conflict", "field": None, "message": message}}
+        return JSONResponse(body, status_code=409)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status_code, "http_error"
+        )
+        field = "body" if exc.status_code == 413 else None
         return JSONResponse(
-            {"error": {"code": code, "field": None, "message": str(exc.detail)}},
+            {"error": {"code": code, "field": field, "message": str(exc.detail)}},
             status_code=exc.status_code,
         )
 
@@ -93,8 +106,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         metrics = Metrics()
         bus = make_bus(settings.redis_url, metrics, settings.replica_id)
         await bus.start()
+        worker_token = settings.workers.admin_token
         http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+            limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100),
+            headers={"Authorization": f"Bearer {worker_token.get_secret_value()}"}
+            if worker_token is not None
+            else None,
         )
         client = WorkerClient(
             http,
@@ -146,6 +163,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     for module in (pools, workers, adapters, placements, operations, tokens, openai, system):
         app.include_router(module.router)
     return app

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+QUOTE_CHARS = 200
+
+
+def excerpt(value: str) -> str:
+    """``repr(value)`` cut to `QUOTE_CHARS` characters (with the full length named): an error
+    body never echoes a large input back."""
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return f"{value[:QUOTE_CHARS]!r}… ({len(value)} characters)"
+
 
 class ApiError(Exception):
     """An error a client should see: HTTP status, a stable code, the offending field."""

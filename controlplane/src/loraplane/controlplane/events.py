@@ -92,11 +92,14 @@ class EventBus:
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(event)
 
-    async def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
+    async def publish(self, type_: str, *, namespace: str | None, **fields: Any) -> dict[str, Any]:
+        """``namespace``: whose event it is (a namespaced reader sees only its own); None for
+        an event of no namespace (a worker already deleted), seen only by cluster-wide readers."""
         event = {
             "type": type_,
             "at": datetime.now(UTC).isoformat(),
             "origin": self.replica_id,
+            "namespace": namespace,
             **fields,
         }
         self._deliver(event)
@@ -166,8 +169,8 @@ class RedisEventBus(EventBus):
         await stop_tasks(self._tasks, "event bus")
         await close_within(self._redis.aclose(), "event bus redis client")
 
-    async def publish(self, type_: str, **fields: Any) -> dict[str, Any]:
-        event = await super().publish(type_, **fields)
+    async def publish(self, type_: str, *, namespace: str | None, **fields: Any) -> dict[str, Any]:
+        event = await super().publish(type_, namespace=namespace, **fields)
         if len(self._pending) == self._pending.maxlen and self.metrics is not None:
             self.metrics.events_dropped.inc()
         self._pending.append(event)

@@ -99,6 +99,8 @@ class Adapter(Base):
         Integer, nullable=True
     )  # None = all workers
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    # OnDemand: a routed request loads it where it is not loaded; Explicit: only a load does
+    load_policy: Mapped[str] = mapped_column(String(16), default="OnDemand")
     version: Mapped[int] = mapped_column(Integer, default=1)
     desired: Mapped[str] = mapped_column(String(16), default="loaded")  # loaded | unloaded
     phase: Mapped[str] = mapped_column(String(16), default="Pending")

@@ -609,6 +609,11 @@ class Operations:
                 .execution_options(synchronize_session=False)
             )
 
+    def _namespace_of(self, adapter_id: int) -> str | None:
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            return adapter.namespace if adapter is not None else None
+
     def _drop_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef]) -> None:
         with self.db.session() as session:
             session.execute(
@@ -652,7 +657,12 @@ class Operations:
                     result.loaded_adapters,
                 )
             self.metrics.evictions.labels(*pool_labels, target.name).inc()
-            await self.bus.publish("adapter.evicted", worker=target.name, lora_name=victim)
+            await self.bus.publish(
+                "adapter.evicted",
+                namespace=pool_labels[0] or None,
+                worker=target.name,
+                lora_name=victim,
+            )
         return UpdateResult(True)
 
     async def _load_everywhere(
@@ -685,6 +695,7 @@ class Operations:
                     adapter.last_used_at = max(adapter.last_used_at or 0.0, time.time())
             await self.bus.publish(
                 "adapter.loaded",
+                namespace=self._namespace_of(adapter_id),
                 adapter_id=adapter_id,
                 lora_name=name,
                 workers=[t.name for t in targets],
@@ -701,7 +712,11 @@ class Operations:
             if adapter is not None and leftover:
                 adapter.inconsistent = True
         await self.bus.publish(
-            "adapter.failed", adapter_id=adapter_id, lora_name=name, error=merged.error_message
+            "adapter.failed",
+            namespace=self._namespace_of(adapter_id),
+            adapter_id=adapter_id,
+            lora_name=name,
+            error=merged.error_message,
         )
         return ("failed" if leftover else "rolled_back"), merged, per_target
 
@@ -773,15 +788,21 @@ class Operations:
                     await self._record_observed(adapter_id, n, holders, merged.error_message)
                     or leftover
                 )
+        namespace: str | None = None
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             if adapter is not None:
+                namespace = adapter.namespace
                 adapter.inconsistent = leftover
                 adapter.last_error = merged.error_message if leftover else None
                 if plan.get("then") == "delete" and not leftover:
                     session.delete(adapter)
         await self.bus.publish(
-            "adapter.unloaded", adapter_id=adapter_id, success=merged.success, inconsistent=leftover
+            "adapter.unloaded",
+            namespace=namespace,
+            adapter_id=adapter_id,
+            success=merged.success,
+            inconsistent=leftover,
         )
         return ("succeeded" if merged.success else "failed"), merged, per_target
 

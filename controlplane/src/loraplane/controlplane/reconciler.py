@@ -135,7 +135,11 @@ class Reconciler:
             if result.success:
                 self.metrics.drift_repaired.labels("repinned").inc()
                 await self.bus.publish(
-                    "placement.drift_repaired", kind="repinned", worker=worker.name, lora_name=name
+                    "placement.drift_repaired",
+                    namespace=self._namespace_of(worker),
+                    kind="repinned",
+                    worker=worker.name,
+                    lora_name=name,
                 )
             else:
                 log.warning(
@@ -168,7 +172,11 @@ class Reconciler:
             if result.success:
                 self.metrics.drift_repaired.labels("restored").inc()
                 await self.bus.publish(
-                    "placement.drift_repaired", kind="restored", worker=worker.name, lora_name=name
+                    "placement.drift_repaired",
+                    namespace=self._namespace_of(worker),
+                    kind="restored",
+                    worker=worker.name,
+                    lora_name=name,
                 )
         for name in strays:
             result = await self.client.unload(worker.name, worker.endpoint, name)
@@ -177,6 +185,7 @@ class Reconciler:
                 self.metrics.drift_repaired.labels("stray_unloaded").inc()
                 await self.bus.publish(
                     "placement.drift_repaired",
+                    namespace=self._namespace_of(worker),
                     kind="stray_unloaded",
                     worker=worker.name,
                     lora_name=name,
@@ -193,6 +202,12 @@ class Reconciler:
             if result.success:
                 self.metrics.drift_repaired.labels("placed").inc()
 
+    def _namespace_of(self, worker: WorkerRef) -> str | None:
+        """The namespace of the worker's pool: every adapter it holds is of that namespace."""
+        with self.db.session() as session:
+            row = session.get(Worker, worker.id)
+            return row.pool.namespace if row is not None else None
+
     async def _mark_unreachable(self, worker: WorkerRef, error: str) -> None:
         changed = False
         with self.db.session() as session:
@@ -207,7 +222,12 @@ class Reconciler:
                     placement.state = "unreachable"
         if changed:
             log.warning("worker %s unreachable: %s", worker.name, error)
-            await self.bus.publish("worker.unreachable", worker=worker.name, error=error)
+            await self.bus.publish(
+                "worker.unreachable",
+                namespace=self._namespace_of(worker),
+                worker=worker.name,
+                error=error,
+            )
 
     def _pin_drift(self, worker: WorkerRef, seen: Observation) -> list[tuple[str, str, bool, int]]:
         """Adapters this worker holds on every DP group whose pinned flag differs from the
@@ -341,7 +361,9 @@ class Reconciler:
         strays = sorted(seen.adapters - wanted - busy)
         if became_ready:
             asyncio.get_running_loop().create_task(
-                self.bus.publish("worker.ready", worker=worker.name)
+                self.bus.publish(
+                    "worker.ready", namespace=self._namespace_of(worker), worker=worker.name
+                )
             )
         return restore, strays, fill
 

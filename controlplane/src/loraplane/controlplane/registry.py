@@ -198,6 +198,7 @@ def adapter_json(adapter: Adapter) -> dict[str, Any]:
         if adapter.placement_count is None
         else {"count": adapter.placement_count},
         "priority": adapter.priority,
+        "load_policy": adapter.load_policy,
         "version": adapter.version,
         "lora_name": lora_name(adapter.namespace, adapter.name, adapter.version),
         "phase": adapter_phase(adapter),

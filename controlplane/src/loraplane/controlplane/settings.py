@@ -1,10 +1,11 @@
 """Settings from the environment (prefix ``LORAPLANE_``) and the ``serve`` command line.
 
 Top-level: ``LORAPLANE_DB_URL``, ``LORAPLANE_REDIS_URL``, ``LORAPLANE_ADMIN_TOKEN``,
-``LORAPLANE_AUTH`` (true/false), ``LORAPLANE_HOST``, ``LORAPLANE_PORT``.
+``LORAPLANE_AUTH`` (true/false), ``LORAPLANE_HOST``, ``LORAPLANE_PORT``,
+``LORAPLANE_MAX_REQUEST_BYTES``.
 Groups use ``__``: ``LORAPLANE_SOURCES__ALLOWED_ROOTS='["/models"]'``,
 ``LORAPLANE_ROUTER__ON_DEMAND_TIMEOUT_S=30``, ``LORAPLANE_RECONCILER__INTERVAL_S=5``,
-``LORAPLANE_OPERATIONS__LEASE_S=30``.
+``LORAPLANE_OPERATIONS__LEASE_S=30``, ``LORAPLANE_WORKERS__ADMIN_TOKEN``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class WorkerClientSettings(BaseModel):
     probe_timeout_s: float = Field(
         default=3.0, gt=0, description="timeout of /health, /v1/models, /lora_state"
     )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="bearer token sent with every call to a worker (the workers' "
+        "--admin-token-file / LORAPLANE_WORKER_ADMIN_TOKEN); None: none sent",
+    )
 
 
 class OperationSettings(BaseModel):
@@ -88,6 +94,9 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     admin_token: SecretStr | None = None
     auth: bool = True
+    max_request_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024, description="a larger request body is refused (413)"
+    )
     replica_id: str | None = Field(
         default=None,
         description=(

@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 from pydantic import SecretStr
 
-from loraplane.controlplane.errors import ApiError
+from loraplane.controlplane.errors import ApiError, excerpt
 from loraplane.controlplane.settings import SourcesSettings
 
 CONFIG_FILE = "adapter_config.json"
@@ -54,6 +54,7 @@ DEFAULT_TARGET_MODULES = (
     "gate_up_proj",
 )
 FIELD = "body.source.uri"
+MAX_URI_CHARS = 4096
 CREDENTIALS_FIELD = "body.source.credentials"
 
 
@@ -150,6 +151,13 @@ class SourceResolver:
     def fetch(self, uri: str, credentials: SourceCredentials | None = None) -> Path:
         """Return a local directory holding the adapter's two files; remote sources are
         fetched with ``credentials`` when given, else with the control plane's own."""
+        if len(uri) > MAX_URI_CHARS:
+            raise source_error(f"{excerpt(uri)} is longer than {MAX_URI_CHARS} characters")
+        bad = next((c for c in uri if ord(c) < 0x20 or ord(c) == 0x7F), None)
+        if bad is not None:
+            raise source_error(
+                f"{excerpt(uri)} holds the control character {bad!r}; a URI has none"
+            )
         check_credentials(uri, credentials)
         credentials = credentials or SourceCredentials()
         parsed = urlparse(uri)
@@ -187,12 +195,12 @@ class SourceResolver:
                 uri, lambda name, dest: self._http_get(self.hf_url(uri, name), dest, token)
             )
         raise source_error(
-            f"unsupported scheme {parsed.scheme!r} in {uri!r}; use file://, pvc://, s3://, http(s):// or hf://"
+            f"unsupported scheme {excerpt(parsed.scheme)} in {excerpt(uri)}; use file://, pvc://, s3://, http(s):// or hf://"
         )
 
     def _local(self, path: Path, roots: Iterable[Path], what: str) -> Path:
         if not path.is_absolute():
-            raise source_error(f"path {str(path)!r} must be absolute")
+            raise source_error(f"path {excerpt(str(path))} must be absolute")
         real = Path(os.path.realpath(path))
         allowed = [Path(os.path.realpath(root)) for root in roots]
         if not any(real == root or root in real.parents for root in allowed):
@@ -201,10 +209,11 @@ class SourceResolver:
                 or "none configured (LORAPLANE_SOURCES__ALLOWED_ROOTS)"
             )
             raise source_error(
-                f"path {str(path)!r} is outside the {what} [{shown}]", code="source_not_allowed"
+                f"path {excerpt(str(path))} is outside the {what} [{shown}]",
+                code="source_not_allowed",
             )
         if not real.is_dir():
-            raise source_error(f"{str(path)!r} is not a directory", code="source_not_found")
+            raise source_error(f"{excerpt(str(path))} is not a directory", code="source_not_found")
         return real
 
     def hf_url(self, uri: str, name: str) -> str:
@@ -332,6 +341,8 @@ def _read_config(directory: Path) -> dict[str, Any]:
         raise source_error(
             f"{CONFIG_FILE} is not valid JSON: {exc}", code="preflight_failed"
         ) from exc
+    except RecursionError as exc:
+        raise source_error(f"{CONFIG_FILE} is nested too deeply", code="preflight_failed") from exc
     if not isinstance(config, dict):
         raise source_error(f"{CONFIG_FILE} must hold a JSON object", code="preflight_failed")
     return config
@@ -444,10 +455,15 @@ def check_safetensors(
             )
         try:
             header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise source_error(
-                f"{WEIGHTS_FILE} header is not JSON: {exc}", code="preflight_failed"
+                f"{WEIGHTS_FILE} header is not JSON: {type(exc).__name__}: {str(exc)[:200]}",
+                code="preflight_failed",
             ) from exc
+        if not isinstance(header, dict):
+            raise source_error(
+                f"{WEIGHTS_FILE} header must be a JSON object", code="preflight_failed"
+            )
         data_start = 8 + header_len
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
         if not tensors:

@@ -182,6 +182,9 @@ class WorkerDefaults:
     pod_labels: Mapping[str, str] = field(default_factory=dict)
     service_account: str | None = None
     termination_grace_period_s: int = 30
+    # the workers' admin token (the chart's Secret, passed to the operator as
+    # LORAPLANE_WORKER_ADMIN_TOKEN); set: each pool gets a Secret with it, its workers require it
+    admin_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,13 @@ def service_name(pool: str) -> str:
 
 def pdb_name(pool: str) -> str:
     return pool
+
+
+WORKER_TOKEN_ENV = "LORAPLANE_WORKER_ADMIN_TOKEN"
+
+
+def worker_token_secret(pool: str) -> str:
+    return f"{pool}-worker-token"
 
 
 def worker_name(namespace: str, pod: str) -> str:
@@ -292,6 +302,18 @@ def build_pod_template(pool: str, spec: PoolSpec, defaults: WorkerDefaults) -> M
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "LORAPLANE_POOL", "value": pool},
+            *(
+                [
+                    {
+                        "name": WORKER_TOKEN_ENV,
+                        "valueFrom": {
+                            "secretKeyRef": {"name": worker_token_secret(pool), "key": "token"}
+                        },
+                    }
+                ]
+                if defaults.admin_token
+                else []
+            ),
         ],
         "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
         "resources": _resources(spec),
@@ -420,9 +442,27 @@ def build_pdb(owner: Owner) -> Manifest:
     }
 
 
+def build_worker_token_secret(owner: Owner, token: str) -> Manifest:
+    """The pool's copy of the workers' admin token (a pod reads Secrets of its own namespace)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": worker_token_secret(owner.name),
+            "namespace": owner.namespace,
+            "labels": common_labels(owner.name),
+            "ownerReferences": [owner_reference(owner)],
+        },
+        "type": "Opaque",
+        "stringData": {"token": token},
+    }
+
+
 def build_pool_children(owner: Owner, spec: PoolSpec, defaults: WorkerDefaults) -> list[Manifest]:
     """Everything a LoRAPool owns, in the order to apply them."""
+    token = [build_worker_token_secret(owner, defaults.admin_token)] if defaults.admin_token else []
     return [
+        *token,
         build_headless_service(owner),
         build_statefulset(owner, spec, defaults),
         build_pdb(owner),
@@ -549,4 +589,5 @@ def build_adapter_registration(
         "placement": placement_of(spec),
         "priority": int(spec.get("priority", 0)),
         "load": True,
+        "load_policy": str(spec.get("loadPolicy", "OnDemand")),
     }

@@ -110,7 +110,11 @@ def run(
         admin_token=os.environ.get("LORAPLANE_ADMIN_TOKEN") or None,
         resync_interval_s=resync_interval,
         retry=RetryPolicy(max_attempts=max_attempts, base_delay_s=backoff),
-        worker=WorkerDefaults(image=worker_image, pod_labels=_labels(worker_pod_label or [])),
+        worker=WorkerDefaults(
+            image=worker_image,
+            pod_labels=_labels(worker_pod_label or []),
+            admin_token=os.environ.get("LORAPLANE_WORKER_ADMIN_TOKEN") or None,
+        ),
         peering_name=peering,
         standalone=standalone,
         priority=priority if priority is not None else 1 + secrets.randbelow(1_000_000),

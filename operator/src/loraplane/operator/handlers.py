@@ -463,6 +463,7 @@ def _observe_and_act(
                 {
                     "pinned": bool(spec.get("pinned", False)),
                     "priority": int(spec.get("priority", 0)),
+                    "load_policy": str(spec.get("loadPolicy", "OnDemand")),
                 },
                 key,
             )
@@ -563,6 +564,7 @@ API_TO_SPEC = {
     "body.pool": "spec.pool",
     "body.pinned": "spec.pinned",
     "body.priority": "spec.priority",
+    "body.load_policy": "spec.loadPolicy",
     "body.name": "metadata.name",
     "body.namespace": "metadata.namespace",
 }

@@ -127,10 +127,14 @@ def plan_adapter(
     cp_uri, cp_sha = _source_of(cp_adapter)
     if uri != cp_uri or (sha is not None and sha != cp_sha):
         return _bounded("update_version", f"source changed to {uri}", attempts, status, policy, now)
-    if bool(spec.get("pinned", False)) != bool(cp_adapter.get("pinned", False)) or int(
-        spec.get("priority", 0)
-    ) != int(cp_adapter.get("priority", 0)):
-        return _bounded("patch", "pinned/priority changed", attempts, status, policy, now)
+    if (
+        bool(spec.get("pinned", False)) != bool(cp_adapter.get("pinned", False))
+        or int(spec.get("priority", 0)) != int(cp_adapter.get("priority", 0))
+        or spec.get("loadPolicy", "OnDemand") != cp_adapter.get("load_policy", "OnDemand")
+    ):
+        return _bounded(
+            "patch", "pinned/priority/loadPolicy changed", attempts, status, policy, now
+        )
     if cp_adapter.get("placement") != placement:
         return _bounded("load", f"placement changed to {placement}", attempts, status, policy, now)
     if cp_adapter.get("phase") in ("Loading", "Unloading"):

@@ -304,6 +304,16 @@ def serve_cmd(
             "Python; --no-engine-process runs it on a thread of the front end's process",
         ),
     ] = True,
+    max_request_bytes: Annotated[
+        int, typer.Option(help="A request body larger than this is refused with 413")
+    ] = 16 * 1024 * 1024,
+    admin_token_file: Annotated[
+        str | None,
+        typer.Option(
+            help="File holding the bearer token the adapter and debug endpoints require "
+            "(default: $LORAPLANE_WORKER_ADMIN_TOKEN; neither: no token is required)"
+        ),
+    ] = None,
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
     from loraplane.worker.config import ConfigError, ModelConfig
@@ -346,6 +356,8 @@ def serve_cmd(
             port=port,
             log_level=log_level,
             engine_process=engine_process,
+            max_request_bytes=max_request_bytes,
+            admin_token_file=admin_token_file,
         )
         serve(config)
     except (ConfigError, AdapterError) as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
+import sqlalchemy.exc
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -49,7 +50,7 @@ class CredentialsSpec(BaseModel):
     """Per-adapter credentials for fetching the source: used by the preflight only, never
     stored, never logged, not part of the idempotency hash (SecretStr hides them in reprs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     aws_access_key_id: Secret | None = Field(None, description="s3:// (with the secret key)")
     aws_secret_access_key: Secret | None = Field(None, description="s3:// (with the key id)")
@@ -68,7 +69,7 @@ class CredentialsSpec(BaseModel):
 
 
 class SourceSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     uri: str = Field(min_length=1, max_length=2048)
     sha256: str | None = Field(
@@ -91,7 +92,7 @@ UNHASHED = {"source": {"credentials"}}
 
 
 class PlacementCount(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     count: int = Field(ge=1, le=10_000)
 
@@ -99,8 +100,18 @@ class PlacementCount(BaseModel):
 Placement = Literal["all"] | PlacementCount
 
 
+LoadPolicy = Annotated[
+    Literal["OnDemand", "Explicit"],
+    Field(
+        description="OnDemand: a routed request for it loads it where it is not loaded; "
+        "Explicit: only a load (registration, POST .../load) does, and the router refuses "
+        "requests while it is loaded nowhere"
+    ),
+]
+
+
 class AdapterCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     namespace: str = "default"
     name: str
@@ -110,23 +121,25 @@ class AdapterCreate(BaseModel):
     placement: Placement = "all"
     priority: int = Field(0, ge=-1000, le=1000)
     load: bool = True
+    load_policy: LoadPolicy = "OnDemand"
 
 
 class LoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     placement: Placement | None = None
 
 
 class AdapterPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     pinned: bool | None = None
     priority: int | None = Field(None, ge=-1000, le=1000)
+    load_policy: LoadPolicy | None = None
 
 
 class VersionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     source: SourceSpec
 
@@ -292,6 +305,7 @@ async def register_adapter(
             pinned=body.pinned,
             placement_count=count_of(body.placement),
             priority=body.priority,
+            load_policy=body.load_policy,
             version=1,
             desired="loaded" if body.load else "unloaded",
             phase="Pending",
@@ -299,7 +313,12 @@ async def register_adapter(
             last_used_at=0.0,
         )
         session.add(adapter)
-        session.flush()
+        try:
+            session.flush()
+        except sqlalchemy.exc.IntegrityError as exc:  # a concurrent registration won the name
+            raise conflict(
+                f"adapter {body.namespace}/{body.name} already exists", field="body.name"
+            ) from exc
         session.refresh(adapter)
         plan: dict[str, Any] = {
             "adapter_id": adapter.id,
@@ -449,6 +468,8 @@ async def patch_adapter(
         ensure_usable(adapter)
         if body.priority is not None:
             adapter.priority = body.priority
+        if body.load_policy is not None:
+            adapter.load_policy = body.load_policy
         if body.pinned is None or body.pinned == adapter.pinned:
             session.flush()
             return JSONResponse({"adapter": adapter_json(adapter), "operation": None})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -191,6 +192,15 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
                 key,
                 lora_name(adapter.namespace, adapter.name, adapter.version),
             )
+        if adapter.load_policy == "Explicit":
+            raise ApiError(
+                409,
+                "adapter_not_loaded",
+                f"body.model: adapter {namespace}/{key} is not loaded on any ready worker and "
+                "its load_policy is Explicit: it is loaded only on request "
+                f"(POST /v1/adapters/{namespace}/{key}/load), never by routing",
+                field="body.model",
+            )
     started = time.perf_counter()
     timeout = services.settings.router.on_demand_timeout_s
     try:
@@ -239,6 +249,19 @@ def mark_lost(services: Services, route: Route) -> None:
             row.error = "the worker answered 404 for this adapter"
 
 
+def check_finite(value: Any, field: str) -> None:
+    """Refuse ``NaN``, ``Infinity`` and numbers beyond a double (``1e400``) by their field:
+    no worker would take them, and they cannot be sent on as JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_value(field, f"{value} is not a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_finite(item, f"{field}.{key}")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_finite(item, f"{field}[{index}]")
+
+
 def rewrite_model(payload: bytes, model: str) -> bytes:
     try:
         body = json.loads(payload)
@@ -279,9 +302,12 @@ async def _proxy(
     counted: _Counted,
 ) -> Response:
     try:
-        body = await request.json()
+        body = json.loads(await request.body())
+        check_finite(body, "body")
+    except RecursionError as exc:
+        raise bad_value("body", "JSON nested too deeply") from exc
     except ValueError as exc:
-        raise bad_value("body", f"not valid JSON: {exc}") from exc
+        raise bad_value("body", f"not valid JSON: {str(exc)[:200]}") from exc
     if not isinstance(body, dict):
         raise bad_value("body", "must be a JSON object")
     model = body.get("model")
@@ -335,6 +361,9 @@ async def _proxy(
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "503").inc()
             counted.routed = True
             raise ApiError(503, "no_worker", str(exc)) from exc
+        except BaseException:  # whatever failed, this request no longer counts on the worker
+            release()
+            raise
         if response.status_code == 404 and route.lora_name is not None and attempt == 0:
             # the worker lost the adapter (it restarted): say so, let the reconciler repair, retry
             await response.aclose()

@@ -18,7 +18,7 @@ router = APIRouter(prefix="/v1/pools", tags=["pools"])
 
 
 class PoolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: str = Field(
         min_length=1, max_length=1024, description="path or URI of the base checkpoint"

@@ -47,9 +47,8 @@ async def events(request: Request, services: ServicesDep, principal: Reader) -> 
                 except TimeoutError:
                     yield b": keepalive\n\n"
                     continue
-                namespace = event.get("namespace")
-                if namespace is not None and not principal.sees(namespace):
-                    continue
+                if not principal.sees(event.get("namespace") or ""):
+                    continue  # another namespace's, or of none: cluster-wide readers only
                 yield f"data: {json.dumps(event)}\n\n".encode()
 
     return StreamingResponse(stream(), media_type="text/event-stream")

@@ -19,7 +19,7 @@ router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
 
 class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=200)
     scopes: list[Literal["read", "route", "admin"]] = Field(min_length=1)

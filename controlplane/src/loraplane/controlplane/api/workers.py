@@ -27,7 +27,7 @@ ENDPOINT = re.compile(r"^https?://[^/\s]+(/[^\s]*)?$")
 
 
 class WorkerRegister(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     name: str = Field(min_length=1, max_length=253)
     namespace: str = "default"
@@ -111,7 +111,8 @@ async def delete_worker(
     name: str, services: ServicesDep, session: SessionDep, _: ClusterAdmin
 ) -> Response:
     worker = get_worker(session, name)
+    namespace = worker.pool.namespace
     session.delete(worker)
     session.commit()
-    await services.bus.publish("worker.deregistered", worker=name)
+    await services.bus.publish("worker.deregistered", namespace=namespace, worker=name)
     return Response(status_code=204)

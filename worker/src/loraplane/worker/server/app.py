@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -18,7 +19,8 @@ from loraplane.worker.engine.engine import UnknownAdapterError
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
 from loraplane.worker.engine.sequence import SeqEvent
-from loraplane.worker.engine.tokenizer import TokenizerError
+from loraplane.worker.engine.tokenizer import TextTokenizer, TokenizerError
+from loraplane.worker.server import guards
 from loraplane.worker.server import protocol as p
 from loraplane.worker.server.engine_client import EngineClient
 from loraplane.worker.server.faults import FaultInjector
@@ -49,6 +51,16 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+@functools.cache
+def _longest_token(tokenizer: TextTokenizer) -> int:
+    return max((len(token) for token in tokenizer.tokenizer.get_vocab()), default=1)
+
+
+def prompt_char_limit(tokenizer: TextTokenizer, max_model_len: int) -> int:
+    """Characters a prompt of `max_model_len` tokens can hold at most (every token its longest)."""
+    return max_model_len * max(1, _longest_token(tokenizer))
+
+
 def _allowed(path: str, roots: tuple[str, ...]) -> bool:
     if not roots:
         return True
@@ -68,8 +80,12 @@ class WorkerServer:
         allowed_lora_roots: tuple[str, ...],
         metrics: WorkerMetrics,
         faults: FaultInjector | CoreFaults | None,
+        max_body_bytes: int = guards.DEFAULT_MAX_BODY_BYTES,
+        admin_token: str | None = None,
     ) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.admin_token = admin_token
         self.served_model = served_model
         self.model_root = model_root
         self.allowed_lora_roots = allowed_lora_roots
@@ -92,7 +108,8 @@ class WorkerServer:
             if base != self.served_model:
                 raise ApiError(
                     404,
-                    f"model: {model!r} names base {base!r}, but this worker serves {self.served_model!r}",
+                    f"model: {guards.excerpt(model)} names base {guards.excerpt(base)}, "
+                    f"but this worker serves {self.served_model!r}",
                     "model",
                     "not_found",
                 )
@@ -101,6 +118,10 @@ class WorkerServer:
         return name
 
     def _check_adapter(self, name: str, field: str) -> None:
+        if len(name) > guards.QUOTE_CHARS:  # longer than any adapter name: not quoted whole
+            raise ApiError(
+                404, f"{field}: no adapter is named {guards.excerpt(name)}", field, "not_found"
+            )
         try:
             self.engine.resolve_adapter(name)
         except UnknownAdapterError as exc:
@@ -112,7 +133,7 @@ class WorkerServer:
             # `model=<name>` routes to the base model, so such an adapter could never be reached
             message = f"lora_name: {body.lora_name!r} is the name of the served base model; choose another adapter name"
         elif not _allowed(body.lora_path, self.allowed_lora_roots):
-            message = f"lora_path: {body.lora_path!r} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
+            message = f"lora_path: {guards.excerpt(body.lora_path)} is outside the allowed adapter roots {list(self.allowed_lora_roots)}"
         if message is not None:
             return self._update_response(
                 LoRAUpdateResult(False, message, self._first_group_adapters())
@@ -158,7 +179,7 @@ class WorkerServer:
         except SamplingError as exc:
             raise ApiError(400, str(exc), field) from exc
 
-    def prompt_ids(self, text: str | None, ids: list[int] | None, field: str) -> list[int]:
+    async def prompt_ids(self, text: str | None, ids: list[int] | None, field: str) -> list[int]:
         if ids is not None:
             vocab = self.engine.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
@@ -170,10 +191,23 @@ class WorkerServer:
                 )
             prompt = list(ids)
         elif text is not None:
-            prompt = self.engine.tokenizer.encode(text)
+            self.check_chars(len(text), field)
+            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, text)
         else:
             raise ApiError(400, f"{field}: give a text prompt or token ids", field)
         return self._check_length(prompt, field)
+
+    def check_chars(self, chars: int, field: str) -> None:
+        """Refuse, before tokenizing, a prompt of more characters than `max_model_len` tokens of
+        this tokenizer's longest token hold: it cannot fit, and tokenizing it costs seconds."""
+        limit = prompt_char_limit(self.engine.tokenizer, self.engine.max_model_len)
+        if chars > limit:
+            raise ApiError(
+                400,
+                f"{field}: the prompt has {chars} characters; this worker's max_model_len is "
+                f"{self.engine.max_model_len} tokens, which hold at most {limit} characters",
+                field,
+            )
 
     def _check_length(self, prompt: list[int], field: str) -> list[int]:
         if not prompt:
@@ -231,6 +265,45 @@ class WorkerServer:
         return "".join(text), ids, last
 
 
+def refuse_unsupported(body: p._Refusing, prefix: str = "") -> None:
+    """400 naming a field this worker does not implement, when it asks for something."""
+    found = body.unsupported()
+    if found is None:
+        return
+    field, value = found
+    neutral = " or ".join(repr(n) for n in body.NEUTRAL[field]) or "null"
+    shown = json.dumps(value, default=str)
+    if len(shown) > guards.QUOTE_CHARS:
+        shown = f"{shown[: guards.QUOTE_CHARS]}… ({len(shown)} characters)"
+    raise ApiError(
+        400,
+        f"{prefix}{field}: {shown} is not supported by this worker; leave it out or give {neutral}",
+        prefix + field,
+    )
+
+
+def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template, each content one string (text parts joined by \\n)."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if not isinstance(content, str):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    field = f"messages.{i}.content.{j}"
+                    raise ApiError(
+                        400,
+                        f"{field}.type: {guards.excerpt(part.type)} parts are not supported; "
+                        "give text parts ({'type': 'text', 'text': ...})",
+                        f"{field}.type",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out.append({**message.model_dump(), "content": content})
+    return out
+
+
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -250,14 +323,12 @@ def create_app(server: WorkerServer) -> FastAPI:
         description="One model with many LoRA adapters; SGLang- and OpenAI-compatible endpoints.",
     )
 
+    guards.install(app, max_body_bytes=server.max_body_bytes)
+
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        body = p.ErrorResponse(
-            error=p.ErrorDetail(
-                message=exc.message, type=exc.kind, param=exc.param, code=exc.status
-            )
-        )
-        return JSONResponse(body.model_dump(), status_code=exc.status)
+        body = guards.error_body(exc.status, exc.message, exc.param, exc.kind)
+        return JSONResponse(body, status_code=exc.status)
 
     def streaming(gen: Callable[[], AsyncIterator[str]]) -> StreamingResponse:
         return StreamingResponse(
@@ -271,8 +342,10 @@ def create_app(server: WorkerServer) -> FastAPI:
     )
     async def generate(body: p.GenerateRequest) -> Any:
         """SGLang native generation; `stream: true` answers SSE with the cumulative text."""
+        refuse_unsupported(body)
+        refuse_unsupported(body.sampling_params, "sampling_params.")
         adapter = server.adapter_for(None, body.lora_path)
-        prompt = server.prompt_ids(
+        prompt = await server.prompt_ids(
             body.text, body.input_ids, "text" if body.input_ids is None else "input_ids"
         )
         params = server.sampling(
@@ -311,11 +384,12 @@ def create_app(server: WorkerServer) -> FastAPI:
     )
     async def completions(body: p.CompletionRequest) -> Any:
         """OpenAI completions; the adapter is `model: "<base>:<adapter>"`, `model: "<adapter>"` or `lora_path`."""
+        refuse_unsupported(body)
         adapter = server.adapter_for(body.model, body.lora_path)
         if isinstance(body.prompt, str):
-            prompt = server.prompt_ids(body.prompt, None, "prompt")
+            prompt = await server.prompt_ids(body.prompt, None, "prompt")
         else:
-            prompt = server.prompt_ids(None, body.prompt, "prompt")
+            prompt = await server.prompt_ids(None, body.prompt, "prompt")
         params = server.sampling(body, body.max_tokens, "max_tokens")
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
@@ -370,12 +444,14 @@ def create_app(server: WorkerServer) -> FastAPI:
         tags=["openai"],
     )
     async def chat_completions(body: p.ChatCompletionRequest) -> Any:
-        """OpenAI chat completions; the prompt is the model's chat template over `messages`."""
+        """OpenAI chat completions; the prompt is the model's chat template over `messages`
+        (a message's content: a string or a list of text parts, joined with newlines)."""
+        refuse_unsupported(body)
         adapter = server.adapter_for(body.model, body.lora_path)
+        messages = chat_messages(body.messages)
+        server.check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            prompt = server.engine.tokenizer.apply_chat_template(
-                [m.model_dump() for m in body.messages]
-            )
+            prompt = await asyncio.to_thread(server.engine.tokenizer.apply_chat_template, messages)
         except TokenizerError as exc:
             raise ApiError(400, str(exc), "messages") from exc
         prompt = server._check_length(prompt, "messages")
@@ -449,11 +525,16 @@ def create_app(server: WorkerServer) -> FastAPI:
 
     # --- adapters ------------------------------------------------------------------------
 
+    admin = [Depends(guards.admin_dependency(server.admin_token))]
+    unauthorized: dict[int | str, dict[str, Any]] = {
+        401: {"model": p.ErrorResponse, "description": "the admin token is missing or wrong"}
+    }
     update_responses: dict[int | str, dict[str, Any]] = {
         400: {
             "model": p.LoRAUpdateResponse,
             "description": "failed (merged fail-first over DP groups)",
-        }
+        },
+        **unauthorized,
     }
 
     @app.post(
@@ -461,6 +542,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         response_model=p.LoRAUpdateResponse,
         responses=update_responses,
         tags=["adapters"],
+        dependencies=admin,
     )
     async def load_lora_adapter(body: p.LoadLoRAAdapterRequest) -> Any:
         """Load (or replace with a new version) an adapter on every DP group; fail-first merge."""
@@ -471,6 +553,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         response_model=p.LoRAUpdateResponse,
         responses=update_responses,
         tags=["adapters"],
+        dependencies=admin,
     )
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> Any:
         """Unload an adapter from every DP group; a partial failure leaves it inconsistent."""
@@ -499,7 +582,13 @@ def create_app(server: WorkerServer) -> FastAPI:
             )
         return p.ModelList(data=cards)
 
-    @app.get("/lora_state", response_model=p.LoRAStateResponse, tags=["adapters"])
+    @app.get(
+        "/lora_state",
+        response_model=p.LoRAStateResponse,
+        responses=unauthorized,
+        tags=["adapters"],
+        dependencies=admin,
+    )
     async def lora_state() -> Any:
         """Slots, pins, LRU order and per-DP-group adapters of this worker."""
         # (a round trip to the engine core: off the event loop)
@@ -527,7 +616,13 @@ def create_app(server: WorkerServer) -> FastAPI:
     if server.faults is not None:
         faults = server.faults
 
-        @app.post("/debug/fault", response_model=p.FaultResponse, responses=_ERRORS, tags=["debug"])
+        @app.post(
+            "/debug/fault",
+            response_model=p.FaultResponse,
+            responses={**_ERRORS, **unauthorized},
+            tags=["debug"],
+            dependencies=admin,
+        )
         async def debug_fault(body: p.FaultRequest) -> Any:
             """Test only: make `dp_group` fail its next `count` loads or unloads with `message`."""
             try:

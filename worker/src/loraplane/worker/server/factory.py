@@ -40,6 +40,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
+    max_request_bytes: int = 16 * 1024 * 1024  # a larger body is refused with 413
+    admin_token_file: str | None = None  # adapter and debug endpoints need this bearer token
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.dp < 1:
@@ -60,6 +62,8 @@ class ServeConfig:
             raise ConfigError(
                 f"--sampler {self.sampler!r} is not supported; expected one of {', '.join(SAMPLERS)}"
             )
+        if self.max_request_bytes < 1024:
+            raise ConfigError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:

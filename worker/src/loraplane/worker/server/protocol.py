@@ -2,14 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name) and
+    nothing is coerced (``"yes"`` is no boolean, ``"5"`` no number)."""
+
+    model_config = ConfigDict(allow_inf_nan=False, strict=True)
+
+
+# --- fields this worker does not implement -------------------------------------------------
+
+# A field of the OpenAI or SGLang API the worker does not implement is declared (so it is in
+# the schema) and refused with 400 naming it when given anything but its neutral value; it is
+# never silently ignored. Log probabilities are among them.
+
+
+def _unsupported(what: str) -> Any:
+    return Field(default=None, description=f"not supported ({what}): refused unless neutral")
+
+
+class _Refusing(_Body):
+    # field -> the values that ask for nothing (the field is then accepted and ignored)
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def unsupported(self) -> tuple[str, Any] | None:
+        """The first field set to something this worker does not do, with its value."""
+        for name, neutral in self.NEUTRAL.items():
+            value = getattr(self, name)
+            if value is not None and not any(
+                value == n and type(value) is type(n) for n in neutral
+            ):
+                return name, value
+        return None
+
+
+_PENALTIES: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+}
+
 
 # --- sampling, shared ----------------------------------------------------------------------
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Body):
     temperature: float | None = Field(
         default=None, ge=0, le=100, description="0 (or below 1e-5) = greedy"
     )
@@ -24,12 +65,36 @@ class _Sampling(BaseModel):
 # --- SGLang /generate ----------------------------------------------------------------------
 
 
-class GenerateSamplingParams(_Sampling):
+class GenerateSamplingParams(_Sampling, _Refusing):
     model_config = ConfigDict(extra="ignore")
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "presence_penalty": (0, 0.0),
+        "frequency_penalty": (0, 0.0),
+        "repetition_penalty": (1, 1.0),
+        "min_new_tokens": (0,),
+        "n": (1,),
+        "regex": (),
+        "json_schema": (),
+        "ebnf": (),
+    }
     max_new_tokens: int = Field(default=128, ge=0)
+    presence_penalty: Any = _unsupported("penalties")
+    frequency_penalty: Any = _unsupported("penalties")
+    repetition_penalty: Any = _unsupported("penalties")
+    min_new_tokens: Any = _unsupported("a minimum length")
+    n: Any = _unsupported("only one sequence per request")
+    regex: Any = _unsupported("constrained decoding")
+    json_schema: Any = _unsupported("constrained decoding")
+    ebnf: Any = _unsupported("constrained decoding")
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Refusing):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "return_logprob": (False,),
+        "top_logprobs_num": (0,),
+        "logprob_start_len": (-1,),
+        "return_text_in_logprobs": (False,),
+    }
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
@@ -38,6 +103,10 @@ class GenerateRequest(BaseModel):
     )
     stream: bool = False
     rid: str | None = None
+    return_logprob: Any = _unsupported("log probabilities")
+    top_logprobs_num: Any = _unsupported("log probabilities")
+    logprob_start_len: Any = _unsupported("log probabilities")
+    return_text_in_logprobs: Any = _unsupported("log probabilities")
 
 
 class FinishReason(BaseModel):
@@ -61,14 +130,29 @@ class GenerateResponse(BaseModel):
 # --- OpenAI completions -------------------------------------------------------------------
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Sampling, _Refusing):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "n": (1,),
+        "logprobs": (0, False),
+        "echo": (False,),
+        "best_of": (1,),
+        "suffix": ("",),
+        **_PENALTIES,
+    }
     model: str | None = None
     prompt: str | list[int]
     max_tokens: int | None = Field(default=16, ge=0)
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: Any = Field(default=1, description="only 1 is supported")
     stream: bool = False
     lora_path: str | None = None
     user: str | None = None
+    logprobs: Any = _unsupported("log probabilities")
+    echo: Any = _unsupported("echo")
+    best_of: Any = _unsupported("only one sequence per request")
+    suffix: Any = _unsupported("insertion")
+    presence_penalty: Any = _unsupported("penalties")
+    frequency_penalty: Any = _unsupported("penalties")
+    logit_bias: Any = _unsupported("logit bias")
 
 
 class CompletionChoice(BaseModel):
@@ -94,21 +178,50 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class ChatMessage(BaseModel):
+class ContentPart(_Body):
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(description="only text parts are supported")
+    text: str | None = None
+
+
+class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[ContentPart] = Field(
+        description="a string, or a list of text parts (joined with newlines)"
+    )
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, _Refusing):
+    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "n": (1,),
+        "logprobs": (False,),
+        "top_logprobs": (0,),
+        "tools": ([],),
+        "tool_choice": ("none",),
+        "functions": ([],),
+        "function_call": ("none",),
+        "response_format": ({"type": "text"},),
+        **_PENALTIES,
+    }
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    n: int = Field(default=1, ge=1, le=1, description="only 1 is supported")
+    n: Any = Field(default=1, description="only 1 is supported")
     stream: bool = False
     lora_path: str | None = None
     user: str | None = None
+    logprobs: Any = _unsupported("log probabilities")
+    top_logprobs: Any = _unsupported("log probabilities")
+    tools: Any = _unsupported("tool calls")
+    tool_choice: Any = _unsupported("tool calls")
+    functions: Any = _unsupported("tool calls")
+    function_call: Any = _unsupported("tool calls")
+    response_format: Any = _unsupported("constrained decoding")
+    presence_penalty: Any = _unsupported("penalties")
+    frequency_penalty: Any = _unsupported("penalties")
+    logit_bias: Any = _unsupported("logit bias")
 
 
 class ChatResponseMessage(BaseModel):
@@ -135,14 +248,14 @@ class ChatCompletionResponse(BaseModel):
 # --- adapters ------------------------------------------------------------------------------
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
-    lora_path: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1, max_length=4096)
     pinned: bool = False
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
-    lora_name: str = Field(min_length=1)
+class UnloadLoRAAdapterRequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=200)
 
 
 class LoRAUpdateResponse(BaseModel):
@@ -214,7 +327,7 @@ class LoRAStateResponse(BaseModel):
     running: int
 
 
-class FaultRequest(BaseModel):
+class FaultRequest(_Body):
     op: Literal["load", "unload"]
     dp_group: int = Field(ge=0)
     count: int = Field(default=1, ge=0)

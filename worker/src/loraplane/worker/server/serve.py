@@ -12,6 +12,7 @@ from loraplane.worker.server.engine_client import EngineClient, InThreadEngineCl
 from loraplane.worker.server.engine_process import CoreFaults, ProcessEngineClient
 from loraplane.worker.server.factory import ServeConfig, build_engine
 from loraplane.worker.server.faults import FaultInjector
+from loraplane.worker.server.guards import read_admin_token
 from loraplane.worker.server.metrics import WorkerMetrics
 
 log = logging.getLogger("loraplane.worker.server")
@@ -54,6 +55,8 @@ def build_server(config: ServeConfig) -> WorkerServer:
         allowed_lora_roots=config.allowed_lora_roots,
         metrics=metrics,
         faults=faults,
+        max_body_bytes=config.max_request_bytes,
+        admin_token=read_admin_token(config.admin_token_file),
     )
     for name, path in config.loras:
         result = client.load_adapter(name, path, pinned=name in config.pinned).result()

@@ -1,0 +1,305 @@
+"""A hostile client against a real worker: every bad input a 4xx in the documented error shape
+that names the field, quotes little of the input, and leaves the worker serving."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from workerkit import WorkerProcess, generate, start_worker
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def worker(
+    tiny_model: Path,
+    make_adapter_dir: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    good = make_adapter_dir("good")
+    process = start_worker(
+        tiny_model,
+        tmp_path_factory.mktemp("hardening"),
+        "--allowed-lora-root",
+        str(good.parent),
+        "--max-model-len",
+        "64",
+        "--lora",
+        f"good={good}",
+    )
+    yield process
+    process.stop()
+
+
+def error_of(response: Any, status: int) -> dict[str, Any]:
+    """The documented error body of a refusal with `status`."""
+    assert response.status_code == status, response.text
+    body: dict[str, Any] = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["code"] == status
+    detail: dict[str, Any] = body["error"]
+    return detail
+
+
+def still_serving(worker: WorkerProcess) -> None:
+    assert worker.client.get("/health").json() == {"status": "ok"}
+    assert generate(worker, "hello", "good", max_tokens=2)["usage"]["completion_tokens"] >= 1
+
+
+NON_FINITE = ["NaN", "Infinity", "-Infinity"]
+ENDPOINTS = {
+    "/generate": (
+        '{{"text": "hi", "sampling_params": {{"{field}": {value}}}}}',
+        "sampling_params.",
+    ),
+    "/v1/completions": ('{{"prompt": "hi", "{field}": {value}}}', ""),
+    "/v1/chat/completions": (
+        '{{"messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}',
+        "",
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+def test_non_finite_sampling_numbers_are_refused_by_name(worker: WorkerProcess, path: str) -> None:
+    template, prefix = ENDPOINTS[path]
+    for field in ("temperature", "top_p"):
+        for value in NON_FINITE:
+            body = template.format(field=field, value=value)
+            r = worker.client.post(
+                path, content=body.encode(), headers={"content-type": "application/json"}
+            )
+            error = error_of(r, 422)
+            assert error["param"] == prefix + field, (body, error)
+            assert "finite" in error["message"], error
+    still_serving(worker)
+
+
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_parsed(
+    worker: WorkerProcess,
+) -> None:
+    big = b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}'
+    r = worker.client.post(
+        "/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    error = error_of(r, 413)
+    assert error["param"] == "body" and "16777216 bytes" in error["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams in
+        for _ in range(17):
+            yield b" " * (1024 * 1024)
+
+    r = worker.client.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert error_of(r, 413)["param"] == "body"
+    still_serving(worker)
+
+
+def test_a_prompt_too_long_for_the_model_is_refused_before_tokenizing(
+    worker: WorkerProcess,
+) -> None:
+    five_mb = "word " * (1024 * 1024)
+    r = worker.client.post("/v1/completions", json={"prompt": five_mb, "max_tokens": 1})
+    error = error_of(r, 400)
+    assert error["param"] == "prompt"
+    assert f"the prompt has {len(five_mb)} characters" in error["message"], error
+    assert len(r.content) < 1000
+    r = worker.client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": five_mb}]}
+    )
+    assert error_of(r, 400)["param"] == "messages"
+    r = worker.client.post("/generate", json={"text": five_mb})
+    assert error_of(r, 400)["param"] == "text"
+    still_serving(worker)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/a", "pinned": "yes"}, "pinned"),
+        ("/v1/completions", {"prompt": "hi", "stream": "true"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "4"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4.5}, "max_tokens"),
+        ("/generate", {"text": "hi", "sampling_params": {"ignore_eos": 1}}, "sampling_params."),
+    ],
+)
+def test_booleans_and_numbers_are_not_coerced(
+    worker: WorkerProcess, path: str, body: dict[str, Any], param: str
+) -> None:
+    error = error_of(worker.client.post(path, json=body), 422)
+    assert error["param"].startswith(param), error
+    assert [m["id"] for m in worker.client.get("/v1/models").json()["data"]] == [
+        "tiny-llama",
+        "good",
+    ]
+
+
+def test_errors_quote_at_most_a_short_prefix_of_the_input(worker: WorkerProcess) -> None:
+    huge = "p" * (10 * 1024 * 1024)
+    r = worker.client.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": huge})
+    assert error_of(r, 422)["param"] == "lora_path" and len(r.content) < 1000
+    r = worker.client.post("/generate", json={"text": "hi", "lora_path": huge})
+    assert error_of(r, 404)["param"] == "lora_path" and len(r.content) < 1000
+    r = worker.client.post("/v1/completions", json={"prompt": "hi", "model": huge})
+    assert error_of(r, 404)["param"] == "model" and len(r.content) < 1000
+    still_serving(worker)
+
+
+def test_with_a_token_configured_adapter_and_debug_endpoints_refuse_strangers(
+    tiny_model: Path, make_adapter_dir: Callable[..., Path], tmp_path: Path
+) -> None:
+    good = make_adapter_dir("good")
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    guarded = start_worker(
+        tiny_model,
+        tmp_path,
+        "--allowed-lora-root",
+        str(good.parent),
+        "--admin-token-file",
+        str(token_file),
+        "--enable-fault-injection",
+    )
+    try:
+        c = guarded.client
+        load = {"lora_name": "good", "lora_path": str(good)}
+        wrong = {"Authorization": "Bearer nope"}
+        for headers in ({}, wrong):
+            error = error_of(c.post("/load_lora_adapter", json=load, headers=headers), 401)
+            assert "admin token" in error["message"] and error["type"] == "authentication_error"
+            unload = {"lora_name": "good"}
+            error_of(c.post("/unload_lora_adapter", json=unload, headers=headers), 401)
+            error_of(c.get("/lora_state", headers=headers), 401)
+            fault = {"op": "load", "dp_group": 0}
+            error_of(c.post("/debug/fault", json=fault, headers=headers), 401)
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["tiny-llama"]
+        admin = {"Authorization": "Bearer s3cret-token"}
+        r = c.post("/load_lora_adapter", json=load, headers=admin)
+        assert r.status_code == 200, r.text
+        assert c.get("/lora_state", headers=admin).status_code == 200
+        # generation and health stay open
+        assert generate(guarded, "hello", "good", max_tokens=2)["usage"]["completion_tokens"] >= 1
+        assert c.get("/health").status_code == 200
+    finally:
+        guarded.stop()
+
+
+def openai_client(worker: WorkerProcess) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_official_openai_client_completes_and_chats_with_text_parts(
+    worker: WorkerProcess,
+) -> None:
+    client = openai_client(worker)
+    done = client.completions.create(
+        model="tiny-llama:good", prompt="The quick brown fox", max_tokens=3, temperature=0
+    )
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens == 3
+    as_string = client.chat.completions.create(
+        model="good",
+        messages=[{"role": "user", "content": "Say hi\nand bye"}],
+        max_tokens=4,
+        temperature=0,
+    )
+    as_parts = client.chat.completions.create(
+        model="good",
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Say hi"},
+                    {"type": "text", "text": "and bye"},
+                ],
+            }
+        ],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert as_parts.choices[0].message.content == as_string.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="good",
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say hi\nand bye"}]}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == as_string.choices[0].message.content
+
+
+UNSUPPORTED_COMPLETION = [
+    ("logprobs", {"logprobs": 2}),
+    ("echo", {"echo": True}),
+    ("best_of", {"best_of": 2}),
+    ("n", {"n": 2}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("logit_bias", {"logit_bias": {"5": 10}}),
+]
+UNSUPPORTED_CHAT = [
+    ("logprobs", {"logprobs": True}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+    ("n", {"n": 2}),
+    ("presence_penalty", {"presence_penalty": 1.0}),
+    ("response_format", {"response_format": {"type": "json_object"}}),
+]
+
+
+@pytest.mark.parametrize(("field", "extra"), UNSUPPORTED_COMPLETION)
+def test_unsupported_completion_fields_are_refused_by_name(
+    worker: WorkerProcess, field: str, extra: dict[str, Any]
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(worker).completions.create(
+            model="tiny-llama:good", prompt="hi", max_tokens=2, **extra
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == field, error
+    assert f"{field}: " in error["message"] and "not supported" in error["message"], error
+
+
+@pytest.mark.parametrize(("field", "extra"), UNSUPPORTED_CHAT)
+def test_unsupported_chat_fields_are_refused_by_name(
+    worker: WorkerProcess, field: str, extra: dict[str, Any]
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(worker).chat.completions.create(
+            model="good", messages=[{"role": "user", "content": "hi"}], max_tokens=2, **extra
+        )
+    error = info.value.body
+    assert isinstance(error, dict) and error["param"] == field, error
+
+
+def test_sglang_log_probabilities_and_non_text_parts_are_refused_by_name(
+    worker: WorkerProcess,
+) -> None:
+    c = worker.client
+    r = c.post("/generate", json={"text": "hi", "return_logprob": True})
+    assert error_of(r, 400)["param"] == "return_logprob"
+    r = c.post("/generate", json={"text": "hi", "sampling_params": {"presence_penalty": 0.5}})
+    assert error_of(r, 400)["param"] == "sampling_params.presence_penalty"
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]}
+    r = c.post("/v1/chat/completions", json=body)
+    assert error_of(r, 400)["param"] == "messages.0.content.1.type"
+    # the neutral values of those fields are accepted
+    r = c.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 1, "logprobs": 0, "echo": False, "n": 1},
+    )
+    assert r.status_code == 200, r.text
+    still_serving(worker)

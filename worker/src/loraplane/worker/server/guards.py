@@ -1,0 +1,177 @@
+"""What the worker checks before any work: body size, body shape, and (when configured) a token.
+
+Every refusal is the documented error body (`protocol.ErrorResponse`), naming the field; a
+refusal never quotes more than `QUOTE_CHARS` characters of what the client sent.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplane.worker.config import ConfigError
+from loraplane.worker.server import protocol as p
+
+QUOTE_CHARS = 200
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def excerpt(value: str) -> str:
+    """``repr(value)``, cut to `QUOTE_CHARS` characters with the full length named."""
+    if len(value) <= QUOTE_CHARS:
+        return repr(value)
+    return f"{value[:QUOTE_CHARS]!r}… ({len(value)} characters)"
+
+
+def error_body(status: int, message: str, param: str | None, kind: str) -> dict[str, Any]:
+    return p.ErrorResponse(
+        error=p.ErrorDetail(message=message, type=kind, param=param, code=status)
+    ).model_dump()
+
+
+def _field(loc: tuple[Any, ...] | list[Any]) -> str:
+    """``sampling_params.temperature`` from ``("body", "sampling_params", "temperature")``."""
+    parts = [str(part) for part in loc]
+    if parts and parts[0] == "body":
+        parts = parts[1:]
+    return ".".join(parts) or "body"
+
+
+async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    """A 422 in the documented shape; pydantic's messages name the rule, never the input."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    parts = list(
+        dict.fromkeys(f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
+    )
+    param = _field(errors[0].get("loc", ())) if errors else None
+    return JSONResponse(
+        error_body(422, "; ".join(parts), param, "invalid_request_error"), status_code=422
+    )
+
+
+def _too_large_message(limit: int) -> str:
+    return f"body: the request body is larger than the limit of {limit} bytes (--max-request-bytes)"
+
+
+class BodyLimit:
+    """ASGI middleware: a request body above `max_bytes` is refused with 413 as it streams in
+    (a declared Content-Length before any of it is read), before the app parses it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.max_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            body = json.dumps(
+                error_body(413, _too_large_message(limit), "body", "invalid_request_error")
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 413,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body.encode()})
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # the app's handler for HTTPException answers it
+                    raise StarletteHTTPException(413, _too_large_message(limit))
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def http_error(_request: Request, exc: Exception) -> JSONResponse:
+    """404, 405, 413 … in the documented shape."""
+    assert isinstance(exc, StarletteHTTPException)
+    kind = {404: "not_found", 401: "authentication_error"}.get(
+        exc.status_code, "invalid_request_error"
+    )
+    param = "body" if exc.status_code == 413 else None
+    return JSONResponse(
+        error_body(exc.status_code, str(exc.detail), param, kind),
+        status_code=exc.status_code,
+        headers=exc.headers,
+    )
+
+
+TOKEN_ENV = "LORAPLANE_WORKER_ADMIN_TOKEN"
+
+
+def read_admin_token(path: str | None) -> str | None:
+    """The admin token from `path` (surrounding whitespace dropped), else from `TOKEN_ENV`;
+    None when neither is set. An empty or unreadable file is a `ConfigError`."""
+    if path is None:
+        return os.environ.get(TOKEN_ENV) or None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--admin-token-file {path}: {exc.strerror or exc}") from exc
+    if not token:
+        raise ConfigError(f"--admin-token-file {path}: the file is empty")
+    return token
+
+
+_bearer = HTTPBearer(auto_error=False, description="the worker's admin token, when configured")
+
+
+def admin_dependency(token: str | None) -> Callable[..., Awaitable[None]]:
+    """A route dependency: with `token` set, a request without ``Authorization: Bearer
+    <token>`` is refused with 401 (documented in the OpenAPI schema as a bearer scheme)."""
+
+    async def require_admin(
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        if token is None:
+            return
+        given = credentials.credentials if credentials is not None else None
+        if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+            raise StarletteHTTPException(
+                401,
+                "Authorization: this endpoint needs the worker's admin token "
+                "(Authorization: Bearer <token>)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    return require_admin
+
+
+def install(app: FastAPI, *, max_body_bytes: int) -> None:
+    """The 422 handler and the body limit (the outermost layer: nothing reads a body first)."""
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
