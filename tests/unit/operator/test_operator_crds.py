@@ -68,6 +68,28 @@ def test_good_objects_validate() -> None:
     assert errors(ADAPTER, GOOD_ADAPTER) == []
 
 
+def with_name(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    return {**obj, "metadata": {"name": name}}
+
+
+def test_names_are_limited_where_they_are_typed() -> None:
+    # The schema part (jsonschema runs it); the API server also runs the CEL rules below,
+    # whose messages name the field and the reason.
+    assert errors(POOL, with_name(GOOD_POOL, "p" * 52)) == []
+    for bad in ("p" * 53, "9pool", "pool.a"):
+        assert any(e.startswith("metadata.name") for e in errors(POOL, with_name(GOOD_POOL, bad)))
+    assert errors(ADAPTER, with_name(GOOD_ADAPTER, "a" * 63)) == []
+    for bad in ("a" * 64, "sql.expert"):
+        found = errors(ADAPTER, with_name(GOOD_ADAPTER, bad))
+        assert any(e.startswith("metadata.name") for e in found)
+    pool_rules = {r["rule"]: r["message"] for r in POOL["x-kubernetes-validations"]}
+    assert pool_rules["self.metadata.name.size() <= 52"].startswith("metadata.name:")
+    assert "controller-revision-hash" in pool_rules["self.metadata.name.size() <= 52"]
+    (adapter_rule,) = ADAPTER["x-kubernetes-validations"]
+    assert "self.metadata.name.size() <= 63" in adapter_rule["rule"]
+    assert adapter_rule["message"].startswith("metadata.name:")
+
+
 @pytest.mark.parametrize(
     "uri",
     [

@@ -162,6 +162,7 @@ def reconcile_pool(
     generation = int(meta.get("generation") or 0)
     now = states.now_iso()
     try:
+        builders.check_pool_name(name)
         pool = builders.PoolSpec.from_spec(spec)
     except ValueError as exc:
         patch.status.update(_pool_problem(generation, dict(status), now, "InvalidSpec", str(exc)))
