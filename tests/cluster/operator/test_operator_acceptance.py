@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +22,15 @@ from typing import Any
 
 import httpx
 import pytest
-from clusterkit import Cluster, wait_for
+from clusterkit import (
+    LORAPLANE,
+    Cluster,
+    make_adapters,
+    make_model,
+    missing_prerequisites,
+    pod_ready,
+    wait_for,
+)
 
 from loraplane.devcluster.processes import free_port
 
@@ -33,33 +40,6 @@ ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "loraplane"
 RELEASE = "lp"
 TOKEN = "lp_test_" + uuid.uuid4().hex
-LORAPLANE = str(Path(sys.executable).parent / "loraplane")
-CLUSTER_BINARIES = (
-    "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubectl", "helm",
-)  # fmt: skip
-
-
-def _missing_prerequisites() -> list[str]:
-    missing = []
-    for group, what in (
-        ("worker", "`loraplane worker serve`"),
-        ("controlplane", "`loraplane controlplane serve`"),
-    ):
-        probe = subprocess.run(
-            [LORAPLANE, group, "serve", "--help"], capture_output=True, text=True
-        )
-        if probe.returncode != 0:
-            missing.append(f"{what} (exit {probe.returncode}: {probe.stderr.strip()[-200:]})")
-    probe = subprocess.run(
-        [LORAPLANE, "fixtures", "make-model", "--help"], capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        missing.append("`loraplane fixtures make-model`")
-    try:
-        from loraplane.devcluster import layout  # noqa: F401
-    except ImportError as exc:
-        missing.append(f"loraplane.devcluster ({exc})")
-    return missing
 
 
 def _multirank_worker_problem(model: Path) -> str | None:
@@ -104,7 +84,7 @@ class Stack:
         pods = self.cluster.get(
             "pods", "-n", self.release_ns, "-l", "app.kubernetes.io/component=controlplane"
         )["items"]
-        ready = [p for p in pods if _ready(p)]
+        ready = [p for p in pods if pod_ready(p)]
         assert ready, "no ready control plane pod"
         return f"http://{ready[0]['status']['podIP']}:8080"
 
@@ -125,37 +105,18 @@ class Stack:
         return self.cluster.get("lorapool", name, "-n", self.ns)  # type: ignore[no-any-return]
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True"
-        for c in (pod.get("status") or {}).get("conditions", [])
-    )
-
-
 def _fixtures(work: Path) -> tuple[Path, Path, dict[str, Path]]:
-    model, other = work / "models" / "base", work / "models" / "other"
-    for out, hidden in ((model, "64"), (other, "32")):
-        subprocess.run(
-            [LORAPLANE, "fixtures", "make-model", "--arch", "qwen3", "--out", str(out), "--hidden", hidden],
-            check=True, capture_output=True,
-        )  # fmt: skip
-    adapters = {}
-    for seed, name in enumerate(("sql", "tone", "summary", "spare", "extra")):
-        out = work / "adapters" / name
-        subprocess.run(
-            [LORAPLANE, "fixtures", "make-adapter", "--model", str(model), "--rank", "8", "--alpha", "16", "--init-scale", "1.0",
-             "--targets", "q_proj,v_proj,down_proj", "--out", str(out), "--seed", str(seed + 1)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        adapters[name] = out
-    return model, other, adapters
+    model = make_model(work / "models" / "base", hidden=64)
+    other = make_model(work / "models" / "other", hidden=32)
+    names = ("sql", "tone", "summary", "spare", "extra")
+    return model, other, make_adapters(model, work / "adapters", names)
 
 
 @pytest.fixture(scope="module")
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    missing = _missing_prerequisites()
+    missing = missing_prerequisites()
     if missing:
         pytest.skip("the operator's acceptance needs: " + "; ".join(missing))
     work = tmp_path_factory.mktemp("operator")
@@ -163,15 +124,6 @@ def stack(
     problem = _multirank_worker_problem(model)
     if problem:
         pytest.skip(f"the pool runs tp=2 dp=2 workers, but {problem}")
-    from loraplane.devcluster import layout
-
-    # Do not start a long build from here: the cluster tier's binaries are built by
-    # `loraplane cluster up` / deploy/cluster/build.sh.
-    unbuilt = [b for b in CLUSTER_BINARIES if not (layout.bin_dir() / b).is_file()]
-    if unbuilt:
-        pytest.skip(
-            f"not built yet in {layout.bin_dir()}: {', '.join(unbuilt)} (run deploy/cluster/build.sh)"
-        )
     cluster: Cluster = request.getfixturevalue("local_cluster")
     release_ns, ns = f"lp-{uuid.uuid4().hex[:6]}", f"t-{uuid.uuid4().hex[:6]}"
     for name in (release_ns, ns):
@@ -194,7 +146,7 @@ def stack(
         wait_for(
             lambda c=component: [
                 p for p in cluster.get("pods", "-n", release_ns, "-l", f"app.kubernetes.io/component={c}")["items"]
-                if _ready(p)
+                if pod_ready(p)
             ],
             what=f"the {component} pod to be Ready",
             timeout_s=180,
@@ -663,7 +615,7 @@ def test_killed_operator_restarts_and_converges_without_duplicate_loads(stack: S
             "--force",
         )
     wait_for(
-        lambda: [p for p in _operator_pods(stack) if _ready(p)],
+        lambda: [p for p in _operator_pods(stack) if pod_ready(p)],
         what="a new operator pod",
         timeout_s=120,
     )
@@ -681,7 +633,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
         "--replicas=2",
     )
     wait_for(
-        lambda: len([p for p in _operator_pods(stack) if _ready(p)]) == 2,
+        lambda: len([p for p in _operator_pods(stack) if pod_ready(p)]) == 2,
         what="2 operators",
         timeout_s=120,
     )
@@ -697,7 +649,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
             "delete", "pod", pods[-1]["metadata"]["name"], "-n", stack.release_ns, "--wait=true"
         )
         wait_for(
-            lambda: len([p for p in _operator_pods(stack) if _ready(p)]) == 2,
+            lambda: len([p for p in _operator_pods(stack) if pod_ready(p)]) == 2,
             what="2 operators",
             timeout_s=120,
         )
@@ -722,7 +674,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
         return None
 
     def one_leader() -> bool:
-        values = [leader(p) for p in _operator_pods(stack) if _ready(p)]
+        values = [leader(p) for p in _operator_pods(stack) if pod_ready(p)]
         return None not in values and sorted(v or 0.0 for v in values) == [0.0, 1.0]
 
     wait_for(
