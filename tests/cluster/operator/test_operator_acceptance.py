@@ -623,6 +623,48 @@ def test_killed_operator_restarts_and_converges_without_duplicate_loads(stack: S
     assert len(_load_operations(stack, "late")) == 1
 
 
+def _process_pid(stack: Stack, pod: dict[str, Any]) -> int | None:
+    """The pid of the local-run pod's current process (the runner rewrites it per start)."""
+    meta = pod["metadata"]
+    path = (
+        stack.cluster.state_dir
+        / "pods"
+        / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+        / "process.json"
+    )
+    return int(json.loads(path.read_text())["pid"]) if path.exists() else None
+
+
+def _healthy(pod: dict[str, Any]) -> bool:
+    try:
+        url = f"http://{pod['status']['podIP']}:8081/healthz"
+        return httpx.get(url, timeout=2).status_code == 200
+    except (httpx.HTTPError, KeyError):
+        return False
+
+
+def test_operator_killed_with_sigkill_acts_on_the_next_change_within_10_s(stack: Stack) -> None:
+    # kill -9 leaves the process's peering record behind, alive for its lifetime; the
+    # restarted process outranks it (newest-first priority) and does not pause for it.
+    (pod,) = [p for p in _operator_pods(stack) if pod_ready(p)]
+    killed = _process_pid(stack, pod)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    wait_for(
+        lambda: _process_pid(stack, pod) not in (None, killed) and _healthy(pod),
+        what="the operator's process restarted by the runner and serving /healthz",
+        timeout_s=120,
+    )
+    stack.cluster.apply(_adapter_manifest(stack, "after-kill", stack.adapters["spare"]))
+    wait_for(
+        lambda: _phase(stack, "after-kill") is not None,
+        what="the restarted operator to act on a new LoRAAdapter",
+        timeout_s=10,
+        interval_s=0.2,
+    )
+    stack.cluster.kubectl("delete", "loraadapter", "after-kill", "-n", stack.ns, "--timeout=120s")
+
+
 def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
     stack.cluster.kubectl(
         "scale",

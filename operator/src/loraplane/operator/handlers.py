@@ -86,6 +86,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.standalone = config.standalone
     settings.peering.mandatory = not config.standalone
     settings.peering.clusterwide = not config.namespaces
+    # A short lifetime so a standby takes over within seconds of a leader dying; with a
+    # keep-alive every few seconds, kopf logs none of them.
+    settings.peering.lifetime = config.peering_lifetime_s
+    settings.peering.stealth = True
     # Our own Events (phase transitions) are posted explicitly; log lines are not.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 16
