@@ -573,17 +573,6 @@ def _operator_pods(stack: Stack) -> list[dict[str, Any]]:
     )["items"]
 
 
-def _log(stack: Stack, pod: dict[str, Any]) -> str:
-    meta = pod["metadata"]
-    path = (
-        stack.cluster.state_dir
-        / "pods"
-        / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
-        / "log"
-    )
-    return path.read_text() if path.exists() else ""
-
-
 def _load_operations(stack: Stack, name: str) -> list[dict[str, Any]]:
     items = stack.api(
         "GET", "/v1/operations", params={"namespace": stack.ns, "adapter": name, "limit": "200"}
@@ -626,12 +615,8 @@ def test_killed_operator_restarts_and_converges_without_duplicate_loads(stack: S
 def _process_pid(stack: Stack, pod: dict[str, Any]) -> int | None:
     """The pid of the local-run pod's current process (the runner rewrites it per start)."""
     meta = pod["metadata"]
-    path = (
-        stack.cluster.state_dir
-        / "pods"
-        / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
-        / "process.json"
-    )
+    run_dir = f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+    path = stack.cluster.state_dir / "pods" / run_dir / "process.json"
     return int(json.loads(path.read_text())["pid"]) if path.exists() else None
 
 
