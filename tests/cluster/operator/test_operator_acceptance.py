@@ -309,8 +309,11 @@ def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
     old_uid = stack.cluster.get("pod", "pool-1", "-n", stack.ns)["metadata"]["uid"]
     stack.cluster.kubectl("delete", "pod", "pool-1", "-n", stack.ns, "--wait=true", "--timeout=90s")
     names = {stack.adapter(n)["status"]["loraName"] for n in ("sql", "tone", "summary")}
+    seen: set[tuple[str, str]] = set()
 
     def new_pod_serves_its_adapters() -> bool:
+        status = stack.adapter("tone").get("status") or {}
+        seen.add((str(status.get("phase")), str(status.get("ready"))))
         # The pool's status may still describe the old pod for a moment: ask the new one.
         try:
             pod = stack.cluster.get("pod", "pool-1", "-n", stack.ns)
@@ -329,9 +332,42 @@ def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
         new_pod_serves_its_adapters,
         what="the recreated pool-1 serving its adapters",
         timeout_s=300,
-        interval_s=2,
+        interval_s=1,
     )
     _wait_ready(stack, ["sql", "tone", "summary"], 3)
+    # While the pod was away the adapter said so: loaded on 2 of the 3 replicas the pool wants.
+    assert ("Degraded", "2/3") in seen, seen
+    events = stack.cluster.get(
+        "events", "-n", stack.ns, "--field-selector", "involvedObject.name=tone"
+    )["items"]
+    assert any(e["type"] == "Warning" and e["reason"] == "ReplicaLost" for e in events)
+    assert any(e["reason"] == "Repair" for e in events)
+
+
+def test_control_plane_outage_shows_unknown_not_a_failure(stack: Stack) -> None:
+    deployment = f"deployment/{RELEASE}-loraplane-controlplane"
+    stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=0")
+    try:
+        wait_for(
+            lambda: _phase(stack, "tone") == "Unknown" and stack.pool("pool")["status"].get("phase") == "Unknown",
+            what="adapter tone and pool pool Unknown while the control plane is down",
+            timeout_s=120, interval_s=1,
+        )  # fmt: skip
+        tone = stack.adapter("tone")
+        assert tone["status"]["ready"] == "3/3" and tone["status"]["attempts"] == 0
+        assert _condition(tone, "Ready")["reason"] == "ControlPlaneUnavailable"
+        events = stack.cluster.get(
+            "events", "-n", stack.ns, "--field-selector", "involvedObject.name=tone"
+        )["items"]
+        assert any(e["type"] == "Warning" and e["reason"] == "Unknown" for e in events)
+    finally:
+        stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=1")
+    # The registry is in a file that outlives the pod: everything comes back as it was.
+    _wait_ready(stack, ["sql", "tone", "summary"], 3)
+    wait_for(
+        lambda: stack.pool("pool")["status"].get("phase") == "Ready",
+        what="pool Ready again", timeout_s=120,
+    )  # fmt: skip
 
 
 def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
@@ -340,6 +376,11 @@ def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
     )
     rejected = stack.cluster.apply(bad_enum, check=False)
     assert rejected.returncode != 0 and "spec.placement.mode" in rejected.stderr
+    # 55 characters: its pods' controller-revision-hash label would pass 63.
+    too_long = _pool_manifest(stack, "p" * 55, 1)
+    rejected = stack.cluster.apply(too_long, check=False)
+    assert rejected.returncode != 0 and "metadata.name" in rejected.stderr
+    assert "at most 52 characters" in rejected.stderr
     negative = _pool_manifest(stack, "negative", 1, maxLoraRank=-8)
     rejected = stack.cluster.apply(negative, check=False)
     assert rejected.returncode != 0 and "spec.maxLoraRank" in rejected.stderr

@@ -239,7 +239,11 @@ def test_crd_shape_printer_columns_short_names_and_status_subresource() -> None:
             ["Pool", "Phase", "Ready", "Pinned", "Rank", "Age"],
             "ladapter",
         ),
-        ("loraplane.io_lorapools.yaml", ["Model", "Replicas", "Ready", "TP", "DP", "Age"], "lpool"),
+        (
+            "loraplane.io_lorapools.yaml",
+            ["Model", "Replicas", "Ready", "Phase", "Reason", "TP", "DP", "Age"],
+            "lpool",
+        ),
     ):
         doc = crd(name)
         assert doc["spec"]["group"] == "loraplane.io" and doc["spec"]["scope"] == "Namespaced"
@@ -258,3 +262,13 @@ def test_examples_validate_against_the_crds() -> None:
                 assert errors(schemas[doc["kind"]], doc) == [], path.name
                 seen += 1
     assert seen >= 4
+
+
+def test_status_phases_are_the_operators() -> None:
+    from loraplane.operator import status
+
+    assert ADAPTER["properties"]["status"]["properties"]["phase"]["enum"] == list(status.PHASES)
+    assert POOL["properties"]["status"]["properties"]["phase"]["enum"] == list(status.POOL_PHASES)
+    (version,) = crd("loraplane.io_lorapools.yaml")["spec"]["versions"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.phase" and columns["Reason"] == ".status.reason"

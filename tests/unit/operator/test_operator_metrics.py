@@ -209,15 +209,16 @@ def run_reconcile(
 def test_adapter_gauge_follows_the_phase_the_handler_writes() -> None:
     metrics = OperatorMetrics()
     kube = FakeKube({("ml", "p"): {"spec": {"maxLorasPerBatch": 4}}})
-    # No such pool: Pending. The pool exists but the control plane is down: Pending too, the
+    # No such pool: Pending. The pool exists but the control plane is down: Unknown, the
     # handler fails temporarily, and controlplane_up is not known (this fake is no client).
+    # (Old phases equal to the new ones: no Event is posted, which needs a running operator.)
     patch = run_reconcile(metrics, kube, "a", "missing", "Pending")
     assert patch["status"]["phase"] == "Pending"
-    patch = run_reconcile(metrics, kube, "b", "p", "Pending")
-    assert patch["status"]["phase"] == "Pending"
+    patch = run_reconcile(metrics, kube, "b", "p", "Unknown")
+    assert patch["status"]["phase"] == "Unknown"
     gauge = samples(metrics, "loraplane_operator_adapters")
     assert gauge[(("namespace", "ml"), ("phase", "Pending"), ("pool", "missing"))] == 1
-    assert gauge[(("namespace", "ml"), ("phase", "Pending"), ("pool", "p"))] == 1
+    assert gauge[(("namespace", "ml"), ("phase", "Unknown"), ("pool", "p"))] == 1
     assert gauge[(("namespace", "ml"), ("phase", "Ready"), ("pool", "p"))] == 0
     assert (
         value(
