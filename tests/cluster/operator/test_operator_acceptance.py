@@ -370,6 +370,45 @@ def test_control_plane_outage_shows_unknown_not_a_failure(stack: Stack) -> None:
     )  # fmt: skip
 
 
+def test_pool_deleted_during_an_outage_does_not_leave_its_adapter_stuck(stack: Stack) -> None:
+    small = {"tp": 1, "dp": 1, "enableDPAttention": False}
+    stack.cluster.apply(_pool_manifest(stack, "doomed", 1, **small))
+    stack.cluster.apply(
+        _adapter_manifest(stack, "orphaned", stack.adapters["spare"], pool="doomed")
+    )
+    _wait_ready(stack, ["orphaned"], 1)
+    deployment = f"deployment/{RELEASE}-loraplane-controlplane"
+    stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=0")
+    try:
+        wait_for(
+            lambda: _phase(stack, "orphaned") == "Unknown",
+            what="orphaned Unknown while the control plane is down", timeout_s=120,
+        )  # fmt: skip
+        stack.cluster.kubectl("delete", "lorapool", "doomed", "-n", stack.ns, "--timeout=120s")
+        wait_for(
+            lambda: not stack.cluster.get("pods", "-n", stack.ns, "-l", "loraplane.io/pool=doomed")["items"],
+            what="the pool's pod gone", timeout_s=120,
+        )  # fmt: skip
+    finally:
+        stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=1")
+    wait_for(lambda: _cp_ready(stack), what="the control plane back", timeout_s=120)
+    # The finalizer ends: the adapter is unloaded (its pool's unreachable workers released).
+    stack.cluster.kubectl("delete", "loraadapter", "orphaned", "-n", stack.ns, "--timeout=120s")
+    assert stack.api("GET", f"/v1/adapters/{stack.ns}/orphaned").status_code == 404
+    # And the registry forgets the pool (the operator's sweep).
+    wait_for(
+        lambda: stack.api("GET", f"/v1/pools/{stack.ns}/doomed").status_code == 404,
+        what="registry pool doomed deleted", timeout_s=120,
+    )  # fmt: skip
+
+
+def _cp_ready(stack: Stack) -> bool:
+    pods = stack.cluster.get(
+        "pods", "-n", stack.release_ns, "-l", "app.kubernetes.io/component=controlplane"
+    )["items"]
+    return any(pod_ready(p) for p in pods)
+
+
 def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
     bad_enum = _adapter_manifest(
         stack, "bad-enum", stack.adapters["spare"], placement={"mode": "some"}

@@ -12,6 +12,7 @@ import datetime as dt
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,7 +106,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         config.controlplane_port,
     )
     metrics = _metrics(memo)
-    memo["runtime"] = Runtime(
+    runtime = Runtime(
         config,
         kube,
         ControlPlaneClient(
@@ -114,9 +115,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
             on_reachable=metrics.controlplane_reachable if metrics else None,
         ),
     )
+    memo["runtime"] = runtime
+    memo["sweeper"] = RegistrySweeper(runtime, max(config.resync_interval_s, 5.0))
+    memo["sweeper"].start()
 
 
 def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    sweeper = memo.get("sweeper")
+    if sweeper is not None:
+        sweeper.stop()
     runtime = memo.get("runtime")
     if runtime is not None:
         runtime.controlplane.close()
@@ -257,16 +264,77 @@ def _sync_workers(
 def forget_pool(
     name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    """Best effort (no finalizer): drop the pool's workers and the pool from the registry."""
+    """Best effort: drop the pool's workers and the pool from the registry. What fails here
+    (the control plane down, adapters still registered) `sweep_registry` finishes later."""
     runtime = _runtime(memo)
     try:
-        for worker in runtime.controlplane.list_workers(namespace, name):
-            runtime.controlplane.delete_worker(worker["name"])
-        runtime.controlplane.delete_pool(namespace, name)
+        _forget_registry_pool(runtime, namespace, name)
     except (ControlPlaneUnavailable, ControlPlaneError) as exc:
         logger.warning(
-            "could not remove pool %s/%s from the control plane: %s", namespace, name, exc
+            "could not remove pool %s/%s from the control plane yet: %s", namespace, name, exc
         )
+
+
+def _forget_registry_pool(runtime: Runtime, namespace: str, name: str) -> None:
+    """Deregister the pool's workers, then delete the pool (a 409 while adapters remain)."""
+    _forget_registry_pool_workers(runtime, namespace, name)
+    runtime.controlplane.delete_pool(namespace, name)
+
+
+def _forget_registry_pool_workers(runtime: Runtime, namespace: str, name: str) -> None:
+    for worker in runtime.controlplane.list_workers(namespace, name):
+        runtime.controlplane.delete_worker(worker["name"])
+
+
+def sweep_registry(runtime: Runtime) -> list[str]:
+    """Registry pools whose LoRAPool is gone (deleted while the control plane was down, or
+    while no operator ran): workers deregistered, so their adapters can be unloaded and
+    released, and the pool deleted once it has none. Only the watched namespaces. Returns
+    `namespace/name` of each pool worked on."""
+    swept = []
+    for pool in runtime.controlplane.list_pools():
+        namespace, name = str(pool["namespace"]), str(pool["name"])
+        if runtime.config.namespaces and namespace not in runtime.config.namespaces:
+            continue
+        if runtime.kube.get_pool(namespace, name) is not None:
+            continue
+        swept.append(f"{namespace}/{name}")
+        try:
+            _forget_registry_pool(runtime, namespace, name)
+        except ControlPlaneError as exc:
+            # Adapters still registered (their LoRAAdapters' deletion unloads them): next pass.
+            log.info("registry pool %s/%s not deleted yet: %s", namespace, name, exc.message)
+    return swept
+
+
+class RegistrySweeper:
+    """`sweep_registry` every `interval_s` on a thread of its own (kopf timers belong to an
+    object; this is about objects that are gone). Control plane outages only skip a pass."""
+
+    def __init__(self, runtime: Runtime, interval_s: float) -> None:
+        self._runtime = runtime
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                swept = sweep_registry(self._runtime)
+            except ControlPlaneUnavailable:
+                continue
+            except Exception:  # a pass must not end the thread; the next one retries
+                log.exception("registry sweep failed")
+                continue
+            if swept:
+                log.info("registry pools without a LoRAPool cleaned up: %s", ", ".join(swept))
 
 
 def on_worker_pod(
@@ -652,8 +720,23 @@ def unload_adapter(
         record_adapter_phase(metrics, namespace, name, dict(body.get("spec") or {}), "Unloading")
         kopf.event(body, type="Normal", reason="Unloading", message="unloading from every worker")
     delay = runtime.config.retry.delay(retry + 1)
+    pool = str((body.get("spec") or {}).get("pool", ""))
     try:
-        runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}")
+        try:
+            runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}")
+        except ControlPlaneError:
+            if runtime.kube.get_pool(namespace, pool) is not None:
+                raise
+            # The pool is gone (deleted while the control plane was down): nothing serves
+            # the adapter, and its unreachable workers would fail every unload. Release them.
+            _forget_registry_pool_workers(runtime, namespace, pool)
+            kopf.event(
+                body,
+                type="Normal",
+                reason="PoolGone",
+                message=f"LoRAPool {namespace}/{pool} is gone: its workers were deregistered",
+            )
+            runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}-gone")
     except ControlPlaneUnavailable as exc:
         raise kopf.TemporaryError(f"control plane unavailable: {exc}", delay=delay) from exc
     except ControlPlaneError as exc:
