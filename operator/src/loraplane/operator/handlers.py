@@ -536,7 +536,7 @@ def action_event(
     """The Event for a control plane action that succeeded: (type, reason, message)."""
     uri = str((spec.get("source") or {}).get("uri") or "")
     if plan.action == "register":
-        return ("Normal", "Registered", f"registered from {uri}; loading it ({plan.reason})")
+        return ("Normal", "Registered", f"registered from {uri} and loading it")
     if plan.action == "update_version":
         return (
             "Normal",
