@@ -341,7 +341,7 @@ def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
         "events", "-n", stack.ns, "--field-selector", "involvedObject.name=tone"
     )["items"]
     assert any(e["type"] == "Warning" and e["reason"] == "ReplicaLost" for e in events)
-    assert any(e["reason"] == "Repair" for e in events)
+    assert any(e["type"] == "Normal" and e["reason"] == "ReplicaLoaded" for e in events)
 
 
 def test_control_plane_outage_shows_unknown_not_a_failure(stack: Stack) -> None:
@@ -419,7 +419,7 @@ def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
     too_long = _pool_manifest(stack, "p" * 55, 1)
     rejected = stack.cluster.apply(too_long, check=False)
     assert rejected.returncode != 0 and "metadata.name" in rejected.stderr
-    assert "at most 52 characters" in rejected.stderr
+    assert "52" in rejected.stderr
     negative = _pool_manifest(stack, "negative", 1, maxLoraRank=-8)
     rejected = stack.cluster.apply(negative, check=False)
     assert rejected.returncode != 0 and "spec.maxLoraRank" in rejected.stderr

@@ -357,7 +357,13 @@ def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[
         "replicas": len(view.ready_workers),
         "loadedReplicas": loaded,
         "ready": f"{loaded}/{want}",
-        "replicaStates": replica_states(view.cp_adapter),
+        "replicaStates": [
+            # Loaded on a worker that is not ready (its pod gone or restarting) serves nothing.
+            {**r, "state": "notReady"}
+            if r["state"] == "loaded" and r["worker"] not in view.ready_workers
+            else r
+            for r in replica_states(view.cp_adapter)
+        ],
         "attempts": view.attempts,
         "actions": view.actions,
         "conditions": merge_conditions(old.get("conditions"), conditions, now),
