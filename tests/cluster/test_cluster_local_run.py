@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from clusterkit import Cluster, wait_for
+from clusterkit import LORAPLANE, Cluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -84,6 +85,19 @@ def test_labelled_pod_serves_http_at_its_pod_ip(local_cluster: Cluster, namespac
 
     record = json.loads((_pod_dir(local_cluster, pod) / "process.json").read_text())
     assert Path(f"/proc/{record['pid']}").exists()
+
+    # `kubectl logs` needs a kubelet; `loraplane cluster logs` reads the pod's output.
+    state = ["--state-dir", str(local_cluster.state_dir)]
+    logs = subprocess.run(
+        [LORAPLANE, "cluster", "logs", "pod/web", "-n", namespace, *state],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert '"GET / HTTP/1.1" 200' in logs.stdout and "start (restart 0)" in logs.stdout
+    missing = subprocess.run(
+        [LORAPLANE, "cluster", "logs", "no-such-pod", "-n", namespace, *state],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert missing.returncode == 1 and f"no output of pod {namespace}/no-such-pod" in missing.stderr
 
     local_cluster.kubectl("delete", "pod", "web", "-n", namespace, "--wait=true", "--timeout=60s")
     assert not _listening(pod_ip, 8080)

@@ -34,11 +34,28 @@ app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
-{{/* Pod labels of one component, with the local-run opt-in when .Values.localRun. */}}
+{{/* "true" when pods run under the local pod runner (`localRun`: forced, or `auto` and a
+     node labelled loraplane.io/local-runner=true exists), else empty. */}}
+{{- define "loraplane.localRun" -}}
+{{- $mode := toString .Values.localRun -}}
+{{- if eq $mode "true" -}}
+true
+{{- else if eq $mode "auto" -}}
+{{- $found := false -}}
+{{- range (dig "items" (list) (lookup "v1" "Node" "" "")) -}}
+{{- if eq (dig "metadata" "labels" "loraplane.io/local-runner" "" .) "true" -}}
+{{- $found = true -}}
+{{- end -}}
+{{- end -}}
+{{- if $found -}}true{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Pod labels of one component, with the local-run opt-in under localRun. */}}
 {{- define "loraplane.podLabels" -}}
 {{- $root := index . 0 -}}
 {{ include "loraplane.selectorLabels" . }}
-{{- if $root.Values.localRun }}
+{{- if include "loraplane.localRun" $root }}
 loraplane.io/local-run: "true"
 {{- end }}
 {{- end -}}
@@ -55,7 +72,13 @@ loraplane.io/local-run: "true"
 
 {{/* Address servers bind to: the pod IP under localRun (one loopback address per pod). */}}
 {{- define "loraplane.bindHost" -}}
-{{- if .Values.localRun -}}$(POD_IP){{- else -}}0.0.0.0{{- end -}}
+{{- if include "loraplane.localRun" . -}}$(POD_IP){{- else -}}0.0.0.0{{- end -}}
+{{- end -}}
+
+{{/* The control plane's writable directory: its /data emptyDir, or under localRun (a
+     process, no volumes) /tmp/loraplane-<pod uid> ($(POD_UID) is set in its env). */}}
+{{- define "loraplane.dataDir" -}}
+{{- if include "loraplane.localRun" . -}}/tmp/loraplane-$(POD_UID){{- else -}}/data{{- end -}}
 {{- end -}}
 
 {{- define "loraplane.databaseUrl" -}}
@@ -63,6 +86,8 @@ loraplane.io/local-run: "true"
 {{- .Values.controlplane.database.url -}}
 {{- else if .Values.postgresql.enabled -}}
 {{- printf "postgresql+psycopg://%s:$(POSTGRES_PASSWORD)@%s-postgresql:5432/%s" .Values.postgresql.username (include "loraplane.fullname" .) .Values.postgresql.database -}}
+{{- else if include "loraplane.localRun" . -}}
+sqlite:////tmp/loraplane-$(POD_UID).db
 {{- else -}}
 sqlite:////data/loraplane.db
 {{- end -}}

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +22,15 @@ from typing import Any
 
 import httpx
 import pytest
-from clusterkit import Cluster, wait_for
+from clusterkit import (
+    LORAPLANE,
+    Cluster,
+    make_adapters,
+    make_model,
+    missing_prerequisites,
+    pod_ready,
+    wait_for,
+)
 
 from loraplane.devcluster.processes import free_port
 
@@ -33,33 +40,6 @@ ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "loraplane"
 RELEASE = "lp"
 TOKEN = "lp_test_" + uuid.uuid4().hex
-LORAPLANE = str(Path(sys.executable).parent / "loraplane")
-CLUSTER_BINARIES = (
-    "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubectl", "helm",
-)  # fmt: skip
-
-
-def _missing_prerequisites() -> list[str]:
-    missing = []
-    for group, what in (
-        ("worker", "`loraplane worker serve`"),
-        ("controlplane", "`loraplane controlplane serve`"),
-    ):
-        probe = subprocess.run(
-            [LORAPLANE, group, "serve", "--help"], capture_output=True, text=True
-        )
-        if probe.returncode != 0:
-            missing.append(f"{what} (exit {probe.returncode}: {probe.stderr.strip()[-200:]})")
-    probe = subprocess.run(
-        [LORAPLANE, "fixtures", "make-model", "--help"], capture_output=True, text=True
-    )
-    if probe.returncode != 0:
-        missing.append("`loraplane fixtures make-model`")
-    try:
-        from loraplane.devcluster import layout  # noqa: F401
-    except ImportError as exc:
-        missing.append(f"loraplane.devcluster ({exc})")
-    return missing
 
 
 def _multirank_worker_problem(model: Path) -> str | None:
@@ -104,7 +84,7 @@ class Stack:
         pods = self.cluster.get(
             "pods", "-n", self.release_ns, "-l", "app.kubernetes.io/component=controlplane"
         )["items"]
-        ready = [p for p in pods if _ready(p)]
+        ready = [p for p in pods if pod_ready(p)]
         assert ready, "no ready control plane pod"
         return f"http://{ready[0]['status']['podIP']}:8080"
 
@@ -125,37 +105,18 @@ class Stack:
         return self.cluster.get("lorapool", name, "-n", self.ns)  # type: ignore[no-any-return]
 
 
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(
-        c["type"] == "Ready" and c["status"] == "True"
-        for c in (pod.get("status") or {}).get("conditions", [])
-    )
-
-
 def _fixtures(work: Path) -> tuple[Path, Path, dict[str, Path]]:
-    model, other = work / "models" / "base", work / "models" / "other"
-    for out, hidden in ((model, "64"), (other, "32")):
-        subprocess.run(
-            [LORAPLANE, "fixtures", "make-model", "--arch", "qwen3", "--out", str(out), "--hidden", hidden],
-            check=True, capture_output=True,
-        )  # fmt: skip
-    adapters = {}
-    for seed, name in enumerate(("sql", "tone", "summary", "spare", "extra")):
-        out = work / "adapters" / name
-        subprocess.run(
-            [LORAPLANE, "fixtures", "make-adapter", "--model", str(model), "--rank", "8", "--alpha", "16", "--init-scale", "1.0",
-             "--targets", "q_proj,v_proj,down_proj", "--out", str(out), "--seed", str(seed + 1)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        adapters[name] = out
-    return model, other, adapters
+    model = make_model(work / "models" / "base", hidden=64)
+    other = make_model(work / "models" / "other", hidden=32)
+    names = ("sql", "tone", "summary", "spare", "extra")
+    return model, other, make_adapters(model, work / "adapters", names)
 
 
 @pytest.fixture(scope="module")
 def stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    missing = _missing_prerequisites()
+    missing = missing_prerequisites()
     if missing:
         pytest.skip("the operator's acceptance needs: " + "; ".join(missing))
     work = tmp_path_factory.mktemp("operator")
@@ -163,15 +124,6 @@ def stack(
     problem = _multirank_worker_problem(model)
     if problem:
         pytest.skip(f"the pool runs tp=2 dp=2 workers, but {problem}")
-    from loraplane.devcluster import layout
-
-    # Do not start a long build from here: the cluster tier's binaries are built by
-    # `loraplane cluster up` / deploy/cluster/build.sh.
-    unbuilt = [b for b in CLUSTER_BINARIES if not (layout.bin_dir() / b).is_file()]
-    if unbuilt:
-        pytest.skip(
-            f"not built yet in {layout.bin_dir()}: {', '.join(unbuilt)} (run deploy/cluster/build.sh)"
-        )
     cluster: Cluster = request.getfixturevalue("local_cluster")
     release_ns, ns = f"lp-{uuid.uuid4().hex[:6]}", f"t-{uuid.uuid4().hex[:6]}"
     for name in (release_ns, ns):
@@ -194,7 +146,7 @@ def stack(
         wait_for(
             lambda c=component: [
                 p for p in cluster.get("pods", "-n", release_ns, "-l", f"app.kubernetes.io/component={c}")["items"]
-                if _ready(p)
+                if pod_ready(p)
             ],
             what=f"the {component} pod to be Ready",
             timeout_s=180,
@@ -369,8 +321,11 @@ def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
     old_uid = stack.cluster.get("pod", "pool-1", "-n", stack.ns)["metadata"]["uid"]
     stack.cluster.kubectl("delete", "pod", "pool-1", "-n", stack.ns, "--wait=true", "--timeout=90s")
     names = {stack.adapter(n)["status"]["loraName"] for n in ("sql", "tone", "summary")}
+    seen: set[tuple[str, str]] = set()
 
     def new_pod_serves_its_adapters() -> bool:
+        status = stack.adapter("tone").get("status") or {}
+        seen.add((str(status.get("phase")), str(status.get("ready"))))
         # The pool's status may still describe the old pod for a moment: ask the new one.
         try:
             pod = stack.cluster.get("pod", "pool-1", "-n", stack.ns)
@@ -389,9 +344,81 @@ def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
         new_pod_serves_its_adapters,
         what="the recreated pool-1 serving its adapters",
         timeout_s=300,
-        interval_s=2,
+        interval_s=1,
     )
     _wait_ready(stack, ["sql", "tone", "summary"], 3)
+    # While the pod was away the adapter said so: loaded on 2 of the 3 replicas the pool wants.
+    assert ("Degraded", "2/3") in seen, seen
+    events = stack.cluster.get(
+        "events", "-n", stack.ns, "--field-selector", "involvedObject.name=tone"
+    )["items"]
+    assert any(e["type"] == "Warning" and e["reason"] == "ReplicaLost" for e in events)
+    assert any(e["type"] == "Normal" and e["reason"] == "ReplicaLoaded" for e in events)
+
+
+def test_control_plane_outage_shows_unknown_not_a_failure(stack: Stack) -> None:
+    deployment = f"deployment/{RELEASE}-loraplane-controlplane"
+    stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=0")
+    try:
+        wait_for(
+            lambda: _phase(stack, "tone") == "Unknown" and stack.pool("pool")["status"].get("phase") == "Unknown",
+            what="adapter tone and pool pool Unknown while the control plane is down",
+            timeout_s=120, interval_s=1,
+        )  # fmt: skip
+        tone = stack.adapter("tone")
+        assert tone["status"]["ready"] == "3/3" and tone["status"]["attempts"] == 0
+        assert _condition(tone, "Ready")["reason"] == "ControlPlaneUnavailable"
+        events = stack.cluster.get(
+            "events", "-n", stack.ns, "--field-selector", "involvedObject.name=tone"
+        )["items"]
+        assert any(e["type"] == "Warning" and e["reason"] == "Unknown" for e in events)
+    finally:
+        stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=1")
+    # The registry is in a file that outlives the pod: everything comes back as it was.
+    _wait_ready(stack, ["sql", "tone", "summary"], 3)
+    wait_for(
+        lambda: stack.pool("pool")["status"].get("phase") == "Ready",
+        what="pool Ready again", timeout_s=120,
+    )  # fmt: skip
+
+
+def test_pool_deleted_during_an_outage_does_not_leave_its_adapter_stuck(stack: Stack) -> None:
+    small = {"tp": 1, "dp": 1, "enableDPAttention": False}
+    stack.cluster.apply(_pool_manifest(stack, "doomed", 1, **small))
+    stack.cluster.apply(
+        _adapter_manifest(stack, "orphaned", stack.adapters["spare"], pool="doomed")
+    )
+    _wait_ready(stack, ["orphaned"], 1)
+    deployment = f"deployment/{RELEASE}-loraplane-controlplane"
+    stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=0")
+    try:
+        wait_for(
+            lambda: _phase(stack, "orphaned") == "Unknown",
+            what="orphaned Unknown while the control plane is down", timeout_s=120,
+        )  # fmt: skip
+        stack.cluster.kubectl("delete", "lorapool", "doomed", "-n", stack.ns, "--timeout=120s")
+        wait_for(
+            lambda: not stack.cluster.get("pods", "-n", stack.ns, "-l", "loraplane.io/pool=doomed")["items"],
+            what="the pool's pod gone", timeout_s=120,
+        )  # fmt: skip
+    finally:
+        stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=1")
+    wait_for(lambda: _cp_ready(stack), what="the control plane back", timeout_s=120)
+    # The finalizer ends: the adapter is unloaded (its pool's unreachable workers released).
+    stack.cluster.kubectl("delete", "loraadapter", "orphaned", "-n", stack.ns, "--timeout=120s")
+    assert stack.api("GET", f"/v1/adapters/{stack.ns}/orphaned").status_code == 404
+    # And the registry forgets the pool (the operator's sweep).
+    wait_for(
+        lambda: stack.api("GET", f"/v1/pools/{stack.ns}/doomed").status_code == 404,
+        what="registry pool doomed deleted", timeout_s=120,
+    )  # fmt: skip
+
+
+def _cp_ready(stack: Stack) -> bool:
+    pods = stack.cluster.get(
+        "pods", "-n", stack.release_ns, "-l", "app.kubernetes.io/component=controlplane"
+    )["items"]
+    return any(pod_ready(p) for p in pods)
 
 
 def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
@@ -400,6 +427,11 @@ def test_invalid_resources_are_rejected_or_reported(stack: Stack) -> None:
     )
     rejected = stack.cluster.apply(bad_enum, check=False)
     assert rejected.returncode != 0 and "spec.placement.mode" in rejected.stderr
+    # 55 characters: its pods' controller-revision-hash label would pass 63.
+    too_long = _pool_manifest(stack, "p" * 55, 1)
+    rejected = stack.cluster.apply(too_long, check=False)
+    assert rejected.returncode != 0 and "metadata.name" in rejected.stderr
+    assert "52" in rejected.stderr
     negative = _pool_manifest(stack, "negative", 1, maxLoraRank=-8)
     rejected = stack.cluster.apply(negative, check=False)
     assert rejected.returncode != 0 and "spec.maxLoraRank" in rejected.stderr
@@ -634,17 +666,6 @@ def _operator_pods(stack: Stack) -> list[dict[str, Any]]:
     )["items"]
 
 
-def _log(stack: Stack, pod: dict[str, Any]) -> str:
-    meta = pod["metadata"]
-    path = (
-        stack.cluster.state_dir
-        / "pods"
-        / f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
-        / "log"
-    )
-    return path.read_text() if path.exists() else ""
-
-
 def _load_operations(stack: Stack, name: str) -> list[dict[str, Any]]:
     items = stack.api(
         "GET", "/v1/operations", params={"namespace": stack.ns, "adapter": name, "limit": "200"}
@@ -676,12 +697,50 @@ def test_killed_operator_restarts_and_converges_without_duplicate_loads(stack: S
             "--force",
         )
     wait_for(
-        lambda: [p for p in _operator_pods(stack) if _ready(p)],
+        lambda: [p for p in _operator_pods(stack) if pod_ready(p)],
         what="a new operator pod",
         timeout_s=120,
     )
     _wait_ready(stack, ["late"], 3)
     assert len(_load_operations(stack, "late")) == 1
+
+
+def _process_pid(stack: Stack, pod: dict[str, Any]) -> int | None:
+    """The pid of the local-run pod's current process (the runner rewrites it per start)."""
+    meta = pod["metadata"]
+    run_dir = f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+    path = stack.cluster.state_dir / "pods" / run_dir / "process.json"
+    return int(json.loads(path.read_text())["pid"]) if path.exists() else None
+
+
+def _healthy(pod: dict[str, Any]) -> bool:
+    try:
+        url = f"http://{pod['status']['podIP']}:8081/healthz"
+        return httpx.get(url, timeout=2).status_code == 200
+    except (httpx.HTTPError, KeyError):
+        return False
+
+
+def test_operator_killed_with_sigkill_acts_on_the_next_change_within_10_s(stack: Stack) -> None:
+    # kill -9 leaves the process's peering record behind, alive for its lifetime; the
+    # restarted process outranks it (newest-first priority) and does not pause for it.
+    (pod,) = [p for p in _operator_pods(stack) if pod_ready(p)]
+    killed = _process_pid(stack, pod)
+    assert killed is not None
+    os.kill(killed, signal.SIGKILL)
+    wait_for(
+        lambda: _process_pid(stack, pod) not in (None, killed) and _healthy(pod),
+        what="the operator's process restarted by the runner and serving /healthz",
+        timeout_s=120,
+    )
+    stack.cluster.apply(_adapter_manifest(stack, "after-kill", stack.adapters["spare"]))
+    wait_for(
+        lambda: _phase(stack, "after-kill") is not None,
+        what="the restarted operator to act on a new LoRAAdapter",
+        timeout_s=10,
+        interval_s=0.2,
+    )
+    stack.cluster.kubectl("delete", "loraadapter", "after-kill", "-n", stack.ns, "--timeout=120s")
 
 
 def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
@@ -694,7 +753,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
         "--replicas=2",
     )
     wait_for(
-        lambda: len([p for p in _operator_pods(stack) if _ready(p)]) == 2,
+        lambda: len([p for p in _operator_pods(stack) if pod_ready(p)]) == 2,
         what="2 operators",
         timeout_s=120,
     )
@@ -710,7 +769,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
             "delete", "pod", pods[-1]["metadata"]["name"], "-n", stack.release_ns, "--wait=true"
         )
         wait_for(
-            lambda: len([p for p in _operator_pods(stack) if _ready(p)]) == 2,
+            lambda: len([p for p in _operator_pods(stack) if pod_ready(p)]) == 2,
             what="2 operators",
             timeout_s=120,
         )
@@ -735,7 +794,7 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
         return None
 
     def one_leader() -> bool:
-        values = [leader(p) for p in _operator_pods(stack) if _ready(p)]
+        values = [leader(p) for p in _operator_pods(stack) if pod_ready(p)]
         return None not in values and sorted(v or 0.0 for v in values) == [0.0, 1.0]
 
     wait_for(

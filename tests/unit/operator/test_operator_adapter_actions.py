@@ -234,3 +234,107 @@ def test_errors_name_the_loraadapter_fields(field: str, message: str, expected: 
     assert status["phase"] == "Failed"
     validated = next(c for c in status["conditions"] if c["type"] == "Validated")
     assert validated["message"] == expected
+
+
+# ------------------------------------------------------------------ status as the truth, events
+
+
+class PoolOfThree(FakeKube):
+    def get_pool(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return {"spec": {"maxLorasPerBatch": 4, "replicas": 3}}
+
+
+class Unreachable(IdempotentControlPlane):
+    def list_workers(self, namespace: str, pool: str) -> list[dict[str, Any]]:
+        raise ControlPlaneUnavailable("connection refused")
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    posted: list[tuple[str, str, str]] = []
+
+    def event(_body: Any, *, type: str, reason: str, message: str) -> None:
+        posted.append((type, reason, message))
+
+    monkeypatch.setattr(handlers.kopf, "event", event)
+    return posted
+
+
+def test_a_lost_pod_degrades_the_adapter_until_it_is_loaded_there_again(
+    events: list[tuple[str, str, str]],
+) -> None:
+    spec = {**SPEC, "placement": {"mode": "all"}}
+    cp = IdempotentControlPlane(["w0", "w1", "w2"])
+
+    def reconcile_all(status: dict[str, Any]) -> dict[str, Any]:
+        return reconcile_adapter_once(PoolOfThree(), cp, spec, status, uid=UID)
+
+    status = reconcile_all({})
+    assert (status["phase"], status["ready"]) == ("Ready", "3/3")
+    assert [e[1] for e in events] == ["Registered", "Ready"]
+
+    events.clear()
+    cp.workers = ["w0", "w2"]  # pod of w1 deleted: the pool still wants 3
+    cp.lose("w1")
+    cp.adapter["phase"] = "Ready"  # type: ignore[index]  # routable on the other two
+    status = reconcile_all(status)
+    assert (status["phase"], status["ready"]) == ("Degraded", "2/3")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "ReplicasUnavailable"
+    assert "2 of the pool's 3 replicas are ready" in ready["message"]
+    assert ("Warning", "ReplicaLost") in [e[:2] for e in events]
+    assert ("Warning", "Degraded") in [e[:2] for e in events]
+
+    events.clear()
+    cp.workers = ["w0", "w1", "w2"]  # the pod is back, empty: loaded again (a repair)
+    status = reconcile_all(status)
+    assert (status["phase"], status["ready"]) == ("Ready", "3/3")
+    assert [e[:2] for e in events] == [
+        ("Normal", "Repair"),
+        ("Normal", "ReplicaLoaded"),
+        ("Normal", "Ready"),
+    ]
+
+
+def test_an_unreachable_control_plane_is_unknown_not_a_failure(
+    events: list[tuple[str, str, str]],
+) -> None:
+    cp = IdempotentControlPlane(["w0", "w1"])
+    ready = reconcile(cp, {})
+    events.clear()
+    down = Unreachable(["w0", "w1"])
+    status = reconcile_adapter_once(FakeKube(), down, SPEC, ready, uid=UID)
+    assert status["phase"] == "Unknown"
+    # The last known counts stay; no attempt is counted.
+    assert status["ready"] == ready["ready"] and status["loadedReplicas"] == 2
+    assert status["attempts"] == 0
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["Ready"]["status"] == "Unknown"
+    assert conditions["Ready"]["reason"] == "ControlPlaneUnavailable"
+    assert conditions["Validated"]["status"] == "True"
+    assert events == [("Warning", "Unknown", events[0][2])]
+    assert "connection refused" in events[0][2]
+
+
+def test_failed_attempts_and_version_swaps_post_events(
+    events: list[tuple[str, str, str]],
+) -> None:
+    cp = IdempotentControlPlane(["w0", "w1"])
+    cp.reject_next = ControlPlaneError(502, "fanout_failed", "w0: out of memory", None, None)
+    status = reconcile(cp, {})
+    (failed,) = [e for e in events if e[1] == "AttemptFailed"]
+    assert failed[0] == "Warning"
+    assert "attempt 1/5 failed: w0: out of memory; retrying in 2 s" in failed[2]
+    status = reconcile(cp, {**status, "lastAttemptTime": "2000-01-01T00:00:00Z"})
+    assert status["phase"] == "Ready"
+
+    events.clear()
+    cp.new_version = lambda ns, name, source, key: cp._once(  # type: ignore[method-assign]
+        key,
+        ("version", source),
+        lambda: cp.adapter.update(source=source),  # type: ignore[union-attr]
+    )
+    swapped = {**SPEC, "source": {"uri": "file:///models/a-v2"}}
+    reconcile_adapter_once(FakeKube(), cp, swapped, status, uid=UID, generation=2)
+    (swap,) = [e for e in events if e[1] == "VersionSwap"]
+    assert swap[0] == "Normal" and "file:///models/a-v2" in swap[2]

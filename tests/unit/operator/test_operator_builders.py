@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -320,6 +321,22 @@ def test_user_volumes_are_mounted_in_the_worker_before_the_compile_cache() -> No
 def test_bad_pool_specs_name_the_field(spec: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         PoolSpec.from_spec(spec)
+
+
+def test_pool_names_keep_every_derived_name_legal() -> None:
+    longest = "p" * builders.MAX_POOL_NAME
+    builders.check_pool_name(longest)
+    # The StatefulSet controller's label `controller-revision-hash: <sts>-<hash>` (hash up
+    # to 10 characters) and the headless Service's name must stay within 63 characters.
+    assert len(f"{builders.statefulset_name(longest)}-{'h' * 10}") <= 63
+    assert len(builders.service_name(longest)) <= 63
+    with pytest.raises(ValueError, match=r"metadata.name: 'p{53}' has 53 characters.*at most 52"):
+        builders.check_pool_name("p" * 53)
+    for bad in ("9pool", "Pool", "pool-", "po.ol"):
+        with pytest.raises(
+            ValueError, match=rf"metadata.name: '{re.escape(bad)}' is not a DNS-1035"
+        ):
+            builders.check_pool_name(bad)
 
 
 def test_worker_names_are_unique_per_namespace_and_dns_labels() -> None:

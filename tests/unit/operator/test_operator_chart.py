@@ -119,6 +119,26 @@ def test_local_run_labels_pods_and_finds_the_control_plane_by_selector() -> None
     ][0]["command"]
     assert "--controlplane-selector" in command
     assert "loraplane.io/local-run=true" in command
+    # A process has no /data volume: the embedded SQLite and the cache go under /tmp.
+    env = {
+        e["name"]: e
+        for e in by_name(docs, "Deployment", "rel-loraplane-controlplane")["spec"]["template"][
+            "spec"
+        ]["containers"][0]["env"]
+    }
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    assert env["LORAPLANE_DB_URL"]["value"] == "sqlite:////tmp/loraplane-$(POD_UID).db"
+    assert env["LORAPLANE_SOURCES__CACHE_DIR"]["value"] == "/tmp/loraplane-$(POD_UID)/adapters"
+
+
+def test_local_run_auto_is_off_without_a_local_runner_node() -> None:
+    # `helm template` has no cluster to look nodes up in: auto (the default) is off.
+    docs = render()
+    cp = by_name(docs, "Deployment", "rel-loraplane-controlplane")["spec"]["template"]
+    assert "loraplane.io/local-run" not in cp["metadata"]["labels"]
+    env = {e["name"]: e for e in cp["spec"]["containers"][0]["env"]}
+    assert env["LORAPLANE_DB_URL"]["value"] == "sqlite:////data/loraplane.db"
+    assert env["LORAPLANE_SOURCES__CACHE_DIR"]["value"] == "/data/adapters"
 
 
 def test_optional_redis_and_postgresql() -> None:

@@ -68,6 +68,28 @@ def test_good_objects_validate() -> None:
     assert errors(ADAPTER, GOOD_ADAPTER) == []
 
 
+def with_name(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    return {**obj, "metadata": {"name": name}}
+
+
+def test_names_are_limited_where_they_are_typed() -> None:
+    # The schema part (jsonschema runs it); the API server also runs the CEL rules below,
+    # whose messages name the field and the reason.
+    assert errors(POOL, with_name(GOOD_POOL, "p" * 52)) == []
+    for bad in ("p" * 53, "9pool", "pool.a"):
+        assert any(e.startswith("metadata.name") for e in errors(POOL, with_name(GOOD_POOL, bad)))
+    assert errors(ADAPTER, with_name(GOOD_ADAPTER, "a" * 63)) == []
+    for bad in ("a" * 64, "sql.expert"):
+        found = errors(ADAPTER, with_name(GOOD_ADAPTER, bad))
+        assert any(e.startswith("metadata.name") for e in found)
+    pool_rules = {r["rule"]: r["message"] for r in POOL["x-kubernetes-validations"]}
+    assert pool_rules["self.metadata.name.size() <= 52"].startswith("metadata.name:")
+    assert "controller-revision-hash" in pool_rules["self.metadata.name.size() <= 52"]
+    (adapter_rule,) = ADAPTER["x-kubernetes-validations"]
+    assert "self.metadata.name.size() <= 63" in adapter_rule["rule"]
+    assert adapter_rule["message"].startswith("metadata.name:")
+
+
 @pytest.mark.parametrize(
     "uri",
     [
@@ -217,7 +239,11 @@ def test_crd_shape_printer_columns_short_names_and_status_subresource() -> None:
             ["Pool", "Phase", "Ready", "Pinned", "Rank", "Age"],
             "ladapter",
         ),
-        ("loraplane.io_lorapools.yaml", ["Model", "Replicas", "Ready", "TP", "DP", "Age"], "lpool"),
+        (
+            "loraplane.io_lorapools.yaml",
+            ["Model", "Replicas", "Ready", "Phase", "Reason", "TP", "DP", "Age"],
+            "lpool",
+        ),
     ):
         doc = crd(name)
         assert doc["spec"]["group"] == "loraplane.io" and doc["spec"]["scope"] == "Namespaced"
@@ -236,3 +262,13 @@ def test_examples_validate_against_the_crds() -> None:
                 assert errors(schemas[doc["kind"]], doc) == [], path.name
                 seen += 1
     assert seen >= 4
+
+
+def test_status_phases_are_the_operators() -> None:
+    from loraplane.operator import status
+
+    assert ADAPTER["properties"]["status"]["properties"]["phase"]["enum"] == list(status.PHASES)
+    assert POOL["properties"]["status"]["properties"]["phase"]["enum"] == list(status.POOL_PHASES)
+    (version,) = crd("loraplane.io_lorapools.yaml")["spec"]["versions"]
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Phase"] == ".status.phase" and columns["Reason"] == ".status.reason"

@@ -18,7 +18,7 @@ from kopf._core.engines.peering import Identity, process_peering_event
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.operator import handlers
-from loraplane.operator.config import OperatorConfig
+from loraplane.operator.config import OperatorConfig, newest_first_priority
 from loraplane.operator.cpclient import (
     ControlPlaneClient,
     ControlPlaneError,
@@ -59,10 +59,10 @@ def peering_event(peers: dict[str, int]) -> dict[str, Any]:
     }
 
 
-async def feed(conflicts: Toggle, peers: dict[str, int]) -> None:
+async def feed(conflicts: Toggle, peers: dict[str, int], priority: int = 10) -> None:
     settings = kopf.OperatorSettings()
     settings.peering.name = "loraplane"
-    settings.peering.priority = 10
+    settings.peering.priority = priority
     woken = asyncio.Event()
     woken.set()  # do not sleep until other peers expire (that would PATCH the peering object)
     await process_peering_event(
@@ -100,6 +100,24 @@ def test_leader_follows_kopf_peering_pause_and_resume() -> None:
         assert asyncio.run(scenario()) == [0.0, 1.0, 0.0, 1.0, 0.0]
     finally:
         watcher.detach()
+
+
+def test_a_restarted_operator_does_not_wait_for_its_killed_predecessor() -> None:
+    # kopf's own peering code: the killed process's record is still alive (not expired), and
+    # the restarted process (a later start, so a higher default priority) acts at once; the
+    # older replica of two pauses in favour of the newer one.
+    killed = newest_first_priority(now_ns=1_000_000_000_000)
+    restarted = newest_first_priority(now_ns=1_000_000_000_000 + 2_000_000_000)
+    assert restarted > killed
+
+    async def scenario() -> tuple[bool, bool]:
+        new = Toggle(True)  # mandatory peering: paused until the first peering event
+        await feed(new, {"me": restarted, "killed": killed}, priority=restarted)
+        old = Toggle(False)
+        await feed(old, {"me": killed, "newer": restarted}, priority=killed)
+        return new.is_on(), old.is_on()
+
+    assert asyncio.run(scenario()) == (False, True)
 
 
 def test_standalone_operator_always_leads() -> None:
@@ -191,15 +209,16 @@ def run_reconcile(
 def test_adapter_gauge_follows_the_phase_the_handler_writes() -> None:
     metrics = OperatorMetrics()
     kube = FakeKube({("ml", "p"): {"spec": {"maxLorasPerBatch": 4}}})
-    # No such pool: Pending. The pool exists but the control plane is down: Pending too, the
+    # No such pool: Pending. The pool exists but the control plane is down: Unknown, the
     # handler fails temporarily, and controlplane_up is not known (this fake is no client).
+    # (Old phases equal to the new ones: no Event is posted, which needs a running operator.)
     patch = run_reconcile(metrics, kube, "a", "missing", "Pending")
     assert patch["status"]["phase"] == "Pending"
-    patch = run_reconcile(metrics, kube, "b", "p", "Pending")
-    assert patch["status"]["phase"] == "Pending"
+    patch = run_reconcile(metrics, kube, "b", "p", "Unknown")
+    assert patch["status"]["phase"] == "Unknown"
     gauge = samples(metrics, "loraplane_operator_adapters")
     assert gauge[(("namespace", "ml"), ("phase", "Pending"), ("pool", "missing"))] == 1
-    assert gauge[(("namespace", "ml"), ("phase", "Pending"), ("pool", "p"))] == 1
+    assert gauge[(("namespace", "ml"), ("phase", "Unknown"), ("pool", "p"))] == 1
     assert gauge[(("namespace", "ml"), ("phase", "Ready"), ("pool", "p"))] == 0
     assert (
         value(

@@ -221,3 +221,23 @@ def test_pool_status_reports_dp_group_health_and_slot_use() -> None:
     }  # fmt: skip
     assert st["workers"][1]["state"] == "unregistered"
     assert conditions(st)["Ready"]["status"] == "False"
+
+
+def test_pool_phase_and_reason_follow_its_replicas() -> None:
+    pod = {"name": "p-0", "ip": "10.0.0.1", "ready": True, "worker": "p-0"}
+    worker = {"name": "p-0", "state": "ready"}
+    lost = {"name": "p-1", "ip": "", "ready": False, "worker": "p-1"}
+    ready = status.pool_status(1, 1, [pod], [worker], {}, "t")
+    assert (ready["phase"], ready["reason"]) == ("Ready", "AllReplicasReady")
+    degraded = status.pool_status(1, 2, [pod, lost], [worker], ready, "t")
+    assert (degraded["phase"], degraded["reason"]) == ("Degraded", "ReplicasNotReady")
+    assert status.pool_events(ready, degraded)[0][:2] == ("Warning", "Degraded")
+    assert status.pool_status(1, 1, [lost], [], {}, "t")["phase"] == "Pending"
+    unknown = status.pool_unknown(1, 1, [pod], ready, "t", "control plane unreachable: refused")
+    assert (unknown["phase"], unknown["reason"]) == ("Unknown", "ControlPlaneUnavailable")
+    assert unknown["registeredWorkers"] == 1 and unknown["workers"] == ready["workers"]
+    assert conditions(unknown)["Ready"]["status"] == "Unknown"
+    assert status.pool_events(ready, unknown)[0][:2] == ("Warning", "Unknown")
+    invalid = status.pool_problem(2, ready, "t", "InvalidSpec", "metadata.name: too long")
+    assert (invalid["phase"], invalid["reason"]) == ("Failed", "InvalidSpec")
+    assert conditions(invalid)["Validated"]["status"] == "False"

@@ -105,6 +105,31 @@ def env(state_dir: StateDir = None) -> None:
     typer.echo(f'export PATH={shlex.quote(str(layout.bin_dir()))}:"$PATH"')
 
 
+@cluster_app.command()
+def logs(
+    pod: Annotated[
+        str,
+        typer.Argument(
+            help="Pod name (a `pod/` prefix, as `kubectl get -o name` prints, is fine)."
+        ),
+    ],
+    namespace: Annotated[
+        str, typer.Option("--namespace", "-n", help="The pod's namespace.")
+    ] = "default",
+    state_dir: StateDir = None,
+) -> None:
+    """Print a local-run pod's output (this cluster has no kubelet, so `kubectl logs` cannot
+    reach it): `<state>/pods/<namespace>_<pod>_<uid>/log`, the newest pod of that name."""
+    from loraplane.devcluster import cluster
+
+    try:
+        path = cluster.pod_log(_state(state_dir), namespace, pod.removeprefix("pod/"))
+    except FileNotFoundError as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(path.read_text(errors="replace"), nl=False)
+
+
 def _state_flag(state_dir: Path | None) -> str:
     return f" --state-dir {shlex.quote(str(state_dir))}" if state_dir else ""
 

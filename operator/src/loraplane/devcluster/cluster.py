@@ -250,6 +250,20 @@ def status(state: Path) -> dict[str, Any]:
     return report
 
 
+def pod_log(state: Path, namespace: str, pod: str) -> Path:
+    """The output file of local-run pod `namespace/pod` (the newest, if the name was reused);
+    FileNotFoundError naming what was looked for when there is none."""
+    found = sorted(
+        (state / "pods").glob(f"{namespace}_{pod}_*/log"), key=lambda p: p.stat().st_mtime
+    )
+    if not found:
+        raise FileNotFoundError(
+            f"no output of pod {namespace}/{pod} under {state / 'pods'}: only local-run pods "
+            f"(label {LOCAL_RUN_LABEL}=true) run, and a pod's output appears once it started"
+        )
+    return found[-1]
+
+
 # -- helpers -------------------------------------------------------------------------
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplane.devcluster.layout import KWOK_NODE_ANNOTATION, SERVICE_CIDR
+from loraplane.devcluster.layout import (
+    KWOK_NODE_ANNOTATION,
+    LOCAL_RUNNER_NODE_LABEL,
+    SERVICE_CIDR,
+)
 
 
 def etcd(bin_dir: Path, state: Path, client_port: int, peer_port: int) -> list[str]:
@@ -125,6 +129,7 @@ def node_manifest(index: int, gpus: int, cpu: str, memory: str, pods: int) -> di
                 "node.kubernetes.io/instance-type": "fake-gpu",
                 "nvidia.com/gpu.present": "true",
                 "type": "kwok",
+                LOCAL_RUNNER_NODE_LABEL: "true",
             },
         },
         "spec": {"podCIDR": f"127.1.{index}.0/24", "podCIDRs": [f"127.1.{index}.0/24"]},

@@ -11,6 +11,8 @@ from pathlib import Path
 
 # Label that opts a pod in to the local pod runner.
 LOCAL_RUN_LABEL = "loraplane.io/local-run"
+# Label on every node of this cluster: the chart's `localRun: auto` turns local-run on by it.
+LOCAL_RUNNER_NODE_LABEL = "loraplane.io/local-runner"
 # Annotation kwok selects the nodes it manages by.
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Loopback range for pod IPs: node i gets 127.1.i.0/24 (all of 127.0.0.0/8 is loopback on Linux).

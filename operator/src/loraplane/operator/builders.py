@@ -29,6 +29,11 @@ COMPILE_CACHE_PATH = "/var/cache/loraplane"
 # group-writable for it (pod securityContext.fsGroup).
 WORKER_GROUP = 10001
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# The StatefulSet controller labels each pod `controller-revision-hash: <sts>-<hash>`, the
+# hash up to 10 characters; a label value has at most 63, so the StatefulSet's (the pool's)
+# name has at most 63 - 11.
+MAX_POOL_NAME = 52
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
 
 
@@ -221,6 +226,23 @@ def common_labels(pool: str) -> dict[str, str]:
         "app.kubernetes.io/part-of": "loraplane",
         "app.kubernetes.io/managed-by": "loraplane-operator",
     }
+
+
+def check_pool_name(name: str) -> None:
+    """ValueError naming `metadata.name` unless every name derived from the pool's is legal
+    (the CRD checks the same; the operator may run against an older CRD)."""
+    if len(name) > MAX_POOL_NAME:
+        raise ValueError(
+            f"metadata.name: {name!r} has {len(name)} characters; a LoRAPool name has at most "
+            f"{MAX_POOL_NAME} (its StatefulSet's pods carry the label "
+            "controller-revision-hash=<name>-<10-character hash>, at most 63)"
+        )
+    if not _DNS_1035_LABEL.match(name):
+        raise ValueError(
+            f"metadata.name: {name!r} is not a DNS-1035 label (lower-case letters, digits and "
+            "'-', starting with a letter and ending with a letter or digit); its Service "
+            f"{service_name(name)!r} needs one"
+        )
 
 
 def statefulset_name(pool: str) -> str:

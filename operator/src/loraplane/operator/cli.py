@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 from typing import Annotated
 
 import typer
@@ -48,8 +47,18 @@ def run(
     ] = False,
     priority: Annotated[
         int | None,
-        typer.Option(help="Peering priority; the highest live replica acts (default: random)"),
+        typer.Option(
+            help="Peering priority; the highest live replica acts (default: from the start "
+            "time, so the newest replica acts and a restarted one never waits for its old record)"
+        ),
     ] = None,
+    peering_lifetime: Annotated[
+        int,
+        typer.Option(
+            help="Seconds a replica's peering record stays alive without a keep-alive (>= 10): "
+            "how long a standby waits for a leader that died"
+        ),
+    ] = 15,
     namespace: Annotated[
         list[str] | None,
         typer.Option("--namespace", "-n", help="Watch only these namespaces (default: all)"),
@@ -91,7 +100,7 @@ def run(
 
     from loraplane.operator import handlers
     from loraplane.operator.builders import WorkerDefaults
-    from loraplane.operator.config import OperatorConfig
+    from loraplane.operator.config import OperatorConfig, newest_first_priority
     from loraplane.operator.metrics import OperatorMetrics
     from loraplane.operator.status import RetryPolicy
 
@@ -99,6 +108,11 @@ def run(
         raise ValueError(
             f"--controlplane-port ({controlplane_port}), --max-attempts ({max_attempts}) and "
             f"--resync-interval ({resync_interval}) must be > 0"
+        )
+    if peering_lifetime < 10:
+        raise typer.BadParameter(
+            f"--peering-lifetime {peering_lifetime}: must be >= 10 (kopf renews a record "
+            "5-10 s before it expires)"
         )
     if not 0 <= metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be 0..65535, got {metrics_port}")
@@ -117,7 +131,8 @@ def run(
         ),
         peering_name=peering,
         standalone=standalone,
-        priority=priority if priority is not None else 1 + secrets.randbelow(1_000_000),
+        priority=priority if priority is not None else newest_first_priority(),
+        peering_lifetime_s=peering_lifetime,
         namespaces=tuple(namespace or ()),
         health_endpoint=health,
     )

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 
 from loraplane.operator.builders import WorkerDefaults
 from loraplane.operator.status import RetryPolicy
+
+
+def newest_first_priority(now_ns: int | None = None) -> int:
+    """A peering priority that grows with the process's start time (milliseconds, then 3
+    random digits against ties): a restarted or newly started operator outranks every record
+    an older process left, so it acts at once instead of pausing until a killed process's
+    record expires; an older live replica pauses in its favour."""
+    start_ms = (time.time_ns() if now_ns is None else now_ns) // 1_000_000
+    return start_ms * 1000 + secrets.randbelow(1000)
 
 
 @dataclass(frozen=True)
@@ -23,5 +34,8 @@ class OperatorConfig:
     peering_name: str = "loraplane"
     standalone: bool = False
     priority: int = 0
+    # Seconds a replica's peering record counts as alive without a keep-alive (kopf renews it
+    # 5-10 s earlier): how long a standby waits for a leader that died without a restart.
+    peering_lifetime_s: int = 15
     namespaces: tuple[str, ...] = ()  # empty: every namespace (cluster-wide)
     health_endpoint: str | None = None

@@ -111,6 +111,10 @@ class ControlPlaneClient:
     def put_pool(self, namespace: str, name: str, body: dict[str, Any], key: str) -> Any:
         return self._call("PUT", f"/v1/pools/{namespace}/{name}", json=body, key=key)
 
+    def list_pools(self) -> list[dict[str, Any]]:
+        answer = self._call("GET", "/v1/pools")
+        return list((answer or {}).get("items") or [])
+
     def delete_pool(self, namespace: str, name: str) -> None:
         self._call("DELETE", f"/v1/pools/{namespace}/{name}", ok_statuses=(404,))
 

@@ -12,6 +12,7 @@ import datetime as dt
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -86,6 +87,10 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.peering.standalone = config.standalone
     settings.peering.mandatory = not config.standalone
     settings.peering.clusterwide = not config.namespaces
+    # A short lifetime so a standby takes over within seconds of a leader dying; with a
+    # keep-alive every few seconds, kopf logs none of them.
+    settings.peering.lifetime = config.peering_lifetime_s
+    settings.peering.stealth = True
     # Our own Events (phase transitions) are posted explicitly; log lines are not.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 16
@@ -101,7 +106,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         config.controlplane_port,
     )
     metrics = _metrics(memo)
-    memo["runtime"] = Runtime(
+    runtime = Runtime(
         config,
         kube,
         ControlPlaneClient(
@@ -110,9 +115,15 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
             on_reachable=metrics.controlplane_reachable if metrics else None,
         ),
     )
+    memo["runtime"] = runtime
+    memo["sweeper"] = RegistrySweeper(runtime, max(config.resync_interval_s, 5.0))
+    memo["sweeper"].start()
 
 
 def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    sweeper = memo.get("sweeper")
+    if sweeper is not None:
+        sweeper.stop()
     runtime = memo.get("runtime")
     if runtime is not None:
         runtime.controlplane.close()
@@ -153,18 +164,22 @@ def reconcile_pool(
     spec: kopf.Spec,
     status: kopf.Status,
     meta: kopf.Meta,
+    body: kopf.Body,
     patch: kopf.Patch,
     memo: kopf.Memo,
     **_: Any,
 ) -> None:
-    """Children applied, pool and ready pods registered, stale workers removed, status."""
+    """Children applied, pool and ready pods registered, stale workers removed, status and
+    Events (workers registered or removed, phase changes)."""
     runtime = _runtime(memo)
     generation = int(meta.get("generation") or 0)
     now = states.now_iso()
     try:
+        builders.check_pool_name(name)
         pool = builders.PoolSpec.from_spec(spec)
     except ValueError as exc:
-        patch.status.update(_pool_problem(generation, dict(status), now, "InvalidSpec", str(exc)))
+        new = states.pool_problem(generation, dict(status), now, "InvalidSpec", str(exc))
+        _write_pool_status(new, dict(status), body, patch)
         raise kopf.PermanentError(str(exc)) from exc
     try:
         for manifest in builders.build_pool_children(
@@ -175,7 +190,8 @@ def reconcile_pool(
         # What the schema and the builders let through but the API refuses (a volume's
         # source, say); the refused object is unchanged. The next spec change retries.
         message = f"the API refused the pool's {exc}"
-        patch.status.update(_pool_problem(generation, dict(status), now, "InvalidSpec", message))
+        new = states.pool_problem(generation, dict(status), now, "InvalidSpec", message)
+        _write_pool_status(new, dict(status), body, patch)
         raise kopf.PermanentError(message) from exc
     pods = [
         {**p, "worker": builders.worker_name(namespace, p["name"])}
@@ -185,79 +201,44 @@ def reconcile_pool(
         runtime.controlplane.put_pool(
             namespace, name, builders.build_controlplane_pool(pool), key=""
         )
-        cp_workers = _sync_workers(runtime, namespace, name, pool.dp, pods)
+        cp_workers, changes = _sync_workers(runtime, namespace, name, pool.dp, pods)
     except ControlPlaneUnavailable as exc:
-        patch.status.update(
-            status_with_problem(
-                generation,
-                pool.replicas,
-                pods,
-                dict(status),
-                now,
-                "ControlPlaneUnavailable",
-                str(exc),
-            )
+        new = states.pool_unknown(
+            generation, pool.replicas, pods, dict(status), now, f"control plane unreachable: {exc}"
         )
+        _write_pool_status(new, dict(status), body, patch)
         raise kopf.TemporaryError(
             f"control plane unavailable: {exc}", delay=runtime.config.resync_interval_s
         ) from exc
     except ControlPlaneError as exc:
-        patch.status.update(
-            _pool_problem(generation, dict(status), now, "ControlPlaneRejected", str(exc))
-        )
+        new = states.pool_problem(generation, dict(status), now, "ControlPlaneRejected", str(exc))
+        _write_pool_status(new, dict(status), body, patch)
         raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
-    patch.status.update(
-        states.pool_status(generation, pool.replicas, pods, cp_workers, dict(status), now)
-    )
+    new = states.pool_status(generation, pool.replicas, pods, cp_workers, dict(status), now)
+    _write_pool_status(new, dict(status), body, patch, changes)
 
 
-def _pool_problem(
-    generation: int, old: dict[str, Any], now: str, reason: str, message: str
-) -> dict[str, Any]:
-    return {
-        "observedGeneration": generation,
-        "conditions": states.merge_conditions(
-            old.get("conditions"),
-            [
-                # Only a bad spec is known invalid; other problems leave it Unknown.
-                states.condition(
-                    "Validated",
-                    False if reason == "InvalidSpec" else None,
-                    reason,
-                    message,
-                    generation,
-                ),
-                states.condition("Ready", False, reason, message, generation),
-            ],
-            now,
-        ),
-    }
-
-
-def status_with_problem(
-    generation: int,
-    replicas: int,
-    pods: list[dict[str, Any]],
+def _write_pool_status(
+    new: dict[str, Any],
     old: dict[str, Any],
-    now: str,
-    reason: str,
-    message: str,
-) -> dict[str, Any]:
-    base = states.pool_status(generation, replicas, pods, [], old, now)
-    base["conditions"] = states.merge_conditions(
-        base["conditions"], [states.condition("Ready", False, reason, message, generation)], now
-    )
-    return base
+    body: kopf.Body,
+    patch: kopf.Patch,
+    changes: list[tuple[str, str, str]] | None = None,
+) -> None:
+    patch.status.update(new)
+    for type_, reason, message in [*(changes or []), *states.pool_events(old, new)]:
+        kopf.event(body, type=type_, reason=reason, message=message[:1000])
 
 
 def _sync_workers(
     runtime: Runtime, namespace: str, pool: str, dp: int, pods: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[tuple[str, str, str]]]:
     """Register ready pods the control plane lacks (or knows at another IP); remove
-    workers whose pod is gone. Returns the control plane's workers afterwards."""
+    workers whose pod is gone. Returns the control plane's workers afterwards and an Event
+    (type, reason, message) per change."""
     cp = runtime.controlplane
     known = {w["name"]: w for w in cp.list_workers(namespace, pool)}
-    changed = False
+    changes: list[tuple[str, str, str]] = []
     for pod in pods:
         endpoint = f"http://{pod['ip']}:{builders.WORKER_PORT}"
         current = known.get(pod["worker"])
@@ -266,28 +247,94 @@ def _sync_workers(
                 builders.build_worker_registration(namespace, pool, pod["name"], pod["ip"], dp),
                 key="",
             )
-            changed = True
+            changes.append(
+                ("Normal", "WorkerRegistered", f"pod {pod['name']} registered at {endpoint}")
+            )
     live = {p["worker"] for p in pods if not p["deleting"]}
     for worker in known:
         if worker not in live:
             cp.delete_worker(worker)
-            changed = True
-    return cp.list_workers(namespace, pool) if changed else list(known.values())
+            changes.append(
+                ("Normal", "WorkerRemoved", f"worker {worker} deregistered: its pod is gone")
+            )
+    workers = cp.list_workers(namespace, pool) if changes else list(known.values())
+    return workers, changes
 
 
 def forget_pool(
     name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_: Any
 ) -> None:
-    """Best effort (no finalizer): drop the pool's workers and the pool from the registry."""
+    """Best effort: drop the pool's workers and the pool from the registry. What fails here
+    (the control plane down, adapters still registered) `sweep_registry` finishes later."""
     runtime = _runtime(memo)
     try:
-        for worker in runtime.controlplane.list_workers(namespace, name):
-            runtime.controlplane.delete_worker(worker["name"])
-        runtime.controlplane.delete_pool(namespace, name)
+        _forget_registry_pool(runtime, namespace, name)
     except (ControlPlaneUnavailable, ControlPlaneError) as exc:
         logger.warning(
-            "could not remove pool %s/%s from the control plane: %s", namespace, name, exc
+            "could not remove pool %s/%s from the control plane yet: %s", namespace, name, exc
         )
+
+
+def _forget_registry_pool(runtime: Runtime, namespace: str, name: str) -> None:
+    """Deregister the pool's workers, then delete the pool (a 409 while adapters remain)."""
+    _forget_registry_pool_workers(runtime, namespace, name)
+    runtime.controlplane.delete_pool(namespace, name)
+
+
+def _forget_registry_pool_workers(runtime: Runtime, namespace: str, name: str) -> None:
+    for worker in runtime.controlplane.list_workers(namespace, name):
+        runtime.controlplane.delete_worker(worker["name"])
+
+
+def sweep_registry(runtime: Runtime) -> list[str]:
+    """Registry pools whose LoRAPool is gone (deleted while the control plane was down, or
+    while no operator ran): workers deregistered, so their adapters can be unloaded and
+    released, and the pool deleted once it has none. Only the watched namespaces. Returns
+    `namespace/name` of each pool worked on."""
+    swept = []
+    for pool in runtime.controlplane.list_pools():
+        namespace, name = str(pool["namespace"]), str(pool["name"])
+        if runtime.config.namespaces and namespace not in runtime.config.namespaces:
+            continue
+        if runtime.kube.get_pool(namespace, name) is not None:
+            continue
+        swept.append(f"{namespace}/{name}")
+        try:
+            _forget_registry_pool(runtime, namespace, name)
+        except ControlPlaneError as exc:
+            # Adapters still registered (their LoRAAdapters' deletion unloads them): next pass.
+            log.info("registry pool %s/%s not deleted yet: %s", namespace, name, exc.message)
+    return swept
+
+
+class RegistrySweeper:
+    """`sweep_registry` every `interval_s` on a thread of its own (kopf timers belong to an
+    object; this is about objects that are gone). Control plane outages only skip a pass."""
+
+    def __init__(self, runtime: Runtime, interval_s: float) -> None:
+        self._runtime = runtime
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="registry-sweeper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                swept = sweep_registry(self._runtime)
+            except ControlPlaneUnavailable:
+                continue
+            except Exception:  # a pass must not end the thread; the next one retries
+                log.exception("registry sweep failed")
+                continue
+            if swept:
+                log.info("registry pools without a LoRAPool cleaned up: %s", ", ".join(swept))
 
 
 def on_worker_pod(
@@ -368,7 +415,7 @@ def reconcile_adapter(
             runtime, namespace, name, uid, spec_dict, old, view, same_generation
         )
     except ControlPlaneUnavailable as exc:
-        view = replace(view, last_error=f"control plane unavailable: {exc}")
+        view = replace(view, unreachable=str(exc))
         phase = _write_adapter_status(view, old, body, patch)
         record_adapter_phase(_metrics(memo), namespace, name, spec_dict, phase)
         raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
@@ -405,7 +452,9 @@ def _observe_and_act(
             view,
             pending=("PoolNotFound", f"spec.pool: LoRAPool {namespace}/{pool_name} does not exist"),
         )
-    max_per_batch = int((pool.get("spec") or {}).get("maxLorasPerBatch", 4))
+    pool_spec = pool.get("spec") or {}
+    view = replace(view, desired_replicas=int(pool_spec.get("replicas", 1)))
+    max_per_batch = int(pool_spec.get("maxLorasPerBatch", 4))
     siblings = [
         a
         for a in runtime.kube.list_adapters(namespace)
@@ -472,7 +521,38 @@ def _observe_and_act(
     except ControlPlaneError as exc:
         return _failed_attempt(runtime, namespace, name, view, exc)
     adapter = (answer or {}).get("adapter") or cp.get_adapter(namespace, name)
-    return replace(view, cp_adapter=adapter, attempts=0, actions=view.actions + 1, last_error=None)
+    return replace(
+        view,
+        cp_adapter=adapter,
+        attempts=0,
+        actions=view.actions + 1,
+        last_error=None,
+        event=action_event(plan, spec, old),
+    )
+
+
+def action_event(
+    plan: states.Plan, spec: dict[str, Any], old: dict[str, Any]
+) -> tuple[str, str, str]:
+    """The Event for a control plane action that succeeded: (type, reason, message)."""
+    uri = str((spec.get("source") or {}).get("uri") or "")
+    if plan.action == "register":
+        return ("Normal", "Registered", f"registered from {uri} and loading it")
+    if plan.action == "update_version":
+        return (
+            "Normal",
+            "VersionSwap",
+            f"new version from {uri}: loaded beside the old one, then switched (make-before-break)",
+        )
+    if plan.action == "patch":
+        return (
+            "Normal",
+            "Updated",
+            f"pinned={bool(spec.get('pinned', False))}, priority={int(spec.get('priority', 0))}",
+        )
+    if old.get("phase") in ("Ready", "Degraded"):
+        return ("Normal", "Repair", f"loading again where it is missing: {plan.reason}")
+    return ("Normal", "Load", f"loading: {plan.reason}")
 
 
 class CredentialsUnavailable(Exception):
@@ -545,12 +625,24 @@ def _failed_attempt(
         return replace(view, pending=("PoolNotRegistered", message))
     adapter = runtime.controlplane.get_adapter(namespace, name)
     attempts = view.attempts + 1
+    policy = runtime.config.retry
+    gave_up = attempts >= policy.max_attempts
+    then = (
+        "giving up for this generation"
+        if gave_up
+        else f"retrying in {policy.delay(attempts):.0f} s"
+    )
     return replace(
         view,
         cp_adapter=adapter,
         attempts=attempts,
         last_error=message,
-        gave_up=attempts >= runtime.config.retry.max_attempts,
+        gave_up=gave_up,
+        event=(
+            "Warning",
+            "AttemptFailed",
+            f"attempt {attempts}/{policy.max_attempts} failed: {message}; {then}",
+        ),
     )
 
 
@@ -596,17 +688,20 @@ def _write_adapter_status(
     else:
         new["lastAttemptTime"] = old.get("lastAttemptTime") if view.attempts else None
     patch.status.update(new)
+    events = [view.event] if view.event else []
+    events += states.replica_events(old, new)
     before, after = old.get("phase"), new["phase"]
     if before != after:
         ready = states.find_condition(new["conditions"], "Ready") or {}
         message = f"{before or 'None'} -> {after}: {ready.get('message', '')}"
-        kopf.event(
-            body,
-            type="Warning" if after in ("Failed", "Degraded") else "Normal",
-            reason=after,
-            message=message[:1000],
-        )
+        events.append((_event_type(after), after, message))
+    for type_, reason, message in events:
+        kopf.event(body, type=type_, reason=reason, message=message[:1000])
     return str(after)
+
+
+def _event_type(phase: str) -> str:
+    return "Warning" if phase in ("Failed", "Degraded", "Unknown") else "Normal"
 
 
 def unload_adapter(
@@ -627,8 +722,23 @@ def unload_adapter(
         record_adapter_phase(metrics, namespace, name, dict(body.get("spec") or {}), "Unloading")
         kopf.event(body, type="Normal", reason="Unloading", message="unloading from every worker")
     delay = runtime.config.retry.delay(retry + 1)
+    pool = str((body.get("spec") or {}).get("pool", ""))
     try:
-        runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}")
+        try:
+            runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}")
+        except ControlPlaneError:
+            if runtime.kube.get_pool(namespace, pool) is not None:
+                raise
+            # The pool is gone (deleted while the control plane was down): nothing serves
+            # the adapter, and its unreachable workers would fail every unload. Release them.
+            _forget_registry_pool_workers(runtime, namespace, pool)
+            kopf.event(
+                body,
+                type="Normal",
+                reason="PoolGone",
+                message=f"LoRAPool {namespace}/{pool} is gone: its workers were deregistered",
+            )
+            runtime.controlplane.delete_adapter(namespace, name, key=f"{uid}-delete-{retry}-gone")
     except ControlPlaneUnavailable as exc:
         raise kopf.TemporaryError(f"control plane unavailable: {exc}", delay=delay) from exc
     except ControlPlaneError as exc:

@@ -34,9 +34,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from loraplane.operator.status import PHASES
+
 KINDS = ("lorapool", "loraadapter")
 OUTCOMES = ("ok", "temporary_error", "permanent_error")
-PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading")
 PEERING_LOGGER = "kopf._core.engines.peering"
 RECONCILE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 150)
 

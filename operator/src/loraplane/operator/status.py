@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 Condition = dict[str, Any]
 
-PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading")
+PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unknown")
+POOL_PHASES = ("Pending", "Ready", "Degraded", "Failed", "Unknown")
 ADAPTER_CONDITIONS = ("Validated", "Loaded", "Ready", "Degraded")
 
 
@@ -103,6 +104,14 @@ def target_replicas(placement: str | Mapping[str, int], ready_workers: int) -> i
     if isinstance(placement, str):
         return ready_workers
     return min(int(placement["count"]), ready_workers)
+
+
+def wanted_replicas(
+    placement: str | Mapping[str, int], desired: int | None, ready_workers: int
+) -> int:
+    """Replicas the adapter should be loaded on, of the pool's desired replicas (its
+    `spec.replicas`, so a lost pod counts as missing); of its ready workers when unknown."""
+    return target_replicas(placement, ready_workers if desired is None else desired)
 
 
 def plan_adapter(
@@ -217,15 +226,53 @@ class AdapterView:
     invalid: tuple[str, str] | None = None  # (reason, message): the spec cannot work
     pending: tuple[str, str] | None = None  # (reason, message): waits for something else
     gave_up: bool = False
+    # The pool's spec.replicas: READY counts loaded replicas against it. None: not read.
+    desired_replicas: int | None = None
+    # Why the control plane could not be asked: the phase is Unknown, not a failure.
+    unreachable: str | None = None
+    # What this pass did, for an Event: (type, reason, message).
+    event: tuple[str, str, str] | None = None
+
+
+def replica_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """Events for replicas that gained or lost the adapter between two statuses (a load, a
+    repair after a restart, a lost pod, an eviction), from their `replicaStates`."""
+
+    def loaded(status: Mapping[str, Any]) -> set[str]:
+        return {
+            str(r["worker"]) for r in status.get("replicaStates") or [] if r["state"] == "loaded"
+        }
+
+    if old.get("phase") is None or new.get("phase") == "Unknown":
+        return []
+    before, after = loaded(old), loaded(new)
+    events = []
+    if after - before:
+        events.append(("Normal", "ReplicaLoaded", f"loaded on {', '.join(sorted(after - before))}"))
+    if before - after:
+        events.append(
+            (
+                "Warning",
+                "ReplicaLost",
+                f"no longer loaded on {', '.join(sorted(before - after))} (the worker went "
+                "away or restarted, or the adapter was evicted)",
+            )
+        )
+    return events
 
 
 def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[str, Any]:
     """The whole `status` of a LoRAAdapter (phase, conditions, counts) for `view`."""
+    if view.unreachable is not None:
+        return _unknown_status(view, old, now)
     gen = view.generation
     cp = view.cp_adapter or {}
     loaded_workers = [w for w in cp.get("loaded_workers") or [] if w in set(view.ready_workers)]
-    want = target_replicas(view.placement, len(view.ready_workers))
+    want = wanted_replicas(view.placement, view.desired_replicas, len(view.ready_workers))
     loaded = len(loaded_workers)
+    # Was serving on every wanted replica and now is on fewer: a lost or not yet ready pod,
+    # a scale-up not loaded yet, an eviction. (Never Ready yet: still Loading.)
+    short = loaded < want and old.get("phase") in ("Ready", "Degraded", "Unknown")
     error = view.last_error or cp.get("last_error")
     conditions: list[Condition]
     if view.invalid is not None:
@@ -257,7 +304,9 @@ def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[
             phase = "Ready"
         elif view.gave_up:
             phase = "Failed"
-        elif error and (view.attempts > 0 or cp.get("phase") in ("Failed", "Degraded")):
+        elif (short and not error) or (
+            error and (view.attempts > 0 or cp.get("phase") in ("Failed", "Degraded"))
+        ):
             phase = "Degraded"
         elif cp.get("phase") == "Degraded" or (loaded and loaded < want):
             phase = "Degraded" if loaded and cp.get("phase") == "Degraded" else "Loading"
@@ -271,6 +320,14 @@ def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[
         if view.gave_up:
             reason = "RetriesExhausted"
             fail_msg = f"gave up after {view.attempts} failed attempts: {error or 'unknown error'}"
+        elif short and not error:
+            reason = "ReplicasUnavailable"
+            fail_msg = f"{loaded_msg} the pool wants"
+            if view.desired_replicas is not None and len(view.ready_workers) < want:
+                fail_msg += (
+                    f"; {len(view.ready_workers)} of the pool's {view.desired_replicas} "
+                    "replicas are ready"
+                )
         else:
             reason = "LoadFailed" if error else "Loading"
             fail_msg = error or loaded_msg
@@ -304,7 +361,13 @@ def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[
         "replicas": len(view.ready_workers),
         "loadedReplicas": loaded,
         "ready": f"{loaded}/{want}",
-        "replicaStates": replica_states(view.cp_adapter),
+        "replicaStates": [
+            # Loaded on a worker that is not ready (its pod gone or restarting) serves nothing.
+            {**r, "state": "notReady"}
+            if r["state"] == "loaded" and r["worker"] not in view.ready_workers
+            else r
+            for r in replica_states(view.cp_adapter)
+        ],
         "attempts": view.attempts,
         "actions": view.actions,
         "conditions": merge_conditions(old.get("conditions"), conditions, now),
@@ -320,6 +383,27 @@ def adapter_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[
         if cp.get(cp_key) is not None:
             status[key] = cp[cp_key]
     status["lastError"] = (error or "") if phase != "Ready" else ""
+    return status
+
+
+def _unknown_status(view: AdapterView, old: Mapping[str, Any], now: str) -> dict[str, Any]:
+    """The control plane did not answer: nothing is known to have changed, so the counts stay
+    as last seen and the conditions say Unknown (not a failure: no attempt is counted)."""
+    message = f"control plane unreachable, last known state kept: {view.unreachable}"
+    reason = "ControlPlaneUnavailable"
+    conditions = [
+        condition(kind, None, reason, message, view.generation)
+        for kind in ("Loaded", "Ready", "Degraded")
+    ]
+    status = {k: v for k, v in old.items() if k not in ("conditions", "lastAttemptTime")}
+    status.update(
+        phase="Unknown",
+        observedGeneration=view.generation,
+        attempts=view.attempts,
+        actions=view.actions,
+        lastError=message,
+        conditions=merge_conditions(old.get("conditions"), conditions, now),
+    )
     return status
 
 
@@ -371,23 +455,29 @@ def pool_status(
     ready = sum(1 for p in pods if p.get("ready"))
     registered = sum(1 for w in workers if w["state"] == "ready")
     if problem is not None:
+        phase, reason = "Failed", problem[0]
         conditions = [
             condition("Validated", False, problem[0], problem[1], generation),
             condition("Ready", False, problem[0], problem[1], generation),
         ]
     else:
         all_ready = ready == replicas and registered == replicas
+        reason = "AllReplicasReady" if all_ready else "ReplicasNotReady"
+        # Nothing serving yet is Pending; some but not all replicas serving is Degraded.
+        phase = "Ready" if all_ready else ("Degraded" if registered else "Pending")
         conditions = [
             condition("Validated", True, "Valid", "spec accepted", generation),
             condition(
                 "Ready",
                 all_ready,
-                "AllReplicasReady" if all_ready else "ReplicasNotReady",
+                reason,
                 f"{ready}/{replicas} pods ready, {registered}/{replicas} workers ready in the control plane",
                 generation,
             ),
         ]
     return {
+        "phase": phase,
+        "reason": reason,
         "observedGeneration": generation,
         "replicas": replicas,
         "readyReplicas": ready,
@@ -397,6 +487,63 @@ def pool_status(
         "workers": workers,
         "conditions": merge_conditions(old.get("conditions"), conditions, now),
     }
+
+
+def pool_problem(
+    generation: int, old: Mapping[str, Any], now: str, reason: str, message: str
+) -> dict[str, Any]:
+    """A pool's status when its spec is refused (`InvalidSpec`: phase Failed) or the control
+    plane refused the pool (phase Degraded); the rest of the status stays as it was."""
+    return {
+        "phase": "Failed" if reason == "InvalidSpec" else "Degraded",
+        "reason": reason,
+        "observedGeneration": generation,
+        "conditions": merge_conditions(
+            old.get("conditions"),
+            [
+                # Only a bad spec is known invalid; other problems leave it Unknown.
+                condition(
+                    "Validated",
+                    False if reason == "InvalidSpec" else None,
+                    reason,
+                    message,
+                    generation,
+                ),
+                condition("Ready", False, reason, message, generation),
+            ],
+            now,
+        ),
+    }
+
+
+def pool_unknown(
+    generation: int,
+    replicas: int,
+    pods: Sequence[Mapping[str, Any]],
+    old: Mapping[str, Any],
+    now: str,
+    message: str,
+) -> dict[str, Any]:
+    """A pool's status while the control plane does not answer: pods as seen, phase Unknown,
+    the workers' state as last known."""
+    base = pool_status(generation, replicas, pods, [], old, now)
+    reason = "ControlPlaneUnavailable"
+    base.update(phase="Unknown", reason=reason, workers=old.get("workers") or base["workers"])
+    base["registeredWorkers"] = old.get("registeredWorkers", 0)
+    base["conditions"] = merge_conditions(
+        base["conditions"], [condition("Ready", None, reason, message, generation)], now
+    )
+    return base
+
+
+def pool_events(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, str, str]]:
+    """A phase change of a LoRAPool as an Event (Warning when it is worse than Ready)."""
+    before, after = old.get("phase"), new.get("phase")
+    if before == after or after is None:
+        return []
+    ready = find_condition(new.get("conditions"), "Ready") or {}
+    kind = "Normal" if after in ("Ready", "Pending") else "Warning"
+    return [(kind, str(after), f"{before or 'None'} -> {after}: {ready.get('message', '')}")]
 
 
 def excess_pinned(
