@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 from clusterkit import Cluster, make_adapters, make_model, missing_prerequisites, wait_for
+from openai import OpenAI
 
 pytestmark = pytest.mark.cluster
 
@@ -98,14 +98,12 @@ def test_quick_start_as_written(local_cluster: Cluster, tmp_path: Path) -> None:
     url, token = _shell(
         cluster, "\n".join([*exports, 'echo "$LORAPLANE_URL $LORAPLANE_TOKEN"'])
     ).split()
-    response = httpx.post(
-        f"{url}/v1/completions",
-        headers={"Authorization": f"Bearer {token}"},
-        json={"model": "qwen-small:sql-expert", "prompt": "Hello", "max_tokens": 4},
-        timeout=120,
+    client = OpenAI(base_url=f"{url}/v1", api_key=token, timeout=120, max_retries=0)
+    completion = client.completions.create(
+        model="qwen-small:sql-expert", prompt="Hello", max_tokens=4
     )
-    assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["text"]
+    assert completion.choices[0].text
+    assert completion.usage is not None and completion.usage.completion_tokens >= 1
 
     # The documented uninstall: nothing waits on a finalizer, nothing is left.
     _shell(cluster, "kubectl delete loraadapters --all -A --timeout=120s")
