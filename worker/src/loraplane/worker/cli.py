@@ -289,6 +289,15 @@ def serve_cmd(
             "Python; --no-engine-process runs it on a thread of the front end's process",
         ),
     ] = True,
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            "--overlap/--no-overlap",
+            help="Overlapped steps: launch the next step before reading this one's tokens, "
+            "which are read one step late (ADR 0014). One-rank workers only (--tp/--dp 1; "
+            "ignored otherwise). Off by default: not yet measured on a GPU",
+        ),
+    ] = False,
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
     from loraplane.worker.config import ConfigError
@@ -328,6 +337,7 @@ def serve_cmd(
             host=host,
             port=port,
             log_level=log_level,
+            overlap=overlap,
             engine_process=engine_process,
         )
         serve(config)
