@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -239,3 +239,22 @@ def test_a_finished_requests_kv_row_waits_for_its_lagged_step(
     assert prefills == 2
     # the first request's lagged row ran (past its EOS), so the check above had work to do
     assert any(w.start == len(PROMPTS[2]) + eos_at for work, _ in executor.launches for w in work)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_serve_config_overlap_reaches_the_engine(model: Model, overlap: bool) -> None:
+    """``worker serve --overlap`` builds an engine that overlaps (one rank), and the default
+    one steps in turn."""
+    from loraplane.worker.server.factory import ServeConfig, build_engine
+
+    config = ServeConfig(model=str(model[0]), lora_backend="torch", max_running=2)
+    engine = build_engine(config if not overlap else replace(config, overlap=True))
+    try:
+        assert not ServeConfig(model=str(model[0])).overlap
+        assert engine.overlap is overlap
+        engine.start()
+        request = Request(PROMPTS[0], None, SamplingParams(max_new_tokens=4, temperature=0.0))
+        run(engine, [request])
+        assert request.events[-1].finished and len(request.tokens) <= 4
+    finally:
+        engine.stop()
