@@ -258,3 +258,29 @@ def test_serve_config_overlap_reaches_the_engine(model: Model, overlap: bool) ->
         assert request.events[-1].finished and len(request.tokens) <= 4
     finally:
         engine.stop()
+
+
+def test_seeded_sampling_draws_the_same_tokens_overlapped(model: Model) -> None:
+    """A seeded request's draw depends on its token's index, which counts the token still in
+    flight when the next step is launched: the same tokens with and without overlap."""
+    outcomes = []
+    for overlap in (False, True):
+        engine = make_engine(model[0], overlap=overlap)
+        assert engine.load_adapter("a8", str(model[1]["a8"])).result(60).success
+        requests = [
+            Request(
+                p,
+                adapter,
+                SamplingParams(max_new_tokens=8, temperature=0.9, seed=7 + i, ignore_eos=True),
+            )
+            for i, (p, adapter) in enumerate(
+                zip(PROMPTS[:4], [None, "a8", "a8", None], strict=True)
+            )
+        ]
+        try:
+            run(engine, requests)
+        finally:
+            engine.stop()
+        outcomes.append([r.outcome for r in requests])
+    assert outcomes[0] == outcomes[1]
+    assert all(len(o[0]) == 8 for o in outcomes[1])
