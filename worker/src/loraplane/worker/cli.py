@@ -248,6 +248,15 @@ def serve_cmd(
             help="Replay decode steps from CUDA graphs (CUDA with tp = dp = 1; else ignored)"
         ),
     ] = True,
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            "--overlap/--no-overlap",
+            help="Overlapped steps: launch the next step before reading this one's tokens, "
+            "which are read one step late (ADR 0014). One-rank workers only (--tp/--dp 1; "
+            "ignored otherwise). Off by default: not yet measured on a GPU",
+        ),
+    ] = False,
     warmup: Annotated[
         bool | None,
         typer.Option(
@@ -289,15 +298,6 @@ def serve_cmd(
             "Python; --no-engine-process runs it on a thread of the front end's process",
         ),
     ] = True,
-    overlap: Annotated[
-        bool,
-        typer.Option(
-            "--overlap/--no-overlap",
-            help="Overlapped steps: launch the next step before reading this one's tokens, "
-            "which are read one step late (ADR 0014). One-rank workers only (--tp/--dp 1; "
-            "ignored otherwise). Off by default: not yet measured on a GPU",
-        ),
-    ] = False,
 ) -> None:
     """Serve a model with many LoRA adapters over HTTP (SGLang- and OpenAI-compatible)."""
     from loraplane.worker.config import ConfigError
