@@ -49,11 +49,16 @@ def metric(worker: WorkerProcess, name: str, labels: str = "") -> float:
     raise AssertionError(f"metric {name}{{{labels}}} not found in\n{text}")
 
 
+@pytest.mark.parametrize("overlap", ["--no-overlap", "--overlap"])
 def test_mixed_concurrent_requests_equal_one_at_a_time(
-    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+    worker_factory: Callable[..., WorkerProcess],
+    make_adapter_dir: Callable[..., Path],
+    overlap: str,
 ) -> None:
+    """Also with overlapped steps (ADR 0014): tokens read one step late are the same."""
     adapters = {f"mix{i}": make_adapter_dir(f"mix{i}", seed=10 + i) for i in range(4)}
     worker = worker_factory(
+        overlap,
         "--max-loras-per-batch",
         "4",
         "--max-loaded-loras",

@@ -75,6 +75,29 @@ def test_static_padded_step_matches_the_eager_step(runner: ModelRunner, slots: l
     assert all(shape[2] > 0 for _, shape in graphs._graphs if shape is not None)
 
 
+def test_carried_tokens_are_the_host_tokens_eagerly_and_in_the_static_step(
+    runner: ModelRunner,
+) -> None:
+    """Overlapped steps (ADR 0014) feed decode rows the previous step's sampled ids on the
+    device (``carry``): eagerly and through the static graph buffers, the logits are those of
+    the same ids sent from the host."""
+    slots = [NO_ADAPTER, 1, 0, 1]
+    want = runner.forward(decode_step(runner, [11, 12, 13, 14]), slots).clone()  # type: ignore[arg-type]
+    # the previous step sampled [99, 13, 77, 11]: its rows 3 and 1 are rows 0 and 2's inputs
+    carry = (torch.tensor([99, 13, 77, 11]), torch.tensor([[0, 2], [3, 1]]))
+    host = [0, 12, 0, 14]  # (placeholders where carried)
+    eager = runner.forward(decode_step(runner, host), slots, carry).clone()  # type: ignore[arg-type]
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    runner.graphs = graphs
+    try:
+        static = runner.forward(decode_step(runner, host), slots, carry).clone()  # type: ignore[arg-type]
+    finally:
+        runner.graphs = None
+    assert graphs.replays == 1
+    torch.testing.assert_close(eager, want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(static, want, rtol=0, atol=2e-5)
+
+
 def test_more_adapters_than_stage_positions_run_the_shrink_kernels(suite) -> None:  # type: ignore[no-untyped-def]
     """With 2 stage positions, a 3-adapter batch is not staged (width 0) and a 2-adapter batch
     is; both give the eager step's logits, and staging the second evicts nothing it needs."""

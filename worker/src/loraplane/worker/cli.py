@@ -263,6 +263,15 @@ def serve_cmd(
             help="Replay decode steps from CUDA graphs (CUDA with tp = dp = 1; else ignored)"
         ),
     ] = True,
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            "--overlap/--no-overlap",
+            help="Overlapped steps: launch the next step before reading this one's tokens, "
+            "which are read one step late (ADR 0014). One-rank workers only (--tp/--dp 1; "
+            "ignored otherwise). Off by default: not yet measured on a GPU",
+        ),
+    ] = False,
     warmup: Annotated[
         bool | None,
         typer.Option(
@@ -355,6 +364,7 @@ def serve_cmd(
             host=host,
             port=port,
             log_level=log_level,
+            overlap=overlap,
             engine_process=engine_process,
             max_request_bytes=max_request_bytes,
             admin_token_file=admin_token_file,

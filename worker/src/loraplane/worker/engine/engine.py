@@ -18,18 +18,24 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from loraplane.worker.engine.executor import Executor, ExecutorFailed, SeqWork
+from loraplane.worker.engine.executor import (
+    Executor,
+    ExecutorFailed,
+    LocalExecutor,
+    PendingStep,
+    SeqWork,
+)
 from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
 from loraplane.worker.engine.residency import Residency, ResidencyError
 from loraplane.worker.engine.sampling import SamplingParams
-from loraplane.worker.engine.scheduler import Scheduler
+from loraplane.worker.engine.scheduler import Admission, Scheduler
 from loraplane.worker.engine.sequence import SeqEvent, Sequence
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
@@ -157,8 +163,18 @@ class Engine:
         observer: EngineObserver | None = None,
         fault_hook: FaultHook | None = None,
         on_step: Callable[[], None] | None = None,
+        overlap: bool = False,
     ) -> None:
         self.executor = executor
+        # Overlapped steps (ADR 0014): one-rank executors only; the others step in turn.
+        self.overlap = overlap and isinstance(executor, LocalExecutor)
+        if overlap and not self.overlap:
+            log.info("overlapped steps need a one-rank executor; this engine steps in turn")
+        # the launched step whose tokens are not read yet: its handle and its sequences
+        self._inflight: tuple[PendingStep, list[Sequence]] | None = None
+        # finished sequences whose KV row and adapter are released once the step in flight,
+        # which still runs them, is resolved
+        self._parked: list[Sequence] = []
         self.tokenizer = tokenizer
         self.dp_size = executor.dp_size
         self.max_model_len = min(max_model_len, executor.max_len)
@@ -553,6 +569,7 @@ class Engine:
                         or self._incoming
                         or self.scheduler.running
                         or self.scheduler.waiting
+                        or self._inflight is not None
                     ):
                         self._wake.wait(timeout=0.5)
                     if self._stop:
@@ -560,7 +577,10 @@ class Engine:
                     commands, self._commands = self._commands, []
                 for fn, future in commands:
                     _run_command(fn, future)
-                self._step()
+                if self.overlap:
+                    self._step_overlapped()
+                else:
+                    self._step()
                 if self.on_step is not None:
                     self.on_step()
         except BaseException as exc:
@@ -572,6 +592,8 @@ class Engine:
                     list(self.scheduler.running) + list(self.scheduler.waiting) + self._incoming,
                 )
                 for seq in everyone:
+                    if seq.finish_reason is not None:
+                        continue  # (told already: it waited for a lagged step, ADR 0014)
                     seq.sink(
                         SeqEvent(
                             "",
@@ -614,7 +636,11 @@ class Engine:
                 )
             )
 
-    def _step(self) -> None:
+    def _admit(self, in_flight: Container[int] = ()) -> tuple[Admission, list[Sequence], int]:
+        """Between steps: queue the new requests, end the aborted ones (those of the step in
+        flight, whose ``id`` is in ``in_flight``, end when it is read), admit waiting ones
+        and start their slots' loads. The admission, the running sequences that may step
+        now, and how many requests wait."""
         with self._lock:
             for seq in self._incoming:
                 if seq.params.max_new_tokens == 0:
@@ -629,18 +655,23 @@ class Engine:
                 self._finish(seq, "abort")
                 self._release(seq)
                 self._emit(seq, ())
-            for seq in [s for s in cast(list[Sequence], list(self.scheduler.running)) if s.aborted]:
-                self.scheduler.finish(seq)
-                self._finish(seq, "abort")
-                self._release(seq)
-                self._emit(seq, ())
+            for seq in cast(list[Sequence], list(self.scheduler.running)):
+                if seq.aborted and seq.finish_reason is None and id(seq) not in in_flight:
+                    self._finish(seq, "abort")
+                    self._end(seq)
+                    self._emit(seq, ())
             admission = self.scheduler.schedule()
             for key in admission.evicted:
                 adapter = self.residency.adapters[key]
                 self.evictions.append(EventRecord("evict", adapter.name, time.time()))
                 self.observer.evicted(adapter.name)
                 log.info("evicted adapter %s from its slot (LRU)", adapter.name)
-            running = cast(list[Sequence], list(self.scheduler.running))
+            # (a finished sequence still running waits for its lagged step: ADR 0014)
+            running = [
+                s
+                for s in cast(list[Sequence], list(self.scheduler.running))
+                if s.finish_reason is None and not s.aborted
+            ]
             waiting = len(self.scheduler.waiting)
             slot_names = [self.residency.adapters[key].name for _, key in admission.slot_loads]
         for (slot, key), name in zip(admission.slot_loads, slot_names, strict=True):
@@ -649,7 +680,10 @@ class Engine:
             self.observer.slot_loaded(name)
         if admission.slot_loads:
             self._publish_residency()
-        running = self._ready(running)
+        return admission, self._ready(running), waiting
+
+    def _step(self) -> None:
+        admission, running, waiting = self._admit()
         if not running:
             self.observer.idle()
             if waiting:
@@ -684,6 +718,90 @@ class Engine:
                         self._release(seq)
                     self._emit(seq, tuple(seq.output_ids[before:]))
                     self.observer.tokens_generated(seq.adapter_name, 1)
+
+    def _step_overlapped(self) -> None:
+        """One step of ADR 0014: launch step N+1, then read step N's tokens.
+
+        A sequence of step N in flight is launched again with its input token taken from N's
+        sampled ids on the device (``SeqWork.carry``), unless N ends it by length (known
+        before its token is). Whether N's token ends it (EOS, a stop id, an abort) is known
+        only when N is read: then its extra row in N+1 is discarded, and its KV row and
+        adapter are released once N+1 is read too."""
+        prev = self._inflight
+        in_flight = {id(seq): i for i, seq in enumerate(prev[1])} if prev else {}
+        admission, running, waiting = self._admit(in_flight)
+        running = [s for s in running if not self._ends_in_flight(s, in_flight)]
+        launched: tuple[PendingStep, list[Sequence]] | None = None
+        if running:
+            work: list[SeqWork] = []
+            order: list[Sequence] = []
+            for seq in sorted(running, key=lambda s: s.slot):  # (as `_step` orders them)
+                carry = in_flight.get(id(seq), -1)
+                tokens = (0,) if carry >= 0 else seq.next_tokens()
+                index = seq.generated + (1 if carry >= 0 else 0)
+                work.append(
+                    SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, index, carry)
+                )
+                order.append(seq)
+                seq.cached += len(tokens)  # (written by this step, in the device's order)
+            self.observer.step(
+                len({s.adapter_key for s in order if s.adapter_key is not None}),
+                [len(order)],
+                waiting,
+                admission.waiting_for_slot,
+            )
+            executor = cast(LocalExecutor, self.executor)
+            launched = (executor.launch([work], prev[0] if prev else None), order)
+            self.steps += 1
+        self._inflight = launched
+        if prev is None:
+            if not running:
+                self.observer.idle()
+                if waiting:
+                    time.sleep(0.001)
+            return
+        self._resolve(prev, {id(s) for s in launched[1]} if launched else set())
+
+    def _ends_in_flight(self, seq: Sequence, in_flight: dict[int, int]) -> bool:
+        """Whether the step in flight gives ``seq`` its last token by length (so it is not
+        launched again)."""
+        if id(seq) not in in_flight:
+            return False
+        generated = seq.generated + 1
+        return (
+            generated >= seq.params.max_new_tokens
+            or len(seq.prompt_ids) + generated >= self.max_model_len
+        )
+
+    def _resolve(self, step: tuple[PendingStep, list[Sequence]], running_on: set[int]) -> None:
+        """Read a launched step's tokens: append, finish, emit. A sequence that ends here
+        and runs in the step launched after it (``running_on``) keeps its KV row and adapter
+        until that step is resolved; the sequences parked so before are released now."""
+        tokens = step[0].tokens()
+        with self._lock:
+            parked, self._parked = self._parked, []
+            for seq in parked:
+                self._end(seq)
+            for seq, token in zip(step[1], tokens, strict=True):
+                if seq.finish_reason is not None:
+                    continue  # (its lagged row: the token is not the user's)
+                before = len(seq.output_ids)
+                if seq.aborted:
+                    self._finish(seq, "abort")
+                else:
+                    self._append(seq, token)
+                    self.observer.tokens_generated(seq.adapter_name, 1)
+                if seq.finish_reason is not None:
+                    if id(seq) in running_on:
+                        self._parked.append(seq)
+                    else:
+                        self._end(seq)
+                self._emit(seq, tuple(seq.output_ids[before:]))
+
+    def _end(self, seq: Sequence) -> None:
+        """A finished sequence leaves the running set: its KV row and adapter are free."""
+        self.scheduler.finish(seq)
+        self._release(seq)
 
     def _ready(self, running: list[Sequence]) -> list[Sequence]:
         """The running sequences this step can advance: those whose slot is not still

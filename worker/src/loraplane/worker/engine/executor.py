@@ -15,7 +15,7 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
-from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_rows
+from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_ids, sample_rows
 from loraplane.worker.lora.adapter import AdapterWeights
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager
@@ -34,6 +34,10 @@ class SeqWork:
     # generated before this step (a seeded sequence's draw depends on it: ``draw_seed``).
     params: SamplingParams = GREEDY
     index: int = 0
+    # Overlapped steps (ADR 0014): >= 0, this row's one input token is row ``carry`` of the
+    # previous launched step's sampled ids, copied on the device (``tokens`` holds a
+    # placeholder); -1, ``tokens`` are the input.
+    carry: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,52 @@ def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto"
     return StepResult(
         sample_rows(logits, [w.params for w in work], [w.index for w in work], sampler)
     )
+
+
+class PendingStep:
+    """A launched step (``LocalExecutor.launch``) whose sampled ids are still on the device.
+
+    ``ids`` feeds the next step's carried rows there; ``tokens()`` reads them back to the host
+    (waiting for this step, not for any launched after it)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self._tokens: list[int] | None = None
+        self._host: torch.Tensor | None = None
+        self._done: torch.cuda.Event | None = None
+        if ids.is_cuda:
+            self._host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            self._host.copy_(ids, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def tokens(self) -> list[int]:
+        """Each row's sampled token id, in work order."""
+        if self._tokens is None:
+            if self._done is not None and self._host is not None:
+                self._done.synchronize()
+                self._tokens = self._host.tolist()
+            else:
+                self._tokens = self.ids.tolist()
+        return self._tokens
+
+
+def carried_inputs(
+    work: list[SeqWork], batch: ForwardBatch, after: PendingStep | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(ids, index)`` for ``ModelRunner.forward``'s ``carry``: the previous step's sampled
+    ids and ``index [2, k]``, each carried row's token offset in ``batch`` over its row in
+    ``ids`` (moved without waiting for the device); None when no row is carried."""
+    pairs = [(c.token_offset, w.carry) for w, c in zip(work, batch.chunks, strict=True)]
+    pairs = [p for p in pairs if p[1] >= 0]
+    if not pairs:
+        return None
+    if after is None:
+        raise ValueError(f"work carries tokens of a previous step ({pairs}), and there is none")
+    index = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
+    if device.type == "cuda":
+        index = index.pin_memory().to(device, non_blocking=True)
+    return after.ids, index
 
 
 def slots_loaded(manager: LoRAManager, slots: list[int], wait: bool) -> set[int]:
@@ -162,6 +212,26 @@ class LocalExecutor:
             return [StepResult([])]
         logits = self.runner.forward(batch, slots)
         return [step_result(logits, work[0], self.runner.config.sampler)]
+
+    def launch(self, work: list[list[SeqWork]], after: PendingStep | None) -> PendingStep:
+        """Start one forward and its sampling without reading the tokens back (ADR 0014):
+        the engine prepares the next step while the device runs this one. Rows with a
+        ``carry`` take their input token from ``after``'s sampled ids, on the device."""
+        assert len(work) == 1, "LocalExecutor has one DP group"
+        rows = work[0]
+        if not rows:
+            return PendingStep(torch.empty(0, dtype=torch.int64))
+        batch, slots = build_batch(rows, "cpu")
+        carry = carried_inputs(rows, batch, after, self.runner.device)
+        logits = self.runner.forward(batch, slots, carry)
+        return PendingStep(
+            sample_ids(
+                logits,
+                [w.params for w in rows],
+                [w.index for w in rows],
+                self.runner.config.sampler,
+            )
+        )
 
     def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
         assert dp_group == 0

@@ -134,8 +134,16 @@ class DecodeGraphs:
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def run(self, batch: ForwardBatch, slots: Sequence[int]) -> torch.Tensor | None:
+    def run(
+        self,
+        batch: ForwardBatch,
+        slots: Sequence[int],
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay.
+
+        ``carry``: input tokens taken from a previous step's sampled ids on the device
+        (``ModelRunner.forward``), copied into the static input buffer after the host values.
 
         The logits are a view of a buffer that the next step rewrites: read them first. None
         when this batch's graph could not be captured (the caller runs the step eagerly).
@@ -148,6 +156,10 @@ class DecodeGraphs:
         if key in self._failed:
             return None
         self._fill(batch, bucket)
+        if carry is not None:
+            from loraplane.worker.engine.runner import put_carried
+
+            put_carried(self._inputs[0], carry)
         graph = self._graphs.get(key)
         if graph is None:
             try:

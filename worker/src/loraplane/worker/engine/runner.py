@@ -142,7 +142,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, local_slots: Sequence[int] | None = None
+        self,
+        batch: ForwardBatch,
+        local_slots: Sequence[int] | None = None,
+        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits [rows, vocab] of `batch.logit_rows`; `local_slots` is the LoRA slot per token.
 
@@ -153,14 +156,20 @@ class ModelRunner:
         Under DP attention every rank calls this once per step, idle or not: the ranks
         exchange their token counts and per-token adapter slots here, so the TP-global
         sections see every DP group's tokens with their own adapters.
+
+        ``carry`` ``(ids, index [2, k])``: input token ``index[0, j]`` is ``ids[index[1, j]]``,
+        a previous step's sampled id still on the device (overlapped steps, ADR 0014); the
+        copy is a device op, so the host does not wait for that step.
         """
         ps = self.ps
         slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
         if self.graphs is not None and self.graphs.supports(batch):
-            logits = self.graphs.run(batch, slots)
+            logits = self.graphs.run(batch, slots, carry)
             if logits is not None:
                 return logits
         batch = batch.to(self.device)
+        if carry is not None:
+            put_carried(batch.input_ids, carry)
         global_slots: list[int] | None = None
         if ps.dp_attention:
             mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots)
@@ -178,6 +187,12 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.reset_batch_state()
+
+
+def put_carried(input_ids: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """``input_ids[index[0]] = ids[index[1]]`` on the device (``ModelRunner.forward``)."""
+    ids, index = carry
+    input_ids.index_copy_(0, index[0], ids.index_select(0, index[1]).to(input_ids.dtype))
 
 
 def prefill_batch(

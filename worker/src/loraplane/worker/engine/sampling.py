@@ -122,8 +122,18 @@ def sample_rows(
     indices: Sequence[int],
     sampler: str | None = None,
 ) -> list[int]:
-    """One token id per row of ``logits [n, vocab]``, row ``i`` by ``params[i]``, where the
-    logits are (one transfer of ``n`` ints to the host).
+    """``sample_ids`` read back to the host."""
+    return sample_ids(logits, params, indices, sampler).tolist()  # type: ignore[no-any-return]
+
+
+def sample_ids(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    indices: Sequence[int],
+    sampler: str | None = None,
+) -> torch.Tensor:
+    """One token id per row of ``logits [n, vocab]``, row ``i`` by ``params[i]``: int64
+    ``[n]`` on the logits' device (``sample_rows`` reads them back: ``n`` ints, not logits).
 
     Greedy rows take their argmax (the first index of a tie). The others sample in one batch:
     logits / temperature, the ``top_k`` best (with every token tied with the k-th), softmax
@@ -153,13 +163,13 @@ def sample_rows(
         logits = logits.float()  # (on a CPU, argmax over bf16 is slower than the conversion)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return logits.argmax(-1).tolist()  # type: ignore[no-any-return]
+        return logits.argmax(-1)
     picked = _sample(_rows(logits, rows), [params[i] for i in rows], [indices[i] for i in rows])
     if len(rows) == len(params):
-        return picked.tolist()  # type: ignore[no-any-return]
+        return picked
     tokens = logits.argmax(-1)
     tokens[rows] = picked
-    return tokens.tolist()  # type: ignore[no-any-return]
+    return tokens
 
 
 def _fused_table(
@@ -189,25 +199,25 @@ def _fused_table(
 
 def _sample_fused(
     logits: torch.Tensor, params: Sequence[SamplingParams], indices: Sequence[int]
-) -> list[int]:
+) -> torch.Tensor:
     """``sample_rows`` in one to three launches (``kernels.sampling.sample_table``), after
     one argmax launch when some rows are greedy."""
     from loraplane.worker.kernels.sampling import sample_table
 
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not params:  # (an idle DP group's step)
-        return []
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
     if len(rows) < len(params):
         tokens = logits.argmax(-1)
         if not rows:
-            return tokens.tolist()  # type: ignore[no-any-return]
+            return tokens
     else:
         tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
     vocab = logits.shape[-1]
     top_ks = [k if 0 < k < vocab else 0 for k in (params[i].top_k for i in rows)]
     table = _fused_table(params, rows, indices, top_ks)
     sample_table(logits, table.to(logits.device), tokens, top_ks)
-    return tokens.tolist()  # type: ignore[no-any-return]
+    return tokens
 
 
 def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:

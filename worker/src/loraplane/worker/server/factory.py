@@ -37,6 +37,7 @@ class ServeConfig:
     enable_fault_injection: bool = False
     served_model_name: str | None = None
     engine_process: bool = True  # the engine core in a process of its own (ADR 0012)
+    overlap: bool = False  # overlapped steps, one-rank workers (ADR 0014)
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
@@ -190,6 +191,7 @@ def build_engine(
             max_model_len=max_len,
             observer=observer,
             fault_hook=fault_hook,
+            overlap=config.overlap,
         )
     except BaseException:
         executor.shutdown()
