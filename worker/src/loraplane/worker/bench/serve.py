@@ -620,40 +620,49 @@ async def _measure(
     slots: int | None,
     on_row: Callable[[list[dict[str, Any]]], None],
 ) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    for i, row in enumerate(_rows(args, transport.name)):
-        todo = [row]
-        while todo:
-            row = todo.pop(0)
-            if row.adapters > len(names):
-                progress(f"skip {row}: only {len(names)} adapters are loaded")
-                continue
-            progress(f"row {row}")
-            draw = AdapterDraw(names[: row.adapters], args.dist, random.Random(args.seed + i))
-            windows = await run_row(
-                transport,
-                row,
-                draw,
-                prompt_len=args.prompt_len,
-                output_len=args.output_len,
-                vocab=vocab,
-                warmup=args.warmup,
-                duration=args.duration,
-                windows=args.windows,
-                seed=args.seed + 1000 * i,
-                busy=busy,
-                progress=progress,
-            )
-            for summary in windows:
-                results.append({**asdict(row), "slots": slots, **summary})
-            on_row(results)
-            if row.rate is None and args.poisson_fraction > 0:
-                peak = statistics.fmean(w["req_s"] for w in windows)
-                if peak > 0:
-                    todo.append(
-                        Row(row.transport, row.adapters, 0, round(peak * args.poisson_fraction, 2))
-                    )
-    return results
+    """Every row of ``transport``, each given to ``on_row`` as it ends; closes the transport."""
+    try:
+        results: list[dict[str, Any]] = []
+        for i, row in enumerate(_rows(args, transport.name)):
+            todo = [row]
+            while todo:
+                row = todo.pop(0)
+                if row.adapters > len(names):
+                    progress(f"skip {row}: only {len(names)} adapters are loaded")
+                    continue
+                progress(f"row {row}")
+                draw = AdapterDraw(names[: row.adapters], args.dist, random.Random(args.seed + i))
+                windows = await run_row(
+                    transport,
+                    row,
+                    draw,
+                    prompt_len=args.prompt_len,
+                    output_len=args.output_len,
+                    vocab=vocab,
+                    warmup=args.warmup,
+                    duration=args.duration,
+                    windows=args.windows,
+                    seed=args.seed + 1000 * i,
+                    busy=busy,
+                    progress=progress,
+                )
+                for summary in windows:
+                    results.append({**asdict(row), "slots": slots, **summary})
+                on_row(results)
+                if row.rate is None and args.poisson_fraction > 0:
+                    peak = statistics.fmean(w["req_s"] for w in windows)
+                    if peak > 0:
+                        todo.append(
+                            Row(
+                                row.transport,
+                                row.adapters,
+                                0,
+                                round(peak * args.poisson_fraction, 2),
+                            )
+                        )
+        return results
+    finally:
+        await transport.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -708,7 +717,9 @@ def main(argv: list[str] | None = None) -> int:
                     url, args.endpoint, args.token, max(_ints(args.clients), default=64)
                 )
                 slots = args.slots if worker is not None else None
-                out["rows"] += asyncio.run(_run(transport, args, names, vocab, busy, slots, flush))
+                out["rows"] += asyncio.run(
+                    _measure(transport, args, names, vocab, busy, slots, flush)
+                )
             finally:
                 if worker is not None:
                     worker.stop()
@@ -725,7 +736,9 @@ def main(argv: list[str] | None = None) -> int:
                     if not result.success:
                         raise RuntimeError(f"--lora {lname}: {result.error_message}")
                 out["rows"] += asyncio.run(
-                    _run(InProcessTransport(engine), args, names, vocab, busy, args.slots, flush)
+                    _measure(
+                        InProcessTransport(engine), args, names, vocab, busy, args.slots, flush
+                    )
                 )
             finally:
                 engine.stop()
@@ -733,21 +746,6 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out, indent=1))
     flush()
     return 1 if any(r["errors"] for r in out["rows"]) else 0
-
-
-async def _run(
-    transport: Transport,
-    args: argparse.Namespace,
-    names: list[str],
-    vocab: int,
-    busy: GpuBusy,
-    slots: int | None,
-    on_row: Callable[[list[dict[str, Any]]], None],
-) -> list[dict[str, Any]]:
-    try:
-        return await _measure(transport, args, names, vocab, busy, slots, on_row)
-    finally:
-        await transport.close()
 
 
 def _env(device: str) -> dict[str, Any]:
