@@ -9,6 +9,7 @@ what is missing.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -816,13 +817,22 @@ def test_with_two_replicas_only_the_leader_acts(stack: Stack) -> None:
     )
 
 
+def _worker_token_header(stack: Stack) -> dict[str, str]:
+    """The pool's workers' admin token (its Secret, which the operator made), as a header:
+    their adapter and debug endpoints refuse calls without it."""
+    secret = stack.cluster.get("secret", "pool-worker-token", "-n", stack.ns)
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    return {"Authorization": f"Bearer {token}"}
+
+
 def test_adapter_failing_on_one_dp_group_is_never_ready_and_stops_retrying(stack: Stack) -> None:
     message = "injected: dp group 1 cannot load"
+    admin = _worker_token_header(stack)
     for worker in stack.pool("pool")["status"]["workers"]:
         armed = httpx.post(
             f"http://{worker['podIP']}:8000/debug/fault",
             json={"op": "load", "dp_group": 1, "count": 1000, "message": message},
-            timeout=30,
+            headers=admin, timeout=30,
         )  # fmt: skip
         assert armed.status_code == 200, armed.text
     stack.cluster.apply(_adapter_manifest(stack, "broken", stack.adapters["spare"]))
@@ -849,7 +859,7 @@ def test_adapter_failing_on_one_dp_group_is_never_ready_and_stops_retrying(stack
     for worker in stack.pool("pool")["status"]["workers"]:
         httpx.post(
             f"http://{worker['podIP']}:8000/debug/fault",
-            json={"op": "load", "dp_group": 1, "count": 0}, timeout=30,
+            json={"op": "load", "dp_group": 1, "count": 0}, headers=admin, timeout=30,
         )  # fmt: skip
     stack.cluster.kubectl("delete", "loraadapter", "broken", "-n", stack.ns, "--timeout=120s")
 
