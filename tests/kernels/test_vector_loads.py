@@ -1,8 +1,8 @@
 """The LoRA kernels' B and y loads stay 16-byte vectors: PTX for sm_90, compiled on any machine.
 
 A mask Triton cannot prove constant over a group of columns along B's contiguous rank axis
-splits every load into single elements. The MoE expand ran L1-bound that way on an H200 (ncu,
-session 11: L1/TEX 91%, DRAM 35%) until its loads covered the loaded rank rounded up to 8
+splits every load into single elements. The MoE expand ran L1-bound that way on an H200 (ncu:
+L1/TEX 91%, DRAM 35%) until its loads covered the loaded rank rounded up to 8
 columns (``expand.RANK_ALIGN``). A stage rank of 8 does the same to the stacked epilogues and
 the rotation (their rank, ``y`` offsets and row stride are then not multiples of 16, which is
 what Triton specializes on), so the stage rank is at least 16 (``stage.MIN_STAGE_RANK``).

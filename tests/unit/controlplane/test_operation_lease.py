@@ -26,7 +26,7 @@ from loraplane.controlplane.workers import WorkerClient
 pytestmark = pytest.mark.unit
 
 # Long enough that a pause of the test's process (a loaded 2-core CI machine stalled one for
-# over 0.3 s between a renewal and the check after it, session 27) does not look like a
+# over 0.3 s between a renewal and the check after it) does not look like a
 # missed renewal; the waits below are fractions of it.
 LEASE_S = 1.5
 

@@ -41,12 +41,19 @@ class RecordingExecutor(LocalExecutor):
         return step
 
 
-def make_engine(model_dir: Path, overlap: bool, max_running: int = 4) -> Engine:
+def make_engine(
+    model_dir: Path,
+    overlap: bool,
+    max_running: int = 4,
+    *,
+    engine_cls: type[Engine] = Engine,
+    **engine_kw: Any,
+) -> Engine:
     executor = RecordingExecutor(
         RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=4, max_len=64),
         LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=4, max_lora_rank=16),
     )
-    engine = Engine(
+    engine = engine_cls(
         executor,
         TextTokenizer(str(model_dir)),
         max_loras_per_batch=2,
@@ -54,6 +61,7 @@ def make_engine(model_dir: Path, overlap: bool, max_running: int = 4) -> Engine:
         max_running=max_running,
         max_model_len=64,
         overlap=overlap,
+        **engine_kw,
     )
     engine.start()
     return engine
@@ -154,16 +162,23 @@ def mix(ref: list[list[int]]) -> tuple[list[Request], int]:
     ], eos
 
 
-def serve_mix(model: Model, ref: list[list[int]], overlap: bool) -> tuple[list[Request], Engine]:
-    engine = make_engine(model[0], overlap=overlap)
-    requests, eos = mix(ref)
-    engine.tokenizer.eos_token_ids = frozenset({eos})
+def serve_on(engine: Engine, model: Model, requests: list[Request], eos: int | None) -> None:
+    """Load the adapters on a started ``engine``, run ``requests`` (ending on ``eos`` when
+    given) and stop it."""
+    if eos is not None:
+        engine.tokenizer.eos_token_ids = frozenset({eos})
     for name in ("a8", "a16"):
         assert engine.load_adapter(name, str(model[1][name])).result(60).success
     try:
         run(engine, requests)
     finally:
         engine.stop()
+
+
+def serve_mix(model: Model, ref: list[list[int]], overlap: bool) -> tuple[list[Request], Engine]:
+    engine = make_engine(model[0], overlap=overlap)
+    requests, eos = mix(ref)
+    serve_on(engine, model, requests, eos)
     return requests, engine
 
 

@@ -272,6 +272,14 @@ def serve_cmd(
             "ignored otherwise). Off by default: not yet measured on a GPU",
         ),
     ] = False,
+    chunked_prefill_size: Annotated[
+        int,
+        typer.Option(
+            help="Prompt tokens fed per step at most, across the requests being prefilled: a "
+            "long prompt goes in chunks between the running requests' decode steps instead "
+            "of stalling them for its whole prefill (ADR 0017). 0 feeds whole prompts",
+        ),
+    ] = 4096,
     warmup: Annotated[
         bool | None,
         typer.Option(
@@ -365,6 +373,7 @@ def serve_cmd(
             port=port,
             log_level=log_level,
             overlap=overlap,
+            chunked_prefill_size=chunked_prefill_size,
             engine_process=engine_process,
             max_request_bytes=max_request_bytes,
             admin_token_file=admin_token_file,

@@ -164,14 +164,23 @@ class Engine:
         fault_hook: FaultHook | None = None,
         on_step: Callable[[], None] | None = None,
         overlap: bool = False,
+        chunked_prefill_size: int = 0,
     ) -> None:
         self.executor = executor
+        # Prompt tokens fed per step at most (0: whole prompts), across the sequences being
+        # prefilled; decoding sequences step regardless (ADR 0017).
+        if chunked_prefill_size < 0:
+            raise ValueError(
+                f"chunked_prefill_size {chunked_prefill_size} must be >= 0 (0 turns chunking off)"
+            )
+        self.chunked_prefill_size = chunked_prefill_size
         # Overlapped steps (ADR 0014): one-rank executors only; the others step in turn.
         self.overlap = overlap and isinstance(executor, LocalExecutor)
         if overlap and not self.overlap:
             log.info("overlapped steps need a one-rank executor; this engine steps in turn")
-        # the launched step whose tokens are not read yet: its handle and its sequences
-        self._inflight: tuple[PendingStep, list[Sequence]] | None = None
+        # the launched step whose tokens are not read yet: its handle, its sequences and
+        # whether each one's token is real (False: a prompt chunk that does not end the prompt)
+        self._inflight: tuple[PendingStep, list[Sequence], list[bool]] | None = None
         # finished sequences whose KV row and adapter are released once the step in flight,
         # which still runs them, is resolved
         self._parked: list[Sequence] = []
@@ -693,8 +702,8 @@ class Engine:
         order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
         # Rows ordered by adapter slot (stable; no adapter first): each slot's tokens are then
         # contiguous, so the LoRA kernels read them in place, with no gather (`row_order`).
-        for seq in sorted(cast(list[Sequence], list(running)), key=lambda s: s.slot):
-            tokens = seq.next_tokens()
+        for seq, take in sorted(self._plan(running), key=lambda p: p[0].slot):
+            tokens = seq.next_tokens(take)
             work[seq.dp_group].append(
                 SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, seq.generated)
             )
@@ -711,6 +720,8 @@ class Engine:
             for group, seqs in enumerate(order):
                 for i, (seq, token) in enumerate(zip(seqs, results[group].tokens, strict=True)):
                     seq.cached += len(work[group][i].tokens)
+                    if seq.prefilling:
+                        continue  # (a chunk of its prompt: the token sampled after it is not one)
                     before = len(seq.output_ids)
                     self._append(seq, token)
                     if seq.finish_reason is not None:
@@ -731,19 +742,23 @@ class Engine:
         in_flight = {id(seq): i for i, seq in enumerate(prev[1])} if prev else {}
         admission, running, waiting = self._admit(in_flight)
         running = [s for s in running if not self._ends_in_flight(s, in_flight)]
-        launched: tuple[PendingStep, list[Sequence]] | None = None
+        launched: tuple[PendingStep, list[Sequence], list[bool]] | None = None
         if running:
             work: list[SeqWork] = []
             order: list[Sequence] = []
-            for seq in sorted(running, key=lambda s: s.slot):  # (as `_step` orders them)
-                carry = in_flight.get(id(seq), -1)
-                tokens = (0,) if carry >= 0 else seq.next_tokens()
+            real: list[bool] = []
+            # (as `_step` orders them; `cached` counts what the launched steps write, so a
+            # sequence whose prompt is fed by the step in flight has its token carried)
+            for seq, take in sorted(self._plan(running), key=lambda p: p[0].slot):
+                carry = -1 if seq.prefilling else in_flight.get(id(seq), -1)
+                tokens = (0,) if carry >= 0 else seq.next_tokens(take)
                 index = seq.generated + (1 if carry >= 0 else 0)
                 work.append(
                     SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, index, carry)
                 )
                 order.append(seq)
                 seq.cached += len(tokens)  # (written by this step, in the device's order)
+                real.append(not seq.prefilling)
             self.observer.step(
                 len({s.adapter_key for s in order if s.adapter_key is not None}),
                 [len(order)],
@@ -751,7 +766,7 @@ class Engine:
                 admission.waiting_for_slot,
             )
             executor = cast(LocalExecutor, self.executor)
-            launched = (executor.launch([work], prev[0] if prev else None), order)
+            launched = (executor.launch([work], prev[0] if prev else None), order, real)
             self.steps += 1
         self._inflight = launched
         if prev is None:
@@ -765,7 +780,7 @@ class Engine:
     def _ends_in_flight(self, seq: Sequence, in_flight: dict[int, int]) -> bool:
         """Whether the step in flight gives ``seq`` its last token by length (so it is not
         launched again)."""
-        if id(seq) not in in_flight:
+        if id(seq) not in in_flight or seq.prefilling:
             return False
         generated = seq.generated + 1
         return (
@@ -773,7 +788,9 @@ class Engine:
             or len(seq.prompt_ids) + generated >= self.max_model_len
         )
 
-    def _resolve(self, step: tuple[PendingStep, list[Sequence]], running_on: set[int]) -> None:
+    def _resolve(
+        self, step: tuple[PendingStep, list[Sequence], list[bool]], running_on: set[int]
+    ) -> None:
         """Read a launched step's tokens: append, finish, emit. A sequence that ends here
         and runs in the step launched after it (``running_on``) keeps its KV row and adapter
         until that step is resolved; the sequences parked so before are released now."""
@@ -782,9 +799,11 @@ class Engine:
             parked, self._parked = self._parked, []
             for seq in parked:
                 self._end(seq)
-            for seq, token in zip(step[1], tokens, strict=True):
+            for seq, token, real in zip(step[1], tokens, step[2], strict=True):
                 if seq.finish_reason is not None:
                     continue  # (its lagged row: the token is not the user's)
+                if not real and not seq.aborted:
+                    continue  # (a chunk of its prompt)
                 before = len(seq.output_ids)
                 if seq.aborted:
                     self._finish(seq, "abort")
@@ -797,6 +816,24 @@ class Engine:
                     else:
                         self._end(seq)
                 self._emit(seq, tuple(seq.output_ids[before:]))
+
+    def _plan(self, running: list[Sequence]) -> list[tuple[Sequence, int | None]]:
+        """The running sequences that step now, each with how many prompt tokens it is fed
+        (None: a decoding sequence, fed its last token). Prompts go in chunks, oldest first,
+        while the step's prompt-token budget (``chunked_prefill_size``; 0: no limit) lasts;
+        a sequence the budget does not reach sits this step out, and the oldest always
+        gets a chunk."""
+        plan: list[tuple[Sequence, int | None]] = [(s, None) for s in running if not s.prefilling]
+        budget = self.chunked_prefill_size or None
+        for seq in sorted((s for s in running if s.prefilling), key=lambda s: s.seq_id):
+            if budget is not None and budget <= 0:
+                break
+            take = len(seq.prompt_ids) - seq.cached
+            if budget is not None:
+                take = min(take, budget)
+                budget -= take
+            plan.append((seq, take))
+        return plan
 
     def _end(self, seq: Sequence) -> None:
         """A finished sequence leaves the running set: its KV row and adapter are free."""

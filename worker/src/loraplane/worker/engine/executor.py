@@ -46,7 +46,7 @@ class StepResult:
 
     The tokens are picked where the logits are (``sampling.sample_rows``), so a step moves
     ``n`` ints to the host, not ``n x vocab`` floats (at bs 128 and a 152k vocabulary, 78 MB
-    a step, sampled one row at a time on the host before session 22)."""
+    a step, if sampled one row at a time on the host)."""
 
     tokens: list[int]
 

@@ -121,7 +121,7 @@ class StaticLoRABatch:
     the rows and the width only. ``fill`` writes one step's values with two host-to-device
     copies (pinned memory on CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
     ``index_select`` per value was three launches, ~6 us of a Llama-3-8B-shaped 8-layer step
-    on an H200 at 32 rows, before session 11), so a LoRA graph launches no more kernels than
+    on an H200 at 32 rows), so a LoRA graph launches no more kernels than
     the LoRA-off graph besides the ones that do LoRA math.
     """
 

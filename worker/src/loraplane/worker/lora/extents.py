@@ -12,13 +12,12 @@ wrapper allocates ``pad_rows`` extra zero rows when its shape has entries past i
 positions.
 
 The H200 entries are the 32-row bucket only. Alone, from cold L2
-(``bench/probes/gemm_extents.py``, session 9), o_proj (4096 x 4096) at 32 rows took 17.4 us
+(``bench/probes/gemm_extents.py``), o_proj (4096 x 4096) at 32 rows took 17.4 us
 at ``N + 16`` and 15.3 at ``N + 384``, down_proj 42.4 at ``N + 16`` and 41.5 at ``N + 128``;
 wider extents were faster at 16 rows too. Inside the decode step (graphs, Llama-3-8B shape,
 8 layers) a table with the 16-row entries lowered bs 16 (0.939 / 0.941 against 0.956 / 0.962
 with one adapter) and raised bs 32 (0.980 / 0.960 against 0.958 / 0.955), two runs each
-(bench/results/2026-11-30-h200-s9/decode_dense_extents*); session 14 measured the 32-row
-table in the step again (docs/performance.md).
+(docs/performance.md has the 32-row table measured in the step).
 """
 
 from __future__ import annotations

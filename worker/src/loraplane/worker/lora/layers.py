@@ -367,7 +367,7 @@ class ExpertsLoRA(LoRALayer):
     # Pairs up to which the LoRA runs inside the base experts' kernels. Their SwiGLU reads
     # gate_up's B and down's A once per pair (not once per (slot, expert)): at decode a few
     # pairs share an expert, at prefill thousands would re-read the same weights; measured
-    # at bs 16-128 x top-8 (docs/performance.md, session 18).
+    # at bs 16-128 x top-8 (docs/performance.md).
     fused_max_pairs = 1024
     # Down's LoRA columns sum one partial shrink per 128 columns of the intermediate size, in
     # an unrolled loop: up to 16 (an intermediate of 2048 per rank).
@@ -405,7 +405,7 @@ class ExpertsLoRA(LoRALayer):
         experts and modules it lacks are zero.
 
         One host-to-device copy per module and operand, from the adapter's stacks: a model's
-        experts number up to hundreds a layer, and a copy each (before session 26) held the
+        experts number up to hundreds a layer, and a copy each would hold the
         engine's step loop, which loads a slot before the step that first uses it, for
         seconds on a 48-layer model."""
         self.clear_slot(slot)

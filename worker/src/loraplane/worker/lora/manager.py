@@ -63,7 +63,7 @@ class LoRAManager:
         self.slot_adapters: list[AdapterWeights | None] = [None] * self.num_slots
         # On CUDA a slot load is copied on a stream of its own (``load_slot``), so the steps
         # queued after it run while it copies; ``overlap_loads = False`` copies on the step
-        # stream instead (before session 28; the probe compares the two). Each slot's load in
+        # stream instead (the probe compares the two). Each slot's load in
         # flight, by its event: a step that uses the slot waits for it on the device. (Other
         # devices copy at once.)
         self.overlap_loads = True

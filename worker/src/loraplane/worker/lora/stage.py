@@ -47,11 +47,11 @@ MIN_STAGE_RANK = 16
 # A dense model stacks every projection, and its stage rows cost 0.1-0.8% of a projection's
 # bytes per position at rank 16 (and P * n * R_max * K elements of memory per projection), so
 # it stages 4; at 16, 16-adapter decode steps of a Llama-3-8B shape were 3-4% faster for 4x
-# that memory (docs/performance.md, session 10). A model with routed experts stacks only its
+# that memory (docs/performance.md). A model with routed experts stacks only its
 # attention projections: 16 positions at rank 16 are 252 MB over Qwen3-30B-A3B's 48 layers,
 # less than a sixth of one expert LoRA slot, and took its 16-adapter decode steps from
 # 0.915 / 0.912 / 0.892 / 0.853 of LoRA-off to 0.950 / 0.940 / 0.914 / 0.872 at bs 16-128
-# with one adapter's unchanged (session 20).
+# with one adapter's unchanged.
 DENSE_STAGE_POSITIONS = 4
 MOE_STAGE_POSITIONS = 16
 

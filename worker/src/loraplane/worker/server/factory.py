@@ -38,6 +38,7 @@ class ServeConfig:
     served_model_name: str | None = None
     engine_process: bool = True  # the engine core in a process of its own (ADR 0012)
     overlap: bool = False  # overlapped steps, one-rank workers (ADR 0014)
+    chunked_prefill_size: int = 4096  # prompt tokens a step at most; 0: whole prompts (ADR 0017)
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
@@ -65,6 +66,11 @@ class ServeConfig:
             )
         if self.max_request_bytes < 1024:
             raise ConfigError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.chunked_prefill_size < 0:
+            raise ConfigError(
+                f"--chunked-prefill-size must be >= 0 (0 feeds whole prompts), "
+                f"got {self.chunked_prefill_size}"
+            )
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -192,6 +198,7 @@ def build_engine(
             observer=observer,
             fault_hook=fault_hook,
             overlap=config.overlap,
+            chunked_prefill_size=config.chunked_prefill_size,
         )
     except BaseException:
         executor.shutdown()

@@ -1,0 +1,170 @@
+"""Chunked prefill (ADR 0017) on one CPU rank: prompts fed a few tokens a step give the tokens
+and ends of whole-prompt prefills, running requests keep decoding while a long prompt is
+fed, and a step never feeds more prompt tokens than its budget."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.unit.runtime.test_overlapped_steps import (
+    ADAPTERS,
+    PROMPTS,
+    Model,
+    Request,
+    _sink,
+    mix,
+    run,
+    serve_on,
+)
+from tests.unit.runtime.test_overlapped_steps import (
+    make_engine as overlapped_engine,
+)
+
+from loraplane.worker.engine.engine import Engine
+from loraplane.worker.engine.sampling import SamplingParams
+from loraplane.worker.engine.sequence import Sequence
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def model(suite: dict[str, tuple[Path, list[tuple[str, Path]]]]) -> Model:
+    model_dir, adapters = suite["llama"]
+    return model_dir, dict(adapters)
+
+
+LONG = [(i * 37 + 11) % 250 + 3 for i in range(29)]  # a prompt of 29 tokens
+
+
+class RecordingEngine(Engine):
+    """The engine, keeping each step's plan: who steps, fed how many prompt tokens."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.plans: list[list[tuple[str, int | None]]] = []
+
+    def _plan(self, running: list[Sequence]) -> list[tuple[Sequence, int | None]]:
+        plan = super()._plan(running)
+        self.plans.append([(seq.request_id, take) for seq, take in plan])
+        return plan
+
+
+def make_engine(model_dir: Path, *, chunk: int, overlap: bool = False) -> RecordingEngine:
+    engine = overlapped_engine(
+        model_dir, overlap, engine_cls=RecordingEngine, chunked_prefill_size=chunk
+    )
+    assert isinstance(engine, RecordingEngine)
+    return engine
+
+
+def serve(
+    model: Model,
+    requests: list[Request],
+    *,
+    chunk: int,
+    overlap: bool = False,
+    eos: int | None = None,
+) -> RecordingEngine:
+    engine = make_engine(model[0], chunk=chunk, overlap=overlap)
+    serve_on(engine, model, requests, eos)
+    return engine
+
+
+def greedy(tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+def fed_prompt_tokens(engine: RecordingEngine) -> list[int]:
+    """The prompt tokens each step fed."""
+    return [sum(take or 0 for _, take in plan) for plan in engine.plans]
+
+
+@pytest.fixture(scope="module")
+def whole(model: Model) -> list[list[int]]:
+    """Greedy tokens of the prompts and LONG, whole prompts in one step each."""
+    requests = [Request(p, a, greedy(10)) for p, a in zip(PROMPTS, ADAPTERS, strict=True)]
+    requests.append(Request(LONG, "a8", greedy(10)))
+    serve(model, requests, chunk=0)
+    return [r.tokens for r in requests]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_chunked_prompts_give_the_tokens_of_whole_prompts(
+    model: Model, whole: list[list[int]], chunk: int, overlap: bool
+) -> None:
+    requests = [Request(p, a, greedy(10)) for p, a in zip(PROMPTS, ADAPTERS, strict=True)]
+    requests.append(Request(LONG, "a8", greedy(10)))
+    engine = serve(model, requests, chunk=chunk, overlap=overlap)
+    assert [r.tokens for r in requests] == whole
+    assert all(r.events[-1].finish_reason == "length" for r in requests)
+    fed = fed_prompt_tokens(engine)
+    assert max(fed) <= chunk, f"a step fed {max(fed)} prompt tokens with a budget of {chunk}"
+    # each event carries real tokens only: no event before the prompt is fed
+    assert all(e.token_ids or e.finished for r in requests for e in r.events)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_chunked_prefill_keeps_every_way_a_request_ends(
+    model: Model, whole: list[list[int]], overlap: bool
+) -> None:
+    """Length, stop ids, EOS, aborts and one-token requests end as with whole prompts."""
+    reference, _ = mix(whole)
+    _, eos = mix(whole)
+    serve(model, reference, chunk=0, eos=eos)
+    chunked, _ = mix(whole)
+    serve(model, chunked, chunk=2, overlap=overlap, eos=eos)
+    assert [r.outcome for r in chunked] == [r.outcome for r in reference]
+
+
+def test_running_requests_decode_while_a_long_prompt_is_fed(
+    model: Model, whole: list[list[int]]
+) -> None:
+    """A request already decoding gets a token on each step that feeds a chunk of LONG."""
+    engine = make_engine(model[0], chunk=4)
+    for name in ("a8", "a16"):
+        assert engine.load_adapter(name, str(model[1][name])).result(60).success
+    first = Request(PROMPTS[0], None, greedy(20))
+    try:
+        first.seq = engine.submit(
+            "first", first.prompt, first.params, None, partial(_sink, engine, first)
+        )
+        while len(first.tokens) < 2:  # decoding now
+            assert not first.done.wait(0.01), "the first request ended before LONG came"
+        second = Request(LONG, "a8", greedy(4))
+        run(engine, [second])
+        assert first.done.wait(120)
+    finally:
+        engine.stop()
+    assert second.tokens == whole[-1][:4]
+    beside = [
+        plan
+        for plan in engine.plans
+        if any(rid == "r0" and take for rid, take in plan)
+        and any(rid == "first" and take is None for rid, take in plan)
+    ]
+    # LONG (29 tokens) goes in 8 chunks of at most 4, each beside a decode of the first
+    assert len(beside) == 8, engine.plans
+
+
+def test_serve_config_chunked_prefill_reaches_the_engine(model: Model) -> None:
+    from loraplane.worker.config import ConfigError
+    from loraplane.worker.server.factory import ServeConfig, build_engine
+
+    config = ServeConfig(model=str(model[0]), lora_backend="torch", max_running=2)
+    assert config.chunked_prefill_size == 4096
+    engine = build_engine(replace(config, chunked_prefill_size=3))
+    engine.start()
+    try:
+        assert engine.chunked_prefill_size == 3
+        request = Request(LONG, None, greedy(2))
+        run(engine, [request])
+        assert len(request.tokens) == 2
+    finally:
+        engine.stop()
+    with pytest.raises(ConfigError, match="--chunked-prefill-size must be >= 0"):
+        replace(config, chunked_prefill_size=-1)
