@@ -53,3 +53,10 @@ def test_without_a_target_it_says_what_to_give() -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: give --url, --model or --fixture"
+
+
+def test_chunks_that_say_how_many_tokens_they_carry_count_them_where_they_arrive() -> None:
+    # /generate reports completion_tokens per chunk: 1 token, then 4 joined, then 1
+    r = RequestRecord(None, start=0.0, chunks=[0.1, 0.5, 0.6], tokens=6, counts=[1, 5, 6])
+    assert r.token_times() == [0.1, 0.5, 0.5, 0.5, 0.5, 0.6]
+    assert summarise([r], 0.0, 0.4)["out_tok_s"] == 2.5

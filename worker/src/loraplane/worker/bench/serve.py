@@ -54,16 +54,25 @@ class RequestRecord:
     chunks: list[float] = field(default_factory=list)  # arrival time of each streamed chunk
     tokens: int = 0  # completion tokens the server reported (or counted)
     error: str | None = None
+    # completion tokens so far at each chunk, where the stream says (/generate's meta_info)
+    counts: list[int] = field(default_factory=list)
 
     @property
     def ttft(self) -> float | None:
         return self.chunks[0] - self.start if self.chunks else None
 
     def token_times(self) -> list[float]:
-        """When each output token arrived: a chunk carrying several tokens (held-back text)
-        counts them all at its arrival; tokens past the last chunk count there."""
+        """When each output token arrived: a chunk carrying several tokens (held-back text,
+        or events the server joined) counts them all at its arrival, by the stream's own
+        counts where it gives them, else spread evenly over the chunks."""
         if not self.chunks or not self.tokens:
             return []
+        if len(self.counts) == len(self.chunks):
+            return [
+                t
+                for t, n, m in zip(self.chunks, self.counts, [0, *self.counts[:-1]], strict=True)
+                for _ in range(n - m)
+            ]
         per = self.tokens / len(self.chunks)
         times: list[float] = []
         for i, t in enumerate(self.chunks):
@@ -179,6 +188,7 @@ class HttpTransport:
                     tokens = int(chunk["meta_info"]["completion_tokens"])
                     if tokens > record.tokens:
                         record.chunks.append(now)
+                        record.counts.append(tokens)
                         record.tokens = tokens
                     continue
                 choices = chunk.get("choices") or [{}]

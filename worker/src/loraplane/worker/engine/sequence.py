@@ -25,6 +25,21 @@ class SeqEvent:
     completion_tokens: int = 0
     error: str | None = None
 
+    def merged(self, later: SeqEvent) -> SeqEvent:
+        """This event followed by ``later`` as one: their text and tokens in order, the
+        later one's end and counts (an error ends the request: the later error wins)."""
+        if later.error is not None or self.error is not None:
+            return later if later.error is not None else self
+        return SeqEvent(
+            self.text_delta + later.text_delta,
+            self.token_ids + later.token_ids,
+            later.finished,
+            later.finish_reason,
+            later.matched_stop,
+            later.prompt_tokens,
+            later.completion_tokens,
+        )
+
 
 @dataclass(eq=False, slots=True)
 class Sequence:
