@@ -3,6 +3,7 @@
 #   OUT=/some/dir bash bench/run_gpu_serve.sh     (the device tool sets $OUT)
 # The worker's HTTP stack (FastAPI, pydantic, uvicorn) is not in the device image: install
 # the wheels first (docs/performance.md, "How to run"). ONLY="k8 k32" picks steps.
+# Steps k8 and k32 fit one call; p512, poisson, overlap and chunk0 (below) need a second.
 # Writes $OUT/serve_k8.json (16 adapters on 8 slots, 32 clients) and $OUT/serve_k32.json
 # (0/4/16/32 adapters on 32 slots, 48 clients; two 15 s windows per row, the first one
 # starting when the worker is ready; TRANSPORTS=http,in-process adds the engine driven in
@@ -17,6 +18,23 @@ step k8 200 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --cli
 step k32 380 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
   --adapters 0,4,16,32 --warmup 0 --windows 2 --duration 15 --transports ${TRANSPORTS:-http} \
   --out "$OUT/serve_k32.json"
+# The issue-36 targets at other loads (each its own worker; run them in a later call with
+# ONLY="p512 poisson" or ONLY="overlap chunk0" when a call's 9 minutes are spent):
+# 512-token prompts with 64 new tokens; Poisson arrivals at 80 % of each closed-loop row's
+# rate; overlapped steps; whole-prompt prefills (--chunked-prefill-size 0) against the
+# default chunking.
+step p512 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]/256/512}" --output-len 64 \
+  --slots 32 --clients 48 --adapters 0,4,16 --warmup 5 --duration 15 --transports http \
+  --out "$OUT/serve_p512.json"
+step poisson 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
+  --adapters 0,16 --warmup 5 --duration 15 --poisson-fraction 0.8 --transports http \
+  --out "$OUT/serve_poisson.json"
+step overlap 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
+  --adapters 0,4,16 --warmup 5 --duration 15 --transports http --worker-arg=--overlap \
+  --out "$OUT/serve_overlap.json"
+step chunk0 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
+  --adapters 0,16 --warmup 5 --duration 15 --transports http \
+  --worker-arg=--chunked-prefill-size --worker-arg=0 --out "$OUT/serve_chunk0.json"
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):

@@ -45,7 +45,7 @@ for tier in "${tiers[@]}"; do
   # kernels do not, for the 16+ rows of a tile (tests/kernels/test_interpreter_dot.py).
   export OPENBLAS_CORETYPE=Sandybridge
   set +e
-  $PY -m pytest -m "$tier" ${PYTEST_ARGS:-} "${extra[@]}"
+  $PY -m pytest -m "$tier" --durations=15 ${PYTEST_ARGS:-} "${extra[@]}"
   rc=$?
   set -e
   # 5 = no tests collected for this marker: a tier with no tests is an error, not a pass.
