@@ -46,10 +46,11 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
               f"{r['out_tok_s']:>6} {r['ttft_ms_p50']!s:>7} {r['ttft_ms_p99']!s:>7} {r['itl_ms_p50']!s:>6} "
               f"{r['itl_ms_p99']!s:>6} {r['requests']:>4} {r['errors']:>4} {r['gpu_busy']!s:>5}")
 PY
-# the decode graphs each worker captured after its warm-up (what a client waited for)
+# the decode graphs each worker captured, and the Triton kernels it compiled, after its
+# warm-up (what a client waited for)
 for f in "$WORK"/worker-k*.log; do
   [ -f "$f" ] || continue
-  echo "--- $(basename "$f"): graphs captured after the warm-up: $(sed -n '/warm-up done/,$p' "$f" | grep -c 'captured a decode graph')"
-  sed -n '/warm-up done/,$p' "$f" | grep 'captured a decode graph' | head -40
+  echo "--- $(basename "$f"): graphs captured after the warm-up: $(sed -n '/warm-up done/,$p' "$f" | grep -c 'captured a decode graph'), Triton kernels compiled or loaded after it: $(grep -c 'compiled or loaded after the warm-up' "$f")"
+  sed -n '/warm-up done/,$p' "$f" | grep 'captured a decode graph\|compiled or loaded after the warm-up' | head -40
 done | tee "$OUT/captures.txt"
 echo "total $(( $(date +%s) - T0 ))s"
