@@ -2,12 +2,13 @@
 # The serving benchmark on one H200, in one call (well under 9 minutes):
 #   OUT=/some/dir bash bench/run_gpu_serve.sh     (the device tool sets $OUT)
 # The worker's HTTP stack (FastAPI, pydantic, uvicorn) is not in the device image: install
-# the wheels first (docs/performance.md, "How to run"). ONLY="k8 k32" picks steps.
+# the wheels first (docs/performance.md, "How to run"). ONLY picks steps (default "k8 k32").
 # Steps k8 and k32 fit one call; p512, poisson, overlap and chunk0 (below) need a second.
 # Writes $OUT/serve_k8.json (16 adapters on 8 slots, 32 clients) and $OUT/serve_k32.json
 # (0/4/16/32 adapters on 32 slots, 48 clients; two 15 s windows per row, the first one
 # starting when the worker is ready; TRANSPORTS=http,in-process adds the engine driven in
 # the benchmark's process), $OUT/captures.txt and $OUT/run.log.
+ONLY="${ONLY:-k8 k32}"
 . "$(dirname "$0")/gpu_env.sh"
 WORK=/tmp/loraplane-bench-serve
 COMMON=(--fixture dense --layers 16 --num-adapters 32 --workdir "$WORK" --device cuda
@@ -35,6 +36,14 @@ step overlap 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32
 step chunk0 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
   --adapters 0,16 --warmup 5 --duration 15 --transports http \
   --worker-arg=--chunked-prefill-size --worker-arg=0 --out "$OUT/serve_chunk0.json"
+# Issue 37 on two GPUs (nvidia-h200-x2; ONLY="moe-tp2 moe-dp2"): the Qwen3-30B-A3B shape
+# (16 of its 48 layers) at 64 and 128 clients, TP only against DP attention.
+MOE=(--fixture moe --layers 16 --num-adapters 16 --workdir "$WORK-moe" --device cuda
+     --max-running 128 --prompt-len 256 --output-len 128 --worker-log-level info --tp 2
+     --slots 16 --clients 64,128 --adapters 0,4,16 --warmup 5 --duration 15 --transports http)
+step moe-tp2 550 "$PY" -m loraplane.worker.bench.serve "${MOE[@]}" --out "$OUT/serve_moe_tp2.json"
+step moe-dp2 550 "$PY" -m loraplane.worker.bench.serve "${MOE[@]}" --dp 2 --dp-attention \
+  --out "$OUT/serve_moe_dp2.json"
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):

@@ -338,25 +338,26 @@ async def run_row(
 
 
 class GpuBusy:
-    """NVML utilisation sampled on a thread between ``begin`` and ``end`` (null without NVML)."""
+    """NVML utilisation of the GPUs ``0 .. devices - 1`` sampled on a thread between ``begin``
+    and ``end``, their mean (null without NVML)."""
 
-    def __init__(self, device_index: int) -> None:
-        self.handle: Any = None
+    def __init__(self, devices: int = 1) -> None:
+        self.handles: list[Any] = []
         self.nvml: Any = None
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(devices)]
             self.nvml = pynvml
-        except Exception:  # no driver, no pynvml: gpu_busy is reported as null
-            self.handle = None
+        except Exception:  # no driver, no pynvml, fewer GPUs: gpu_busy is reported as null
+            self.handles = []
         self.samples: list[float] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def begin(self) -> None:
-        if self.handle is None:
+        if not self.handles:
             return
         self.samples = []
         self._stop.clear()
@@ -365,8 +366,8 @@ class GpuBusy:
 
     def _poll(self) -> None:
         while not self._stop.wait(0.1):
-            rates = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
-            self.samples.append(rates.gpu / 100.0)
+            rates = [self.nvml.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles]
+            self.samples.append(statistics.fmean(rates) / 100.0)
 
     def end(self) -> float | None:
         if self._thread is None:
@@ -498,6 +499,15 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated adapters the server already holds (with --url)",
     )
     target.add_argument("--device", default="cuda")
+    target.add_argument(
+        "--tp", type=int, default=1, help="the worker's --tp (GPUs; both transports)"
+    )
+    target.add_argument("--dp", type=int, default=1, help="the worker's --dp (DP attention groups)")
+    target.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="the worker's --dp-attention (needed by --dp > 1)",
+    )
     target.add_argument("--slots", type=int, default=32, help="K (--max-loras-per-batch)")
     target.add_argument("--max-running", type=int, default=64)
     target.add_argument("--lora-backend", default="triton", help="triton | torch (both transports)")
@@ -593,8 +603,10 @@ def _worker_flags(args: argparse.Namespace, model: Path, loras: list[tuple[str, 
         "--max-loaded-loras", str(max(args.slots, len(loras), 1)),
         "--max-running", str(args.max_running),
         "--lora-backend", args.lora_backend, "--sampler", args.sampler,
-        "--log-level", args.worker_log_level,
+        "--log-level", args.worker_log_level, "--tp", str(args.tp), "--dp", str(args.dp),
     ]  # fmt: skip
+    if args.dp_attention:
+        flags.append("--dp-attention")
     for name, path in loras:
         flags += ["--lora", f"{name}={path}"]
     return flags + list(args.worker_arg)
@@ -611,6 +623,9 @@ def _serve_config(args: argparse.Namespace, model: Path, loras: list[tuple[str, 
         max_running=args.max_running,
         lora_backend=args.lora_backend,
         sampler=args.sampler,
+        tp=args.tp,
+        dp=args.dp,
+        dp_attention=args.dp_attention,
     )
 
 
@@ -693,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     model, loras = _resolve_target(args)
     names = [n for n, _ in loras] or [n for n in (args.adapter_names or "").split(",") if n.strip()]
     vocab = _vocab(args, model)
-    busy = GpuBusy(0)
+    busy = GpuBusy(args.tp)
     out: dict[str, Any] = {
         "bench": "serve",
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
