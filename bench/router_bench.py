@@ -49,8 +49,8 @@ class StubWorker:
     """A worker that holds adapters by name and streams fixed tokens at a fixed pace.
 
     A request body may carry ``stub_delay_s``: the answer (its headers too) waits that long,
-    ending early if the client disconnects. ``GET /stub/stats`` reports the requests open now
-    and those whose client left before the end."""
+    ending early if the client disconnects. ``GET /stub/stats`` reports the requests open now,
+    those whose client left before the end, and the completion requests received."""
 
     def __init__(self, tokens: int, gap_s: float) -> None:
         self.tokens = tokens
@@ -58,6 +58,7 @@ class StubWorker:
         self.loaded: set[str] = set()
         self.open = 0
         self.abandoned = 0
+        self.completions = 0  # completion requests received, answered or not
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -80,7 +81,12 @@ class StubWorker:
             data += [{"id": n, "object": "model", "parent": BASE_MODEL} for n in self.loaded]
             await _answer(send, 200, {"object": "list", "data": data})
         elif path == "/stub/stats":
-            await _answer(send, 200, {"open": self.open, "abandoned": self.abandoned})
+            stats = {
+                "open": self.open,
+                "abandoned": self.abandoned,
+                "completions": self.completions,
+            }
+            await _answer(send, 200, stats)
         elif path in ("/load_lora_adapter", "/unload_lora_adapter"):
             name = request["lora_name"]
             (self.loaded.add if path.startswith("/load") else self.loaded.discard)(name)
@@ -94,6 +100,7 @@ class StubWorker:
             await _answer(send, 404, {"error": {"message": f"no route {path}"}})
 
     async def _complete(self, request: dict[str, Any], receive: Any, send: Any) -> None:
+        self.completions += 1
         model = request.get("model")
         if model != BASE_MODEL and model not in self.loaded:
             await _answer(send, 404, {"error": {"message": f"adapter {model!r} not loaded"}})

@@ -63,7 +63,8 @@ def test_a_client_that_leaves_is_no_longer_counted_and_its_worker_request_ends(
         wait_for_value(lambda: stub.stats()["open"], 1, "the stub holding the request")
         assert inflight(cp) == 1
         waiting.close()
-        wait_for_value(lambda: stub.stats(), {"open": 0, "abandoned": 1}, "the stub's request")
+        wait_for_value(lambda: stub.stats()["abandoned"], 1, "the stub's request to end")
+        assert stub.stats()["open"] == 0
         wait_for_value(lambda: inflight(cp), 0, "w0's inflight count")
 
         flowing = raw_request(cp.port, b'{"model": "bench:a0", "stream": true}')
@@ -93,12 +94,7 @@ def test_an_unloaded_adapter_is_never_routed_from_memory(
         refused = httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN)
         assert refused.status_code == 409, refused.text
         assert refused.json()["error"]["code"] == "adapter_not_loaded"
-        metrics = httpx.get(cp.url + "/metrics").text
-        assert (
-            'loraplane_routed_requests_total{adapter="a0",code="200",namespace="default"} 1.0'
-            in (metrics)
-        )
-        assert 'code="404"' not in metrics  # the worker was never asked for it again
+        assert stub.stats()["completions"] == 1  # the worker was never asked for it again
     finally:
         cp.stop()
 
