@@ -49,7 +49,8 @@ class StubWorker:
     """A worker that holds adapters by name and streams fixed tokens at a fixed pace.
 
     A request body may carry ``stub_delay_s``: the answer (its headers too) waits that long,
-    ending early if the client disconnects. ``GET /stub/stats`` reports the requests open now,
+    ending early if the client disconnects; ``stub_status``: answer that HTTP status with an
+    error body; ``stub_cut_after``: drop the connection after that many tokens. ``GET /stub/stats`` reports the requests open now,
     those whose client left before the end, and the completion requests received."""
 
     def __init__(self, tokens: int, gap_s: float) -> None:
@@ -111,15 +112,22 @@ class StubWorker:
             if delay and await _client_left(receive, delay):
                 self.abandoned += 1
                 return
+            status = int(request.get("stub_status", 200))
+            if status != 200:
+                await _answer(send, status, {"error": {"message": f"stub answers {status}"}})
+                return
             if not request.get("stream"):
                 text = " tok" * self.tokens
                 await _answer(send, 200, {"model": model, "choices": [{"text": text}]})
                 return
             headers = [(b"content-type", b"text/event-stream")]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
+            cut_after = request.get("stub_cut_after")
             for index in range(self.tokens):
                 if index:
                     await asyncio.sleep(self.gap_s)
+                if index == cut_after:  # the worker dies mid-stream: the connection drops
+                    raise ConnectionAbortedError(f"stub cut the stream after {index} tokens")
                 chunk = {
                     "id": "cmpl-stub",
                     "object": "text_completion",

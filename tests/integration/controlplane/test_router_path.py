@@ -80,6 +80,29 @@ def test_a_client_that_leaves_is_no_longer_counted_and_its_worker_request_ends(
         cp.stop()
 
 
+def test_worker_errors_reach_the_client_and_the_worker_is_released(
+    db_url: str, tmp_path: Path, stub: Stub
+) -> None:
+    """A worker's 500 is passed on, streamed or not; a worker that drops the connection
+    mid-stream ends the stream with an error event. None stays counted on the worker."""
+    cp = routed_control_plane(db_url, tmp_path, stub)
+    try:
+        for stream in (False, True):
+            body = {**STREAM, "stream": stream, "stub_status": 500}
+            failed = httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN)
+            assert failed.status_code == 500, failed.text
+            assert failed.json()["error"]["message"] == "stub answers 500"
+        body = {**STREAM, "stub_cut_after": 2}
+        cut = httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN, timeout=30)
+        assert cut.status_code == 200
+        events = [line[6:] for line in cut.text.splitlines() if line.startswith("data: ")]
+        assert len(events) == 3 and "data: [DONE]" not in cut.text
+        assert json.loads(events[-1])["error"]["type"] == "upstream_error"
+        assert inflight(cp) == 0
+    finally:
+        cp.stop()
+
+
 def test_an_unloaded_adapter_is_never_routed_from_memory(
     db_url: str, tmp_path: Path, stub: Stub
 ) -> None:
