@@ -34,8 +34,11 @@ from loraplane.controlplane.limits import BodyLimit
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
+from loraplane.controlplane.routes import RouteTable, watch_writes
 from loraplane.controlplane.settings import Settings
 from loraplane.controlplane.sources import SourceResolver
+from loraplane.controlplane.upstream import Upstream
+from loraplane.controlplane.usage import UsageBatch
 from loraplane.controlplane.workers import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             lease_s=settings.operations.lease_s,
         )
         reconciler = Reconciler(db, client, bus, metrics, settings.reconciler.interval_s)
+        routes = RouteTable(settings.router.route_ttl_s)
+        watch_writes(db.engine, routes.invalidate)
+        await routes.start(bus)
+        usage = UsageBatch(db, settings.router.usage_flush_s)
+        upstream = Upstream(
+            probe_timeout_s=settings.workers.probe_timeout_s,
+            worker_token=worker_token.get_secret_value() if worker_token is not None else None,
+        )
         app.state.services = Services(
             settings=settings,
             db=db,
@@ -139,11 +150,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             operations=ops,
             reconciler=reconciler,
             sources=SourceResolver(settings.sources),
+            routes=routes,
+            usage=usage,
+            upstream=upstream,
         )
         settled = await ops.settle_interrupted()
         if settled:
             log.warning("settled %d interrupted operations: %s", len(settled), ", ".join(settled))
         await ops.start()
+        await usage.start()
         if settings.reconciler.enabled:
             await reconciler.start()
         try:
@@ -152,8 +167,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # Each step is bounded (events.CLOSE_TIMEOUT_S): a stuck socket never hangs shutdown.
             await reconciler.close()
             await ops.close()
+            await usage.close()
+            await routes.close()
             await bus.close()
             await close_within(http.aclose(), "worker HTTP client")
+            await close_within(upstream.close(), "router upstream client")
             db.close()
 
     app = FastAPI(

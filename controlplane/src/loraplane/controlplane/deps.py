@@ -19,8 +19,11 @@ from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Token
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
+from loraplane.controlplane.routes import RouteTable
 from loraplane.controlplane.settings import Settings
 from loraplane.controlplane.sources import SourceResolver
+from loraplane.controlplane.upstream import Upstream
+from loraplane.controlplane.usage import UsageBatch
 from loraplane.controlplane.workers import WorkerClient
 
 
@@ -35,10 +38,13 @@ class Services:
     operations: Operations
     reconciler: Reconciler
     sources: SourceResolver
+    routes: RouteTable
+    usage: UsageBatch
+    upstream: Upstream
     on_demand: dict[int, asyncio.Task[str]] = field(default_factory=dict)
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:  # async: no thread hop per request
     services: Services = request.app.state.services
     return services
 
@@ -56,9 +62,10 @@ def get_session(services: ServicesDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def get_principal(
+async def get_principal(
     services: ServicesDep, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
+    """The caller; a bearer token other than the admin's is looked up off the event loop."""
     if not services.settings.auth:
         return BOOTSTRAP
     if not authorization:
@@ -80,15 +87,22 @@ def get_principal(
     admin = services.settings.admin_token
     if admin is not None and same_hash(digest, hash_token(admin.get_secret_value())):
         return BOOTSTRAP
+    principal = await asyncio.to_thread(_token_principal, services, digest)
+    if principal is None:
+        raise ApiError(
+            401,
+            "unauthenticated",
+            "header.Authorization: unknown token",
+            field="header.Authorization",
+        )
+    return principal
+
+
+def _token_principal(services: Services, digest: str) -> Principal | None:
     with services.db.session() as session:
         row = session.scalar(select(Token).where(Token.token_hash == digest))
         if row is None:
-            raise ApiError(
-                401,
-                "unauthenticated",
-                "header.Authorization: unknown token",
-                field="header.Authorization",
-            )
+            return None
         return Principal(row.name, frozenset(row.scopes), row.namespace)
 
 
@@ -96,7 +110,7 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
 def require(scope: str):  # type: ignore[no-untyped-def]
-    def check(principal: PrincipalDep) -> Principal:
+    async def check(principal: PrincipalDep) -> Principal:
         if not principal.has(scope):
             raise ApiError(
                 403,
@@ -114,7 +128,7 @@ RouteCaller = Annotated[Principal, Depends(require("route"))]
 Admin = Annotated[Principal, Depends(require("admin"))]
 
 
-def require_cluster_admin(principal: Admin) -> Principal:
+async def require_cluster_admin(principal: Admin) -> Principal:
     if not principal.cluster_admin:
         raise ApiError(
             403,

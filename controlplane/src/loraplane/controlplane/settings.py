@@ -49,6 +49,15 @@ class RouterSettings(BaseModel):
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="timeout of a proxied inference request"
     )
+    route_ttl_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="longest the router serves a route from memory without an event or a "
+        "write emptying it (a change no event announced); 0: read the database per request",
+    )
+    usage_flush_s: float = Field(
+        default=1.0, gt=0, description="period of the batched write of adapters' last use (LRU)"
+    )
 
 
 class ReconcilerSettings(BaseModel):

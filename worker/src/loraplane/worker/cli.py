@@ -410,13 +410,24 @@ def bench_serve_cmd(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
+@bench_app.command("router", context_settings=_PASSTHROUGH)
+def bench_router_cmd(ctx: typer.Context) -> None:
+    """The control plane's router: routed vs direct streams to a stub upstream (added TTFT, gap)."""
+    _run_bench_script("router_bench.py", ctx.args)
+
+
 @bench_app.command("worker-cpu", context_settings=_PASSTHROUGH)
 def bench_worker_cpu_cmd(ctx: typer.Context) -> None:
     """Requests/s and tokens/s of a real `worker serve` process on CPU, LoRA on vs off."""
+    _run_bench_script("worker_cpu_bench.py", ctx.args)
+
+
+def _run_bench_script(name: str, args: list[str]) -> None:
+    """Run ``bench/<name>`` of the source checkout as ``__main__`` with ``args``."""
     import runpy
 
-    script = Path(__file__).resolve().parents[4] / "bench" / "worker_cpu_bench.py"
+    script = Path(__file__).resolve().parents[4] / "bench" / name
     if not script.is_file():
         _fail(f"{script} not found: this command runs from a source checkout")
-    sys.argv = [str(script), *ctx.args]
+    sys.argv = [str(script), *args]
     runpy.run_path(str(script), run_name="__main__")

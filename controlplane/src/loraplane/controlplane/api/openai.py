@@ -12,14 +12,16 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-import httpx
+import aiohttp
+import anyio
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import select
+from starlette.types import Receive, Scope, Send
 
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal
 from loraplane.controlplane.deps import RouteCaller, Services, ServicesDep
@@ -27,6 +29,8 @@ from loraplane.controlplane.errors import ApiError, bad_value
 from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef, request_hash
 from loraplane.controlplane.registry import check_label, lora_name, routable_workers
+from loraplane.controlplane.routes import Candidate, Destination
+from loraplane.controlplane.upstream import lines as upstream_lines
 from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
 
 router = APIRouter(tags=["router"])
@@ -55,13 +59,6 @@ def pick_namespace(principal: Principal, header: str | None) -> str:
     namespace = header or "default"
     check_label(namespace, "header.X-Loraplane-Namespace")
     return namespace
-
-
-def least_loaded(services: Services, workers: list[Worker]) -> Worker | None:
-    ready = [w for w in workers if w.state == "ready"]
-    if not ready:
-        return None
-    return min(ready, key=lambda w: (services.inflight.by_worker.get(w.id, 0), w.name))
 
 
 async def on_demand_load(services: Services, adapter_id: int) -> str:
@@ -131,7 +128,8 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
         return op.state
 
 
-async def resolve(services: Services, principal: Principal, namespace: str, model: str) -> Route:
+def _lookup(services: Services, namespace: str, model: str) -> Destination:
+    """Read where ``model`` routes from the database (blocking: runs in a thread)."""
     prefix, _, adapter_name = model.rpartition(":")
     with services.db.session() as session:
         adapter = session.scalar(
@@ -158,10 +156,15 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
                     f"body.model: no adapter or pool named {model!r} in namespace {namespace!r}",
                     field="body.model",
                 )
-            worker = least_loaded(services, list(pool.workers))
-            if worker is None:
+            ready = sorted((w for w in pool.workers if w.state == "ready"), key=lambda w: w.name)
+            if not ready:
                 raise ApiError(503, "no_worker", f"pool {pool.name} has no ready worker")
-            return Route(WorkerRef.of(worker), worker.served_model or model, None, "", None)
+            return Destination(
+                tuple(Candidate(WorkerRef.of(w), w.served_model or model) for w in ready),
+                None,
+                "",
+                None,
+            )
         if adapter is None or adapter.desired == "deleted":
             raise ApiError(
                 404,
@@ -182,25 +185,54 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
                 f"not {prefix!r}",
                 field="body.model",
             )
-        adapter_id, key = adapter.id, adapter.name
-        worker = least_loaded(services, routable_workers(adapter))
-        if worker is not None:
-            return Route(
-                WorkerRef.of(worker),
-                lora_name(adapter.namespace, adapter.name, adapter.version),
-                adapter_id,
-                key,
-                lora_name(adapter.namespace, adapter.name, adapter.version),
-            )
-        if adapter.load_policy == "Explicit":
-            raise ApiError(
-                409,
-                "adapter_not_loaded",
-                f"body.model: adapter {namespace}/{key} is not loaded on any ready worker and "
-                "its load_policy is Explicit: it is loaded only on request "
-                f"(POST /v1/adapters/{namespace}/{key}/load), never by routing",
-                field="body.model",
-            )
+        name = lora_name(adapter.namespace, adapter.name, adapter.version)
+        return Destination(
+            tuple(Candidate(WorkerRef.of(w), name) for w in routable_workers(adapter)),
+            adapter.id,
+            adapter.name,
+            name,
+            adapter.load_policy,
+        )
+
+
+def pick(services: Services, destination: Destination) -> Route | None:
+    """The least-loaded candidate (inflight requests of this replica, then name)."""
+    if not destination.candidates:
+        return None
+    chosen = min(
+        destination.candidates,
+        key=lambda c: (services.inflight.by_worker.get(c.worker.id, 0), c.worker.name),
+    )
+    return Route(
+        chosen.worker,
+        chosen.model,
+        destination.adapter_id,
+        destination.adapter_name,
+        destination.lora_name,
+    )
+
+
+async def resolve(services: Services, principal: Principal, namespace: str, model: str) -> Route:
+    """Where to send one request: from the route table, else the database (off the loop);
+    an adapter loaded nowhere is loaded on demand."""
+    destination = await services.routes.get(
+        (namespace, model), lambda: _lookup(services, namespace, model)
+    )
+    route = pick(services, destination)
+    if route is not None:
+        return route
+    adapter_id, key = destination.adapter_id, destination.adapter_name
+    assert adapter_id is not None  # a pool without ready workers was refused by the lookup
+    if destination.load_policy == "Explicit":
+        raise ApiError(
+            409,
+            "adapter_not_loaded",
+            f"body.model: adapter {namespace}/{key} is not loaded on any ready worker and "
+            "its load_policy is Explicit: it is loaded only on request "
+            f"(POST /v1/adapters/{namespace}/{key}/load), never by routing",
+            field="body.model",
+        )
+    await services.usage.flush()  # the eviction it may plan reads the LRU order
     started = time.perf_counter()
     timeout = services.settings.router.on_demand_timeout_s
     try:
@@ -214,27 +246,17 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
         ) from exc
     finally:
         services.metrics.on_demand_wait.observe(time.perf_counter() - started)
-    with services.db.session() as session:
-        adapter = session.get(Adapter, adapter_id)
-        assert adapter is not None
-        worker = least_loaded(services, routable_workers(adapter))
-        if worker is None:
-            raise ApiError(
-                503,
-                "no_worker",
-                f"adapter {namespace}/{key} was loaded but no worker holding it is ready",
-            )
-        name = lora_name(adapter.namespace, adapter.name, adapter.version)
-        return Route(WorkerRef.of(worker), name, adapter_id, key, name)
-
-
-def touch(services: Services, adapter_id: int | None) -> None:
-    if adapter_id is None:
-        return
-    with contextlib.suppress(Exception), services.db.session() as session:
-        adapter = session.get(Adapter, adapter_id)
-        if adapter is not None:
-            adapter.last_used_at = time.time()
+    destination = await services.routes.get(
+        (namespace, model), lambda: _lookup(services, namespace, model)
+    )
+    route = pick(services, destination)
+    if route is None:
+        raise ApiError(
+            503,
+            "no_worker",
+            f"adapter {namespace}/{key} was loaded but no worker holding it is ready",
+        )
+    return route
 
 
 def mark_lost(services: Services, route: Route) -> None:
@@ -247,6 +269,17 @@ def mark_lost(services: Services, route: Route) -> None:
         for row in rows:
             row.state = "failed"
             row.error = "the worker answered 404 for this adapter"
+
+
+def mark_unreachable(services: Services, worker_id: int, error: str) -> None:
+    with services.db.session() as session:
+        worker = session.get(Worker, worker_id)
+        if worker is not None:
+            worker.state = "unreachable"
+            worker.last_error = error
+            for placement in worker.placements:
+                if placement.state == "loaded":
+                    placement.state = "unreachable"
 
 
 def check_finite(value: Any, field: str) -> None:
@@ -322,95 +355,183 @@ async def _proxy(
     stream = bool(body.get("stream"))
     for attempt in range(2):
         forwarded = {**body, "model": route.model}
-        services.inflight.add(route.worker.id, route.lora_name, 1)
-        released = False
-
-        def release(route: Route = route) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                services.inflight.add(route.worker.id, route.lora_name, -1)
-
+        lease = _Lease(services, route)
         try:
-            response, _ = await services.client.stream(
-                route.worker.name,
-                route.worker.endpoint,
-                path,
-                forwarded,
-                services.settings.router.request_timeout_s,
-            )
+            response = await _send_unless_gone(request, services, route, path, forwarded)
         except WorkerTimeout as exc:  # busy, not gone: the worker stays routable
-            release()
+            lease.release()
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "504").inc()
             counted.routed = True
             raise ApiError(504, "upstream_timeout", str(exc)) from exc
         except WorkerUnreachable as exc:
-            release()
+            lease.release()
             services.reconciler.poke()
             if attempt == 0:
-                with services.db.session() as session:
-                    worker = session.get(Worker, route.worker.id)
-                    if worker is not None:
-                        worker.state = "unreachable"
-                        worker.last_error = str(exc)
-                        for placement in worker.placements:
-                            if placement.state == "loaded":
-                                placement.state = "unreachable"
+                await asyncio.to_thread(mark_unreachable, services, route.worker.id, str(exc))
+                services.routes.invalidate()
                 route = await resolve(services, principal, namespace, model)
                 continue
             services.metrics.routed_requests.labels(namespace, route.adapter_name, "503").inc()
             counted.routed = True
             raise ApiError(503, "no_worker", str(exc)) from exc
         except BaseException:  # whatever failed, this request no longer counts on the worker
-            release()
+            lease.release()
             raise
-        if response.status_code == 404 and route.lora_name is not None and attempt == 0:
-            # the worker lost the adapter (it restarted): say so, let the reconciler repair, retry
-            await response.aclose()
-            release()
-            mark_lost(services, route)
+        if response is None:  # the client left before the worker answered
+            lease.release()
+            services.metrics.routed_requests.labels(namespace, route.adapter_name, "499").inc()
+            counted.routed = True
+            return Response(status_code=499)
+        if response.status == 404 and route.lora_name is not None and attempt == 0:
+            # the worker lost the adapter (it restarted): say so, let the reconciler repair,
+            # and retry from the database, not from the route table
+            response.close()
+            lease.release()
+            await asyncio.to_thread(mark_lost, services, route)
+            services.routes.invalidate()
             services.reconciler.poke()
             route = await resolve(services, principal, namespace, model)
             continue
-        touch(services, route.adapter_id)
+        if route.adapter_id is not None:
+            services.usage.touch(route.adapter_id)
         services.metrics.routed_requests.labels(
-            namespace, route.adapter_name, str(response.status_code)
+            namespace, route.adapter_name, str(response.status)
         ).inc()
         counted.routed = True
-        if stream and response.status_code == 200:
-
-            async def relay(response: Any = response, route: Route = route) -> AsyncIterator[bytes]:
-                try:
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]":
-                            line = "data: " + rewrite_model(line[6:].encode(), model).decode()
-                        yield (line + "\n").encode()
-                except httpx.HTTPError as exc:  # the worker went away mid-stream: say so
-                    services.reconciler.poke()
-                    error = {
-                        "error": {
-                            "message": f"worker {route.worker.name} stopped mid-stream: "
-                            f"{type(exc).__name__}: {exc}",
-                            "type": "upstream_error",
-                            "code": 502,
-                        }
-                    }
-                    yield f"data: {json.dumps(error)}\n\n".encode()
-                finally:
-                    await response.aclose()
-                    release()
-
-            return StreamingResponse(relay(), status_code=200, media_type="text/event-stream")
+        if stream and response.status == 200:
+            return _Relay(_relay(services, response, route, model), response, lease)
         try:
-            content = await response.aread()
+            content = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            response.close()
+            raise ApiError(
+                502, "upstream_error", f"worker {route.worker.name} stopped answering: {exc!r}"
+            ) from exc
         finally:
-            await response.aclose()
-            release()
+            response.release()
+            lease.release()
         media = response.headers.get("content-type", "application/json")
-        if response.status_code == 200:
+        if response.status == 200:
             content = rewrite_model(content, model)
-        return Response(content, status_code=response.status_code, media_type=media)
+        return Response(content, status_code=response.status, media_type=media)
     raise AssertionError("unreachable")
+
+
+class _Lease:
+    """One request counted on its worker (``Inflight``) until ``release``; releasing twice is
+    harmless, so every path out of a request can release."""
+
+    def __init__(self, services: Services, route: Route) -> None:
+        self.inflight = services.inflight
+        self.route = route
+        self.released = False
+        self.inflight.add(route.worker.id, route.lora_name, 1)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.inflight.add(self.route.worker.id, self.route.lora_name, -1)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is read: the next message is a disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_unless_gone(
+    request: Request, services: Services, route: Route, path: str, body: dict[str, Any]
+) -> aiohttp.ClientResponse | None:
+    """The worker's answer (its headers), or None if the client disconnected first; then the
+    worker's request is closed, so it stops generating for nobody."""
+    sending = asyncio.ensure_future(
+        services.upstream.open(
+            route.worker.name,
+            route.worker.endpoint,
+            path,
+            body,
+            services.settings.router.request_timeout_s,
+        )
+    )
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not sending.done():
+            sending.cancel()
+            with contextlib.suppress(BaseException):
+                await sending
+    if gone.done() and not gone.cancelled():
+        if not sending.cancelled() and sending.exception() is None:
+            sending.result().close()
+        return None
+    return sending.result()
+
+
+async def _relay(
+    services: Services, response: aiohttp.ClientResponse, route: Route, model: str
+) -> AsyncGenerator[bytes, None]:
+    """The worker's SSE lines with ``model`` as the client named it, each read passed on as
+    one chunk; an error event if the worker goes away mid-stream (not a stream that just
+    stops, which reads as complete)."""
+    try:
+        async for batch in upstream_lines(response):
+            yield b"".join(_client_line(line, model) for line in batch)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        services.reconciler.poke()
+        error = {
+            "error": {
+                "message": f"worker {route.worker.name} stopped mid-stream: "
+                f"{type(exc).__name__}: {exc}",
+                "type": "upstream_error",
+                "code": 502,
+            }
+        }
+        yield f"data: {json.dumps(error)}\n\n".encode()
+
+
+def _client_line(line: bytes, model: str) -> bytes:
+    if line.startswith(b"data: ") and line != b"data: [DONE]":
+        line = b"data: " + rewrite_model(line[6:], model)
+    return line + b"\n"
+
+
+class _Relay(StreamingResponse):
+    """A stream from a worker that always ends with the worker's response closed and the
+    request no longer counted on the worker: read to the end, the client disconnecting (before
+    or after the first token), the worker failing, or the server shutting down."""
+
+    def __init__(
+        self, lines: AsyncGenerator[bytes, None], upstream: aiohttp.ClientResponse, lease: _Lease
+    ) -> None:
+        super().__init__(lines, status_code=200, media_type="text/event-stream")
+        self._lines = lines
+        self._upstream = upstream
+        self._lease = lease
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):  # the client went away mid-send
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._lines.aclose()
+                finally:  # a connection read to the end is kept for the next request
+                    if self._upstream.content.at_eof():
+                        self._upstream.release()
+                    else:
+                        self._upstream.close()
+                    self._lease.release()
 
 
 @router.post("/v1/completions")
