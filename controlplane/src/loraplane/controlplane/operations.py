@@ -32,14 +32,14 @@ from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.db import Database
-from loraplane.controlplane.errors import ApiError, conflict
+from loraplane.controlplane.errors import NoCapacity, PinLimit, conflict
 from loraplane.controlplane.events import EventBus, stop_tasks
 from loraplane.controlplane.merge import UpdateResult, merge_results
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
 from loraplane.controlplane.registry import lora_name, worker_slots
+from loraplane.controlplane.slots import NoCapacity as SlotsFull
 from loraplane.controlplane.slots import (
-    NoCapacity,
     PinLimitExceeded,
     check_pin,
     choose_evictions,
@@ -279,9 +279,9 @@ class Operations:
         try:
             plan = plan_placement(slots, name, count=count, pinned=adapter.pinned)
         except PinLimitExceeded as exc:
-            raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
-        except NoCapacity as exc:
-            raise ApiError(409, "no_capacity", str(exc)) from exc
+            raise PinLimit(str(exc), field="body.pinned") from exc
+        except SlotsFull as exc:
+            raise NoCapacity(str(exc), no_worker=exc.no_worker) from exc
         by_name = {w.name: w for w in workers}
         chosen = {t.worker for t in plan.targets}
         # `count: N` below what it holds now: the copies beyond the chosen N go once it succeeds
@@ -324,10 +324,8 @@ class Operations:
             )
             try:
                 evict = choose_evictions(slots, 1, protect=keep)
-            except NoCapacity as exc:
-                raise ApiError(
-                    409, "no_capacity", f"{exc}; the new version needs room beside the old"
-                ) from exc
+            except SlotsFull as exc:
+                raise NoCapacity(f"{exc}; the new version needs room beside the old") from exc
             targets.append(
                 {**WorkerRef.of(worker).to_json(), "evict": evict, "already_loaded": False}
             )
@@ -371,7 +369,7 @@ class Operations:
             try:
                 check_pin(worker_slots(worker, {}, 0), name)
             except PinLimitExceeded as exc:
-                raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
+                raise PinLimit(str(exc), field="body.pinned") from exc
 
     # -- running ---------------------------------------------------------------------------------
     async def run(self, op_id: str) -> Operation | None:

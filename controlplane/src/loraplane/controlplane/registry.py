@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplane.controlplane.errors import ApiError, not_found
+from loraplane.controlplane.errors import InvalidValue, not_found
 from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.slots import Resident, WorkerSlots
 
@@ -18,9 +18,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 def check_label(value: str, field: str) -> str:
     if not isinstance(value, str) or len(value) > 63 or not DNS_LABEL.match(value):
-        raise ApiError(
-            400,
-            "invalid_value",
+        raise InvalidValue(
             f"{field}: {value!r} is not a DNS-1123 label (lowercase letters, digits and '-', "
             "starting and ending with a letter or digit, at most 63 characters)",
             field=field,

@@ -74,7 +74,11 @@ class PinLimitExceeded(Exception):
 
 
 class NoCapacity(Exception):
-    pass
+    """Not enough room. ``no_worker``: some worker was not ready, or none is registered."""
+
+    def __init__(self, message: str, *, no_worker: bool = False) -> None:
+        super().__init__(message)
+        self.no_worker = no_worker
 
 
 def check_pin(worker: WorkerSlots, adapter: str) -> None:
@@ -171,11 +175,15 @@ def plan_placement(
             "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items()))
             or "no workers registered"
         )
-        raise NoCapacity(f"no worker can take {adapter!r} ({reasons})")
+        raise NoCapacity(
+            f"no worker can take {adapter!r} ({reasons})",
+            no_worker=not skipped or "not ready" in skipped.values(),
+        )
     if count is not None and len(targets) < count:
         reasons = "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items()))
         raise NoCapacity(
             f"placement count {count} needs {count} ready workers with room, found {len(targets)}"
-            + (f" ({reasons})" if reasons else "")
+            + (f" ({reasons})" if reasons else ""),
+            no_worker="not ready" in skipped.values(),
         )
     return Plan(tuple(targets), skipped)

@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 from pydantic import SecretStr
 
-from loraplane.controlplane.errors import ApiError, excerpt
+from loraplane.controlplane.errors import InvalidSource, excerpt
 from loraplane.controlplane.settings import SourcesSettings
 
 CONFIG_FILE = "adapter_config.json"
@@ -58,8 +58,8 @@ MAX_URI_CHARS = 4096
 CREDENTIALS_FIELD = "body.source.credentials"
 
 
-def source_error(message: str, code: str = "invalid_source", field: str = FIELD) -> ApiError:
-    return ApiError(400, code, f"{field}: {message}", field=field)
+def source_error(message: str, code: str = "invalid_source", field: str = FIELD) -> InvalidSource:
+    return InvalidSource(f"{field}: {message}", code=code, field=field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,10 +648,9 @@ def preflight(
     check_safetensors(weights, rank_of, max_bytes, ModelShapes.read(pool.model))
     digest = sha256_file(weights)
     if sha256 is not None and sha256.lower() != digest:
-        raise ApiError(
-            400,
-            "digest_mismatch",
+        raise InvalidSource(
             f"body.source.sha256: expected {sha256.lower()} but {WEIGHTS_FILE} has sha256 {digest}",
+            code="digest_mismatch",
             field="body.source.sha256",
         )
     return AdapterFacts(str(directory), digest, rank, float(alpha), tuple(modules), base or None)
