@@ -24,7 +24,6 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -37,6 +36,16 @@ from loraplane.controlplane.events import EventBus, stop_tasks
 from loraplane.controlplane.merge import UpdateResult, merge_results
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
+from loraplane.controlplane.plans import (
+    LoadPlan,
+    LoadTarget,
+    PinPlan,
+    Plan,
+    UnloadPlan,
+    VersionPlan,
+    plan_from_json,
+)
+from loraplane.controlplane.plans import WorkerRef as WorkerRef  # the router imports it here
 from loraplane.controlplane.registry import lora_name, worker_slots
 from loraplane.controlplane.slots import NoCapacity as SlotsFull
 from loraplane.controlplane.slots import (
@@ -81,32 +90,6 @@ def _registered(session: Session, adapter_id: int, target: WorkerRef) -> bool:
     return (
         session.get(Worker, target.id) is not None and session.get(Adapter, adapter_id) is not None
     )
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRef:
-    id: int
-    name: str
-    endpoint: str
-    dp_size: int
-
-    @classmethod
-    def of(cls, worker: Worker) -> WorkerRef:
-        return cls(worker.id, worker.name, worker.endpoint, worker.dp_size)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.id,
-            "worker": self.name,
-            "endpoint": self.endpoint,
-            "dp_size": self.dp_size,
-        }
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> WorkerRef:
-        return cls(
-            int(body["worker_id"]), str(body["worker"]), str(body["endpoint"]), int(body["dp_size"])
-        )
 
 
 class Inflight:
@@ -230,8 +213,7 @@ class Operations:
         hash_: str,
         kind: str,
         adapter: Adapter,
-        plan: dict[str, Any],
-        targets: Sequence[str],
+        plan: Plan,
     ) -> Operation:
         """Write the operation and claim the adapter for it (409 if another operation holds it)."""
         op = Operation(
@@ -242,8 +224,8 @@ class Operations:
             namespace=adapter.namespace,
             adapter_name=adapter.name,
             state="pending",
-            plan=plan,
-            targets=list(targets),
+            plan=plan.to_json(),
+            targets=[w.name for w in plan.workers],
             per_target=[],
             owner=self.owner,
             heartbeat_at=now(),
@@ -267,7 +249,7 @@ class Operations:
     # -- planning (in the caller's session, before journalling) -------------------------------------
     def plan_load(
         self, session: Session, adapter: Adapter, count: int | None, shrink: bool = False
-    ) -> dict[str, Any]:
+    ) -> LoadPlan:
         """Targets for ``adapter``; with ``shrink`` (a placement count the caller set), the
         copies held beyond ``count`` are unloaded once the load succeeds."""
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
@@ -297,23 +279,23 @@ class Operations:
             }
             return groups >= set(range(worker.dp_size))
 
-        return {
-            "adapter_id": adapter.id,
-            "lora_name": name,
-            "path": adapter.path,
-            "pinned": adapter.pinned,
-            "targets": [
-                {
-                    **WorkerRef.of(by_name[t.worker]).to_json(),
-                    "evict": list(t.evict),
-                    "already_loaded": t.already_loaded and loaded_everywhere(by_name[t.worker]),
-                }
+        return LoadPlan(
+            adapter.id,
+            name,
+            adapter.path,
+            adapter.pinned,
+            tuple(
+                LoadTarget(
+                    WorkerRef.of(by_name[t.worker]),
+                    t.evict,
+                    t.already_loaded and loaded_everywhere(by_name[t.worker]),
+                )
                 for t in plan.targets
-            ],
-            "shrink": [WorkerRef.of(by_name[w]).to_json() for w in extras if w in by_name],
-        }
+            ),
+            tuple(WorkerRef.of(by_name[w]) for w in extras if w in by_name),
+        )
 
-    def plan_beside(self, workers: Sequence[Worker], keep: Sequence[str]) -> list[dict[str, Any]]:
+    def plan_beside(self, workers: Sequence[Worker], keep: Sequence[str]) -> tuple[LoadTarget, ...]:
         """Targets that load one more adapter next to what they hold (a new version beside the
         old one): each worker without a free slot evicts its least recently used victim, never
         one of ``keep``. Raises 409 ``no_capacity`` naming the worker that cannot make room."""
@@ -326,34 +308,35 @@ class Operations:
                 evict = choose_evictions(slots, 1, protect=keep)
             except SlotsFull as exc:
                 raise NoCapacity(f"{exc}; the new version needs room beside the old") from exc
-            targets.append(
-                {**WorkerRef.of(worker).to_json(), "evict": evict, "already_loaded": False}
-            )
-        return targets
+            targets.append(LoadTarget(WorkerRef.of(worker), tuple(evict)))
+        return tuple(targets)
 
     @staticmethod
     def add_loading_rows(
-        session: Session, adapter: Adapter, plan: dict[str, Any], version: int | None = None
+        session: Session,
+        adapter: Adapter,
+        plan: LoadPlan | VersionPlan,
+        version: int | None = None,
     ) -> None:
-        for target in plan["targets"]:
-            if target.get("already_loaded"):
+        for target in plan.targets:
+            if target.already_loaded:
                 continue
-            for group in range(int(target["dp_size"])):
+            for group in range(target.worker.dp_size):
                 exists = session.scalar(
                     select(Placement).where(
                         Placement.adapter_id == adapter.id,
-                        Placement.worker_id == target["worker_id"],
+                        Placement.worker_id == target.worker.id,
                         Placement.dp_group == group,
-                        Placement.lora_name == plan["lora_name"],
+                        Placement.lora_name == plan.lora_name,
                     )
                 )
                 if exists is None:
                     session.add(
                         Placement(
                             adapter_id=adapter.id,
-                            worker_id=target["worker_id"],
+                            worker_id=target.worker.id,
                             dp_group=group,
-                            lora_name=plan["lora_name"],
+                            lora_name=plan.lora_name,
                             version=version or adapter.version,
                             state="loading",
                         )
@@ -387,26 +370,18 @@ class Operations:
             assert op is not None
             op.state = "running"
             op.owner, op.heartbeat_at = self.owner, now()
-            kind, plan = op.kind, dict(op.plan)
+            kind, plan = op.kind, plan_from_json(op.kind, op.plan)
         started = time.perf_counter()
         try:
-            runner: Callable[
-                [str, dict[str, Any]], Awaitable[tuple[str, UpdateResult, list[dict[str, Any]]]]
-            ]
-            runner = {
-                "register": self._run_load,
-                "load": self._run_load,
-                "unload": self._run_unload,
-                "delete": self._run_unload,
-                "pin": self._run_pin,
-                "unpin": self._run_pin,
-                "update_version": self._run_update_version,
-            }[kind]
             per_target: list[dict[str, Any]]
-            if kind == "register" and not plan.get("targets"):
-                state, merged, per_target = "succeeded", UpdateResult(True), []
+            if isinstance(plan, LoadPlan):
+                state, merged, per_target = await self._run_load(plan)
+            elif isinstance(plan, UnloadPlan):
+                state, merged, per_target = await self._run_unload(plan)
+            elif isinstance(plan, PinPlan):
+                state, merged, per_target = await self._run_pin(plan)
             else:
-                state, merged, per_target = await runner(op_id, plan)
+                state, merged, per_target = await self._run_update_version(plan)
         except Exception:  # a bug or the database went away: settle it from what workers hold
             log.exception("operation %s failed unexpectedly; settling it", op_id)
             try:
@@ -664,15 +639,15 @@ class Operations:
         return UpdateResult(True)
 
     async def _load_everywhere(
-        self, op_label: str, adapter_id: int, plan: dict[str, Any], pinned: bool
+        self, op_label: str, plan: LoadPlan
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        """Load ``plan['lora_name']`` onto every target, all or nothing."""
-        name, path = plan["lora_name"], plan["path"]
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        """Load ``plan.lora_name`` onto every target, all or nothing."""
+        adapter_id, name, path, pinned = plan.adapter_id, plan.lora_name, plan.path, plan.pinned
+        targets = list(plan.workers)
         if not targets:
             return "succeeded", UpdateResult(True), []
-        evictions = {t["worker"]: list(t.get("evict") or []) for t in plan["targets"]}
-        already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
+        evictions = {t.worker.name: list(t.evict) for t in plan.targets}
+        already = plan.already_loaded
 
         async def load_one(target: WorkerRef) -> UpdateResult:
             if target.name in already:
@@ -718,17 +693,10 @@ class Operations:
         )
         return ("failed" if leftover else "rolled_back"), merged, per_target
 
-    async def _run_load(
-        self, op_id: str, plan: dict[str, Any]
-    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        adapter_id = plan["adapter_id"]
-        state, merged, per_target = await self._load_everywhere(
-            "load", adapter_id, plan, bool(plan["pinned"])
-        )
-        if merged.success and plan.get("shrink"):
-            await self._unload_extras(
-                adapter_id, plan["lora_name"], [WorkerRef.from_json(t) for t in plan["shrink"]]
-            )
+    async def _run_load(self, plan: LoadPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        state, merged, per_target = await self._load_everywhere("load", plan)
+        if merged.success and plan.shrink:
+            await self._unload_extras(plan.adapter_id, plan.lora_name, plan.shrink)
         return state, merged, per_target
 
     async def _unload_extras(self, adapter_id: int, name: str, extras: Sequence[WorkerRef]) -> None:
@@ -756,12 +724,10 @@ class Operations:
             error = merge_results([r for r in results if not r.success]).error_message
             await self._record_observed(adapter_id, name, stuck, error)
 
-    async def _run_unload(
-        self, op_id: str, plan: dict[str, Any]
-    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        adapter_id = plan["adapter_id"]
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
-        names = {t["worker"]: list(t["lora_names"]) for t in plan["targets"]}
+    async def _run_unload(self, plan: UnloadPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        adapter_id = plan.adapter_id
+        targets = list(plan.workers)
+        names = {t.worker.name: list(t.lora_names) for t in plan.targets}
         if targets:
 
             async def unload_one(target: WorkerRef) -> UpdateResult:
@@ -793,7 +759,7 @@ class Operations:
                 namespace = adapter.namespace
                 adapter.inconsistent = leftover
                 adapter.last_error = merged.error_message if leftover else None
-                if plan.get("then") == "delete" and not leftover:
+                if plan.then == "delete" and not leftover:
                     session.delete(adapter)
         await self.bus.publish(
             "adapter.unloaded",
@@ -804,17 +770,10 @@ class Operations:
         )
         return ("succeeded" if merged.success else "failed"), merged, per_target
 
-    async def _run_pin(
-        self, op_id: str, plan: dict[str, Any]
-    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+    async def _run_pin(self, plan: PinPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         """Reload the adapter with the new ``pinned`` flag on every worker that holds it."""
-        adapter_id, name, path, pinned = (
-            plan["adapter_id"],
-            plan["lora_name"],
-            plan["path"],
-            bool(plan["pinned"]),
-        )
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        adapter_id, name, path, pinned = plan.adapter_id, plan.lora_name, plan.path, plan.pinned
+        targets = list(plan.targets)
 
         async def reload(target: WorkerRef) -> UpdateResult:
             unloaded = await self.client.unload(target.name, target.endpoint, name)
@@ -863,23 +822,22 @@ class Operations:
                     row.observed_at = now()
 
     async def _run_update_version(
-        self, op_id: str, plan: dict[str, Any]
+        self, plan: VersionPlan
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         """Make before break: load the new version everywhere, switch, then unload the old one.
 
         The new version loads unpinned and takes the pin once the old one is gone: both pinned
         at once could pass the workers' K - 1 pin limit."""
-        adapter_id = plan["adapter_id"]
-        if not plan["targets"]:  # loaded nowhere: switching the record is the whole operation
-            await self._switch_version(adapter_id, plan)
+        if not plan.targets:  # loaded nowhere: switching the record is the whole operation
+            await self._switch_version(plan)
             return "succeeded", UpdateResult(True), []
-        state, merged, per_target = await self._load_everywhere("load", adapter_id, plan, False)
+        state, merged, per_target = await self._load_everywhere("load", plan.load)
         if not merged.success:
             return state, merged, per_target
-        await self._switch_version(adapter_id, plan)
-        if plan["pinned"]:
-            name, path = plan["lora_name"], plan["path"]
-            targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        await self._switch_version(plan)
+        if plan.pinned:
+            name, path = plan.lora_name, plan.path
+            targets = list(plan.load.workers)
             results, _ = await self._fanout(
                 "pin", targets, lambda t: self.client.load(t.name, t.endpoint, name, path, True)
             )
@@ -888,15 +846,15 @@ class Operations:
                 log.warning("pinning %s after its update failed: %s", name, pinned.error_message)
         return "succeeded", merged, per_target
 
-    async def _switch_version(self, adapter_id: int, plan: dict[str, Any]) -> None:
-        new = plan["new"]
+    async def _switch_version(self, plan: VersionPlan) -> None:
+        adapter_id = plan.adapter_id
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             assert adapter is not None
-            for field_name, value in new.items():
+            for field_name, value in plan.new.to_json().items():
                 setattr(adapter, field_name, value)
-        old = plan["old_lora_name"]
-        holders = [WorkerRef.from_json(t) for t in plan["old_targets"]]
+        old = plan.old_lora_name
+        holders = list(plan.old_targets)
         self._set_state(adapter_id, old, "unloading")  # never reported loaded while it goes away
         if holders:
             results, _ = await self._fanout(
@@ -915,7 +873,10 @@ class Operations:
             ops = session.scalars(
                 select(Operation).where(self._abandoned()).order_by(Operation.created_at)
             ).all()
-            pending = [(op.id, op.kind, dict(op.plan), self._before_start(op)) for op in ops]
+            pending = [
+                (op.id, op.kind, plan_from_json(op.kind, op.plan), self._before_start(op))
+                for op in ops
+            ]
         settled = []
         for op_id, kind, plan, restarted in pending:
             if op_id in self.running or not self._claim(op_id):
@@ -936,31 +897,32 @@ class Operations:
             return False
         return (beat if beat.tzinfo else beat.replace(tzinfo=UTC)) < self.started_at
 
-    async def _settle(self, op_id: str, kind: str, plan: dict[str, Any], why: str) -> Operation:
+    async def _settle(self, op_id: str, kind: str, plan: Plan, why: str) -> Operation:
         """Finish ``op_id`` from what its workers hold now: a load present everywhere succeeds,
         anything less is rolled back; an unload is run again; a pin change keeps the old flag."""
         started = time.perf_counter()
-        if kind in ("unload", "delete"):
-            state, merged, per_target = await self._run_unload(op_id, plan)
-        elif kind == "register" and not plan.get("targets"):
+        if isinstance(plan, UnloadPlan):
+            state, merged, per_target = await self._run_unload(plan)
+        elif isinstance(plan, LoadPlan) and not plan.targets:
             state, merged, per_target = "succeeded", UpdateResult(True), []
-        elif kind in ("register", "load", "update_version"):
+        elif isinstance(plan, LoadPlan):
             state, merged, per_target = await self._settle_load(plan, why)
-            if kind == "update_version" and state == "succeeded":
-                await self._switch_version(plan["adapter_id"], plan)
+        elif isinstance(plan, VersionPlan):
+            state, merged, per_target = await self._settle_load(plan.load, why)
+            if state == "succeeded":
+                await self._switch_version(plan)
         else:  # pin / unpin: keep the old flag, let rows follow the workers, the reconciler restores
-            targets = [WorkerRef.from_json(t) for t in plan.get("targets", [])]
-            await self._observe_rows(plan["adapter_id"], plan["lora_name"], targets)
+            await self._observe_rows(plan.adapter_id, plan.lora_name, plan.targets)
             state, merged, per_target = "failed", UpdateResult(False, why), []
         return await self._finish(
             op_id, kind, state, merged, per_target, time.perf_counter() - started
         )
 
     async def _settle_load(
-        self, plan: dict[str, Any], why: str
+        self, plan: LoadPlan, why: str
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        name, adapter_id = plan["lora_name"], plan["adapter_id"]
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        name, adapter_id = plan.lora_name, plan.adapter_id
+        targets = list(plan.workers)
         observations = await asyncio.gather(*(self.observe(t) for t in targets))
         complete = all(
             seen is not None and len(seen.present_on(name)) == t.dp_size
@@ -977,8 +939,8 @@ class Operations:
         ]
         if complete:
             self._set_rows(adapter_id, name, targets, "loaded")
-            return "succeeded", UpdateResult(True, "", {name: plan["path"]}), per_target
-        already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
+            return "succeeded", UpdateResult(True, "", {name: plan.path}), per_target
+        already = plan.already_loaded
         touched = [t for t in targets if t.name not in already]
         await self._fanout(
             "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)

@@ -31,7 +31,7 @@ from loraplane.controlplane.metrics import (
     Metrics,
 )
 from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
-from loraplane.controlplane.operations import WorkerRef
+from loraplane.controlplane.plans import WorkerRef
 from loraplane.controlplane.registry import lora_name
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
 

@@ -23,7 +23,16 @@ from loraplane.controlplane.deps import (
 )
 from loraplane.controlplane.errors import conflict
 from loraplane.controlplane.models import Adapter, Operation, Pool
-from loraplane.controlplane.operations import WorkerRef, request_hash
+from loraplane.controlplane.operations import request_hash
+from loraplane.controlplane.plans import (
+    LoadPlan,
+    NewVersion,
+    PinPlan,
+    UnloadPlan,
+    UnloadTarget,
+    VersionPlan,
+    WorkerRef,
+)
 from loraplane.controlplane.registry import (
     adapter_json,
     adapter_phase,
@@ -320,13 +329,9 @@ async def register_adapter(
                 f"adapter {body.namespace}/{body.name} already exists", field="body.name"
             ) from exc
         session.refresh(adapter)
-        plan: dict[str, Any] = {
-            "adapter_id": adapter.id,
-            "lora_name": lora_name(adapter.namespace, adapter.name, 1),
-            "path": adapter.path,
-            "pinned": adapter.pinned,
-            "targets": [],
-        }
+        plan = LoadPlan(
+            adapter.id, lora_name(adapter.namespace, adapter.name, 1), adapter.path, adapter.pinned
+        )
         ready = [w for w in adapter.pool.workers if w.state == "ready"]
         if body.load and ready:
             plan = services.operations.plan_load(session, adapter, adapter.placement_count)
@@ -337,7 +342,6 @@ async def register_adapter(
             kind="register",
             adapter=adapter,
             plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
         )
         services.operations.add_loading_rows(session, adapter, plan)
         adapter.phase = "Loading"
@@ -380,7 +384,6 @@ async def load_adapter(
             kind="load",
             adapter=adapter,
             plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
         )
         adapter.placement_count = count
         adapter.desired = "loaded"
@@ -391,18 +394,19 @@ async def load_adapter(
     return await run_and_respond(services, op_id, 200)
 
 
-def unload_plan(adapter: Adapter) -> dict[str, Any]:
-    targets: dict[int, dict[str, Any]] = {}
+def unload_plan(adapter: Adapter, then: Literal["keep", "delete"]) -> UnloadPlan:
+    workers: dict[int, WorkerRef] = {}
+    names: dict[int, list[str]] = {}
     for placement in adapter.placements:
-        entry = targets.setdefault(
-            placement.worker_id, {**WorkerRef.of(placement.worker).to_json(), "lora_names": []}
-        )
-        if placement.lora_name not in entry["lora_names"]:
-            entry["lora_names"].append(placement.lora_name)
-    return {
-        "adapter_id": adapter.id,
-        "targets": sorted(targets.values(), key=lambda t: t["worker"]),
-    }
+        workers.setdefault(placement.worker_id, WorkerRef.of(placement.worker))
+        held = names.setdefault(placement.worker_id, [])
+        if placement.lora_name not in held:
+            held.append(placement.lora_name)
+    targets = sorted(
+        (UnloadTarget(worker, tuple(names[worker_id])) for worker_id, worker in workers.items()),
+        key=lambda t: t.worker.name,
+    )
+    return UnloadPlan(adapter.id, tuple(targets), then)
 
 
 async def _unload(
@@ -416,8 +420,7 @@ async def _unload(
     with services.db.session() as session:
         adapter = get_adapter(session, namespace, name)
         ensure_usable(adapter, deleting=kind == "delete")
-        plan = unload_plan(adapter)
-        plan["then"] = "delete" if kind == "delete" else "keep"
+        plan = unload_plan(adapter, "delete" if kind == "delete" else "keep")
         op = services.operations.journal(
             session,
             key=key,
@@ -425,7 +428,6 @@ async def _unload(
             kind=kind,
             adapter=adapter,
             plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
         )
         adapter.desired = "deleted" if kind == "delete" else "unloaded"
         adapter.phase = "Unloading"
@@ -484,15 +486,13 @@ async def patch_adapter(
                     field="body.pinned",
                 )
             services.operations.check_pin_targets(session, adapter, list(holders.values()))
-        plan: dict[str, Any] = {
-            "adapter_id": adapter.id,
-            "lora_name": current,
-            "path": adapter.path,
-            "pinned": body.pinned,
-            "targets": [
-                WorkerRef.of(w).to_json() for w in sorted(holders.values(), key=lambda w: w.name)
-            ],
-        }
+        plan = PinPlan(
+            adapter.id,
+            current,
+            adapter.path,
+            body.pinned,
+            tuple(WorkerRef.of(w) for w in sorted(holders.values(), key=lambda w: w.name)),
+        )
         op = services.operations.journal(
             session,
             key=key,
@@ -500,7 +500,6 @@ async def patch_adapter(
             kind="pin" if body.pinned else "unpin",
             adapter=adapter,
             plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
         )
         op_id = op.id
     return await run_and_respond(services, op_id, 200)
@@ -548,26 +547,26 @@ async def update_version(
         targets = services.operations.plan_beside(
             [w for w in holders if w.state == "ready"], keep=(old, new_name)
         )
-        plan: dict[str, Any] = {
-            "adapter_id": adapter.id,
-            "lora_name": new_name,
-            "path": facts.path,
-            "pinned": adapter.pinned,
-            "targets": targets,
-            "old_lora_name": old,
-            "old_targets": [WorkerRef.of(w).to_json() for w in holders],
-            "new": {
-                "version": new_version,
-                "source_uri": body.source.uri,
-                "source_sha256": body.source.sha256.lower() if body.source.sha256 else None,
-                "path": facts.path,
-                "digest": facts.digest,
-                "rank": facts.rank,
-                "alpha": facts.alpha,
-                "target_modules": list(facts.target_modules),
-                "base_model": facts.base_model,
-            },
-        }
+        plan = VersionPlan(
+            adapter.id,
+            new_name,
+            facts.path,
+            adapter.pinned,
+            targets,
+            old,
+            tuple(WorkerRef.of(w) for w in holders),
+            NewVersion(
+                version=new_version,
+                source_uri=body.source.uri,
+                source_sha256=body.source.sha256.lower() if body.source.sha256 else None,
+                path=facts.path,
+                digest=facts.digest,
+                rank=facts.rank,
+                alpha=facts.alpha,
+                target_modules=tuple(facts.target_modules),
+                base_model=facts.base_model,
+            ),
+        )
         op = services.operations.journal(
             session,
             key=key,
@@ -575,7 +574,6 @@ async def update_version(
             kind="update_version",
             adapter=adapter,
             plan=plan,
-            targets=[t["worker"] for t in targets],
         )
         services.operations.add_loading_rows(session, adapter, plan, version=new_version)
         op_id = op.id

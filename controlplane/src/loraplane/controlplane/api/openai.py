@@ -110,7 +110,6 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
                     kind="load",
                     adapter=adapter,
                     plan=plan,
-                    targets=[t["worker"] for t in plan["targets"]],
                 )
                 adapter.desired = "loaded"
                 adapter.last_error = None
