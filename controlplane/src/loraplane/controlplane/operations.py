@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.errors import NoCapacity, PinLimit, conflict
 from loraplane.controlplane.events import EventBus, stop_tasks
+from loraplane.controlplane.lifecycle import PlacementState, mark, mark_where, new_placement, settle
 from loraplane.controlplane.merge import UpdateResult, merge_results
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
@@ -332,17 +333,17 @@ class Operations:
                 )
                 if exists is None:
                     session.add(
-                        Placement(
-                            adapter_id=adapter.id,
-                            worker_id=target.worker.id,
-                            dp_group=group,
-                            lora_name=plan.lora_name,
-                            version=version or adapter.version,
-                            state="loading",
+                        new_placement(
+                            adapter.id,
+                            target.worker.id,
+                            group,
+                            plan.lora_name,
+                            version or adapter.version,
+                            "loading",
                         )
                     )
                 else:
-                    exists.state = "loading"
+                    mark(exists, "loading")
 
     def check_pin_targets(
         self, session: Session, adapter: Adapter, workers: Sequence[Worker]
@@ -438,10 +439,11 @@ class Operations:
                 else None
             )
             if adapter is not None and adapter.busy_operation_id == op_id:
-                adapter.busy_operation_id = None
-                adapter.phase = "Settled"
-                if kind in ("register", "load", "pin", "unpin", "update_version"):
-                    adapter.last_error = op.error
+                settle(
+                    adapter,
+                    error=op.error,
+                    keeps_error=kind in ("register", "load", "pin", "unpin", "update_version"),
+                )
             namespace, adapter_name = op.namespace, op.adapter_name
             pool_name = adapter.pool.name if adapter is not None else _pool_of(session, op)
         self.metrics.operations.labels(namespace, pool_name, kind, state).inc()
@@ -525,24 +527,22 @@ class Operations:
                     row = have.get(group)
                     if group in present:
                         if row is None:
-                            row = Placement(
-                                adapter_id=adapter_id,
-                                worker_id=target.id,
-                                dp_group=group,
-                                lora_name=name,
-                                version=0,
-                                state="inconsistent",
+                            row = new_placement(
+                                adapter_id, target.id, group, name, 0, "inconsistent"
                             )
                             session.add(row)
-                        row.state = "inconsistent"
-                        row.error = error if seen is not None else f"{error} (worker unreachable)"
-                        row.observed_at = now() if seen is not None else row.observed_at
+                        mark(
+                            row,
+                            "inconsistent",
+                            error=error if seen is not None else f"{error} (worker unreachable)",
+                            observed=seen is not None,
+                        )
                     elif row is not None:
                         session.delete(row)
         return leftover
 
     def _set_rows(
-        self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: str
+        self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: PlacementState
     ) -> None:
         with self.db.session() as session:
             rows = session.scalars(
@@ -560,26 +560,14 @@ class Operations:
                     row = have.get((target.id, group))
                     if row is None:
                         version = session.get(Adapter, adapter_id).version  # type: ignore[union-attr]
-                        row = Placement(
-                            adapter_id=adapter_id,
-                            worker_id=target.id,
-                            dp_group=group,
-                            lora_name=name,
-                            version=version,
-                            state=state,
-                        )
+                        row = new_placement(adapter_id, target.id, group, name, version, state)
                         session.add(row)
-                    row.state = state
-                    row.error = None
-                    row.observed_at = now()
+                    mark(row, state, error=None, observed=True)
 
-    def _set_state(self, adapter_id: int, name: str, state: str) -> None:
+    def _set_state(self, adapter_id: int, name: str, state: PlacementState) -> None:
         with self.db.session() as session:
-            session.execute(
-                update(Placement)
-                .where(Placement.adapter_id == adapter_id, Placement.lora_name == name)
-                .values(state=state)
-                .execution_options(synchronize_session=False)
+            mark_where(
+                session, state, Placement.adapter_id == adapter_id, Placement.lora_name == name
             )
 
     def _namespace_of(self, adapter_id: int) -> str | None:
@@ -600,11 +588,11 @@ class Operations:
     async def _evict(self, target: WorkerRef, names: Sequence[str]) -> UpdateResult:
         for victim in names:
             with self.db.session() as session:  # not routed there while it goes away
-                session.execute(
-                    update(Placement)
-                    .where(Placement.worker_id == target.id, Placement.lora_name == victim)
-                    .values(state="unloading")
-                    .execution_options(synchronize_session=False)
+                mark_where(
+                    session,
+                    "unloading",
+                    Placement.worker_id == target.id,
+                    Placement.lora_name == victim,
                 )
             result = await self.client.unload(target.name, target.endpoint, victim)
             with self.db.session() as session:
@@ -621,8 +609,7 @@ class Operations:
                     if result.success:
                         session.delete(row)
                     else:
-                        row.state = "inconsistent"
-                        row.error = result.error_message
+                        mark(row, "inconsistent", error=result.error_message)
             if not result.success:
                 return UpdateResult(
                     False,
@@ -704,15 +691,12 @@ class Operations:
         routable). Rows go ``unloading`` first; a copy that would not go is left
         ``inconsistent`` for the reconciler, without failing the load."""
         with self.db.session() as session:
-            session.execute(
-                update(Placement)
-                .where(
-                    Placement.adapter_id == adapter_id,
-                    Placement.lora_name == name,
-                    Placement.worker_id.in_([t.id for t in extras]),
-                )
-                .values(state="unloading")
-                .execution_options(synchronize_session=False)
+            mark_where(
+                session,
+                "unloading",
+                Placement.adapter_id == adapter_id,
+                Placement.lora_name == name,
+                Placement.worker_id.in_([t.id for t in extras]),
             )
         results, _ = await self._fanout(
             "unload", extras, lambda t: self.client.unload(t.name, t.endpoint, name)
@@ -814,12 +798,13 @@ class Operations:
                 ).all()
                 present = set() if seen is None else set(seen.present_on(name))
                 for row in rows:
-                    row.state = (
+                    mark(
+                        row,
                         "loaded"
                         if row.dp_group in present
-                        else ("failed" if seen else "unreachable")
+                        else ("failed" if seen else "unreachable"),
+                        observed=True,
                     )
-                    row.observed_at = now()
 
     async def _run_update_version(
         self, plan: VersionPlan

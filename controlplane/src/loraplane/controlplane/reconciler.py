@@ -24,6 +24,7 @@ from sqlalchemy import select
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus, stop_tasks
+from loraplane.controlplane.lifecycle import mark, new_placement
 from loraplane.controlplane.metrics import (
     ADAPTER_PHASES,
     PLACEMENT_STATES,
@@ -219,7 +220,7 @@ class Reconciler:
             row.last_error = error
             for placement in row.placements:
                 if placement.state == "loaded":
-                    placement.state = "unreachable"
+                    mark(placement, "unreachable")
         if changed:
             log.warning("worker %s unreachable: %s", worker.name, error)
             await self.bus.publish(
@@ -308,11 +309,10 @@ class Reconciler:
                 wanted.add(name)
                 if present >= set(range(worker.dp_size)):
                     for r in rows:
-                        r.state, r.observed_at, r.error = "loaded", now(), None
+                        mark(r, "loaded", error=None, observed=True)
                 else:
                     for r in rows:
-                        r.state = "loaded" if r.dp_group in present else "loading"
-                        r.observed_at = now()
+                        mark(r, "loaded" if r.dp_group in present else "loading", observed=True)
                     restore.append((name, adapter.path, adapter.pinned, adapter.id))
             # rows of unwanted names that the worker no longer holds are forgotten
             for name, rows in by_name.items():
@@ -390,18 +390,11 @@ class Reconciler:
                 if row is None:
                     if not (create and ok):
                         continue
-                    row = Placement(
-                        adapter_id=adapter_id,
-                        worker_id=worker.id,
-                        dp_group=group,
-                        lora_name=name,
-                        version=adapter.version,
-                        state="loaded",
+                    row = new_placement(
+                        adapter_id, worker.id, group, name, adapter.version, "loaded"
                     )
                     session.add(row)
-                row.state = "loaded" if ok else "failed"
-                row.error = None if ok else error
-                row.observed_at = now()
+                mark(row, "loaded" if ok else "failed", error=None if ok else error, observed=True)
 
     def _after_stray(self, worker: WorkerRef, name: str) -> None:
         with self.db.session() as session:

@@ -22,6 +22,7 @@ from loraplane.controlplane.deps import (
     check_namespace,
 )
 from loraplane.controlplane.errors import conflict
+from loraplane.controlplane.lifecycle import registered, start_loading, start_unloading
 from loraplane.controlplane.models import Adapter, Operation, Pool
 from loraplane.controlplane.operations import request_hash
 from loraplane.controlplane.plans import (
@@ -316,10 +317,8 @@ async def register_adapter(
             priority=body.priority,
             load_policy=body.load_policy,
             version=1,
-            desired="loaded" if body.load else "unloaded",
-            phase="Pending",
-            inconsistent=False,
             last_used_at=0.0,
+            **registered(body.load),
         )
         session.add(adapter)
         try:
@@ -344,7 +343,7 @@ async def register_adapter(
             plan=plan,
         )
         services.operations.add_loading_rows(session, adapter, plan)
-        adapter.phase = "Loading"
+        start_loading(adapter, registering=True)
         op_id = op.id
     return await run_and_respond(services, op_id, 201)
 
@@ -386,9 +385,7 @@ async def load_adapter(
             plan=plan,
         )
         adapter.placement_count = count
-        adapter.desired = "loaded"
-        adapter.last_error = None
-        adapter.phase = "Loading"
+        start_loading(adapter)
         services.operations.add_loading_rows(session, adapter, plan)
         op_id = op.id
     return await run_and_respond(services, op_id, 200)
@@ -429,10 +426,7 @@ async def _unload(
             adapter=adapter,
             plan=plan,
         )
-        adapter.desired = "deleted" if kind == "delete" else "unloaded"
-        adapter.phase = "Unloading"
-        for placement in adapter.placements:
-            placement.state = "unloading"
+        start_unloading(adapter, delete=kind == "delete")
         op_id = op.id
     return await run_and_respond(services, op_id, 200)
 

@@ -24,6 +24,7 @@ from sqlalchemy import select
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal
 from loraplane.controlplane.deps import RouteCaller, Services, ServicesDep
 from loraplane.controlplane.errors import ApiError, bad_value
+from loraplane.controlplane.lifecycle import start_loading
 from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef, request_hash
 from loraplane.controlplane.registry import check_label, lora_name, routable_workers
@@ -111,9 +112,7 @@ async def _load_one_more(services: Services, adapter_id: int) -> str:
                     adapter=adapter,
                     plan=plan,
                 )
-                adapter.desired = "loaded"
-                adapter.last_error = None
-                adapter.phase = "Loading"
+                start_loading(adapter)
                 services.operations.add_loading_rows(session, adapter, plan)
                 op_id = op.id
                 pool_name = adapter.pool.name
