@@ -44,6 +44,7 @@ from loraplane.controlplane.plans import (
 from loraplane.controlplane.registry import get_adapter, get_pool, lora_name, routable_workers
 from loraplane.controlplane.services import Services
 from loraplane.controlplane.sources import AdapterFacts, SourceCredentials, pool_limits
+from loraplane.rules.pins import RULE, max_pinned
 
 LoadPolicy = Literal["OnDemand", "Explicit"]
 ON_DEMAND_POLL_S = 0.05  # how often an on-demand load looks again while another operation runs
@@ -192,10 +193,10 @@ def ensure_usable(adapter: Adapter, *, deleting: bool = False) -> None:
 
 def check_pinnable(pool: Pool, *, detail: bool = False) -> None:
     """A pool whose workers have one GPU slot can pin nothing (at most K - 1 pinned)."""
-    if pool.max_loras_per_batch < 2:
+    if max_pinned(pool.max_loras_per_batch) < 1:
         raise PinLimit(
             f"pool {pool.name} has max_loras_per_batch={pool.max_loras_per_batch}; pinning needs at least 2"
-            + (" (at most max_loras_per_batch - 1 pinned per worker)" if detail else ""),
+            + (f" ({RULE} pinned per worker)" if detail else ""),
             field="body.pinned",
         )
 

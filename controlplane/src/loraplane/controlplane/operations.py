@@ -34,7 +34,6 @@ from loraplane.controlplane.db import Database
 from loraplane.controlplane.errors import NoCapacity, PinLimit, conflict
 from loraplane.controlplane.events import EventBus, stop_tasks
 from loraplane.controlplane.lifecycle import PlacementState, mark, mark_where, new_placement, settle
-from loraplane.controlplane.merge import UpdateResult, merge_results
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
 from loraplane.controlplane.plans import (
@@ -56,6 +55,7 @@ from loraplane.controlplane.slots import (
     plan_placement,
 )
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+from loraplane.rules.merge import UpdateResult, merge_results
 
 log = logging.getLogger(__name__)
 INTERRUPTED = "control plane restarted while the operation ran"

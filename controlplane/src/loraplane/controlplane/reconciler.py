@@ -35,6 +35,7 @@ from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
 from loraplane.controlplane.plans import WorkerRef
 from loraplane.controlplane.registry import lora_name
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+from loraplane.rules.pins import room_to_pin
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +351,7 @@ class Reconciler:
                 name = lora_name(adapter.namespace, adapter.name, adapter.version)
                 if name in by_name or held >= pool.max_loaded_loras:
                     continue
-                if adapter.pinned and pinned_here + 1 > pool.max_loras_per_batch - 1:
+                if adapter.pinned and not room_to_pin(pinned_here, pool.max_loras_per_batch):
                     continue
                 if not any(p.lora_name == name for p in adapter.placements):
                     continue  # never loaded anywhere (or unloaded): an operation decides, not the reconciler
