@@ -37,13 +37,13 @@ from loraplane.controlplane.errors import (
     Unavailable,
 )
 from loraplane.controlplane.events import close_within, make_bus
-from loraplane.controlplane.limits import BodyLimit
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
 from loraplane.controlplane.settings import Settings
 from loraplane.controlplane.sources import SourceResolver
 from loraplane.controlplane.workers import WorkerClient
+from loraplane.rules.body_limit import BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_request_bytes,
+        setting="max_request_bytes",
+        refusal=lambda message: {
+            "error": {"code": "too_large", "field": "body", "message": message}
+        },
+    )
     for module in (pools, workers, adapters, placements, operations, tokens, openai, system):
         app.include_router(module.router)
     return app

@@ -2,5 +2,6 @@
 
 Plain Python with no import of any component (an import-linter contract holds that): the
 pin limit (`pins`), the fail-first merge of load/unload results (`merge`), names
-(`names`) and the adapter_config.json fields no worker implements (`peft`).
+(`names`), the adapter_config.json fields no worker implements (`peft`), and the
+request-body limit both HTTP servers apply (`body_limit`, the one module that needs Starlette).
 """
