@@ -19,6 +19,10 @@ def is_dns_label(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and len(value) <= DNS_LABEL_MAX and bool(DNS_LABEL.match(value))
 
 
+# the name a worker accepts for an adapter (the control plane's `lora_name`s are a subset)
+LORA_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._\-]*$"
+
+
 def lora_name(namespace: str, name: str, version: int) -> str:
     """The name workers know an adapter version by: `sql`, `team-a.sql`, `sql_v2`. Unambiguous
     because DNS-1123 labels have no `.` or `_`; the worker accepts `[A-Za-z0-9._-]`."""
