@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from loraplane.controlplane.app import http_status
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal, hash_token, new_token
 from loraplane.controlplane.errors import ApiError
 from loraplane.controlplane.registry import check_label, lora_name
@@ -50,7 +51,7 @@ def test_worker_side_names_are_unambiguous() -> None:
 def test_labels_are_dns_1123(bad: str) -> None:
     with pytest.raises(ApiError) as info:
         check_label(bad, "body.name")
-    assert info.value.status == 400 and info.value.field == "body.name"
+    assert http_status(info.value) == 400 and info.value.field == "body.name"
     assert "DNS-1123" in info.value.message
 
 

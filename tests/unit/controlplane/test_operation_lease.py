@@ -20,7 +20,8 @@ from loraplane.controlplane.events import EventBus
 from loraplane.controlplane.merge import UpdateResult
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Pool
-from loraplane.controlplane.operations import Inflight, Operations, WorkerRef
+from loraplane.controlplane.operations import Inflight, Operations
+from loraplane.controlplane.plans import LoadPlan, WorkerRef
 from loraplane.controlplane.workers import WorkerClient
 
 pytestmark = pytest.mark.unit
@@ -71,16 +72,8 @@ def journal_load(ops: Operations, name: str = "sql") -> str:
     """A load with no target (it succeeds when settled), journalled and claimed by ``ops``."""
     with ops.db.session() as session:
         adapter = session.query(Adapter).filter_by(name=name).one()
-        plan = {
-            "adapter_id": adapter.id,
-            "lora_name": name,
-            "path": adapter.path,
-            "pinned": False,
-            "targets": [],
-        }
-        op = ops.journal(
-            session, key=None, hash_="h", kind="load", adapter=adapter, plan=plan, targets=[]
-        )
+        plan = LoadPlan(adapter.id, name, adapter.path, pinned=False)
+        op = ops.journal(session, key=None, hash_="h", kind="load", adapter=adapter, plan=plan)
         return op.id
 
 

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from loraplane.controlplane.api.adapters import AdapterCreate
-from loraplane.controlplane.app import create_app
+from loraplane.controlplane.app import create_app, http_status
 from loraplane.controlplane.errors import ApiError
 from loraplane.controlplane.operations import request_hash
 from loraplane.controlplane.settings import Settings
@@ -299,6 +299,6 @@ def test_check_credentials_accepts_what_each_scheme_uses() -> None:
     check_credentials("file:///a", SourceCredentials())
     with pytest.raises(ApiError) as info:
         check_credentials("hf://org/repo", pair)
-    assert info.value.status == 400 and info.value.code == "invalid_value"
+    assert http_status(info.value) == 400 and info.value.code == "invalid_value"
     assert info.value.field == "body.source.credentials.aws_access_key_id"
     assert "it takes token" in info.value.message

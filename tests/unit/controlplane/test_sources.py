@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.controlplane.app import http_status
 from loraplane.controlplane.errors import ApiError
 from loraplane.controlplane.settings import SourcesSettings
 from loraplane.controlplane.sources import PoolLimits, SourceResolver, preflight
@@ -30,7 +31,7 @@ def check(
 def rejected(directory: Path, **kwargs: object) -> ApiError:
     with pytest.raises(ApiError) as info:
         check(directory, **kwargs)  # type: ignore[arg-type]
-    assert info.value.status == 400
+    assert http_status(info.value) == 400
     return info.value
 
 
@@ -292,7 +293,7 @@ def test_config_nested_too_deeply_is_refused(make_adapter: Callable[..., Path]) 
 def test_control_characters_in_a_uri_are_refused(tmp_path: Path, uri: str) -> None:
     with pytest.raises(ApiError) as info:
         resolver(tmp_path, allowed_roots=[tmp_path]).fetch(uri)
-    assert info.value.status == 400 and info.value.field == "body.source.uri"
+    assert http_status(info.value) == 400 and info.value.field == "body.source.uri"
     assert "control character" in info.value.message
 
 
@@ -300,5 +301,5 @@ def test_an_error_quotes_only_a_prefix_of_a_long_uri(tmp_path: Path) -> None:
     for uri in ("ftp://" + "x" * 100_000, "file:///" + "y" * 100_000):
         with pytest.raises(ApiError) as info:
             resolver(tmp_path, allowed_roots=[tmp_path]).fetch(uri)
-        assert info.value.status == 400 and len(info.value.message) < 400
+        assert http_status(info.value) == 400 and len(info.value.message) < 400
         assert "(100006 characters)" in info.value.message or "100008" in info.value.message

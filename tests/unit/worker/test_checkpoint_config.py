@@ -204,9 +204,21 @@ def test_eos_list_and_chat_template_beside_the_tokenizer(tmp_path: Path) -> None
 
 
 def test_worker_and_control_plane_refuse_the_same_peft_fields() -> None:
-    """The control plane may not import the worker, so each holds the table; they must agree
-    (an adapter the preflight passes is one every worker loads)."""
+    """One table (loraplane.rules.peft) for both: a field the preflight refuses, every worker
+    refuses; a value that means "not used" passes both."""
     from loraplane.controlplane import sources
-    from loraplane.worker.lora.adapter import REFUSED_PEFT_FIELDS
+    from loraplane.controlplane.errors import InvalidSource
+    from loraplane.rules.peft import REFUSED_PEFT_FIELDS
+    from loraplane.worker.lora.adapter import refuse_peft_fields
 
-    assert sources._UNUSED_PEFT_VALUES == REFUSED_PEFT_FIELDS
+    def worker_error(field: str, reason: str) -> Exception:
+        return ValueError(f"{field}: {reason}")
+
+    for field, unused in REFUSED_PEFT_FIELDS.items():
+        with pytest.raises(InvalidSource, match=f"{field} is 'in use': not supported"):
+            sources._refuse_peft_fields({field: "in use"})
+        with pytest.raises(ValueError, match=f"{field}: 'in use' is not supported"):
+            refuse_peft_fields({field: "in use"}, worker_error)
+        for value in unused:
+            sources._refuse_peft_fields({field: value})
+            refuse_peft_fields({field: value}, worker_error)

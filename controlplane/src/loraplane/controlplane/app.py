@@ -28,9 +28,15 @@ from loraplane.controlplane.api import (
 )
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.deps import Services
-from loraplane.controlplane.errors import ApiError
+from loraplane.controlplane.errors import (
+    ApiError,
+    Conflict,
+    DomainError,
+    InvalidValue,
+    NotFound,
+    Unavailable,
+)
 from loraplane.controlplane.events import close_within, make_bus
-from loraplane.controlplane.limits import BodyLimit
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
@@ -40,6 +46,7 @@ from loraplane.controlplane.sources import SourceResolver
 from loraplane.controlplane.upstream import Upstream
 from loraplane.controlplane.usage import UsageBatch
 from loraplane.controlplane.workers import WorkerClient
+from loraplane.rules.body_limit import BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +61,30 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     )
 
 
+# The HTTP status of each kind of domain error: the one place the domain meets HTTP. A kind
+# not listed takes its nearest listed base class's status.
+HTTP_STATUS: dict[type[DomainError], int] = {
+    InvalidValue: 400,
+    NotFound: 404,
+    Conflict: 409,
+    Unavailable: 503,
+}
+
+
+def http_status(exc: ApiError) -> int:
+    """The status a client gets for ``exc``: the HTTP edge's own, or its kind's from the table."""
+    if exc.status is not None:
+        return exc.status
+    for kind in type(exc).__mro__:
+        if kind in HTTP_STATUS:
+            return HTTP_STATUS[kind]
+    raise TypeError(f"{type(exc).__name__} has no HTTP status: add its kind to HTTP_STATUS")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=http_status(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -181,7 +208,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_request_bytes,
+        setting="max_request_bytes",
+        refusal=lambda message: {
+            "error": {"code": "too_large", "field": "body", "message": message}
+        },
+    )
     for module in (pools, workers, adapters, placements, operations, tokens, openai, system):
         app.include_router(module.router)
     return app

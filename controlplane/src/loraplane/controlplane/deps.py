@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
@@ -12,36 +11,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.auth import BOOTSTRAP, Principal, hash_token, same_hash
-from loraplane.controlplane.db import Database
 from loraplane.controlplane.errors import ApiError
-from loraplane.controlplane.events import EventBus
-from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Token
-from loraplane.controlplane.operations import Inflight, Operations
-from loraplane.controlplane.reconciler import Reconciler
-from loraplane.controlplane.routes import RouteTable
-from loraplane.controlplane.settings import Settings
-from loraplane.controlplane.sources import SourceResolver
-from loraplane.controlplane.upstream import Upstream
-from loraplane.controlplane.usage import UsageBatch
-from loraplane.controlplane.workers import WorkerClient
-
-
-@dataclass
-class Services:
-    settings: Settings
-    db: Database
-    client: WorkerClient
-    bus: EventBus
-    metrics: Metrics
-    inflight: Inflight
-    operations: Operations
-    reconciler: Reconciler
-    sources: SourceResolver
-    routes: RouteTable
-    usage: UsageBatch
-    upstream: Upstream
-    on_demand: dict[int, asyncio.Task[str]] = field(default_factory=dict)
+from loraplane.controlplane.services import Services as Services  # the routers import it here
 
 
 async def get_services(request: Request) -> Services:  # async: no thread hop per request

@@ -24,7 +24,6 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -32,20 +31,31 @@ from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane.db import Database
-from loraplane.controlplane.errors import ApiError, conflict
+from loraplane.controlplane.errors import NoCapacity, PinLimit, conflict
 from loraplane.controlplane.events import EventBus, stop_tasks
-from loraplane.controlplane.merge import UpdateResult, merge_results
+from loraplane.controlplane.lifecycle import PlacementState, mark, mark_where, new_placement, settle
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.models import Adapter, Operation, Placement, Worker
+from loraplane.controlplane.plans import (
+    LoadPlan,
+    LoadTarget,
+    PinPlan,
+    Plan,
+    UnloadPlan,
+    VersionPlan,
+    plan_from_json,
+)
+from loraplane.controlplane.plans import WorkerRef as WorkerRef  # the router imports it here
 from loraplane.controlplane.registry import lora_name, worker_slots
+from loraplane.controlplane.slots import NoCapacity as SlotsFull
 from loraplane.controlplane.slots import (
-    NoCapacity,
     PinLimitExceeded,
     check_pin,
     choose_evictions,
     plan_placement,
 )
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+from loraplane.rules.merge import UpdateResult, merge_results
 
 log = logging.getLogger(__name__)
 INTERRUPTED = "control plane restarted while the operation ran"
@@ -81,32 +91,6 @@ def _registered(session: Session, adapter_id: int, target: WorkerRef) -> bool:
     return (
         session.get(Worker, target.id) is not None and session.get(Adapter, adapter_id) is not None
     )
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRef:
-    id: int
-    name: str
-    endpoint: str
-    dp_size: int
-
-    @classmethod
-    def of(cls, worker: Worker) -> WorkerRef:
-        return cls(worker.id, worker.name, worker.endpoint, worker.dp_size)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.id,
-            "worker": self.name,
-            "endpoint": self.endpoint,
-            "dp_size": self.dp_size,
-        }
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> WorkerRef:
-        return cls(
-            int(body["worker_id"]), str(body["worker"]), str(body["endpoint"]), int(body["dp_size"])
-        )
 
 
 class Inflight:
@@ -230,8 +214,7 @@ class Operations:
         hash_: str,
         kind: str,
         adapter: Adapter,
-        plan: dict[str, Any],
-        targets: Sequence[str],
+        plan: Plan,
     ) -> Operation:
         """Write the operation and claim the adapter for it (409 if another operation holds it)."""
         op = Operation(
@@ -242,8 +225,8 @@ class Operations:
             namespace=adapter.namespace,
             adapter_name=adapter.name,
             state="pending",
-            plan=plan,
-            targets=list(targets),
+            plan=plan.to_json(),
+            targets=[w.name for w in plan.workers],
             per_target=[],
             owner=self.owner,
             heartbeat_at=now(),
@@ -267,7 +250,7 @@ class Operations:
     # -- planning (in the caller's session, before journalling) -------------------------------------
     def plan_load(
         self, session: Session, adapter: Adapter, count: int | None, shrink: bool = False
-    ) -> dict[str, Any]:
+    ) -> LoadPlan:
         """Targets for ``adapter``; with ``shrink`` (a placement count the caller set), the
         copies held beyond ``count`` are unloaded once the load succeeds."""
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
@@ -279,9 +262,9 @@ class Operations:
         try:
             plan = plan_placement(slots, name, count=count, pinned=adapter.pinned)
         except PinLimitExceeded as exc:
-            raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
-        except NoCapacity as exc:
-            raise ApiError(409, "no_capacity", str(exc)) from exc
+            raise PinLimit(str(exc), field="body.pinned") from exc
+        except SlotsFull as exc:
+            raise NoCapacity(str(exc), no_worker=exc.no_worker) from exc
         by_name = {w.name: w for w in workers}
         chosen = {t.worker for t in plan.targets}
         # `count: N` below what it holds now: the copies beyond the chosen N go once it succeeds
@@ -297,23 +280,23 @@ class Operations:
             }
             return groups >= set(range(worker.dp_size))
 
-        return {
-            "adapter_id": adapter.id,
-            "lora_name": name,
-            "path": adapter.path,
-            "pinned": adapter.pinned,
-            "targets": [
-                {
-                    **WorkerRef.of(by_name[t.worker]).to_json(),
-                    "evict": list(t.evict),
-                    "already_loaded": t.already_loaded and loaded_everywhere(by_name[t.worker]),
-                }
+        return LoadPlan(
+            adapter.id,
+            name,
+            adapter.path,
+            adapter.pinned,
+            tuple(
+                LoadTarget(
+                    WorkerRef.of(by_name[t.worker]),
+                    t.evict,
+                    t.already_loaded and loaded_everywhere(by_name[t.worker]),
+                )
                 for t in plan.targets
-            ],
-            "shrink": [WorkerRef.of(by_name[w]).to_json() for w in extras if w in by_name],
-        }
+            ),
+            tuple(WorkerRef.of(by_name[w]) for w in extras if w in by_name),
+        )
 
-    def plan_beside(self, workers: Sequence[Worker], keep: Sequence[str]) -> list[dict[str, Any]]:
+    def plan_beside(self, workers: Sequence[Worker], keep: Sequence[str]) -> tuple[LoadTarget, ...]:
         """Targets that load one more adapter next to what they hold (a new version beside the
         old one): each worker without a free slot evicts its least recently used victim, never
         one of ``keep``. Raises 409 ``no_capacity`` naming the worker that cannot make room."""
@@ -324,44 +307,43 @@ class Operations:
             )
             try:
                 evict = choose_evictions(slots, 1, protect=keep)
-            except NoCapacity as exc:
-                raise ApiError(
-                    409, "no_capacity", f"{exc}; the new version needs room beside the old"
-                ) from exc
-            targets.append(
-                {**WorkerRef.of(worker).to_json(), "evict": evict, "already_loaded": False}
-            )
-        return targets
+            except SlotsFull as exc:
+                raise NoCapacity(f"{exc}; the new version needs room beside the old") from exc
+            targets.append(LoadTarget(WorkerRef.of(worker), tuple(evict)))
+        return tuple(targets)
 
     @staticmethod
     def add_loading_rows(
-        session: Session, adapter: Adapter, plan: dict[str, Any], version: int | None = None
+        session: Session,
+        adapter: Adapter,
+        plan: LoadPlan | VersionPlan,
+        version: int | None = None,
     ) -> None:
-        for target in plan["targets"]:
-            if target.get("already_loaded"):
+        for target in plan.targets:
+            if target.already_loaded:
                 continue
-            for group in range(int(target["dp_size"])):
+            for group in range(target.worker.dp_size):
                 exists = session.scalar(
                     select(Placement).where(
                         Placement.adapter_id == adapter.id,
-                        Placement.worker_id == target["worker_id"],
+                        Placement.worker_id == target.worker.id,
                         Placement.dp_group == group,
-                        Placement.lora_name == plan["lora_name"],
+                        Placement.lora_name == plan.lora_name,
                     )
                 )
                 if exists is None:
                     session.add(
-                        Placement(
-                            adapter_id=adapter.id,
-                            worker_id=target["worker_id"],
-                            dp_group=group,
-                            lora_name=plan["lora_name"],
-                            version=version or adapter.version,
-                            state="loading",
+                        new_placement(
+                            adapter.id,
+                            target.worker.id,
+                            group,
+                            plan.lora_name,
+                            version or adapter.version,
+                            "loading",
                         )
                     )
                 else:
-                    exists.state = "loading"
+                    mark(exists, "loading")
 
     def check_pin_targets(
         self, session: Session, adapter: Adapter, workers: Sequence[Worker]
@@ -371,7 +353,7 @@ class Operations:
             try:
                 check_pin(worker_slots(worker, {}, 0), name)
             except PinLimitExceeded as exc:
-                raise conflict(str(exc), code="too_many_pinned", field="body.pinned") from exc
+                raise PinLimit(str(exc), field="body.pinned") from exc
 
     # -- running ---------------------------------------------------------------------------------
     async def run(self, op_id: str) -> Operation | None:
@@ -389,26 +371,18 @@ class Operations:
             assert op is not None
             op.state = "running"
             op.owner, op.heartbeat_at = self.owner, now()
-            kind, plan = op.kind, dict(op.plan)
+            kind, plan = op.kind, plan_from_json(op.kind, op.plan)
         started = time.perf_counter()
         try:
-            runner: Callable[
-                [str, dict[str, Any]], Awaitable[tuple[str, UpdateResult, list[dict[str, Any]]]]
-            ]
-            runner = {
-                "register": self._run_load,
-                "load": self._run_load,
-                "unload": self._run_unload,
-                "delete": self._run_unload,
-                "pin": self._run_pin,
-                "unpin": self._run_pin,
-                "update_version": self._run_update_version,
-            }[kind]
             per_target: list[dict[str, Any]]
-            if kind == "register" and not plan.get("targets"):
-                state, merged, per_target = "succeeded", UpdateResult(True), []
+            if isinstance(plan, LoadPlan):
+                state, merged, per_target = await self._run_load(plan)
+            elif isinstance(plan, UnloadPlan):
+                state, merged, per_target = await self._run_unload(plan)
+            elif isinstance(plan, PinPlan):
+                state, merged, per_target = await self._run_pin(plan)
             else:
-                state, merged, per_target = await runner(op_id, plan)
+                state, merged, per_target = await self._run_update_version(plan)
         except Exception:  # a bug or the database went away: settle it from what workers hold
             log.exception("operation %s failed unexpectedly; settling it", op_id)
             try:
@@ -465,10 +439,11 @@ class Operations:
                 else None
             )
             if adapter is not None and adapter.busy_operation_id == op_id:
-                adapter.busy_operation_id = None
-                adapter.phase = "Settled"
-                if kind in ("register", "load", "pin", "unpin", "update_version"):
-                    adapter.last_error = op.error
+                settle(
+                    adapter,
+                    error=op.error,
+                    keeps_error=kind in ("register", "load", "pin", "unpin", "update_version"),
+                )
             namespace, adapter_name = op.namespace, op.adapter_name
             pool_name = adapter.pool.name if adapter is not None else _pool_of(session, op)
         self.metrics.operations.labels(namespace, pool_name, kind, state).inc()
@@ -552,24 +527,22 @@ class Operations:
                     row = have.get(group)
                     if group in present:
                         if row is None:
-                            row = Placement(
-                                adapter_id=adapter_id,
-                                worker_id=target.id,
-                                dp_group=group,
-                                lora_name=name,
-                                version=0,
-                                state="inconsistent",
+                            row = new_placement(
+                                adapter_id, target.id, group, name, 0, "inconsistent"
                             )
                             session.add(row)
-                        row.state = "inconsistent"
-                        row.error = error if seen is not None else f"{error} (worker unreachable)"
-                        row.observed_at = now() if seen is not None else row.observed_at
+                        mark(
+                            row,
+                            "inconsistent",
+                            error=error if seen is not None else f"{error} (worker unreachable)",
+                            observed=seen is not None,
+                        )
                     elif row is not None:
                         session.delete(row)
         return leftover
 
     def _set_rows(
-        self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: str
+        self, adapter_id: int, name: str, targets: Sequence[WorkerRef], state: PlacementState
     ) -> None:
         with self.db.session() as session:
             rows = session.scalars(
@@ -587,26 +560,14 @@ class Operations:
                     row = have.get((target.id, group))
                     if row is None:
                         version = session.get(Adapter, adapter_id).version  # type: ignore[union-attr]
-                        row = Placement(
-                            adapter_id=adapter_id,
-                            worker_id=target.id,
-                            dp_group=group,
-                            lora_name=name,
-                            version=version,
-                            state=state,
-                        )
+                        row = new_placement(adapter_id, target.id, group, name, version, state)
                         session.add(row)
-                    row.state = state
-                    row.error = None
-                    row.observed_at = now()
+                    mark(row, state, error=None, observed=True)
 
-    def _set_state(self, adapter_id: int, name: str, state: str) -> None:
+    def _set_state(self, adapter_id: int, name: str, state: PlacementState) -> None:
         with self.db.session() as session:
-            session.execute(
-                update(Placement)
-                .where(Placement.adapter_id == adapter_id, Placement.lora_name == name)
-                .values(state=state)
-                .execution_options(synchronize_session=False)
+            mark_where(
+                session, state, Placement.adapter_id == adapter_id, Placement.lora_name == name
             )
 
     def _namespace_of(self, adapter_id: int) -> str | None:
@@ -627,11 +588,11 @@ class Operations:
     async def _evict(self, target: WorkerRef, names: Sequence[str]) -> UpdateResult:
         for victim in names:
             with self.db.session() as session:  # not routed there while it goes away
-                session.execute(
-                    update(Placement)
-                    .where(Placement.worker_id == target.id, Placement.lora_name == victim)
-                    .values(state="unloading")
-                    .execution_options(synchronize_session=False)
+                mark_where(
+                    session,
+                    "unloading",
+                    Placement.worker_id == target.id,
+                    Placement.lora_name == victim,
                 )
             result = await self.client.unload(target.name, target.endpoint, victim)
             with self.db.session() as session:
@@ -648,8 +609,7 @@ class Operations:
                     if result.success:
                         session.delete(row)
                     else:
-                        row.state = "inconsistent"
-                        row.error = result.error_message
+                        mark(row, "inconsistent", error=result.error_message)
             if not result.success:
                 return UpdateResult(
                     False,
@@ -666,15 +626,15 @@ class Operations:
         return UpdateResult(True)
 
     async def _load_everywhere(
-        self, op_label: str, adapter_id: int, plan: dict[str, Any], pinned: bool
+        self, op_label: str, plan: LoadPlan
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        """Load ``plan['lora_name']`` onto every target, all or nothing."""
-        name, path = plan["lora_name"], plan["path"]
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        """Load ``plan.lora_name`` onto every target, all or nothing."""
+        adapter_id, name, path, pinned = plan.adapter_id, plan.lora_name, plan.path, plan.pinned
+        targets = list(plan.workers)
         if not targets:
             return "succeeded", UpdateResult(True), []
-        evictions = {t["worker"]: list(t.get("evict") or []) for t in plan["targets"]}
-        already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
+        evictions = {t.worker.name: list(t.evict) for t in plan.targets}
+        already = plan.already_loaded
 
         async def load_one(target: WorkerRef) -> UpdateResult:
             if target.name in already:
@@ -720,17 +680,10 @@ class Operations:
         )
         return ("failed" if leftover else "rolled_back"), merged, per_target
 
-    async def _run_load(
-        self, op_id: str, plan: dict[str, Any]
-    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        adapter_id = plan["adapter_id"]
-        state, merged, per_target = await self._load_everywhere(
-            "load", adapter_id, plan, bool(plan["pinned"])
-        )
-        if merged.success and plan.get("shrink"):
-            await self._unload_extras(
-                adapter_id, plan["lora_name"], [WorkerRef.from_json(t) for t in plan["shrink"]]
-            )
+    async def _run_load(self, plan: LoadPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        state, merged, per_target = await self._load_everywhere("load", plan)
+        if merged.success and plan.shrink:
+            await self._unload_extras(plan.adapter_id, plan.lora_name, plan.shrink)
         return state, merged, per_target
 
     async def _unload_extras(self, adapter_id: int, name: str, extras: Sequence[WorkerRef]) -> None:
@@ -738,15 +691,12 @@ class Operations:
         routable). Rows go ``unloading`` first; a copy that would not go is left
         ``inconsistent`` for the reconciler, without failing the load."""
         with self.db.session() as session:
-            session.execute(
-                update(Placement)
-                .where(
-                    Placement.adapter_id == adapter_id,
-                    Placement.lora_name == name,
-                    Placement.worker_id.in_([t.id for t in extras]),
-                )
-                .values(state="unloading")
-                .execution_options(synchronize_session=False)
+            mark_where(
+                session,
+                "unloading",
+                Placement.adapter_id == adapter_id,
+                Placement.lora_name == name,
+                Placement.worker_id.in_([t.id for t in extras]),
             )
         results, _ = await self._fanout(
             "unload", extras, lambda t: self.client.unload(t.name, t.endpoint, name)
@@ -758,12 +708,10 @@ class Operations:
             error = merge_results([r for r in results if not r.success]).error_message
             await self._record_observed(adapter_id, name, stuck, error)
 
-    async def _run_unload(
-        self, op_id: str, plan: dict[str, Any]
-    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        adapter_id = plan["adapter_id"]
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
-        names = {t["worker"]: list(t["lora_names"]) for t in plan["targets"]}
+    async def _run_unload(self, plan: UnloadPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+        adapter_id = plan.adapter_id
+        targets = list(plan.workers)
+        names = {t.worker.name: list(t.lora_names) for t in plan.targets}
         if targets:
 
             async def unload_one(target: WorkerRef) -> UpdateResult:
@@ -795,7 +743,7 @@ class Operations:
                 namespace = adapter.namespace
                 adapter.inconsistent = leftover
                 adapter.last_error = merged.error_message if leftover else None
-                if plan.get("then") == "delete" and not leftover:
+                if plan.then == "delete" and not leftover:
                     session.delete(adapter)
         await self.bus.publish(
             "adapter.unloaded",
@@ -806,17 +754,10 @@ class Operations:
         )
         return ("succeeded" if merged.success else "failed"), merged, per_target
 
-    async def _run_pin(
-        self, op_id: str, plan: dict[str, Any]
-    ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
+    async def _run_pin(self, plan: PinPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         """Reload the adapter with the new ``pinned`` flag on every worker that holds it."""
-        adapter_id, name, path, pinned = (
-            plan["adapter_id"],
-            plan["lora_name"],
-            plan["path"],
-            bool(plan["pinned"]),
-        )
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        adapter_id, name, path, pinned = plan.adapter_id, plan.lora_name, plan.path, plan.pinned
+        targets = list(plan.targets)
 
         async def reload(target: WorkerRef) -> UpdateResult:
             unloaded = await self.client.unload(target.name, target.endpoint, name)
@@ -857,31 +798,31 @@ class Operations:
                 ).all()
                 present = set() if seen is None else set(seen.present_on(name))
                 for row in rows:
-                    row.state = (
+                    mark(
+                        row,
                         "loaded"
                         if row.dp_group in present
-                        else ("failed" if seen else "unreachable")
+                        else ("failed" if seen else "unreachable"),
+                        observed=True,
                     )
-                    row.observed_at = now()
 
     async def _run_update_version(
-        self, op_id: str, plan: dict[str, Any]
+        self, plan: VersionPlan
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         """Make before break: load the new version everywhere, switch, then unload the old one.
 
         The new version loads unpinned and takes the pin once the old one is gone: both pinned
         at once could pass the workers' K - 1 pin limit."""
-        adapter_id = plan["adapter_id"]
-        if not plan["targets"]:  # loaded nowhere: switching the record is the whole operation
-            await self._switch_version(adapter_id, plan)
+        if not plan.targets:  # loaded nowhere: switching the record is the whole operation
+            await self._switch_version(plan)
             return "succeeded", UpdateResult(True), []
-        state, merged, per_target = await self._load_everywhere("load", adapter_id, plan, False)
+        state, merged, per_target = await self._load_everywhere("load", plan.load)
         if not merged.success:
             return state, merged, per_target
-        await self._switch_version(adapter_id, plan)
-        if plan["pinned"]:
-            name, path = plan["lora_name"], plan["path"]
-            targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        await self._switch_version(plan)
+        if plan.pinned:
+            name, path = plan.lora_name, plan.path
+            targets = list(plan.load.workers)
             results, _ = await self._fanout(
                 "pin", targets, lambda t: self.client.load(t.name, t.endpoint, name, path, True)
             )
@@ -890,15 +831,15 @@ class Operations:
                 log.warning("pinning %s after its update failed: %s", name, pinned.error_message)
         return "succeeded", merged, per_target
 
-    async def _switch_version(self, adapter_id: int, plan: dict[str, Any]) -> None:
-        new = plan["new"]
+    async def _switch_version(self, plan: VersionPlan) -> None:
+        adapter_id = plan.adapter_id
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
             assert adapter is not None
-            for field_name, value in new.items():
+            for field_name, value in plan.new.to_json().items():
                 setattr(adapter, field_name, value)
-        old = plan["old_lora_name"]
-        holders = [WorkerRef.from_json(t) for t in plan["old_targets"]]
+        old = plan.old_lora_name
+        holders = list(plan.old_targets)
         self._set_state(adapter_id, old, "unloading")  # never reported loaded while it goes away
         if holders:
             results, _ = await self._fanout(
@@ -917,7 +858,10 @@ class Operations:
             ops = session.scalars(
                 select(Operation).where(self._abandoned()).order_by(Operation.created_at)
             ).all()
-            pending = [(op.id, op.kind, dict(op.plan), self._before_start(op)) for op in ops]
+            pending = [
+                (op.id, op.kind, plan_from_json(op.kind, op.plan), self._before_start(op))
+                for op in ops
+            ]
         settled = []
         for op_id, kind, plan, restarted in pending:
             if op_id in self.running or not self._claim(op_id):
@@ -938,31 +882,32 @@ class Operations:
             return False
         return (beat if beat.tzinfo else beat.replace(tzinfo=UTC)) < self.started_at
 
-    async def _settle(self, op_id: str, kind: str, plan: dict[str, Any], why: str) -> Operation:
+    async def _settle(self, op_id: str, kind: str, plan: Plan, why: str) -> Operation:
         """Finish ``op_id`` from what its workers hold now: a load present everywhere succeeds,
         anything less is rolled back; an unload is run again; a pin change keeps the old flag."""
         started = time.perf_counter()
-        if kind in ("unload", "delete"):
-            state, merged, per_target = await self._run_unload(op_id, plan)
-        elif kind == "register" and not plan.get("targets"):
+        if isinstance(plan, UnloadPlan):
+            state, merged, per_target = await self._run_unload(plan)
+        elif isinstance(plan, LoadPlan) and not plan.targets:
             state, merged, per_target = "succeeded", UpdateResult(True), []
-        elif kind in ("register", "load", "update_version"):
+        elif isinstance(plan, LoadPlan):
             state, merged, per_target = await self._settle_load(plan, why)
-            if kind == "update_version" and state == "succeeded":
-                await self._switch_version(plan["adapter_id"], plan)
+        elif isinstance(plan, VersionPlan):
+            state, merged, per_target = await self._settle_load(plan.load, why)
+            if state == "succeeded":
+                await self._switch_version(plan)
         else:  # pin / unpin: keep the old flag, let rows follow the workers, the reconciler restores
-            targets = [WorkerRef.from_json(t) for t in plan.get("targets", [])]
-            await self._observe_rows(plan["adapter_id"], plan["lora_name"], targets)
+            await self._observe_rows(plan.adapter_id, plan.lora_name, plan.targets)
             state, merged, per_target = "failed", UpdateResult(False, why), []
         return await self._finish(
             op_id, kind, state, merged, per_target, time.perf_counter() - started
         )
 
     async def _settle_load(
-        self, plan: dict[str, Any], why: str
+        self, plan: LoadPlan, why: str
     ) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
-        name, adapter_id = plan["lora_name"], plan["adapter_id"]
-        targets = [WorkerRef.from_json(t) for t in plan["targets"]]
+        name, adapter_id = plan.lora_name, plan.adapter_id
+        targets = list(plan.workers)
         observations = await asyncio.gather(*(self.observe(t) for t in targets))
         complete = all(
             seen is not None and len(seen.present_on(name)) == t.dp_size
@@ -979,8 +924,8 @@ class Operations:
         ]
         if complete:
             self._set_rows(adapter_id, name, targets, "loaded")
-            return "succeeded", UpdateResult(True, "", {name: plan["path"]}), per_target
-        already = {t["worker"] for t in plan["targets"] if t.get("already_loaded")}
+            return "succeeded", UpdateResult(True, "", {name: plan.path}), per_target
+        already = plan.already_loaded
         touched = [t for t in targets if t.name not in already]
         await self._fanout(
             "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)

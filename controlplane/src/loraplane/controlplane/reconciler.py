@@ -24,6 +24,7 @@ from sqlalchemy import select
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus, stop_tasks
+from loraplane.controlplane.lifecycle import mark, new_placement
 from loraplane.controlplane.metrics import (
     ADAPTER_PHASES,
     PLACEMENT_STATES,
@@ -31,9 +32,10 @@ from loraplane.controlplane.metrics import (
     Metrics,
 )
 from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
-from loraplane.controlplane.operations import WorkerRef
+from loraplane.controlplane.plans import WorkerRef
 from loraplane.controlplane.registry import lora_name
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+from loraplane.rules.pins import room_to_pin
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +221,7 @@ class Reconciler:
             row.last_error = error
             for placement in row.placements:
                 if placement.state == "loaded":
-                    placement.state = "unreachable"
+                    mark(placement, "unreachable")
         if changed:
             log.warning("worker %s unreachable: %s", worker.name, error)
             await self.bus.publish(
@@ -308,11 +310,10 @@ class Reconciler:
                 wanted.add(name)
                 if present >= set(range(worker.dp_size)):
                     for r in rows:
-                        r.state, r.observed_at, r.error = "loaded", now(), None
+                        mark(r, "loaded", error=None, observed=True)
                 else:
                     for r in rows:
-                        r.state = "loaded" if r.dp_group in present else "loading"
-                        r.observed_at = now()
+                        mark(r, "loaded" if r.dp_group in present else "loading", observed=True)
                     restore.append((name, adapter.path, adapter.pinned, adapter.id))
             # rows of unwanted names that the worker no longer holds are forgotten
             for name, rows in by_name.items():
@@ -350,7 +351,7 @@ class Reconciler:
                 name = lora_name(adapter.namespace, adapter.name, adapter.version)
                 if name in by_name or held >= pool.max_loaded_loras:
                     continue
-                if adapter.pinned and pinned_here + 1 > pool.max_loras_per_batch - 1:
+                if adapter.pinned and not room_to_pin(pinned_here, pool.max_loras_per_batch):
                     continue
                 if not any(p.lora_name == name for p in adapter.placements):
                     continue  # never loaded anywhere (or unloaded): an operation decides, not the reconciler
@@ -390,18 +391,11 @@ class Reconciler:
                 if row is None:
                     if not (create and ok):
                         continue
-                    row = Placement(
-                        adapter_id=adapter_id,
-                        worker_id=worker.id,
-                        dp_group=group,
-                        lora_name=name,
-                        version=adapter.version,
-                        state="loaded",
+                    row = new_placement(
+                        adapter_id, worker.id, group, name, adapter.version, "loaded"
                     )
                     session.add(row)
-                row.state = "loaded" if ok else "failed"
-                row.error = None if ok else error
-                row.observed_at = now()
+                mark(row, "loaded" if ok else "failed", error=None if ok else error, observed=True)
 
     def _after_stray(self, worker: WorkerRef, name: str) -> None:
         with self.db.session() as session:

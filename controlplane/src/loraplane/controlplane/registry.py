@@ -2,37 +2,26 @@
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplane.controlplane.errors import ApiError, not_found
+from loraplane.controlplane.errors import InvalidValue, not_found
 from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.slots import Resident, WorkerSlots
-
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+from loraplane.rules.names import DNS_LABEL_RULE, is_dns_label
+from loraplane.rules.names import lora_name as lora_name  # the routes import it here
 
 
 def check_label(value: str, field: str) -> str:
-    if not isinstance(value, str) or len(value) > 63 or not DNS_LABEL.match(value):
-        raise ApiError(
-            400,
-            "invalid_value",
-            f"{field}: {value!r} is not a DNS-1123 label (lowercase letters, digits and '-', "
-            "starting and ending with a letter or digit, at most 63 characters)",
+    if not is_dns_label(value):
+        raise InvalidValue(
+            f"{field}: {value!r} is not a DNS-1123 label ({DNS_LABEL_RULE})",
             field=field,
         )
     return value
-
-
-def lora_name(namespace: str, name: str, version: int) -> str:
-    """The name workers know an adapter version by: `sql`, `team-a.sql`, `sql_v2`. Unambiguous
-    because DNS-1123 labels have no `.` or `_`; the worker accepts `[A-Za-z0-9._-]`."""
-    base = name if namespace == "default" else f"{namespace}.{name}"
-    return base if version == 1 else f"{base}_v{version}"
 
 
 def iso(value: datetime | None) -> str | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from loraplane.rules.pins import RULE, max_pinned, room_to_pin
+
 
 @dataclass(frozen=True, slots=True)
 class Resident:
@@ -47,7 +49,7 @@ class WorkerSlots:
 
     @property
     def max_pinned(self) -> int:
-        return self.max_loras_per_batch - 1
+        return max_pinned(self.max_loras_per_batch)
 
     @property
     def pinned(self) -> tuple[str, ...]:
@@ -68,19 +70,23 @@ class PinLimitExceeded(Exception):
         self.pinned = tuple(pinned)
         super().__init__(
             f"worker {worker!r} already has {len(pinned)} pinned adapters ({', '.join(pinned) or '-'}); "
-            f"at most max_loras_per_batch - 1 = {limit} may be pinned so one slot stays free for "
+            f"{RULE} = {limit} may be pinned so one slot stays free for "
             "unpinned traffic"
         )
 
 
 class NoCapacity(Exception):
-    pass
+    """Not enough room. ``no_worker``: some worker was not ready, or none is registered."""
+
+    def __init__(self, message: str, *, no_worker: bool = False) -> None:
+        super().__init__(message)
+        self.no_worker = no_worker
 
 
 def check_pin(worker: WorkerSlots, adapter: str) -> None:
     """Raise PinLimitExceeded if pinning ``adapter`` on ``worker`` would exceed K - 1."""
     pinned = [a for a in worker.pinned if a != adapter]
-    if len(pinned) + 1 > worker.max_pinned:
+    if not room_to_pin(len(pinned), worker.max_loras_per_batch):
         raise PinLimitExceeded(worker.name, worker.max_pinned, pinned)
 
 
@@ -171,11 +177,15 @@ def plan_placement(
             "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items()))
             or "no workers registered"
         )
-        raise NoCapacity(f"no worker can take {adapter!r} ({reasons})")
+        raise NoCapacity(
+            f"no worker can take {adapter!r} ({reasons})",
+            no_worker=not skipped or "not ready" in skipped.values(),
+        )
     if count is not None and len(targets) < count:
         reasons = "; ".join(f"{name}: {why}" for name, why in sorted(skipped.items()))
         raise NoCapacity(
             f"placement count {count} needs {count} ready workers with room, found {len(targets)}"
-            + (f" ({reasons})" if reasons else "")
+            + (f" ({reasons})" if reasons else ""),
+            no_worker="not ready" in skipped.values(),
         )
     return Plan(tuple(targets), skipped)

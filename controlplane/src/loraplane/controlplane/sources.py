@@ -34,8 +34,9 @@ import httpx
 import numpy as np
 from pydantic import SecretStr
 
-from loraplane.controlplane.errors import ApiError, excerpt
+from loraplane.controlplane.errors import InvalidSource, excerpt
 from loraplane.controlplane.settings import SourcesSettings
+from loraplane.rules.peft import refused_peft_field
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -58,8 +59,8 @@ MAX_URI_CHARS = 4096
 CREDENTIALS_FIELD = "body.source.credentials"
 
 
-def source_error(message: str, code: str = "invalid_source", field: str = FIELD) -> ApiError:
-    return ApiError(400, code, f"{field}: {message}", field=field)
+def source_error(message: str, code: str = "invalid_source", field: str = FIELD) -> InvalidSource:
+    return InvalidSource(f"{field}: {message}", code=code, field=field)
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,30 +516,16 @@ def check_safetensors(
                 )
 
 
-# adapter_config.json fields that change the math and that the workers do not implement, with
-# the values that mean "not used" (the workers refuse the same: loraplane.worker.lora.adapter).
-_UNUSED_PEFT_VALUES: dict[str, tuple[object, ...]] = {
-    "use_dora": (None, False),
-    "modules_to_save": (None, []),
-    "fan_in_fan_out": (None, False),
-    "bias": (None, "none"),
-    "lora_bias": (None, False),
-    "layer_replication": (None, []),
-    "trainable_token_indices": (None, [], {}),
-    "alora_invocation_tokens": (None, []),
-    "use_qalora": (None, False),
-    "use_bdlora": (None, False, {}),
-}
-
-
 def _refuse_peft_fields(config: dict[str, Any]) -> None:
-    for name, unused in _UNUSED_PEFT_VALUES.items():
-        if config.get(name) not in unused:
-            raise source_error(
-                f"adapter_config.json {name} is {config[name]!r}: not supported (it changes "
-                f"the math and the workers do not implement it); only {unused[-1]!r} or absent",
-                code="preflight_failed",
-            )
+    """The fields the workers refuse too (``loraplane.rules.peft``), refused before any loads."""
+    refused = refused_peft_field(config)
+    if refused is not None:
+        name, value, instead = refused
+        raise source_error(
+            f"adapter_config.json {name} is {value!r}: not supported (it changes "
+            f"the math and the workers do not implement it); only {instead!r} or absent",
+            code="preflight_failed",
+        )
 
 
 def _rank_pattern(config: dict[str, Any], rank: int, max_rank: int) -> Callable[[str], int]:
@@ -648,10 +635,9 @@ def preflight(
     check_safetensors(weights, rank_of, max_bytes, ModelShapes.read(pool.model))
     digest = sha256_file(weights)
     if sha256 is not None and sha256.lower() != digest:
-        raise ApiError(
-            400,
-            "digest_mismatch",
+        raise InvalidSource(
             f"body.source.sha256: expected {sha256.lower()} but {WEIGHTS_FILE} has sha256 {digest}",
+            code="digest_mismatch",
             field="body.source.sha256",
         )
     return AdapterFacts(str(directory), digest, rank, float(alpha), tuple(modules), base or None)

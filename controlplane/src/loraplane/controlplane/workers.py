@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from loraplane.controlplane.merge import UpdateResult
+from loraplane.rules.merge import UpdateResult
 
 
 class WorkerUnreachable(Exception):

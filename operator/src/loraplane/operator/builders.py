@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplane.rules.names import is_dns_label
+
 Manifest = dict[str, Any]
 
 GROUP = "loraplane.io"
@@ -28,7 +30,6 @@ COMPILE_CACHE_PATH = "/var/cache/loraplane"
 # The worker image's user and group (docker/worker.Dockerfile): a claim's files are made
 # group-writable for it (pod securityContext.fsGroup).
 WORKER_GROUP = 10001
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # The StatefulSet controller labels each pod `controller-revision-hash: <sts>-<hash>`, the
 # hash up to 10 characters; a label value has at most 63, so the StatefulSet's (the pool's)
@@ -149,7 +150,7 @@ def check_volumes(
     names: set[str] = set()
     for i, volume in enumerate(volumes):
         name = volume.get("name")
-        if not isinstance(name, str) or not _DNS_LABEL.match(name) or len(name) > 63:
+        if not is_dns_label(name):
             raise ValueError(f"spec.volumes[{i}].name: {name!r} is not a DNS label (a-z, 0-9, -)")
         if name == COMPILE_CACHE_VOLUME:
             raise ValueError(

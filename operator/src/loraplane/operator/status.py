@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from loraplane.rules.pins import max_pinned
+
 Condition = dict[str, Any]
 
 PHASES = ("Pending", "Loading", "Ready", "Degraded", "Failed", "Unloading", "Unknown")
@@ -560,7 +562,7 @@ def excess_pinned(
         ),
         key=lambda a: (a["metadata"].get("creationTimestamp") or "", a["metadata"]["name"]),
     )
-    allowed = max(max_loras_per_batch - 1, 0)
+    allowed = max_pinned(max_loras_per_batch)
     keep = [a["metadata"]["name"] for a in pinned[:allowed]]
     return {
         a["metadata"]["name"]: (

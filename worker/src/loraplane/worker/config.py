@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from loraplane.rules import pins
+from loraplane.rules.pins import max_pinned
+
 Arch = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 _ARCH_BY_HF_NAME: dict[str, Arch] = {
@@ -369,10 +372,10 @@ class LoRARuntimeConfig:
             raise ConfigError(
                 f"stage_slots must be >= 0 (0 turns stacked shrinks off), got {self.stage_slots}"
             )
-        if len(self.pinned) > self.max_loras_per_batch - 1:
+        if len(self.pinned) > max_pinned(self.max_loras_per_batch):
             raise ConfigError(
-                f"{len(self.pinned)} pinned adapters but at most max_loras_per_batch - 1 = "
-                f"{self.max_loras_per_batch - 1} may be pinned, so one slot stays free for "
+                f"{len(self.pinned)} pinned adapters but {pins.RULE} = "
+                f"{max_pinned(self.max_loras_per_batch)} may be pinned, so one slot stays free for "
                 "unpinned traffic; pin fewer or raise --max-loras-per-batch"
             )
         unknown = set(self.target_modules) - set(LORA_MODULES)

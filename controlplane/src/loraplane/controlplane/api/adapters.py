@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any, Literal
 
-import sqlalchemy.exc
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from loraplane.controlplane import application
 from loraplane.controlplane.auth import Principal
 from loraplane.controlplane.deps import (
     Admin,
@@ -21,23 +21,18 @@ from loraplane.controlplane.deps import (
     ServicesDep,
     check_namespace,
 )
-from loraplane.controlplane.errors import conflict
 from loraplane.controlplane.models import Adapter, Operation, Pool
-from loraplane.controlplane.operations import WorkerRef, request_hash
+from loraplane.controlplane.operations import request_hash
 from loraplane.controlplane.registry import (
     adapter_json,
     adapter_phase,
     check_label,
     get_adapter,
-    get_pool,
-    lora_name,
     operation_json,
 )
 from loraplane.controlplane.sources import (
-    AdapterFacts,
     SourceCredentials,
     check_credentials,
-    pool_limits,
 )
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
@@ -148,13 +143,9 @@ def count_of(placement: Placement) -> int | None:
     return None if placement == "all" else placement.count  # type: ignore[union-attr]
 
 
-async def preflight(
-    services: Services, pool: Pool, source: SourceSpec, credentials: SourceCredentials | None
-) -> AdapterFacts:
-    limits = pool_limits(pool.model, pool.max_lora_rank, pool.target_modules)
-    return await asyncio.to_thread(
-        services.sources.resolve, source.uri, source.sha256, limits, credentials
-    )
+def source_of(source: SourceSpec) -> application.Source:
+    """The source of a request; 400 naming the key if its credentials do not fit the URI."""
+    return application.Source(source.uri, source.sha256, source.fetch_credentials())
 
 
 def respond(
@@ -180,44 +171,25 @@ def respond(
     return JSONResponse(body, status_code=status_ok)
 
 
-async def replay_or(
-    services: Services, key: str | None, hash_: str, status_ok: int
-) -> JSONResponse | None:
-    if key is None:
-        return None
-    with services.db.session() as session:
-        op = services.operations.existing(session, key, hash_)
-        if op is None:
-            return None
-        return respond(session, op, status_ok)
+async def answer(
+    services: Services, done: application.OperationDone, status_ok: int
+) -> JSONResponse:
+    """The response to a use case's result (read in a worker thread, off the event loop)."""
 
+    def read() -> JSONResponse:
+        with services.db.session() as session:
+            if done.operation_id is None:
+                adapter = get_adapter(session, done.namespace, done.name)
+                return JSONResponse({"adapter": adapter_json(adapter), "operation": None})
+            op = session.get(Operation, done.operation_id)
+            assert op is not None
+            return respond(session, op, status_ok)
 
-async def run_and_respond(services: Services, op_id: str, status_ok: int) -> JSONResponse:
-    # shielded: a client that goes away does not cancel an operation half way
-    await asyncio.shield(asyncio.ensure_future(services.operations.run(op_id)))
-    with services.db.session() as session:
-        op = session.get(Operation, op_id)
-        assert op is not None
-        return respond(session, op, status_ok)
+    return await asyncio.to_thread(read)
 
 
 def visible(principal: Principal, namespace: str) -> None:
     check_namespace(principal, namespace)
-
-
-def ensure_usable(adapter: Adapter, *, deleting: bool = False) -> None:
-    """Refuse a mutation of an adapter that is going away or in another operation; a delete may
-    be sent again (a failed delete is retried by deleting again)."""
-    if adapter.desired == "deleted" and not deleting:
-        raise conflict(
-            f"adapter {adapter.key} is being deleted; send DELETE again to retry a failed delete",
-            code="conflict",
-        )
-    if adapter.busy_operation_id:
-        raise conflict(
-            f"adapter {adapter.key} has operation {adapter.busy_operation_id} in progress; retry when it finishes",
-            code="operation_in_progress",
-        )
 
 
 @router.get("")
@@ -258,91 +230,21 @@ async def register_adapter(
     check_label(body.namespace, "body.namespace")
     check_label(body.name, "body.name")
     check_namespace(principal, body.namespace, "body.namespace")
-    credentials = body.source.fetch_credentials()
+    source = source_of(body.source)
     hash_ = request_hash("register", body.model_dump(mode="json", exclude=UNHASHED))
-    replay = await replay_or(services, key, hash_, 201)
-    if replay is not None:
-        return replay
-    with services.db.session() as session:
-        pool = get_pool(session, body.namespace, body.pool, field="body.pool")
-        existing = session.scalar(
-            select(Adapter).where(Adapter.namespace == body.namespace, Adapter.name == body.name)
-        )
-        if existing is not None:
-            why = (
-                " (it is inconsistent: an unload failed; the name is not reusable until that settles)"
-                if (existing.inconsistent)
-                else ""
-            )
-            raise conflict(
-                f"adapter {body.namespace}/{body.name} already exists{why}", field="body.name"
-            )
-        if body.pinned and pool.max_loras_per_batch < 2:
-            raise conflict(
-                f"pool {pool.name} has max_loras_per_batch={pool.max_loras_per_batch}; pinning needs at least 2 "
-                "(at most max_loras_per_batch - 1 pinned per worker)",
-                code="too_many_pinned",
-                field="body.pinned",
-            )
-        pool_id = pool.id
-        pool_snapshot = Pool(
-            model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules
-        )
-    facts = await preflight(services, pool_snapshot, body.source, credentials)
-    with services.db.session() as session:
-        adapter = Adapter(
-            namespace=body.namespace,
-            name=body.name,
-            pool_id=pool_id,
-            source_uri=body.source.uri,
-            source_sha256=body.source.sha256.lower() if body.source.sha256 else None,
-            path=facts.path,
-            digest=facts.digest,
-            rank=facts.rank,
-            alpha=facts.alpha,
-            target_modules=list(facts.target_modules),
-            base_model=facts.base_model,
-            pinned=body.pinned,
-            placement_count=count_of(body.placement),
-            priority=body.priority,
-            load_policy=body.load_policy,
-            version=1,
-            desired="loaded" if body.load else "unloaded",
-            phase="Pending",
-            inconsistent=False,
-            last_used_at=0.0,
-        )
-        session.add(adapter)
-        try:
-            session.flush()
-        except sqlalchemy.exc.IntegrityError as exc:  # a concurrent registration won the name
-            raise conflict(
-                f"adapter {body.namespace}/{body.name} already exists", field="body.name"
-            ) from exc
-        session.refresh(adapter)
-        plan: dict[str, Any] = {
-            "adapter_id": adapter.id,
-            "lora_name": lora_name(adapter.namespace, adapter.name, 1),
-            "path": adapter.path,
-            "pinned": adapter.pinned,
-            "targets": [],
-        }
-        ready = [w for w in adapter.pool.workers if w.state == "ready"]
-        if body.load and ready:
-            plan = services.operations.plan_load(session, adapter, adapter.placement_count)
-        op = services.operations.journal(
-            session,
-            key=key,
-            hash_=hash_,
-            kind="register",
-            adapter=adapter,
-            plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
-        )
-        services.operations.add_loading_rows(session, adapter, plan)
-        adapter.phase = "Loading"
-        op_id = op.id
-    return await run_and_respond(services, op_id, 201)
+    command = application.Register(
+        namespace=body.namespace,
+        name=body.name,
+        pool=body.pool,
+        source=source,
+        pinned=body.pinned,
+        placement_count=count_of(body.placement),
+        priority=body.priority,
+        load=body.load,
+        load_policy=body.load_policy,
+        idempotency=application.Idempotency(key, hash_),
+    )
+    return await answer(services, await application.register(services, command), 201)
 
 
 @router.post("/{namespace}/{name}/load")
@@ -357,52 +259,13 @@ async def load_adapter(
     visible(principal, namespace)
     body = body or LoadRequest()
     hash_ = request_hash("load", [namespace, name, body.model_dump(mode="json")])
-    replay = await replay_or(services, key, hash_, 200)
-    if replay is not None:
-        return replay
-    with services.db.session() as session:
-        adapter = get_adapter(session, namespace, name)
-        ensure_usable(adapter)
-        if adapter.inconsistent:
-            raise conflict(
-                f"adapter {adapter.key} is inconsistent (an unload failed on some worker); unload it again or "
-                "wait for the reconciler",
-                code="inconsistent",
-            )
-        count = adapter.placement_count if body.placement is None else count_of(body.placement)
-        plan = services.operations.plan_load(
-            session, adapter, count, shrink=body.placement is not None
-        )
-        op = services.operations.journal(
-            session,
-            key=key,
-            hash_=hash_,
-            kind="load",
-            adapter=adapter,
-            plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
-        )
-        adapter.placement_count = count
-        adapter.desired = "loaded"
-        adapter.last_error = None
-        adapter.phase = "Loading"
-        services.operations.add_loading_rows(session, adapter, plan)
-        op_id = op.id
-    return await run_and_respond(services, op_id, 200)
-
-
-def unload_plan(adapter: Adapter) -> dict[str, Any]:
-    targets: dict[int, dict[str, Any]] = {}
-    for placement in adapter.placements:
-        entry = targets.setdefault(
-            placement.worker_id, {**WorkerRef.of(placement.worker).to_json(), "lora_names": []}
-        )
-        if placement.lora_name not in entry["lora_names"]:
-            entry["lora_names"].append(placement.lora_name)
-    return {
-        "adapter_id": adapter.id,
-        "targets": sorted(targets.values(), key=lambda t: t["worker"]),
-    }
+    command = application.Load(
+        namespace,
+        name,
+        None if body.placement is None else (count_of(body.placement),),
+        application.Idempotency(key, hash_),
+    )
+    return await answer(services, await application.load(services, command), 200)
 
 
 async def _unload(
@@ -410,29 +273,10 @@ async def _unload(
 ) -> JSONResponse:
     visible(principal, namespace)
     hash_ = request_hash(kind, [namespace, name])
-    replay = await replay_or(services, key, hash_, 200)
-    if replay is not None:
-        return replay
-    with services.db.session() as session:
-        adapter = get_adapter(session, namespace, name)
-        ensure_usable(adapter, deleting=kind == "delete")
-        plan = unload_plan(adapter)
-        plan["then"] = "delete" if kind == "delete" else "keep"
-        op = services.operations.journal(
-            session,
-            key=key,
-            hash_=hash_,
-            kind=kind,
-            adapter=adapter,
-            plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
-        )
-        adapter.desired = "deleted" if kind == "delete" else "unloaded"
-        adapter.phase = "Unloading"
-        for placement in adapter.placements:
-            placement.state = "unloading"
-        op_id = op.id
-    return await run_and_respond(services, op_id, 200)
+    command = application.Unload(
+        namespace, name, kind == "delete", application.Idempotency(key, hash_)
+    )
+    return await answer(services, await application.unload(services, command), 200)
 
 
 @router.post("/{namespace}/{name}/unload")
@@ -460,50 +304,15 @@ async def patch_adapter(
 ) -> JSONResponse:
     visible(principal, namespace)
     hash_ = request_hash("patch", [namespace, name, body.model_dump(mode="json")])
-    replay = await replay_or(services, key, hash_, 200)
-    if replay is not None:
-        return replay
-    with services.db.session() as session:
-        adapter = get_adapter(session, namespace, name)
-        ensure_usable(adapter)
-        if body.priority is not None:
-            adapter.priority = body.priority
-        if body.load_policy is not None:
-            adapter.load_policy = body.load_policy
-        if body.pinned is None or body.pinned == adapter.pinned:
-            session.flush()
-            return JSONResponse({"adapter": adapter_json(adapter), "operation": None})
-        current = lora_name(adapter.namespace, adapter.name, adapter.version)
-        holders = {p.worker_id: p.worker for p in adapter.placements if p.lora_name == current}
-        if body.pinned:
-            if adapter.pool.max_loras_per_batch < 2:
-                raise conflict(
-                    f"pool {adapter.pool.name} has max_loras_per_batch={adapter.pool.max_loras_per_batch}; "
-                    "pinning needs at least 2",
-                    code="too_many_pinned",
-                    field="body.pinned",
-                )
-            services.operations.check_pin_targets(session, adapter, list(holders.values()))
-        plan: dict[str, Any] = {
-            "adapter_id": adapter.id,
-            "lora_name": current,
-            "path": adapter.path,
-            "pinned": body.pinned,
-            "targets": [
-                WorkerRef.of(w).to_json() for w in sorted(holders.values(), key=lambda w: w.name)
-            ],
-        }
-        op = services.operations.journal(
-            session,
-            key=key,
-            hash_=hash_,
-            kind="pin" if body.pinned else "unpin",
-            adapter=adapter,
-            plan=plan,
-            targets=[t["worker"] for t in plan["targets"]],
-        )
-        op_id = op.id
-    return await run_and_respond(services, op_id, 200)
+    command = application.SetPinned(
+        namespace,
+        name,
+        body.pinned,
+        body.priority,
+        body.load_policy,
+        application.Idempotency(key, hash_),
+    )
+    return await answer(services, await application.set_pinned(services, command), 200)
 
 
 @router.post("/{namespace}/{name}/version")
@@ -516,67 +325,11 @@ async def update_version(
     key: IdempotencyKey = None,
 ) -> JSONResponse:
     visible(principal, namespace)
-    credentials = body.source.fetch_credentials()
+    source = source_of(body.source)
     hash_ = request_hash(
         "update_version", [namespace, name, body.model_dump(mode="json", exclude=UNHASHED)]
     )
-    replay = await replay_or(services, key, hash_, 200)
-    if replay is not None:
-        return replay
-    with services.db.session() as session:
-        adapter = get_adapter(session, namespace, name)
-        ensure_usable(adapter)
-        pool = adapter.pool
-        pool_snapshot = Pool(
-            model=pool.model, max_lora_rank=pool.max_lora_rank, target_modules=pool.target_modules
-        )
-    facts = await preflight(services, pool_snapshot, body.source, credentials)
-    with services.db.session() as session:
-        adapter = get_adapter(session, namespace, name)
-        ensure_usable(adapter)
-        if adapter.inconsistent:
-            raise conflict(
-                f"adapter {adapter.key} is inconsistent; settle it first", code="inconsistent"
-            )
-        old = lora_name(adapter.namespace, adapter.name, adapter.version)
-        new_version = adapter.version + 1
-        new_name = lora_name(adapter.namespace, adapter.name, new_version)
-        holders = sorted(
-            {p.worker_id: p.worker for p in adapter.placements if p.lora_name == old}.values(),
-            key=lambda w: w.name,
-        )
-        targets = services.operations.plan_beside(
-            [w for w in holders if w.state == "ready"], keep=(old, new_name)
-        )
-        plan: dict[str, Any] = {
-            "adapter_id": adapter.id,
-            "lora_name": new_name,
-            "path": facts.path,
-            "pinned": adapter.pinned,
-            "targets": targets,
-            "old_lora_name": old,
-            "old_targets": [WorkerRef.of(w).to_json() for w in holders],
-            "new": {
-                "version": new_version,
-                "source_uri": body.source.uri,
-                "source_sha256": body.source.sha256.lower() if body.source.sha256 else None,
-                "path": facts.path,
-                "digest": facts.digest,
-                "rank": facts.rank,
-                "alpha": facts.alpha,
-                "target_modules": list(facts.target_modules),
-                "base_model": facts.base_model,
-            },
-        }
-        op = services.operations.journal(
-            session,
-            key=key,
-            hash_=hash_,
-            kind="update_version",
-            adapter=adapter,
-            plan=plan,
-            targets=[t["worker"] for t in targets],
-        )
-        services.operations.add_loading_rows(session, adapter, plan, version=new_version)
-        op_id = op.id
-    return await run_and_respond(services, op_id, 200)
+    command = application.UpdateVersion(
+        namespace, name, source, application.Idempotency(key, hash_)
+    )
+    return await answer(services, await application.update_version(services, command), 200)

@@ -23,11 +23,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sqlalchemy import select
 from starlette.types import Receive, Scope, Send
 
+from loraplane.controlplane import application
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal
 from loraplane.controlplane.deps import RouteCaller, Services, ServicesDep
 from loraplane.controlplane.errors import ApiError, bad_value
-from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
-from loraplane.controlplane.operations import WorkerRef, request_hash
+from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
+from loraplane.controlplane.operations import WorkerRef
 from loraplane.controlplane.registry import check_label, lora_name, routable_workers
 from loraplane.controlplane.routes import Candidate, Destination
 from loraplane.controlplane.upstream import lines as upstream_lines
@@ -63,69 +64,8 @@ def pick_namespace(principal: Principal, header: str | None) -> str:
 
 async def on_demand_load(services: Services, adapter_id: int) -> str:
     """Start (or join) an on-demand load onto one more worker; returns the operation's final state."""
-    # one on-demand load per adapter at a time; concurrent requests wait for the same one
-    task = services.on_demand.get(adapter_id)
-    if task is None or task.done():
-        task = asyncio.ensure_future(_load_one_more(services, adapter_id))
-        services.on_demand[adapter_id] = task
-    return await asyncio.shield(task)
-
-
-async def _load_one_more(services: Services, adapter_id: int) -> str:
-    while True:  # another operation holds the adapter: wait for it, then look again
-        with services.db.session() as session:
-            adapter = session.get(Adapter, adapter_id)
-            if adapter is None:
-                raise ApiError(404, "not_found", "adapter was deleted while loading")
-            if routable_workers(adapter):
-                return "succeeded"
-            if not adapter.busy_operation_id:
-                if adapter.inconsistent:
-                    raise ApiError(
-                        503,
-                        "inconsistent",
-                        f"adapter {adapter.key} is inconsistent until the reconciler settles it",
-                    )
-                try:
-                    plan = services.operations.plan_load(session, adapter, 1)
-                except ApiError as exc:
-                    services.metrics.on_demand_loads.labels(
-                        adapter.namespace, adapter.pool.name, "no_capacity"
-                    ).inc()
-                    code = (
-                        "no_worker"
-                        if "no workers" in exc.message or "not ready" in exc.message
-                        else "no_capacity"
-                    )
-                    raise ApiError(
-                        503, code, f"cannot load {adapter.key} on demand: {exc.message}"
-                    ) from exc
-                op = services.operations.journal(
-                    session,
-                    key=None,
-                    hash_=request_hash("on_demand", adapter_id),
-                    kind="load",
-                    adapter=adapter,
-                    plan=plan,
-                    targets=[t["worker"] for t in plan["targets"]],
-                )
-                adapter.desired = "loaded"
-                adapter.last_error = None
-                adapter.phase = "Loading"
-                services.operations.add_loading_rows(session, adapter, plan)
-                op_id = op.id
-                pool_name = adapter.pool.name
-                break
-        await asyncio.sleep(0.05)
-    await services.operations.run(op_id)
-    with services.db.session() as session:
-        settled = session.get(Operation, op_id)
-        assert settled is not None
-        op = settled
-        services.metrics.on_demand_loads.labels(op.namespace, pool_name, op.state).inc()
-        if op.state != "succeeded":
-            raise ApiError(503, "on_demand_failed", f"on-demand load failed: {op.error}")
-        return op.state
+    loaded = await application.ensure_loaded(services, application.EnsureLoaded(adapter_id))
+    return loaded.state
 
 
 def _lookup(services: Services, namespace: str, model: str) -> Destination:

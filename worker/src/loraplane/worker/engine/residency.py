@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from loraplane.rules import pins
+from loraplane.rules.pins import max_pinned, room_to_pin
+
 
 class ResidencyError(ValueError):
     """A residency limit would be broken; the message names the limit and the value."""
@@ -83,9 +86,9 @@ class Residency:
             )
         if pinned:
             others = [n for n in self.pinned_names if n != name]
-            if len(others) + 1 > self.num_slots - 1:
+            if not room_to_pin(len(others), self.num_slots):
                 raise ResidencyError(
-                    f"pinned: at most max_loras_per_batch - 1 = {self.num_slots - 1} adapters may be pinned "
+                    f"pinned: {pins.RULE} = {max_pinned(self.num_slots)} adapters may be pinned "
                     f"and {others} already are; unpin one, pin fewer or raise --max-loras-per-batch"
                 )
 

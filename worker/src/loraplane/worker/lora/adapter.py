@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from loraplane.rules.peft import refused_peft_field
 from loraplane.worker.config import ATTN_MODULES, LORA_MODULES, MLP_MODULES, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -388,33 +389,16 @@ def _module_path(where: _Where) -> str:
     return f"model.layers.{where[1]}.mlp.experts.{where[2]}.{where[3]}"
 
 
-# adapter_config.json fields that change the math, refused unless at their default: the field
-# and the values that mean "not used". (layers_to_transform / layers_pattern need nothing: the
-# adapter then has no weights for the other layers, and modules an adapter lacks add nothing.)
-REFUSED_PEFT_FIELDS: dict[str, tuple[object, ...]] = {
-    "use_dora": (None, False),
-    "modules_to_save": (None, []),
-    "fan_in_fan_out": (None, False),
-    "bias": (None, "none"),
-    "lora_bias": (None, False),
-    "layer_replication": (None, []),
-    "trainable_token_indices": (None, [], {}),
-    "alora_invocation_tokens": (None, []),
-    "use_qalora": (None, False),
-    "use_bdlora": (None, False, {}),
-}
-
-
 def refuse_peft_fields(raw: dict[str, Any], error: Callable[[str, str], Exception]) -> None:
-    """Raise ``error(field, reason)`` for the first field of ``REFUSED_PEFT_FIELDS`` in use."""
-    for field_name, unused in REFUSED_PEFT_FIELDS.items():
-        value = raw.get(field_name)
-        if value not in unused:
-            raise error(
-                field_name,
-                f"{value!r} is not supported (it changes the math and this worker does not "
-                f"implement it); only {unused[-1]!r} or absent",
-            )
+    """Raise ``error(field, reason)`` for the first refused field (``loraplane.rules.peft``)."""
+    refused = refused_peft_field(raw)
+    if refused is not None:
+        field_name, value, instead = refused
+        raise error(
+            field_name,
+            f"{value!r} is not supported (it changes the math and this worker does not "
+            f"implement it); only {instead!r} or absent",
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,9 +7,8 @@ refusal never quotes more than `QUOTE_CHARS` characters of what the client sent.
 from __future__ import annotations
 
 import hmac
-import json
 import os
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,17 +18,12 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplane.rules.body_limit import BodyLimit
 from loraplane.worker.config import ConfigError
 from loraplane.worker.server import protocol as p
 
 QUOTE_CHARS = 200
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def excerpt(value: str) -> str:
@@ -66,53 +60,8 @@ async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def _too_large_message(limit: int) -> str:
-    return f"body: the request body is larger than the limit of {limit} bytes (--max-request-bytes)"
-
-
-class BodyLimit:
-    """ASGI middleware: a request body above `max_bytes` is refused with 413 as it streams in
-    (a declared Content-Length before any of it is read), before the app parses it."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        limit = self.max_bytes
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > limit:
-            body = json.dumps(
-                error_body(413, _too_large_message(limit), "body", "invalid_request_error")
-            )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 413,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"connection", b"close"),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body.encode()})
-            return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:  # the app's handler for HTTPException answers it
-                    raise StarletteHTTPException(413, _too_large_message(limit))
-            return message
-
-        await self.app(scope, counted, send)
+def _too_large(message: str) -> dict[str, Any]:
+    return error_body(413, message, "body", "invalid_request_error")
 
 
 async def http_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -174,4 +123,6 @@ def install(app: FastAPI, *, max_body_bytes: int) -> None:
     """The 422 handler and the body limit (the outermost layer: nothing reads a body first)."""
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=max_body_bytes, setting="--max-request-bytes", refusal=_too_large
+    )

@@ -6,6 +6,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplane.rules.names import LORA_NAME_PATTERN
+
 
 class _Body(BaseModel):
     """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name) and
@@ -249,7 +251,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class LoadLoRAAdapterRequest(_Body):
-    lora_name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
+    lora_name: str = Field(min_length=1, max_length=200, pattern=LORA_NAME_PATTERN)
     lora_path: str = Field(min_length=1, max_length=4096)
     pinned: bool = False
 
