@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraplane.worker.engine.logprobs import TokenLogprob
 from loraplane.worker.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -24,6 +25,10 @@ class SeqEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # what the request asked for (`engine.logprobs`): each of `token_ids`' logprob, and, in
+    # the event of its prefill, its prompt tokens' from `prompt_logprobs_start` on
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(eq=False, slots=True)

@@ -34,14 +34,19 @@ log = logging.getLogger("loraplane.worker.engine_core")
 
 # Events cross the pipe as plain tuples: pickling a step's 64 SeqEvent dataclasses took
 # ~16x as long as their tuples, on the engine's thread.
+# (Log probabilities, when a request asks for them, go as `TokenLogprob`s: named tuples.)
 def _event_row(rid: int, e: SeqEvent) -> tuple[Any, ...]:
     return (rid, e.token_ids, e.finished, e.finish_reason, e.matched_stop,
-            e.prompt_tokens, e.completion_tokens, e.error)  # fmt: skip
+            e.prompt_tokens, e.completion_tokens, e.error, e.logprobs, e.prompt_logprobs)  # fmt: skip
 
 
 def event_from_row(row: tuple[Any, ...]) -> SeqEvent:
-    _rid, ids, finished, reason, matched, prompt_tokens, completion_tokens, error = row
-    return SeqEvent("", ids, finished, reason, matched, prompt_tokens, completion_tokens, error)
+    (_rid, ids, finished, reason, matched, prompt_tokens, completion_tokens, error,
+     logprobs, prompt_logprobs) = row  # fmt: skip
+    return SeqEvent(
+        "", ids, finished, reason, matched, prompt_tokens, completion_tokens, error,
+        logprobs, prompt_logprobs,
+    )  # fmt: skip
 
 
 class _Outbox:
