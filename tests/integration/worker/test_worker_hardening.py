@@ -140,6 +140,16 @@ def test_booleans_and_numbers_are_not_coerced(
     ]
 
 
+def test_a_body_of_many_bad_items_gets_a_bounded_answer(worker: WorkerProcess) -> None:
+    """Every bad item is a validation error; the 422 lists the first few and counts the rest."""
+    bad = [{"role": "user", "content": [{"type": "text", "text": 5}] * 4}] * 50
+    r = worker.client.post("/v1/chat/completions", json={"messages": bad})
+    error = error_of(r, 422)
+    assert error["param"] == "messages.0.content.str", error
+    assert "more" in error["message"] and len(r.content) < 2048, error
+    still_serving(worker)
+
+
 def test_errors_quote_at_most_a_short_prefix_of_the_input(worker: WorkerProcess) -> None:
     huge = "p" * (10 * 1024 * 1024)
     r = worker.client.post("/load_lora_adapter", json={"lora_name": "x", "lora_path": huge})
