@@ -11,6 +11,10 @@ from loraplane.worker.engine.sampling import SamplingParams
 
 _ids = itertools.count()
 
+# `SeqEvent.error_kind` of a request for an adapter the engine no longer holds (unloaded
+# after the front end routed it): the front end answers 404 naming the adapter.
+UNKNOWN_ADAPTER = "unknown_adapter"
+
 
 @dataclass(frozen=True, slots=True)
 class SeqEvent:
@@ -25,6 +29,7 @@ class SeqEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    error_kind: str | None = None  # UNKNOWN_ADAPTER, or None: the engine failed
     # what the request asked for (`engine.logprobs`): each of `token_ids`' logprob, and, in
     # the event of its prefill, its prompt tokens' from `prompt_logprobs_start` on
     logprobs: tuple[TokenLogprob, ...] = ()

@@ -20,7 +20,7 @@ from loraplane.worker.engine.engine import UnknownAdapterError
 from loraplane.worker.engine.logprobs import TokenLogprob
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
-from loraplane.worker.engine.sequence import SeqEvent
+from loraplane.worker.engine.sequence import UNKNOWN_ADAPTER, SeqEvent
 from loraplane.worker.engine.tokenizer import TextTokenizer, TokenizerError
 from loraplane.worker.server import guards
 from loraplane.worker.server import protocol as p
@@ -80,6 +80,22 @@ class Collected:
     last: SeqEvent
     logprobs: list[TokenLogprob]
     prompt_logprobs: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """A request in the engine: its handle, its events' queue and the first of them."""
+
+    seq: object
+    queue: asyncio.Queue[SeqEvent]
+    first: SeqEvent
+
+
+def _failed(event: SeqEvent) -> ApiError:
+    """The answer to a request the engine ended with an error."""
+    if event.error_kind == UNKNOWN_ADAPTER:  # (unloaded after the front end routed it)
+        return ApiError(404, event.error or "unknown adapter", "model", "not_found")
+    return ApiError(500, event.error or "engine error", None, "server_error")
 
 
 class WorkerServer:
@@ -250,9 +266,11 @@ class WorkerServer:
             )
         return prompt
 
-    def start(
+    async def start(
         self, prompt: list[int], params: SamplingParams, adapter: str | None, rid: str
-    ) -> tuple[object, asyncio.Queue[SeqEvent]]:
+    ) -> Submitted:
+        """Submit a request and wait for its first event, so that a refusal (an adapter
+        unloaded after it was routed) answers as an HTTP error, streamed or not."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -265,28 +283,37 @@ class WorkerServer:
             seq = self.engine.submit(rid, prompt, params, adapter, sink)
         except UnknownAdapterError as exc:
             raise ApiError(404, str(exc), "model", "not_found") from exc
-        return seq, queue
-
-    async def events(self, seq: object, queue: asyncio.Queue[SeqEvent]) -> AsyncIterator[SeqEvent]:
-        finished = False
         try:
-            while not finished:
-                event = await queue.get()
+            first = await queue.get()
+        except BaseException:  # (the client went away)
+            self.engine.abort(seq)
+            raise
+        if first.error:
+            raise _failed(first)
+        return Submitted(seq, queue, first)
+
+    async def events(self, req: Submitted) -> AsyncIterator[SeqEvent]:
+        event, finished = req.first, False
+        try:
+            while True:
                 if event.error:
-                    raise ApiError(500, event.error, None, "server_error")
+                    raise _failed(event)
                 finished = event.finished
                 yield event
+                if finished:
+                    break
+                event = await req.queue.get()
         finally:
             if not finished:
-                self.engine.abort(seq)
+                self.engine.abort(req.seq)
 
-    async def collect(self, seq: object, queue: asyncio.Queue[SeqEvent]) -> Collected:
+    async def collect(self, req: Submitted) -> Collected:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         prompt_logprobs: tuple[TokenLogprob, ...] = ()
         last: SeqEvent | None = None
-        async for event in self.events(seq, queue):
+        async for event in self.events(req):
             text.append(event.text_delta)
             ids.extend(event.token_ids)
             logprobs.extend(event.logprobs)
@@ -409,7 +436,7 @@ def create_app(server: WorkerServer) -> FastAPI:
             prompt_logprobs_start=start,
         )
         rid = body.rid or uuid.uuid4().hex
-        seq, queue = server.start(prompt, params, adapter, rid)
+        req = await server.start(prompt, params, adapter, rid)
         text_of = server.logprob_text
         with_text = body.return_text_in_logprobs
 
@@ -444,7 +471,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 text, ids = "", cast(list[int], [])
                 logprobs: list[TokenLogprob] = []
                 prompt_logprobs: tuple[TokenLogprob, ...] = ()
-                async for event in server.events(seq, queue):
+                async for event in server.events(req):
                     text += event.text_delta
                     ids.extend(event.token_ids)
                     logprobs.extend(event.logprobs)
@@ -454,7 +481,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        got = await server.collect(seq, queue)
+        got = await server.collect(req)
         info = meta(got.last, got.ids, got.logprobs, got.prompt_logprobs)
         return {"text": got.text, "output_ids": got.ids, "meta_info": info}
 
@@ -482,7 +509,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
-        seq, queue = server.start(prompt, params, adapter, rid)
+        req = await server.start(prompt, params, adapter, rid)
         created = int(time.time())
         echoed = ""
         if body.echo:
@@ -511,7 +538,7 @@ def create_app(server: WorkerServer) -> FastAPI:
 
             async def gen() -> AsyncIterator[str]:
                 offset, first = 0, True
-                async for event in server.events(seq, queue):
+                async for event in server.events(req):
                     text, echo_entries = event.text_delta, None
                     if first and body.echo:
                         text, echo_entries = echoed + text, event.prompt_logprobs or ()
@@ -544,7 +571,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        got = await server.collect(seq, queue)
+        got = await server.collect(req)
         echo_entries = got.prompt_logprobs if body.echo else None
         return p.CompletionResponse(
             id=rid,
@@ -596,7 +623,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         params = server.sampling(body, max_tokens, "max_tokens", logprobs=want)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
-        seq, queue = server.start(prompt, params, adapter, rid)
+        req = await server.start(prompt, params, adapter, rid)
         created = int(time.time())
 
         def logprobs_of(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> Any:
@@ -625,7 +652,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                         ],
                     }
                 )
-                async for event in server.events(seq, queue):
+                async for event in server.events(req):
                     with_logprobs = want is not None and bool(event.logprobs)
                     if event.text_delta or event.finished or with_logprobs:
                         chunk: dict[str, Any] = {
@@ -651,7 +678,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        got = await server.collect(seq, queue)
+        got = await server.collect(req)
         return p.ChatCompletionResponse(
             id=rid,
             created=created,

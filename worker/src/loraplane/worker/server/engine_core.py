@@ -25,7 +25,7 @@ from typing import Any
 from loraplane.worker.config import ConfigError
 from loraplane.worker.engine.engine import AdapterRoutes, Engine, UnknownAdapterError
 from loraplane.worker.engine.sampling import SamplingParams
-from loraplane.worker.engine.sequence import SeqEvent, Sequence
+from loraplane.worker.engine.sequence import UNKNOWN_ADAPTER, SeqEvent, Sequence
 from loraplane.worker.server.factory import ServeConfig, build_engine
 from loraplane.worker.server.faults import FaultInjector
 
@@ -37,15 +37,16 @@ log = logging.getLogger("loraplane.worker.engine_core")
 # (Log probabilities, when a request asks for them, go as `TokenLogprob`s: named tuples.)
 def _event_row(rid: int, e: SeqEvent) -> tuple[Any, ...]:
     return (rid, e.token_ids, e.finished, e.finish_reason, e.matched_stop,
-            e.prompt_tokens, e.completion_tokens, e.error, e.logprobs, e.prompt_logprobs)  # fmt: skip
+            e.prompt_tokens, e.completion_tokens, e.error, e.error_kind, e.logprobs,
+            e.prompt_logprobs)  # fmt: skip
 
 
 def event_from_row(row: tuple[Any, ...]) -> SeqEvent:
-    (_rid, ids, finished, reason, matched, prompt_tokens, completion_tokens, error,
+    (_rid, ids, finished, reason, matched, prompt_tokens, completion_tokens, error, error_kind,
      logprobs, prompt_logprobs) = row  # fmt: skip
     return SeqEvent(
         "", ids, finished, reason, matched, prompt_tokens, completion_tokens, error,
-        logprobs, prompt_logprobs,
+        error_kind, logprobs, prompt_logprobs,
     )  # fmt: skip
 
 
@@ -216,7 +217,8 @@ class _CoreServer:
         try:
             seq = self.engine.submit(request_id, prompt_ids, params, adapter, sink)
         except UnknownAdapterError as exc:  # unloaded since the front end resolved it
-            self.outbox.event(rid, SeqEvent("", (), True, "abort", error=str(exc)))
+            ended = SeqEvent("", (), True, "abort", error=str(exc), error_kind=UNKNOWN_ADAPTER)
+            self.outbox.event(rid, ended)
             self.outbox.flush()
             return
         self.live[rid] = seq
