@@ -91,6 +91,16 @@ def greedy_ids(
     return list(r.json()["output_ids"])
 
 
+def generated_tokens(worker: WorkerProcess, adapter: str) -> float:
+    """The worker's ``loraplane_worker_generated_tokens_total`` for ``adapter``."""
+    for line in worker.client.get("/metrics").text.splitlines():
+        if line.startswith("loraplane_worker_generated_tokens_total{") and (
+            f'adapter="{adapter}"' in line
+        ):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def check_top(
     top: list[tuple[int, float]], ref_row: torch.Tensor, count: int, sampled: int | None
 ) -> None:
@@ -141,9 +151,11 @@ def test_echo_with_no_tokens_scores_the_prompt(
 ) -> None:
     """What evaluation harnesses (lm-eval's loglikelihood) send: token ids, echo, max_tokens 0."""
     prompt_ids = tok.encode("Paris is the capital of France")
+    generated = generated_tokens(worker, "scored")
     done = client(worker).completions.create(
         model="scored", prompt=prompt_ids, max_tokens=0, echo=True, logprobs=1, temperature=0
     )
+    assert generated_tokens(worker, "scored") == generated  # scored, nothing generated
     choice = done.choices[0]
     lp = choice.logprobs
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None

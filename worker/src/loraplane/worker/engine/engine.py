@@ -735,7 +735,8 @@ class Engine:
                         tuple(seq.output_ids[before:]),
                         *_logprobs_at(result.logprobs, result.prompt_logprobs, i),
                     )
-                    self.observer.tokens_generated(seq.adapter_name, 1)
+                    if seq.params.max_new_tokens:  # (not a prompt scored only)
+                        self.observer.tokens_generated(seq.adapter_name, 1)
 
     def _step_overlapped(self) -> None:
         """One step of ADR 0014: launch step N+1, then read step N's tokens.
@@ -809,7 +810,8 @@ class Engine:
                     self._finish(seq, "abort")
                 else:
                     self._append(seq, token)
-                    self.observer.tokens_generated(seq.adapter_name, 1)
+                    if seq.params.max_new_tokens:  # (not a prompt scored only)
+                        self.observer.tokens_generated(seq.adapter_name, 1)
                 if seq.finish_reason is not None:
                     if id(seq) in running_on:
                         self._parked.append(seq)

@@ -82,17 +82,9 @@ class Collected:
     prompt_logprobs: tuple[TokenLogprob, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    """A request in the engine: its handle, its events' queue and the first of them."""
-
-    seq: object
-    queue: asyncio.Queue[SeqEvent]
-    first: SeqEvent
-
-
 def _failed(event: SeqEvent) -> ApiError:
-    """The answer to a request the engine ended with an error."""
+    """The answer to a request the engine ended with an error (before a streamed answer
+    starts; after, the stream breaks off)."""
     if event.error_kind == UNKNOWN_ADAPTER:  # (unloaded after the front end routed it)
         return ApiError(404, event.error or "unknown adapter", "model", "not_found")
     return ApiError(500, event.error or "engine error", None, "server_error")
@@ -266,11 +258,9 @@ class WorkerServer:
             )
         return prompt
 
-    async def start(
+    def start(
         self, prompt: list[int], params: SamplingParams, adapter: str | None, rid: str
-    ) -> Submitted:
-        """Submit a request and wait for its first event, so that a refusal (an adapter
-        unloaded after it was routed) answers as an HTTP error, streamed or not."""
+    ) -> tuple[object, asyncio.Queue[SeqEvent]]:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
 
@@ -283,37 +273,28 @@ class WorkerServer:
             seq = self.engine.submit(rid, prompt, params, adapter, sink)
         except UnknownAdapterError as exc:
             raise ApiError(404, str(exc), "model", "not_found") from exc
-        try:
-            first = await queue.get()
-        except BaseException:  # (the client went away)
-            self.engine.abort(seq)
-            raise
-        if first.error:
-            raise _failed(first)
-        return Submitted(seq, queue, first)
+        return seq, queue
 
-    async def events(self, req: Submitted) -> AsyncIterator[SeqEvent]:
-        event, finished = req.first, False
+    async def events(self, seq: object, queue: asyncio.Queue[SeqEvent]) -> AsyncIterator[SeqEvent]:
+        finished = False
         try:
-            while True:
+            while not finished:
+                event = await queue.get()
                 if event.error:
                     raise _failed(event)
                 finished = event.finished
                 yield event
-                if finished:
-                    break
-                event = await req.queue.get()
         finally:
             if not finished:
-                self.engine.abort(req.seq)
+                self.engine.abort(seq)
 
-    async def collect(self, req: Submitted) -> Collected:
+    async def collect(self, seq: object, queue: asyncio.Queue[SeqEvent]) -> Collected:
         text: list[str] = []
         ids: list[int] = []
         logprobs: list[TokenLogprob] = []
         prompt_logprobs: tuple[TokenLogprob, ...] = ()
         last: SeqEvent | None = None
-        async for event in self.events(req):
+        async for event in self.events(seq, queue):
             text.append(event.text_delta)
             ids.extend(event.token_ids)
             logprobs.extend(event.logprobs)
@@ -436,7 +417,7 @@ def create_app(server: WorkerServer) -> FastAPI:
             prompt_logprobs_start=start,
         )
         rid = body.rid or uuid.uuid4().hex
-        req = await server.start(prompt, params, adapter, rid)
+        seq, queue = server.start(prompt, params, adapter, rid)
         text_of = server.logprob_text
         with_text = body.return_text_in_logprobs
 
@@ -471,7 +452,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 text, ids = "", cast(list[int], [])
                 logprobs: list[TokenLogprob] = []
                 prompt_logprobs: tuple[TokenLogprob, ...] = ()
-                async for event in server.events(req):
+                async for event in server.events(seq, queue):
                     text += event.text_delta
                     ids.extend(event.token_ids)
                     logprobs.extend(event.logprobs)
@@ -481,7 +462,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        got = await server.collect(req)
+        got = await server.collect(seq, queue)
         info = meta(got.last, got.ids, got.logprobs, got.prompt_logprobs)
         return {"text": got.text, "output_ids": got.ids, "meta_info": info}
 
@@ -509,7 +490,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
-        req = await server.start(prompt, params, adapter, rid)
+        seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
         echoed = ""
         if body.echo:
@@ -538,7 +519,7 @@ def create_app(server: WorkerServer) -> FastAPI:
 
             async def gen() -> AsyncIterator[str]:
                 offset, first = 0, True
-                async for event in server.events(req):
+                async for event in server.events(seq, queue):
                     text, echo_entries = event.text_delta, None
                     if first and body.echo:
                         text, echo_entries = echoed + text, event.prompt_logprobs or ()
@@ -571,7 +552,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        got = await server.collect(req)
+        got = await server.collect(seq, queue)
         echo_entries = got.prompt_logprobs if body.echo else None
         return p.CompletionResponse(
             id=rid,
@@ -623,7 +604,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         params = server.sampling(body, max_tokens, "max_tokens", logprobs=want)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
-        req = await server.start(prompt, params, adapter, rid)
+        seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
 
         def logprobs_of(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> Any:
@@ -652,7 +633,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                         ],
                     }
                 )
-                async for event in server.events(req):
+                async for event in server.events(seq, queue):
                     with_logprobs = want is not None and bool(event.logprobs)
                     if event.text_delta or event.finished or with_logprobs:
                         chunk: dict[str, Any] = {
@@ -678,7 +659,7 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        got = await server.collect(req)
+        got = await server.collect(seq, queue)
         return p.ChatCompletionResponse(
             id=rid,
             created=created,

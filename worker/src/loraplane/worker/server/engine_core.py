@@ -240,7 +240,13 @@ class _CoreServer:
             if method == "load":
                 self.engine.load_adapter(*args).add_done_callback(done)
             elif method == "unload":
-                self.engine.unload_adapter(*args).add_done_callback(done)
+                # (its answer brings the routes as they are then: the front end refuses the
+                # adapter's requests until it has them)
+                def unloaded(future: Future[Any]) -> None:
+                    self.outbox.routes(self.engine.routes())
+                    done(future)
+
+                self.engine.unload_adapter(*args).add_done_callback(unloaded)
             elif method == "lora_state":
                 reply(True, self.engine.lora_state())
             elif method == "arm_fault" and self.faults is not None:
