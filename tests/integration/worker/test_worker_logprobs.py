@@ -24,14 +24,18 @@ def adapter_dir(make_adapter_dir: Callable[..., Path]) -> Path:
     return make_adapter_dir("scored", seed=3)
 
 
-@pytest.fixture(scope="module", params=["in-turn", "overlap"])
+@pytest.fixture(scope="module", params=["in-turn", "overlap", "in-thread"])
 def worker(
     request: pytest.FixtureRequest,
     tiny_model: Path,
     adapter_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
-    extra = ["--overlap"] if request.param == "overlap" else []
+    # steps taken in turn or overlapped (ADR 0014); the engine in its core process or on a
+    # thread of the front end's (ADR 0012)
+    extra = {"in-turn": [], "overlap": ["--overlap"], "in-thread": ["--no-engine-process"]}[
+        request.param
+    ]
     process = start_worker(
         tiny_model,
         tmp_path_factory.mktemp("logprobs"),
