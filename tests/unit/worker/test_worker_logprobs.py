@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from loraplane.worker.engine.executor import SeqWork, build_batch, step_result
-from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS, reference_logprobs
+from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, reference_logprobs
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
+from loraplane.worker.engine.sequence import SeqEvent
 
 pytestmark = pytest.mark.unit
 
@@ -91,3 +92,19 @@ def test_rows_that_ask_for_nothing_get_nothing() -> None:
 def test_bad_logprob_parameters_name_the_field(kwargs: dict[str, int], field: str) -> None:
     with pytest.raises(SamplingError, match=field):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_events_joined_keep_every_tokens_logprob_and_the_prompts() -> None:
+    """Events queued behind a slow stream are joined into one: nothing of theirs is lost."""
+    prompt = (TokenLogprob(7, -1.5, ()),)
+    first = SeqEvent(
+        "a", (1,), logprobs=(TokenLogprob(1, -0.5, ((1, -0.5),)),), prompt_logprobs=prompt
+    )
+    second = SeqEvent(
+        "b", (2,), True, "length", logprobs=(TokenLogprob(2, -0.25, ()),), completion_tokens=2
+    )
+    joined = first.merged(second)
+    assert joined.text_delta == "ab" and joined.token_ids == (1, 2)
+    assert [e.token for e in joined.logprobs] == [1, 2]
+    assert joined.prompt_logprobs == prompt
+    assert joined.finished and joined.finish_reason == "length" and joined.completion_tokens == 2

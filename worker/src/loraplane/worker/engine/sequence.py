@@ -35,6 +35,24 @@ class SeqEvent:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
+    def merged(self, later: SeqEvent) -> SeqEvent:
+        """This event followed by ``later`` as one: their text, tokens and tokens' logprobs
+        in order, the prompt's logprobs of whichever has them, the later one's end and
+        counts (an error ends the request: the later error wins)."""
+        if later.error is not None or self.error is not None:
+            return later if later.error is not None else self
+        return SeqEvent(
+            self.text_delta + later.text_delta,
+            self.token_ids + later.token_ids,
+            later.finished,
+            later.finish_reason,
+            later.matched_stop,
+            later.prompt_tokens,
+            later.completion_tokens,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
+
 
 @dataclass(eq=False, slots=True)
 class Sequence:
