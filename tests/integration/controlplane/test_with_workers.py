@@ -299,6 +299,40 @@ def test_router_proxies_streams_and_counts(
     )
 
 
+def test_router_passes_log_probabilities_through(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """lm-eval's loglikelihood request (token ids, echo, logprobs, max_tokens 0) and chat
+    logprobs, routed: the worker's answer, equal to PEFT's log_softmax on the same files
+    (on every rank layout: the logprobs come from each DP group's leader, with its ids)."""
+    from loraplane.worker.check.reference import load_peft, sequence_logprobs
+    from loraplane.worker.engine.tokenizer import TextTokenizer
+
+    join(cp, tiny, workers)
+    assert register(cp, tiny, "a1").status_code == 201
+    ids = TextTokenizer(str(tiny[0])).encode("Paris is the capital of France")
+    body = {"model": "tiny:a1", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}
+    routed = cp.post("/v1/completions", json=body, headers=ADMIN)
+    assert routed.status_code == 200, routed.text
+    scored = routed.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(scored) == len(ids) and scored[0] is None
+    ref = sequence_logprobs(load_peft(tiny[0], tiny[1] / "a1", "float32", "cpu"), ids, "cpu")
+    want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert scored[1:] == pytest.approx(want, abs=1e-3)
+    chat = cp.post(
+        "/v1/chat/completions",
+        json={"model": "tiny:a1", "max_tokens": 3, "temperature": 0, "logprobs": True,
+              "top_logprobs": 2, "messages": [{"role": "user", "content": "hi"}]},
+        headers=ADMIN,
+    )  # fmt: skip
+    assert chat.status_code == 200, chat.text
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat.json()["usage"]["completion_tokens"]
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
+    bad = cp.post("/v1/completions", json={**body, "logprobs": 21}, headers=ADMIN)
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "logprobs", bad.text
+
+
 def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event(
     cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

@@ -168,3 +168,19 @@ def test_serve_config_chunked_prefill_reaches_the_engine(model: Model) -> None:
         engine.stop()
     with pytest.raises(ConfigError, match="--chunked-prefill-size must be >= 0"):
         replace(config, chunked_prefill_size=-1)
+
+
+def test_a_prompt_scored_for_its_logprobs_is_fed_whole(model: Model) -> None:
+    """Prompt log probabilities come from one prefill's logits, so a request asking for
+    them is fed its prompt in one piece whatever the budget: the same values as without
+    chunking."""
+    scored = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    got = []
+    for chunk in (0, 4):
+        request = Request(LONG, "a8", scored)
+        engine = serve(model, [request], chunk=chunk)
+        prompt = [lp for e in request.events for lp in e.prompt_logprobs or ()]
+        assert len(prompt) == len(LONG) - 1  # (the first token has none)
+        got.append((request.tokens, [(lp.token, round(lp.logprob, 5)) for lp in prompt]))
+        assert [take for plan in engine.plans for _, take in plan if take] == [len(LONG)]
+    assert got[0] == got[1]

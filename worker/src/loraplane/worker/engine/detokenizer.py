@@ -100,7 +100,7 @@ class TextStream:
         delta = self.text[self.emitted : end]
         self.emitted = end
         self.finished = finished
-        if not (delta or core.token_ids or finished):
+        if not (delta or core.token_ids or finished or core.prompt_logprobs):
             return None
         return SeqEvent(
             delta,
@@ -110,4 +110,6 @@ class TextStream:
             matched,
             prompt_tokens=core.prompt_tokens,
             completion_tokens=core.completion_tokens,
+            logprobs=core.logprobs,
+            prompt_logprobs=core.prompt_logprobs,
         )

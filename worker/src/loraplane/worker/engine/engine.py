@@ -30,8 +30,10 @@ from loraplane.worker.engine.executor import (
     ExecutorFailed,
     LocalExecutor,
     PendingStep,
+    PromptLogprobs,
     SeqWork,
 )
+from loraplane.worker.engine.logprobs import TokenLogprob
 from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
 from loraplane.worker.engine.residency import Residency, ResidencyError
 from loraplane.worker.engine.sampling import SamplingParams
@@ -630,7 +632,15 @@ class Engine:
         if seq.adapter_key is not None and self.residency.unhold(seq.adapter_key):
             self._remove(seq.adapter_key)
 
-    def _emit(self, seq: Sequence, new_tokens: tuple[int, ...]) -> None:
+    def _emit(
+        self,
+        seq: Sequence,
+        new_tokens: tuple[int, ...],
+        logprob: TokenLogprob | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
+        """Send ``seq``'s new tokens (with the logprob of the step's token, when it asked and
+        the token is one of them) and its end, if any."""
         finished = seq.finish_reason is not None
         if new_tokens or finished:
             seq.sink(
@@ -642,6 +652,8 @@ class Engine:
                     seq.matched_stop,
                     prompt_tokens=len(seq.prompt_ids),
                     completion_tokens=seq.generated,
+                    logprobs=(logprob,) if new_tokens and logprob is not None else (),
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
 
@@ -652,7 +664,8 @@ class Engine:
         now, and how many requests wait."""
         with self._lock:
             for seq in self._incoming:
-                if seq.params.max_new_tokens == 0:
+                # (no token to generate: it ends now, unless its prompt is to be scored)
+                if seq.params.max_new_tokens == 0 and seq.params.prompt_logprobs is None:
                     self._finish(seq, "length")
                     self._release(seq)
                     self._emit(seq, ())
@@ -718,7 +731,8 @@ class Engine:
         self.steps += 1
         with self._lock:
             for group, seqs in enumerate(order):
-                for i, (seq, token) in enumerate(zip(seqs, results[group].tokens, strict=True)):
+                result = results[group]
+                for i, (seq, token) in enumerate(zip(seqs, result.tokens, strict=True)):
                     seq.cached += len(work[group][i].tokens)
                     if seq.prefilling:
                         continue  # (a chunk of its prompt: the token sampled after it is not one)
@@ -727,8 +741,13 @@ class Engine:
                     if seq.finish_reason is not None:
                         self.scheduler.finish(seq)
                         self._release(seq)
-                    self._emit(seq, tuple(seq.output_ids[before:]))
-                    self.observer.tokens_generated(seq.adapter_name, 1)
+                    self._emit(
+                        seq,
+                        tuple(seq.output_ids[before:]),
+                        *_logprobs_at(result.logprobs, result.prompt_logprobs, i),
+                    )
+                    if seq.params.max_new_tokens:  # (not a prompt scored only)
+                        self.observer.tokens_generated(seq.adapter_name, 1)
 
     def _step_overlapped(self) -> None:
         """One step of ADR 0014: launch step N+1, then read step N's tokens.
@@ -795,11 +814,12 @@ class Engine:
         and runs in the step launched after it (``running_on``) keeps its KV row and adapter
         until that step is resolved; the sequences parked so before are released now."""
         tokens = step[0].tokens()
+        logprobs, prompt_logprobs = step[0].logprobs()
         with self._lock:
             parked, self._parked = self._parked, []
             for seq in parked:
                 self._end(seq)
-            for seq, token, real in zip(step[1], tokens, step[2], strict=True):
+            for i, (seq, token, real) in enumerate(zip(step[1], tokens, step[2], strict=True)):
                 if seq.finish_reason is not None:
                     continue  # (its lagged row: the token is not the user's)
                 if not real and not seq.aborted:
@@ -809,27 +829,34 @@ class Engine:
                     self._finish(seq, "abort")
                 else:
                     self._append(seq, token)
-                    self.observer.tokens_generated(seq.adapter_name, 1)
+                    if seq.params.max_new_tokens:  # (not a prompt scored only)
+                        self.observer.tokens_generated(seq.adapter_name, 1)
                 if seq.finish_reason is not None:
                     if id(seq) in running_on:
                         self._parked.append(seq)
                     else:
                         self._end(seq)
-                self._emit(seq, tuple(seq.output_ids[before:]))
+                self._emit(
+                    seq,
+                    tuple(seq.output_ids[before:]),
+                    *_logprobs_at(logprobs, prompt_logprobs, i),
+                )
 
     def _plan(self, running: list[Sequence]) -> list[tuple[Sequence, int | None]]:
         """The running sequences that step now, each with how many prompt tokens it is fed
         (None: a decoding sequence, fed its last token). Prompts go in chunks, oldest first,
         while the step's prompt-token budget (``chunked_prefill_size``; 0: no limit) lasts;
         a sequence the budget does not reach sits this step out, and the oldest always
-        gets a chunk."""
+        gets a chunk. A prompt whose log probabilities were asked for goes whole (they are
+        read from one prefill's logits), spending the budget as much as it has."""
         plan: list[tuple[Sequence, int | None]] = [(s, None) for s in running if not s.prefilling]
         budget = self.chunked_prefill_size or None
         for seq in sorted((s for s in running if s.prefilling), key=lambda s: s.seq_id):
             if budget is not None and budget <= 0:
                 break
             take = len(seq.prompt_ids) - seq.cached
-            if budget is not None:
+            # a request scoring its prompt (prompt logprobs) is fed it in one piece
+            if budget is not None and seq.params.prompt_logprobs is None:
                 take = min(take, budget)
                 budget -= take
             plan.append((seq, take))
@@ -857,6 +884,9 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int) -> None:
         params = seq.params
+        if params.max_new_tokens == 0:  # (a prompt scored, nothing generated)
+            self._finish(seq, "length")
+            return
         seq.generated += 1
         if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
             self._finish(seq, "stop", token)
@@ -870,3 +900,10 @@ class Engine:
             or len(seq.prompt_ids) + seq.generated >= self.max_model_len
         ):
             self._finish(seq, "length")
+
+
+def _logprobs_at(
+    logprobs: list[TokenLogprob | None], prompt_logprobs: list[PromptLogprobs | None], i: int
+) -> tuple[TokenLogprob | None, PromptLogprobs | None]:
+    """Row ``i``'s logprobs of a step's (``StepResult``'s lists are empty when no row asked)."""
+    return (logprobs[i] if logprobs else None, prompt_logprobs[i] if prompt_logprobs else None)

@@ -8,12 +8,14 @@ the multi-rank executor with the same interface, where rank 0 drives and the oth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.logprobs import DeviceLogprobs, LogprobRows, TokenLogprob
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_ids, sample_rows
 from loraplane.worker.lora.adapter import AdapterWeights
@@ -40,23 +42,107 @@ class SeqWork:
     carry: int = -1
 
 
+PromptLogprobs = tuple[TokenLogprob, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """One DP group's step: each sequence's next token, in work order.
 
     The tokens are picked where the logits are (``sampling.sample_rows``), so a step moves
     ``n`` ints to the host, not ``n x vocab`` floats (at bs 128 and a 152k vocabulary, 78 MB
-    a step, if sampled one row at a time on the host)."""
+    a step, if sampled one row at a time on the host).
+
+    Where some sequence asks for log probabilities (``SamplingParams.wants_logprobs``),
+    ``logprobs`` holds each sequence's sampled token's (None where it did not ask) and
+    ``prompt_logprobs`` its prompt tokens' in a prefill, from ``prompt_logprobs_start`` on
+    (None where it did not ask); both are empty when no sequence asked."""
 
     tokens: list[int]
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
+
+
+def prompt_rows(w: SeqWork) -> int:
+    """How many logit rows ``w`` needs before its last one: one for each prompt token whose
+    logprob it asks for, in its prefill (the logits of the position before that token)."""
+    p = w.params
+    if p.prompt_logprobs is None or w.start != 0 or w.carry >= 0:
+        return 0
+    return max(len(w.tokens) - max(p.prompt_logprobs_start, 1), 0)
+
+
+class StepLogprobs:
+    """A step's log probabilities (``engine.logprobs``), on the device until ``read``."""
+
+    def __init__(self, logits: torch.Tensor, work: list[SeqWork], ids: torch.Tensor) -> None:
+        """``logits`` ``[rows, vocab]`` in ``build_batch``'s row order, ``ids`` the step's
+        sampled tokens ``[len(work)]``."""
+        extra = [prompt_rows(w) for w in work]
+        last = [end - 1 for end in accumulate(e + 1 for e in extra)]
+        self.size = len(work)
+        self.sampled = [i for i, w in enumerate(work) if w.params.logprobs is not None]
+        rows = [last[i] for i in self.sampled]
+        tops = [w.params.logprobs or 0 for w in (work[i] for i in self.sampled)]
+        # per prompt-scoring sequence: (its index in work, its rows' count)
+        self.prompts = [(i, e) for i, e in enumerate(extra) if e]
+        prompt_targets: list[int] = []
+        for i, e in self.prompts:
+            rows.extend(range(last[i] - e, last[i]))
+            prompt_targets.extend(work[i].tokens[len(work[i].tokens) - e :])
+            tops.extend([work[i].params.prompt_logprobs or 0] * e)
+        index = torch.tensor(self.sampled, dtype=torch.int64, device=ids.device)
+        targets = torch.cat(
+            [
+                ids.index_select(0, index),
+                torch.tensor(prompt_targets, dtype=torch.int64).to(ids.device),
+            ]
+        )
+        self.values = DeviceLogprobs(logits, LogprobRows(rows, targets, tops))
+
+    def read(self) -> tuple[list[TokenLogprob | None], list[PromptLogprobs | None]]:
+        """``StepResult.logprobs`` and ``StepResult.prompt_logprobs`` (on the host)."""
+        values = self.values.read()
+        logprobs: list[TokenLogprob | None] = [None] * self.size
+        for i, value in zip(self.sampled, values, strict=False):
+            logprobs[i] = value
+        prompts: list[PromptLogprobs | None] = [None] * self.size
+        at = len(self.sampled)
+        for i, count in self.prompts:
+            prompts[i] = tuple(values[at : at + count])
+            at += count
+        return logprobs, prompts
+
+
+def sample_step(
+    logits: torch.Tensor, work: list[SeqWork], sampler: str
+) -> tuple[torch.Tensor, StepLogprobs | None]:
+    """A group's sampled ids ``[len(work)]`` on the device, from its step's ``logits`` (rows
+    as ``build_batch`` asked for them), and its log probabilities if some sequence asks."""
+    params = [w.params for w in work]
+    indices = [w.index for w in work]
+    if not any(p.wants_logprobs for p in params):
+        return sample_ids(logits, params, indices, sampler), None
+    extra = [prompt_rows(w) for w in work]
+    last = logits
+    if any(extra):
+        ends = [end - 1 for end in accumulate(e + 1 for e in extra)]
+        last = logits.index_select(0, torch.tensor(ends, device=logits.device))
+    ids = sample_ids(last, params, indices, sampler)
+    return ids, StepLogprobs(logits, work, ids)
 
 
 def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto") -> StepResult:
-    """``StepResult`` of a group's last-token ``logits`` ``[len(work), vocab]``, by ``sampler``
-    (``sampling.SAMPLERS``)."""
-    return StepResult(
-        sample_rows(logits, [w.params for w in work], [w.index for w in work], sampler)
-    )
+    """``StepResult`` of a group's step ``logits`` (the rows ``build_batch`` asked for), by
+    ``sampler`` (``sampling.SAMPLERS``)."""
+    if not any(w.params.wants_logprobs for w in work):  # (the common path, as it was)
+        return StepResult(
+            sample_rows(logits, [w.params for w in work], [w.index for w in work], sampler)
+        )
+    ids, logprobs = sample_step(logits, work, sampler)
+    tokens = ids.tolist()
+    assert logprobs is not None
+    return StepResult(tokens, *logprobs.read())
 
 
 class PendingStep:
@@ -65,8 +151,9 @@ class PendingStep:
     ``ids`` feeds the next step's carried rows there; ``tokens()`` reads them back to the host
     (waiting for this step, not for any launched after it)."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(self, ids: torch.Tensor, logprobs: StepLogprobs | None = None) -> None:
         self.ids = ids
+        self._logprobs = logprobs
         self._tokens: list[int] | None = None
         self._host: torch.Tensor | None = None
         self._done: torch.cuda.Event | None = None
@@ -85,6 +172,11 @@ class PendingStep:
             else:
                 self._tokens = self.ids.tolist()
         return self._tokens
+
+    def logprobs(self) -> tuple[list[TokenLogprob | None], list[PromptLogprobs | None]]:
+        """``StepResult.logprobs`` and ``prompt_logprobs`` of this step (empty when no row
+        asked); read after ``tokens``."""
+        return self._logprobs.read() if self._logprobs is not None else ([], [])
 
 
 def carried_inputs(
@@ -184,7 +276,16 @@ def build_batch(work: list[SeqWork], device: torch.device | str) -> tuple[Forwar
         tokens.append(list(w.tokens))
         slots.extend([w.slot] * len(w.tokens))
         offset += len(w.tokens)
-    return ForwardBatch.from_chunks(tokens, chunks, all_logits=False, device=device), slots
+    batch = ForwardBatch.from_chunks(tokens, chunks, all_logits=False, device=device)
+    extra = [prompt_rows(w) for w in work]
+    if any(extra):  # prompt logprobs: those prompts' rows too, each chunk's last row last
+        rows = [
+            r
+            for c, e in zip(chunks, extra, strict=True)
+            for r in range(c.token_offset + c.length - 1 - e, c.token_offset + c.length)
+        ]
+        batch.logit_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+    return batch, slots
 
 
 class LocalExecutor:
@@ -224,14 +325,7 @@ class LocalExecutor:
         batch, slots = build_batch(rows, "cpu")
         carry = carried_inputs(rows, batch, after, self.runner.device)
         logits = self.runner.forward(batch, slots, carry)
-        return PendingStep(
-            sample_ids(
-                logits,
-                [w.params for w in rows],
-                [w.index for w in rows],
-                self.runner.config.sampler,
-            )
-        )
+        return PendingStep(*sample_step(logits, rows, self.runner.config.sampler))
 
     def read_adapter(self, dp_group: int, name: str, path: str) -> AdapterInfo:
         assert dp_group == 0

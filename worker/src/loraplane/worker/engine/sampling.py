@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS
+
 
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
@@ -24,6 +26,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log probabilities (``engine.logprobs``): of each generated token, with this many most
+    # likely alternatives (None: none); of the prompt's tokens from position
+    # ``prompt_logprobs_start`` on, with this many alternatives (None: none).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_logprobs_start: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -36,6 +44,21 @@ class SamplingParams:
             raise SamplingError(f"top_k must be -1 (no limit) or >= 1, got {self.top_k}")
         if any(not s for s in self.stop):
             raise SamplingError("stop must not contain empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise SamplingError(
+                    f"{name} must be in 0..{MAX_TOP_LOGPROBS} (alternatives per token), got {value}"
+                )
+        if self.prompt_logprobs_start < 0:
+            raise SamplingError(
+                f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start}"
+            )
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether this request asks for any log probabilities (``engine.logprobs``)."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:

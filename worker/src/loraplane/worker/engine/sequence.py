@@ -6,9 +6,14 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraplane.worker.engine.logprobs import TokenLogprob
 from loraplane.worker.engine.sampling import SamplingParams
 
 _ids = itertools.count()
+
+# `SeqEvent.error_kind` of a request for an adapter the engine no longer holds (unloaded
+# after the front end routed it): the front end answers 404 naming the adapter.
+UNKNOWN_ADAPTER = "unknown_adapter"
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,10 +29,16 @@ class SeqEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    error_kind: str | None = None  # UNKNOWN_ADAPTER, or None: the engine failed
+    # what the request asked for (`engine.logprobs`): each of `token_ids`' logprob, and, in
+    # the event of its prefill, its prompt tokens' from `prompt_logprobs_start` on
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     def merged(self, later: SeqEvent) -> SeqEvent:
-        """This event followed by ``later`` as one: their text and tokens in order, the
-        later one's end and counts (an error ends the request: the later error wins)."""
+        """This event followed by ``later`` as one: their text, tokens and tokens' logprobs
+        in order, the prompt's logprobs of whichever has them, the later one's end and
+        counts (an error ends the request: the later error wins)."""
         if later.error is not None or self.error is not None:
             return later if later.error is not None else self
         return SeqEvent(
@@ -38,6 +49,8 @@ class SeqEvent:
             later.matched_stop,
             later.prompt_tokens,
             later.completion_tokens,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -17,14 +18,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from loraplane.worker.engine.engine import UnknownAdapterError
+from loraplane.worker.engine.logprobs import TokenLogprob
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingError, SamplingParams
-from loraplane.worker.engine.sequence import SeqEvent
+from loraplane.worker.engine.sequence import UNKNOWN_ADAPTER, SeqEvent
 from loraplane.worker.engine.tokenizer import TextTokenizer, TokenizerError
 from loraplane.worker.server import guards
 from loraplane.worker.server import protocol as p
 from loraplane.worker.server.engine_client import EngineClient
 from loraplane.worker.server.faults import FaultInjector
+from loraplane.worker.server.logprobs import LogprobText
 
 if TYPE_CHECKING:
     from loraplane.worker.server.engine_process import CoreFaults
@@ -96,6 +99,25 @@ class LoopPoster:
             queue.put_nowait(event)
 
 
+@dataclass(frozen=True, slots=True)
+class Collected:
+    """A request's whole answer: its text, token ids, last event and logprobs (if asked)."""
+
+    text: str
+    ids: list[int]
+    last: SeqEvent
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: tuple[TokenLogprob, ...]
+
+
+def _failed(event: SeqEvent) -> ApiError:
+    """The answer to a request the engine ended with an error (before a streamed answer
+    starts; after, the stream breaks off)."""
+    if event.error_kind == UNKNOWN_ADAPTER:  # (unloaded after the front end routed it)
+        return ApiError(404, event.error or "unknown adapter", "model", "not_found")
+    return ApiError(500, event.error or "engine error", None, "server_error")
+
+
 class WorkerServer:
     """Request handling that does not depend on FastAPI routing (kept testable)."""
 
@@ -121,6 +143,8 @@ class WorkerServer:
         self.faults = faults
         self.created = int(time.time())
         self._poster: LoopPoster | None = None
+
+        self.logprob_text = LogprobText(engine.tokenizer.decode)
 
     # --- adapters ------------------------------------------------------------------------
 
@@ -190,7 +214,18 @@ class WorkerServer:
 
     # --- generation ----------------------------------------------------------------------
 
-    def sampling(self, req: p._Sampling, max_new_tokens: int | None, field: str) -> SamplingParams:
+    def sampling(
+        self,
+        req: p._Sampling,
+        max_new_tokens: int | None,
+        field: str,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        prompt_logprobs_start: int = 0,
+    ) -> SamplingParams:
+        """The engine's parameters of a request; ``logprobs`` and ``prompt_logprobs``: the
+        alternatives per token of its output's and its prompt's logprobs (None: none)."""
         stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
         try:
             return SamplingParams(
@@ -204,6 +239,9 @@ class WorkerServer:
                 stop=tuple(stop),
                 stop_token_ids=tuple(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                prompt_logprobs_start=prompt_logprobs_start,
             )
         except SamplingError as exc:
             raise ApiError(400, str(exc), field) from exc
@@ -281,25 +319,27 @@ class WorkerServer:
                 while not (event.finished or event.error) and not queue.empty():
                     event = event.merged(queue.get_nowait())
                 if event.error:
-                    raise ApiError(500, event.error, None, "server_error")
+                    raise _failed(event)
                 finished = event.finished
                 yield event
         finally:
             if not finished:
                 self.engine.abort(seq)
 
-    async def collect(
-        self, seq: object, queue: asyncio.Queue[SeqEvent]
-    ) -> tuple[str, list[int], SeqEvent]:
+    async def collect(self, seq: object, queue: asyncio.Queue[SeqEvent]) -> Collected:
         text: list[str] = []
         ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        prompt_logprobs: tuple[TokenLogprob, ...] = ()
         last: SeqEvent | None = None
         async for event in self.events(seq, queue):
             text.append(event.text_delta)
             ids.extend(event.token_ids)
+            logprobs.extend(event.logprobs)
+            prompt_logprobs = event.prompt_logprobs or prompt_logprobs
             last = event
         assert last is not None
-        return "".join(text), ids, last
+        return Collected("".join(text), ids, last, logprobs, prompt_logprobs)
 
 
 def refuse_unsupported(body: p._Refusing, prefix: str = "") -> None:
@@ -375,68 +415,159 @@ def create_app(server: WorkerServer) -> FastAPI:
     # --- generation ----------------------------------------------------------------------
 
     @app.post(
-        "/generate", response_model=p.GenerateResponse, responses=_ERRORS, tags=["generation"]
+        "/generate",
+        response_model=p.GenerateResponse,
+        response_model_exclude_unset=True,
+        responses=_ERRORS,
+        tags=["generation"],
     )
     async def generate(body: p.GenerateRequest) -> Any:
-        """SGLang native generation; `stream: true` answers SSE with the cumulative text."""
+        """SGLang native generation; `stream: true` answers SSE with the cumulative text.
+        `return_logprob` adds the tokens' logprobs to `meta_info` as SGLang does."""
         refuse_unsupported(body)
         refuse_unsupported(body.sampling_params, "sampling_params.")
+        if not body.return_logprob and body.top_logprobs_num:
+            raise ApiError(
+                400,
+                f"top_logprobs_num: {body.top_logprobs_num} asks for log probabilities, which "
+                "return_logprob: true turns on; set it, or leave top_logprobs_num out",
+                "top_logprobs_num",
+            )
         adapter = server.adapter_for(None, body.lora_path)
         prompt = await server.prompt_ids(
             body.text, body.input_ids, "text" if body.input_ids is None else "input_ids"
         )
+        start = len(prompt) - 1 if body.logprob_start_len == -1 else body.logprob_start_len
+        if body.return_logprob and start >= len(prompt):
+            raise ApiError(
+                400,
+                f"logprob_start_len: {start} is past the prompt's last token (the prompt has "
+                f"{len(prompt)} tokens); give 0..{len(prompt) - 1}, or -1 for the last",
+                "logprob_start_len",
+            )
+        top = body.top_logprobs_num if body.return_logprob else None
         params = server.sampling(
-            body.sampling_params, body.sampling_params.max_new_tokens, "sampling_params"
+            body.sampling_params,
+            body.sampling_params.max_new_tokens,
+            "sampling_params",
+            logprobs=top,
+            prompt_logprobs=top,
+            prompt_logprobs_start=start,
         )
         rid = body.rid or uuid.uuid4().hex
         seq, queue = server.start(prompt, params, adapter, rid)
+        text_of = server.logprob_text
+        with_text = body.return_text_in_logprobs
 
-        def meta(event: SeqEvent) -> dict[str, Any]:
+        def meta(
+            event: SeqEvent,
+            ids: list[int],
+            logprobs: list[TokenLogprob],
+            prompt_logprobs: tuple[TokenLogprob, ...],
+        ) -> dict[str, Any]:
             finish = None
             if event.finished:
                 finish = {"type": event.finish_reason, "matched": event.matched_stop}
-            return {
+            out: dict[str, Any] = {
                 "id": rid,
                 "prompt_tokens": event.prompt_tokens,
                 "completion_tokens": event.completion_tokens,
                 "finish_reason": finish,
             }
+            if body.return_logprob:
+                # (the prompt's first token has no logprob: None in its place)
+                inputs = [None] * (start == 0) + list(prompt_logprobs)
+                out["input_token_logprobs"] = text_of.triples(inputs, prompt[start:], with_text)
+                out["output_token_logprobs"] = text_of.triples(logprobs, ids, with_text)
+                if top:
+                    out["input_top_logprobs"] = text_of.top_triples(inputs, with_text)
+                    out["output_top_logprobs"] = text_of.top_triples(logprobs, with_text)
+            return out
 
         if body.stream:
 
             async def gen() -> AsyncIterator[str]:
                 text, ids = "", cast(list[int], [])
+                logprobs: list[TokenLogprob] = []
+                prompt_logprobs: tuple[TokenLogprob, ...] = ()
                 async for event in server.events(seq, queue):
                     text += event.text_delta
                     ids.extend(event.token_ids)
-                    yield _sse({"text": text, "output_ids": ids, "meta_info": meta(event)})
+                    logprobs.extend(event.logprobs)
+                    prompt_logprobs = event.prompt_logprobs or prompt_logprobs
+                    info = meta(event, ids, logprobs, prompt_logprobs)
+                    yield _sse({"text": text, "output_ids": ids, "meta_info": info})
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        text, ids, last = await server.collect(seq, queue)
-        return {"text": text, "output_ids": ids, "meta_info": meta(last)}
+        got = await server.collect(seq, queue)
+        info = meta(got.last, got.ids, got.logprobs, got.prompt_logprobs)
+        return {"text": got.text, "output_ids": got.ids, "meta_info": info}
 
     @app.post(
         "/v1/completions", response_model=p.CompletionResponse, responses=_ERRORS, tags=["openai"]
     )
     async def completions(body: p.CompletionRequest) -> Any:
-        """OpenAI completions; the adapter is `model: "<base>:<adapter>"`, `model: "<adapter>"` or `lora_path`."""
+        """OpenAI completions; the adapter is `model: "<base>:<adapter>"`, `model: "<adapter>"` or `lora_path`.
+        `logprobs: N` gives each token's logprob and its N likeliest alternatives; `echo` puts
+        the prompt before the completion (with `logprobs`, its tokens' too: the first null),
+        and with `max_tokens: 0` scores a prompt without generating."""
         refuse_unsupported(body)
         adapter = server.adapter_for(body.model, body.lora_path)
         if isinstance(body.prompt, str):
             prompt = await server.prompt_ids(body.prompt, None, "prompt")
         else:
             prompt = await server.prompt_ids(None, body.prompt, "prompt")
-        params = server.sampling(body, body.max_tokens, "max_tokens")
+        want = body.logprobs
+        params = server.sampling(
+            body,
+            body.max_tokens,
+            "max_tokens",
+            logprobs=want,
+            prompt_logprobs=want if body.echo else None,
+        )
         rid = f"cmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
         seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
+        echoed = ""
+        if body.echo:
+            echoed = (
+                body.prompt
+                if isinstance(body.prompt, str)
+                else server.engine.tokenizer.decode(prompt)
+            )
+
+        def logprobs_of(
+            ids: list[int],
+            entries: list[TokenLogprob],
+            prompt_entries: tuple[TokenLogprob, ...] | None,
+            offset: int,
+        ) -> dict[str, Any] | None:
+            """`choices[].logprobs` of `ids` (after the prompt's when `prompt_entries`)."""
+            if want is None:
+                return None
+            tokens: list[int] = []
+            lps: list[TokenLogprob | None] = []
+            if prompt_entries is not None:  # (the first prompt token has no logprob)
+                tokens, lps = list(prompt), [None, *prompt_entries]
+            return server.logprob_text.completion([*lps, *entries], [*tokens, *ids], offset)
+
         if body.stream:
 
             async def gen() -> AsyncIterator[str]:
+                offset, first = 0, True
                 async for event in server.events(seq, queue):
-                    if event.text_delta or event.finished:
+                    text, echo_entries = event.text_delta, None
+                    if first and body.echo:
+                        text, echo_entries = echoed + text, event.prompt_logprobs or ()
+                    first = False
+                    logprobs = logprobs_of(
+                        list(event.token_ids), list(event.logprobs), echo_entries, offset
+                    )
+                    if logprobs is not None and logprobs["tokens"]:
+                        offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    if text or event.finished or (logprobs is not None and logprobs["tokens"]):
                         chunk: dict[str, Any] = {
                             "id": rid,
                             "object": "text_completion",
@@ -445,8 +576,8 @@ def create_app(server: WorkerServer) -> FastAPI:
                             "choices": [
                                 {
                                     "index": 0,
-                                    "text": event.text_delta,
-                                    "logprobs": None,
+                                    "text": text,
+                                    "logprobs": logprobs,
                                     "finish_reason": event.finish_reason
                                     if event.finished
                                     else None,
@@ -459,19 +590,21 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        text, _ids, last = await server.collect(seq, queue)
+        got = await server.collect(seq, queue)
+        echo_entries = got.prompt_logprobs if body.echo else None
         return p.CompletionResponse(
             id=rid,
             created=created,
             model=model,
             choices=[
                 p.CompletionChoice(
-                    text=text,
-                    finish_reason=cast(Any, last.finish_reason),
-                    matched_stop=last.matched_stop,
+                    text=echoed + got.text,
+                    logprobs=logprobs_of(got.ids, got.logprobs, echo_entries, 0),  # type: ignore[arg-type]
+                    finish_reason=cast(Any, got.last.finish_reason),
+                    matched_stop=got.last.matched_stop,
                 )
             ],  # type: ignore[arg-type]
-            usage=_usage(last),
+            usage=_usage(got.last),
         )
 
     @app.post(
@@ -482,8 +615,16 @@ def create_app(server: WorkerServer) -> FastAPI:
     )
     async def chat_completions(body: p.ChatCompletionRequest) -> Any:
         """OpenAI chat completions; the prompt is the model's chat template over `messages`
-        (a message's content: a string or a list of text parts, joined with newlines)."""
+        (a message's content: a string or a list of text parts, joined with newlines).
+        `logprobs: true` gives each token's logprob, with `top_logprobs` alternatives."""
         refuse_unsupported(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(
+                400,
+                f"top_logprobs: {body.top_logprobs} needs logprobs: true; set it, or leave "
+                "top_logprobs out",
+                "top_logprobs",
+            )
         adapter = server.adapter_for(body.model, body.lora_path)
         messages = chat_messages(body.messages)
         server.check_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -497,11 +638,18 @@ def create_app(server: WorkerServer) -> FastAPI:
             if body.max_completion_tokens is not None
             else body.max_tokens
         )
-        params = server.sampling(body, max_tokens, "max_tokens")
+        want = (body.top_logprobs or 0) if body.logprobs else None
+        params = server.sampling(body, max_tokens, "max_tokens", logprobs=want)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         model = body.model or server.served_model
         seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
+
+        def logprobs_of(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> Any:
+            if want is None:
+                return None
+            return {"content": server.logprob_text.chat(entries)}
+
         if body.stream:
 
             async def gen() -> AsyncIterator[str]:
@@ -524,7 +672,8 @@ def create_app(server: WorkerServer) -> FastAPI:
                     }
                 )
                 async for event in server.events(seq, queue):
-                    if event.text_delta or event.finished:
+                    with_logprobs = want is not None and bool(event.logprobs)
+                    if event.text_delta or event.finished or with_logprobs:
                         chunk: dict[str, Any] = {
                             **base,
                             "choices": [
@@ -533,6 +682,9 @@ def create_app(server: WorkerServer) -> FastAPI:
                                     "delta": {"content": event.text_delta}
                                     if event.text_delta
                                     else {},
+                                    "logprobs": logprobs_of(event.logprobs)
+                                    if with_logprobs
+                                    else None,
                                     "finish_reason": event.finish_reason
                                     if event.finished
                                     else None,
@@ -545,19 +697,20 @@ def create_app(server: WorkerServer) -> FastAPI:
                 yield "data: [DONE]\n\n"
 
             return streaming(gen)
-        text, _ids, last = await server.collect(seq, queue)
+        got = await server.collect(seq, queue)
         return p.ChatCompletionResponse(
             id=rid,
             created=created,
             model=model,
             choices=[
                 p.ChatChoice(
-                    message=p.ChatResponseMessage(content=text),
-                    finish_reason=last.finish_reason,  # type: ignore[arg-type]
-                    matched_stop=last.matched_stop,
+                    message=p.ChatResponseMessage(content=got.text),
+                    logprobs=logprobs_of(got.logprobs),
+                    finish_reason=got.last.finish_reason,  # type: ignore[arg-type]
+                    matched_stop=got.last.matched_stop,
                 )
             ],
-            usage=_usage(last),
+            usage=_usage(got.last),
         )
 
     # --- adapters ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 from loraplane.worker.config import ConfigError
 from loraplane.worker.engine.engine import AdapterRoutes, Engine, UnknownAdapterError
 from loraplane.worker.engine.sampling import SamplingParams
-from loraplane.worker.engine.sequence import SeqEvent, Sequence
+from loraplane.worker.engine.sequence import UNKNOWN_ADAPTER, SeqEvent, Sequence
 from loraplane.worker.server.factory import ServeConfig, build_engine
 from loraplane.worker.server.faults import FaultInjector
 
@@ -34,14 +34,20 @@ log = logging.getLogger("loraplane.worker.engine_core")
 
 # Events cross the pipe as plain tuples: pickling a step's 64 SeqEvent dataclasses took
 # ~16x as long as their tuples, on the engine's thread.
+# (Log probabilities, when a request asks for them, go as `TokenLogprob`s: named tuples.)
 def _event_row(rid: int, e: SeqEvent) -> tuple[Any, ...]:
     return (rid, e.token_ids, e.finished, e.finish_reason, e.matched_stop,
-            e.prompt_tokens, e.completion_tokens, e.error)  # fmt: skip
+            e.prompt_tokens, e.completion_tokens, e.error, e.error_kind, e.logprobs,
+            e.prompt_logprobs)  # fmt: skip
 
 
 def event_from_row(row: tuple[Any, ...]) -> SeqEvent:
-    _rid, ids, finished, reason, matched, prompt_tokens, completion_tokens, error = row
-    return SeqEvent("", ids, finished, reason, matched, prompt_tokens, completion_tokens, error)
+    (_rid, ids, finished, reason, matched, prompt_tokens, completion_tokens, error, error_kind,
+     logprobs, prompt_logprobs) = row  # fmt: skip
+    return SeqEvent(
+        "", ids, finished, reason, matched, prompt_tokens, completion_tokens, error,
+        error_kind, logprobs, prompt_logprobs,
+    )  # fmt: skip
 
 
 class _Outbox:
@@ -211,7 +217,8 @@ class _CoreServer:
         try:
             seq = self.engine.submit(request_id, prompt_ids, params, adapter, sink)
         except UnknownAdapterError as exc:  # unloaded since the front end resolved it
-            self.outbox.event(rid, SeqEvent("", (), True, "abort", error=str(exc)))
+            ended = SeqEvent("", (), True, "abort", error=str(exc), error_kind=UNKNOWN_ADAPTER)
+            self.outbox.event(rid, ended)
             self.outbox.flush()
             return
         self.live[rid] = seq
@@ -233,7 +240,13 @@ class _CoreServer:
             if method == "load":
                 self.engine.load_adapter(*args).add_done_callback(done)
             elif method == "unload":
-                self.engine.unload_adapter(*args).add_done_callback(done)
+                # (its answer brings the routes as they are then: the front end refuses the
+                # adapter's requests until it has them)
+                def unloaded(future: Future[Any]) -> None:
+                    self.outbox.routes(self.engine.routes())
+                    done(future)
+
+                self.engine.unload_adapter(*args).add_done_callback(unloaded)
             elif method == "lora_state":
                 reply(True, self.engine.lora_state())
             elif method == "arm_fault" and self.faults is not None:

@@ -34,7 +34,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from loraplane.worker.config import ConfigError
-from loraplane.worker.engine.engine import AdapterRoutes, EngineObserver, _NullObserver
+from loraplane.worker.engine.engine import (
+    AdapterRoutes,
+    EngineObserver,
+    UnknownAdapterError,
+    _NullObserver,
+)
 from loraplane.worker.engine.merge import LoRAUpdateResult
 from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.engine.sequence import SeqEvent
@@ -71,6 +76,7 @@ class ProcessEngineClient:
         self._error: str | None = None
         self._stopping = False
         self._routes = AdapterRoutes({}, frozenset(), frozenset(), ())
+        self._unloading: dict[str, int] = {}  # adapter name -> unloads not answered yet
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
@@ -203,6 +209,8 @@ class ProcessEngineClient:
         return [dict(g) for g in self._routes.group_adapters]
 
     def resolve_adapter(self, name: str) -> str:
+        if name in self._unloading:
+            raise UnknownAdapterError(f"adapter {name!r} is being unloaded from this worker")
         return self._routes.resolve(name)
 
     def listed_adapters(self) -> list[dict[str, Any]]:
@@ -251,7 +259,22 @@ class ProcessEngineClient:
         return self.call("load", name, path, pinned)
 
     def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]:
-        return self.call("unload", name)
+        """Unload ``name``; new requests for it are refused (404) from now until the core
+        answers, with the routes as they are then. A request routed before is in the pipe
+        ahead of the unload, so the core admits it first (it keeps its adapter version to
+        its end): no request reaches the core for an adapter it no longer holds."""
+        with self._lock:
+            self._unloading[name] = self._unloading.get(name, 0) + 1
+
+        def answered(_future: Future[LoRAUpdateResult]) -> None:
+            with self._lock:
+                self._unloading[name] -= 1
+                if not self._unloading[name]:
+                    del self._unloading[name]
+
+        future: Future[LoRAUpdateResult] = self.call("unload", name)
+        future.add_done_callback(answered)
+        return future
 
     def lora_state(self) -> dict[str, Any]:
         return dict(self.call("lora_state").result(timeout=60))

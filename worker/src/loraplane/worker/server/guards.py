@@ -23,6 +23,8 @@ from loraplane.worker.config import ConfigError
 from loraplane.worker.server import protocol as p
 
 QUOTE_CHARS = 200
+# Validation errors a 422 lists at most (the rest are counted).
+SHOWN_ERRORS = 8
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
@@ -55,9 +57,10 @@ async def validation_error(_request: Request, exc: Exception) -> JSONResponse:
         dict.fromkeys(f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
     )
     param = _field(errors[0].get("loc", ())) if errors else None
-    return JSONResponse(
-        error_body(422, "; ".join(parts), param, "invalid_request_error"), status_code=422
-    )
+    message = "; ".join(parts[:SHOWN_ERRORS])
+    if len(parts) > SHOWN_ERRORS:  # (a body of many bad items: a bounded answer)
+        message += f"; and {len(parts) - SHOWN_ERRORS} more"
+    return JSONResponse(error_body(422, message, param, "invalid_request_error"), status_code=422)
 
 
 def _too_large(message: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplane.rules.names import LORA_NAME_PATTERN
+from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -20,7 +21,10 @@ class _Body(BaseModel):
 
 # A field of the OpenAI or SGLang API the worker does not implement is declared (so it is in
 # the schema) and refused with 400 naming it when given anything but its neutral value; it is
-# never silently ignored. Log probabilities are among them.
+# never silently ignored.
+
+# Log probabilities (`engine.logprobs`) are those of the model's own distribution (before
+# temperature, top-k and top-p), with at most MAX_TOP_LOGPROBS alternatives per token.
 
 
 def _unsupported(what: str) -> Any:
@@ -91,12 +95,6 @@ class GenerateSamplingParams(_Sampling, _Refusing):
 
 
 class GenerateRequest(_Refusing):
-    NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "return_logprob": (False,),
-        "top_logprobs_num": (0,),
-        "logprob_start_len": (-1,),
-        "return_text_in_logprobs": (False,),
-    }
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
@@ -105,10 +103,20 @@ class GenerateRequest(_Refusing):
     )
     stream: bool = False
     rid: str | None = None
-    return_logprob: Any = _unsupported("log probabilities")
-    top_logprobs_num: Any = _unsupported("log probabilities")
-    logprob_start_len: Any = _unsupported("log probabilities")
-    return_text_in_logprobs: Any = _unsupported("log probabilities")
+    return_logprob: bool = Field(
+        default=False, description="log probabilities of the prompt and output tokens"
+    )
+    top_logprobs_num: int = Field(
+        default=0, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token"
+    )
+    logprob_start_len: int = Field(
+        default=-1,
+        ge=-1,
+        description="first prompt position with input logprobs; -1: the prompt's last token",
+    )
+    return_text_in_logprobs: bool = Field(
+        default=False, description="each logprob entry with its token's text"
+    )
 
 
 class FinishReason(BaseModel):
@@ -116,11 +124,21 @@ class FinishReason(BaseModel):
     matched: int | str | None = None
 
 
+# (logprob, token id, token text or null); the first prompt token's logprob is null
+LogprobTriple = tuple[float | None, int, str | None]
+
+
 class GenerateMetaInfo(BaseModel):
     id: str
     prompt_tokens: int
     completion_tokens: int
     finish_reason: FinishReason | None = None
+    # with return_logprob (absent otherwise)
+    input_token_logprobs: list[LogprobTriple] | None = None
+    output_token_logprobs: list[LogprobTriple] | None = None
+    # with return_logprob and top_logprobs_num > 0: per position, its most likely tokens
+    input_top_logprobs: list[list[LogprobTriple] | None] | None = None
+    output_top_logprobs: list[list[LogprobTriple] | None] | None = None
 
 
 class GenerateResponse(BaseModel):
@@ -135,8 +153,6 @@ class GenerateResponse(BaseModel):
 class CompletionRequest(_Sampling, _Refusing):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "n": (1,),
-        "logprobs": (0, False),
-        "echo": (False,),
         "best_of": (1,),
         "suffix": ("",),
         **_PENALTIES,
@@ -148,8 +164,16 @@ class CompletionRequest(_Sampling, _Refusing):
     stream: bool = False
     lora_path: str | None = None
     user: str | None = None
-    logprobs: Any = _unsupported("log probabilities")
-    echo: Any = _unsupported("echo")
+    logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="log probabilities of the tokens, with this many alternatives each",
+    )
+    echo: bool = Field(
+        default=False,
+        description="the prompt before the completion (its tokens' logprobs with `logprobs`)",
+    )
     best_of: Any = _unsupported("only one sequence per request")
     suffix: Any = _unsupported("insertion")
     presence_penalty: Any = _unsupported("penalties")
@@ -157,10 +181,19 @@ class CompletionRequest(_Sampling, _Refusing):
     logit_bias: Any = _unsupported("logit bias")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="null for the prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="per token, its most likely alternatives and the token itself"
+    )
+    text_offset: list[int] = Field(description="each token's first character in the text")
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = None
 
@@ -197,8 +230,6 @@ class ChatMessage(_Body):
 class ChatCompletionRequest(_Sampling, _Refusing):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "n": (1,),
-        "logprobs": (False,),
-        "top_logprobs": (0,),
         "tools": ([],),
         "tool_choice": ("none",),
         "functions": ([],),
@@ -214,8 +245,15 @@ class ChatCompletionRequest(_Sampling, _Refusing):
     stream: bool = False
     lora_path: str | None = None
     user: str | None = None
-    logprobs: Any = _unsupported("log probabilities")
-    top_logprobs: Any = _unsupported("log probabilities")
+    logprobs: bool | None = Field(
+        default=None, description="log probabilities of the completion's tokens"
+    )
+    top_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="alternatives per token; needs `logprobs: true`",
+    )
     tools: Any = _unsupported("tool calls")
     tool_choice: Any = _unsupported("tool calls")
     functions: Any = _unsupported("tool calls")
@@ -231,9 +269,24 @@ class ChatResponseMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's text as UTF-8")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = None
 
