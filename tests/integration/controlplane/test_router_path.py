@@ -189,8 +189,9 @@ def test_streams_keep_their_pace_while_every_database_round_trip_takes_200ms(
     p99: on a shared machine one pause of the process, whatever its cause, delays every stream
     at once, 8 of the 312 gaps; a stall per request would delay far more.)
 
-    The reconciler and the operations' lease passes still read the database on the event loop
-    (outside the router); their periods are set beyond the test's length."""
+    The reconciler and the lease passes are kept out (their periods beyond the test's length):
+    the stub worker answers no /lora_state, which the reconciler would take for a lost
+    worker."""
     url = sa.engine.make_url(db_url)
     proxy = DelayProxy(url.port or 5432)
     proxied = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)

@@ -154,12 +154,16 @@ class Operations:
                 log.warning("operation lease pass failed: %s: %s", type(exc).__name__, exc)
 
     async def renew(self) -> None:
-        if not self.running:
-            return
+        """Renew this replica's leases, in a worker thread (a slow database holds this pass,
+        not the event loop)."""
+        if self.running:
+            await asyncio.to_thread(self._renew, sorted(self.running))
+
+    def _renew(self, running: list[str]) -> None:
         with self.db.session() as session:
             session.execute(
                 update(Operation)
-                .where(Operation.id.in_(sorted(self.running)), Operation.owner == self.owner)
+                .where(Operation.id.in_(running), Operation.owner == self.owner)
                 .values(heartbeat_at=now())
                 .execution_options(synchronize_session=False)
             )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from datetime import UTC, datetime
@@ -110,11 +111,10 @@ class Reconciler:
                 gauge.clear()
             return
         async with self._lock:
-            with self.db.session() as session:
-                workers = [WorkerRef.of(w) for w in session.scalars(select(Worker)).all()]
+            workers = await asyncio.to_thread(self._workers)
             await asyncio.gather(*(self.reconcile_worker(w) for w in workers))
-            self._finish_deletes()
-            self._update_gauges()
+            await asyncio.to_thread(self._finish_deletes)
+            await asyncio.to_thread(self._update_gauges)
             self.passes += 1
         self.metrics.reconcile_passes.labels("ok").inc()
         self.metrics.reconcile_last_success.set(time.time())
@@ -126,19 +126,23 @@ class Reconciler:
         except WorkerUnreachable as exc:
             await self._mark_unreachable(worker, str(exc))
             return
-        restore, strays, fill = self._compare(worker, seen)
-        for name, path, pinned, adapter_id in self._pin_drift(worker, seen):
-            with self.db.session() as session:  # a pin operation may have started meanwhile
-                adapter = session.get(Adapter, adapter_id)
-                if adapter is None or adapter.busy_operation_id or adapter.pinned != pinned:
-                    continue
+        restore, strays, fill, became_ready = await asyncio.to_thread(self._compare, worker, seen)
+        if became_ready:
+            namespace = await asyncio.to_thread(self._namespace_of, worker)
+            await self.bus.publish("worker.ready", namespace=namespace, worker=worker.name)
+        for name, path, pinned, adapter_id in await asyncio.to_thread(
+            self._pin_drift, worker, seen
+        ):
+            # a pin operation may have started meanwhile
+            if not await asyncio.to_thread(self._pin_still_drifts, adapter_id, pinned):
+                continue
             # the same name and path again changes only the flag on the worker: nothing unloads
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
             if result.success:
                 self.metrics.drift_repaired.labels("repinned").inc()
                 await self.bus.publish(
                     "placement.drift_repaired",
-                    namespace=self._namespace_of(worker),
+                    namespace=await asyncio.to_thread(self._namespace_of, worker),
                     kind="repinned",
                     worker=worker.name,
                     lora_name=name,
@@ -158,7 +162,9 @@ class Reconciler:
             if set(seen.present_on(name)):  # partially present: start clean
                 await self.client.unload(worker.name, worker.endpoint, name)
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
-            self._after_restore(worker, adapter_id, name, result.success, result.error_message)
+            await asyncio.to_thread(
+                self._after_restore, worker, adapter_id, name, result.success, result.error_message
+            )
             if not result.success:
                 delay = min(60.0, self.interval_s * 2**failures)
                 self._backoff[(worker.name, name)] = (failures + 1, time.monotonic() + delay)
@@ -175,7 +181,7 @@ class Reconciler:
                 self.metrics.drift_repaired.labels("restored").inc()
                 await self.bus.publish(
                     "placement.drift_repaired",
-                    namespace=self._namespace_of(worker),
+                    namespace=await asyncio.to_thread(self._namespace_of, worker),
                     kind="restored",
                     worker=worker.name,
                     lora_name=name,
@@ -183,11 +189,11 @@ class Reconciler:
         for name in strays:
             result = await self.client.unload(worker.name, worker.endpoint, name)
             if result.success:
-                self._after_stray(worker, name)
+                await asyncio.to_thread(self._after_stray, worker, name)
                 self.metrics.drift_repaired.labels("stray_unloaded").inc()
                 await self.bus.publish(
                     "placement.drift_repaired",
-                    namespace=self._namespace_of(worker),
+                    namespace=await asyncio.to_thread(self._namespace_of, worker),
                     kind="stray_unloaded",
                     worker=worker.name,
                     lora_name=name,
@@ -198,11 +204,31 @@ class Reconciler:
                 )
         for name, path, pinned, adapter_id in fill:
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
-            self._after_restore(
-                worker, adapter_id, name, result.success, result.error_message, create=True
+            await asyncio.to_thread(
+                functools.partial(
+                    self._after_restore,
+                    worker,
+                    adapter_id,
+                    name,
+                    result.success,
+                    result.error_message,
+                    create=True,
+                )
             )
             if result.success:
                 self.metrics.drift_repaired.labels("placed").inc()
+
+    # The database work of a pass runs in worker threads (``asyncio.to_thread``), so a slow
+    # database holds this pass and not the event loop that proxies the router's streams.
+
+    def _workers(self) -> list[WorkerRef]:
+        with self.db.session() as session:
+            return [WorkerRef.of(w) for w in session.scalars(select(Worker)).all()]
+
+    def _pin_still_drifts(self, adapter_id: int, pinned: bool) -> bool:
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            return not (adapter is None or adapter.busy_operation_id or adapter.pinned != pinned)
 
     def _namespace_of(self, worker: WorkerRef) -> str | None:
         """The namespace of the worker's pool: every adapter it holds is of that namespace."""
@@ -211,25 +237,28 @@ class Reconciler:
             return row.pool.namespace if row is not None else None
 
     async def _mark_unreachable(self, worker: WorkerRef, error: str) -> None:
-        changed = False
+        if await asyncio.to_thread(self._record_unreachable, worker, error):
+            log.warning("worker %s unreachable: %s", worker.name, error)
+            await self.bus.publish(
+                "worker.unreachable",
+                namespace=await asyncio.to_thread(self._namespace_of, worker),
+                worker=worker.name,
+                error=error,
+            )
+
+    def _record_unreachable(self, worker: WorkerRef, error: str) -> bool:
+        """Mark the worker and its loaded placements unreachable; whether it was not already."""
         with self.db.session() as session:
             row = session.get(Worker, worker.id)
             if row is None:
-                return
+                return False
             changed = row.state != "unreachable"
             row.state = "unreachable"
             row.last_error = error
             for placement in row.placements:
                 if placement.state == "loaded":
                     mark(placement, "unreachable")
-        if changed:
-            log.warning("worker %s unreachable: %s", worker.name, error)
-            await self.bus.publish(
-                "worker.unreachable",
-                namespace=self._namespace_of(worker),
-                worker=worker.name,
-                error=error,
-            )
+        return changed
 
     def _pin_drift(self, worker: WorkerRef, seen: Observation) -> list[tuple[str, str, bool, int]]:
         """Adapters this worker holds on every DP group whose pinned flag differs from the
@@ -255,7 +284,8 @@ class Reconciler:
 
     def _compare(
         self, worker: WorkerRef, seen: Observation
-    ) -> tuple[list[tuple[str, str, bool, int]], list[str], list[tuple[str, str, bool, int]]]:
+    ) -> tuple[list[tuple[str, str, bool, int]], list[str], list[tuple[str, str, bool, int]], bool]:
+        """What to restore, unload and fill on ``worker``, and whether it became ready."""
         restore: list[tuple[str, str, bool, int]] = []
         fill: list[tuple[str, str, bool, int]] = []
         wanted: set[str] = set()
@@ -264,7 +294,7 @@ class Reconciler:
         with self.db.session() as session:
             row = session.get(Worker, worker.id)
             if row is None:
-                return [], [], []
+                return [], [], [], False
             became_ready = row.state != "ready"
             row.state = "ready"
             row.last_error = None
@@ -360,13 +390,7 @@ class Reconciler:
                 wanted.add(name)
                 fill.append((name, adapter.path, adapter.pinned, adapter.id))
         strays = sorted(seen.adapters - wanted - busy)
-        if became_ready:
-            asyncio.get_running_loop().create_task(
-                self.bus.publish(
-                    "worker.ready", namespace=self._namespace_of(worker), worker=worker.name
-                )
-            )
-        return restore, strays, fill
+        return restore, strays, fill, became_ready
 
     def _after_restore(
         self,
