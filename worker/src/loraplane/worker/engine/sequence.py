@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from loraplane.worker.engine.pages import PageLease
 from loraplane.worker.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -40,13 +41,16 @@ class Sequence:
     dp_group: int = -1
     cache_row: int = -1
     slot: int = -1
-    cached: int = 0  # tokens of this sequence in its KV row
+    cached: int = 0  # tokens of this sequence in its KV pages
+    kv_tokens: int = 0  # KV positions reserved at admission (``Engine.kv_tokens``)
+    kv: PageLease | None = None  # its pages while it runs
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     aborted: bool = False
 
     def next_tokens(self) -> tuple[int, ...]:
-        """Tokens to feed this step: the whole prompt first (prefill), then the last sampled token."""
-        if self.cached == 0:
-            return tuple(self.prompt_ids)
+        """Tokens to feed this step: the prompt past its cached prefix first (prefill), then
+        the last sampled token."""
+        if self.cached < len(self.prompt_ids):
+            return tuple(self.prompt_ids[self.cached :])
         return (self.output_ids[-1],)
