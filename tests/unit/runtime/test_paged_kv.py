@@ -27,6 +27,7 @@ from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.engine.scheduler import Scheduler
 from loraplane.worker.engine.sequence import SeqEvent
 from loraplane.worker.engine.tokenizer import TextTokenizer
+from loraplane.worker.server import protocol as p
 from loraplane.worker.server.app import ApiError, WorkerServer
 from loraplane.worker.server.engine_client import InThreadEngineClient
 from loraplane.worker.server.factory import ServeConfig
@@ -155,8 +156,19 @@ def test_requests_on_scattered_pages_get_their_tokens_and_wait_for_pages(
         assert any(len(o) > 1 for o in owners.values())  # a freed page was handed out again
         with engine._lock:
             assert engine.pools[0].used == 0 and engine.pools[0].available == 12
-            groups = engine.lora_state()["dp_groups"]
-        assert groups[0]["kv_pages_used"] == 0 and groups[0]["kv_pages_total"] == 12
+            state = p.LoRAStateResponse.model_validate(engine.lora_state()).model_dump()
+        group = state["dp_groups"][0]  # (what GET /lora_state answers)
+        assert group["kv_pages_used"] == 0 and group["kv_pages_total"] == 12
+        assert group["kv_pages_cached"] > 0  # the prompts' full pages, cached, held by none
+        assert state["prefix_cache"] == [
+            {
+                "adapter": None,
+                "hits": 0,
+                "misses": len(PROMPTS),
+                "cached_tokens": 0,
+                "prompt_tokens": sum(len(prompt) for prompt in PROMPTS),
+            }
+        ]
     finally:
         engine.stop()
 
@@ -192,8 +204,8 @@ def test_pages_of_aborted_requests_are_freed_and_reused(
         executor: PageRecorder = engine.executor  # type: ignore[assignment]
         steps = executor.steps  # (one request at a time: the aborted one's steps, then the next)
         second = next(i for i, work in enumerate(steps) if work[0].tokens == tuple(PROMPTS[0]))
-        aborted_pages = {p for work in steps[:second] for w in work for p in w.pages or ()}
-        next_pages = {p for work in steps[second:] for w in work for p in w.pages or ()}
+        aborted_pages = {page for work in steps[:second] for w in work for page in w.pages or ()}
+        next_pages = {page for work in steps[second:] for w in work for page in w.pages or ()}
         assert aborted_pages and aborted_pages < next_pages == {0, 1, 2, 3}  # reused
         with engine._lock:
             assert engine.pools[0].used == 0 and engine.pools[0].available == 4
