@@ -32,6 +32,7 @@ from loraplane.worker.server.app import ApiError, WorkerServer
 from loraplane.worker.server.engine_client import InThreadEngineClient
 from loraplane.worker.server.factory import ServeConfig
 from loraplane.worker.server.metrics import WorkerMetrics
+from loraplane.worker.server.serve import build_server
 
 pytestmark = pytest.mark.unit
 
@@ -414,3 +415,42 @@ def test_serve_flags_of_the_pool_are_checked() -> None:
         ServeConfig(model="m", max_prefill_tokens=0)
     with pytest.raises(ValueError, match="kv_pages must be >= 1"):
         RunnerConfig("m", kv_pages=0)
+
+
+def test_a_worker_with_its_engine_in_a_process_sizes_reports_and_refuses(
+    suite: dict[str, Any],
+) -> None:
+    """--kv-tokens through the engine-core process: the front end knows the pool (and
+    refuses what exceeds it with a 400), and the pool's size and prefix lookups reach its
+    metrics."""
+    server = build_server(
+        ServeConfig(
+            model=str(suite["llama"][0]),
+            kv_tokens=32,  # two pages of 16
+            max_running=2,
+            max_model_len=64,
+            lora_backend="torch",
+        )
+    )
+    try:
+        assert server.engine.kv_pool_tokens == 32
+        too_long = SamplingParams(max_new_tokens=29, temperature=0.0, ignore_eos=True)
+
+        async def submit() -> None:
+            server.start([1, 2, 3, 4], too_long, None, "big")
+
+        with pytest.raises(ApiError, match="needs 33 KV positions") as refused:
+            asyncio.run(submit())
+        assert refused.value.status == 400
+        tokens, done = start(server.engine, [1, 2, 3, 4], None, 28)
+        assert done.wait(120) and len(tokens) == 28
+        registry = server.metrics.registry
+        pages = registry.get_sample_value(
+            "loraplane_worker_kv_pages", {"dp_group": "0", "state": "total"}
+        )
+        lookups = registry.get_sample_value(
+            "loraplane_worker_prefix_lookups_total", {"adapter": "none", "result": "miss"}
+        )
+        assert pages == 2 and lookups == 1
+    finally:
+        server.engine.stop()
