@@ -386,24 +386,20 @@ class Req:
     kv: PageLease | None = None
 
 
-def test_admission_reserves_pages_and_bounds_a_steps_prefill() -> None:
-    """Rows free, but a request waits while its pages cannot be reserved, or while the step
-    already prefills ``max_prefill_tokens`` (the first request always runs); FIFO: the ones
-    behind it wait too. Finishing gives the pages back for the next."""
+def test_admission_reserves_pages_and_waits_in_order() -> None:
+    """Rows free, but a request waits while its pages cannot be reserved; FIFO: the ones
+    behind it wait too, even one that would fit. Finishing gives the pages back."""
     pool = PagePool(9, 4)
-    s = Scheduler(1, 8, 8, Residency(1, 1), [pool], max_prefill_tokens=12)
-    reqs = [Req([1] * 10, 16), Req([2] * 10, 16), Req([3] * 2, 4), Req([4] * 20, 32)]
+    s = Scheduler(1, 8, 8, Residency(1, 1), [pool])
+    reqs = [Req([1] * 10, 16), Req([2] * 10, 16), Req([3] * 20, 32), Req([4] * 2, 4)]
     for r in reqs:
         s.add(r)
-    assert s.schedule().admitted == reqs[:1]  # the second would prefill 20 > 12 tokens
-    assert s.schedule().admitted == reqs[1:3]  # 10 + 2 tokens; the pool has 0 pages left
-    assert pool.available == 0 and list(s.waiting) == reqs[3:]
+    assert s.schedule().admitted == reqs[:2]  # 8 pages reserved; the third needs 8 more
+    assert pool.available == 1 and list(s.waiting) == reqs[2:]  # the fourth (1 page) waits
     s.finish(reqs[0])
-    s.finish(reqs[2])
-    assert s.schedule().admitted == [] and pool.available == 5  # 8 pages wanted
-    assert list(s.waiting) == reqs[3:]
+    assert s.schedule().admitted == [] and pool.available == 5
     s.finish(reqs[1])
-    assert s.schedule().admitted == reqs[3:]
+    assert s.schedule().admitted == reqs[2:] and pool.available == 0
 
 
 def test_serve_flags_of_the_pool_are_checked() -> None:
@@ -411,8 +407,6 @@ def test_serve_flags_of_the_pool_are_checked() -> None:
         ServeConfig(model="m", kv_tokens=0)
     with pytest.raises(ConfigError, match=r"--mem-fraction must be in \(0, 1\).*got 1.5"):
         ServeConfig(model="m", mem_fraction=1.5)
-    with pytest.raises(ConfigError, match="--max-prefill-tokens must be >= 1, got 0"):
-        ServeConfig(model="m", max_prefill_tokens=0)
     with pytest.raises(ValueError, match="kv_pages must be >= 1"):
         RunnerConfig("m", kv_pages=0)
 

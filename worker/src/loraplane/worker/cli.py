@@ -310,10 +310,6 @@ def serve_cmd(
             show_default=False,
         ),
     ] = None,
-    max_prefill_tokens: Annotated[
-        int,
-        typer.Option(help="New prompt tokens one step prefills at most (one request always runs)"),
-    ] = 16384,
     mem_fraction: Annotated[
         float,
         typer.Option(
@@ -379,7 +375,6 @@ def serve_cmd(
             max_model_len=max_model_len,
             kv_tokens=kv_tokens,
             mem_fraction=mem_fraction,
-            max_prefill_tokens=max_prefill_tokens,
             loras=tuple(loras),
             pinned=tuple(pinned),
             allowed_lora_roots=tuple(allowed_lora_root),

@@ -177,7 +177,6 @@ class Engine:
         fault_hook: FaultHook | None = None,
         on_step: Callable[[], None] | None = None,
         overlap: bool = False,
-        max_prefill_tokens: int | None = None,
     ) -> None:
         self.executor = executor
         # Overlapped steps (ADR 0014): one-rank executors only; the others step in turn.
@@ -196,12 +195,7 @@ class Engine:
         # one pool of KV pages per DP group (each group's ranks hold their own cache)
         self.pools = [PagePool(executor.kv_pages, executor.page_size) for _ in range(self.dp_size)]
         self.scheduler = Scheduler(
-            self.dp_size,
-            executor.max_seqs,
-            max_running,
-            self.residency,
-            self.pools,
-            max_prefill_tokens,
+            self.dp_size, executor.max_seqs, max_running, self.residency, self.pools
         )
         # per adapter name (None: the base model): [requests with a prefix hit, without,
         # prompt tokens from the cache, prompt tokens]

@@ -7,8 +7,7 @@ sequence is admitted with a reservation of every page it can need (`kv_tokens` p
 ADR 0015), so a running sequence never waits for pages. A new sequence goes to the group with
 the most free rows (with pools: the most available pages among groups with a free row). A
 sequence whose pages are not free yet waits, and so do the ones after it (FIFO: a long
-request is not passed over for ever by short ones); so do those past `max_prefill_tokens`
-new prompt tokens in one step (the first always runs), which bounds a step's activations. Admission is FIFO by arrival, with LoRA-fair draining when more
+request is not passed over for ever by short ones). Admission is FIFO by arrival, with LoRA-fair draining when more
 adapters are wanted than there are slots (ADR 0013):
 
 - A request whose adapter holds a slot, and a request without an adapter, is admitted as
@@ -66,7 +65,6 @@ class Scheduler:
         max_running: int,
         residency: Residency,
         pools: list[PagePool] | None = None,
-        max_prefill_tokens: int | None = None,
     ) -> None:
         if dp_size < 1 or rows_per_group < 1 or max_running < 1:
             raise ValueError(
@@ -78,7 +76,6 @@ class Scheduler:
         if pools is not None and len(pools) != dp_size:
             raise ValueError(f"one page pool per DP group: {dp_size} groups, {len(pools)} pools")
         self.pools = pools
-        self.max_prefill_tokens = max_prefill_tokens
         self.free_rows: list[list[int]] = [
             list(range(rows_per_group - 1, -1, -1)) for _ in range(dp_size)
         ]
@@ -100,7 +97,6 @@ class Scheduler:
             if k in self.residency.adapters and self.residency.adapters[k].slot is not None
         }
         rows_full = False
-        prefill = 0  # prompt tokens the admitted sequences prefill in the next step
         for seq in self.waiting:
             key = seq.adapter_key
             if not rows_full:
@@ -110,11 +106,7 @@ class Scheduler:
                     paged = cast(Paged, seq)
                     pool = self.pools[group]
                     cost = pool.cost(paged.kv_tokens, paged.adapter_key, paged.prompt_ids)
-                    rows_full = cost > pool.available or (
-                        self.max_prefill_tokens is not None
-                        and bool(out.admitted)
-                        and prefill + len(paged.prompt_ids) > self.max_prefill_tokens
-                    )
+                    rows_full = cost > pool.available
             if rows_full:
                 keep.append(seq)
                 continue
@@ -142,7 +134,6 @@ class Scheduler:
                     paged.kv_tokens, paged.adapter_key, paged.prompt_ids
                 )
                 assert paged.kv is not None  # (checked above)
-                prefill += len(paged.prompt_ids) - paged.kv.cached
             seq.cache_row = self.free_rows[group].pop()
             seq.slot = grant.slot if grant is not None else -1
             self.running.append(seq)

@@ -37,8 +37,6 @@ class ServeConfig:
     # (at most max_running full-length requests); else max_running x max_model_len.
     kv_tokens: int | None = None
     mem_fraction: float = 0.85
-    # new prompt tokens one step prefills at most over all DP groups (one request always runs)
-    max_prefill_tokens: int = 16384
     loras: tuple[tuple[str, str], ...] = ()
     pinned: tuple[str, ...] = ()
     allowed_lora_roots: tuple[str, ...] = ()
@@ -77,8 +75,6 @@ class ServeConfig:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if self.max_prefill_tokens < 1:
-            raise ConfigError(f"--max-prefill-tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ConfigError(f"--kv-tokens must be >= 1, got {self.kv_tokens}")
         if not 0.0 < self.mem_fraction < 1.0:
@@ -213,7 +209,6 @@ def build_engine(
             observer=observer,
             fault_hook=fault_hook,
             overlap=config.overlap,
-            max_prefill_tokens=config.max_prefill_tokens,
         )
     except BaseException:
         executor.shutdown()
