@@ -48,9 +48,16 @@ class Sequence:
     matched_stop: int | str | None = None
     aborted: bool = False
 
-    def next_tokens(self) -> tuple[int, ...]:
-        """Tokens to feed this step: the prompt past its cached prefix first (prefill), then
-        the last sampled token."""
-        if self.cached < len(self.prompt_ids):
-            return tuple(self.prompt_ids[self.cached :])
+    @property
+    def prefilling(self) -> bool:
+        """Whether prompt tokens are still to be fed (the next step samples no real token
+        unless it feeds the rest of the prompt)."""
+        return self.cached < len(self.prompt_ids)
+
+    def next_tokens(self, limit: int | None = None) -> tuple[int, ...]:
+        """Tokens to feed this step: the prompt first (at most ``limit`` of its tokens a step:
+        chunked prefill), then the last sampled token."""
+        if self.prefilling:
+            end = len(self.prompt_ids) if limit is None else self.cached + limit
+            return tuple(self.prompt_ids[self.cached : end])
         return (self.output_ids[-1],)
