@@ -66,11 +66,6 @@ class KVCache:
         # what the device table holds per row (host mirror, so a step writes only changes)
         self._rows: list[tuple[int, ...]] = [() for _ in range(max_seqs)]
 
-    @property
-    def tokens(self) -> int:
-        """Positions the pool hands out (the spare page not counted)."""
-        return self.num_pages * self.page_size
-
     def contiguous_pages(self, row: int, tokens: int) -> tuple[int, ...]:
         """Row ``row``'s pages in the one-row-per-sequence layout (``SeqChunk.pages`` None),
         modulo the pool."""
@@ -106,9 +101,8 @@ class KVCache:
             device = self.page_table.device
             if device.type == "cuda":
                 index, update = index.pin_memory(), update.pin_memory()
-            self.page_table[index[0].to(device, non_blocking=True), index[1].to(device)] = (
-                update.to(device, non_blocking=True)
-            )
+            index = index.to(device, non_blocking=True)
+            self.page_table[index[0], index[1]] = update.to(device, non_blocking=True)
 
     def point_at_spare(self, row: int) -> None:
         """Map every entry of ``row`` to the spare page (the CUDA graphs' padding row)."""
