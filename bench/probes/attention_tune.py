@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
             v = torch.randn_like(k)
             q = torch.randn(bs, HEADS, D, device=DEV, dtype=torch.bfloat16)
             rows = torch.arange(bs, device=DEV)
+            table = torch.arange(bs + 1, device=DEV, dtype=torch.int32)[:, None]  # a page a row
             lens = torch.full((bs,), ctx, device=DEV, dtype=torch.int64)
             kv_bytes = 2 * bs * ctx * KV * D * 2
             for chunk, block_l, warps in configs:
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
                 for splits in split_counts:
                     attention.SPLITS_OVERRIDE = splits
                     rule = attention.splits_for(bs, KV, q.device)
-                    call = partial(attention.decode_attention, q, k, v, rows, lens, D**-0.5)
+                    call = partial(attention.decode_attention, q, k, v, table, rows, lens, D**-0.5)
                     us = time_graph(call, DEV)
                     row = {
                         "ctx": ctx,

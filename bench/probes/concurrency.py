@@ -126,6 +126,7 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
     seg_ranks = ranks[:n_ad].clone()
     seg_scal = scal[:n_ad].clone()
     rows = torch.arange(bs, device=dev)
+    table = torch.arange(130, device=dev, dtype=torch.int32)[:, None]  # one page per row
     pos = torch.full((bs,), CTX - 1, dtype=torch.int64, device=dev)
     word = torch.zeros(1, dtype=torch.int32, device=dev)
     y_cols = {name: seg_slots * a.shape[1] for name, (a, _, _) in layers[0].lora.items()}
@@ -233,7 +234,9 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
         for layer in layers:
             qkv, _ = proj(layer, "qkv", rms(h, layer.norm), mode, h)
             q = qkv[:, : HEADS * D].reshape(bs, HEADS, D)
-            att = kernels.decode_attention(q, layer.k_cache, layer.v_cache, rows, pos + 1, D**-0.5)
+            att = kernels.decode_attention(
+                q, layer.k_cache, layer.v_cache, table, rows, pos + 1, D**-0.5
+            )
             o, join = proj(layer, "o", att.reshape(bs, HEADS * D), mode, h)
             if join == "join":
                 torch.cuda.current_stream().wait_stream(side)

@@ -87,9 +87,10 @@ def rotation(row: dict[str, Any], rows: int, st: Any) -> None:
     k_cache = torch.zeros(rows, 640, KV, D, device=DEV, dtype=DT)
     v_cache = torch.zeros_like(k_cache)
     positions = torch.full((rows,), 511, dtype=torch.int64, device=DEV)
-    cache_rows = torch.arange(rows, dtype=torch.int64, device=DEV)
+    # KV slots of a cache of one 640-position page per row
+    slots = torch.arange(rows, dtype=torch.int64, device=DEV) * 640 + positions
     cos_sin = RotaryEmbedding(D, 500000.0).to(DEV).cos_sin(640, DT)
-    args = (positions, cache_rows, cos_sin, k_cache, v_cache, H)
+    args = (positions, slots, cos_sin, k_cache, v_cache, H)
     row["rope_lora_us"] = timed(lambda: rope.rope_qkv(full, *args, lora_b=b, stage=st))
     row["rope_base_us"] = timed(lambda: rope.rope_qkv(plain, *args))
 

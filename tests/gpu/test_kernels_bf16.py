@@ -332,7 +332,8 @@ def test_decode_attention_bf16(tokens: int, max_ctx: int) -> None:
     q = torch.randn(tokens, heads, d, device=dev, dtype=torch.bfloat16)
     rows = torch.randperm(tokens + 4, generator=g)[:tokens].to(dev)
     lens = torch.randint(1, max_ctx + 1, (tokens,), generator=g).to(dev)
-    out = attention.decode_attention(q, k_cache, v_cache, rows, lens, d**-0.5)
+    table = torch.arange(tokens + 4, device=dev, dtype=torch.int32)[:, None]  # a page a row
+    out = attention.decode_attention(q, k_cache, v_cache, table, rows, lens, d**-0.5)
     ref = torch.empty(tokens, heads, d, device=dev)
     for t in range(tokens):
         n = int(lens[t])

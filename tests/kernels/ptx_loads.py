@@ -150,12 +150,12 @@ def rope_cases() -> dict[str, int]:
     }
     ptrs |= {n: "*bf16" for n in ("q_norm_ptr", "k_norm_ptr")}
     ptrs |= {n: "*i32" for n in ("row_pos_ptr", "pos_slots_ptr")}
-    ptrs |= {n: "*i64" for n in ("cache_rows_ptr", "positions_ptr")}
+    ptrs |= {n: "*i64" for n in ("slots_ptr", "positions_ptr")}
     ptrs |= {"pos_scal_ptr": "*fp32"}
     ints = ("n_tokens", "num_heads", "num_kv_heads", "half", "n_base", "n_r", "rank_max")
-    ints += ("src_stride", "q_stride_t", "q_stride_h", "c_stride_row", "c_stride_pos")
+    ints += ("src_stride", "q_stride_t", "q_stride_h", "c_stride_page", "c_stride_pos")
     ints += ("c_stride_head", "cs_stride", "b_stride_slot", "b_stride_row")
-    types = _types(ptrs, ints) | {"eps": "fp32"}
+    types = _types(ptrs, ints) | {"eps": "fp32", "page_size": "i32"}
     layouts = {16: set(), 8: {"rank_max", "n_r", "src_stride"}}  # as for the epilogues
     out = {}
     for rank, odd in layouts.items():

@@ -1,4 +1,7 @@
-"""Decode attention in place over the KV cache (kernels/attention.py) against SDPA."""
+"""Decode attention in place over the paged KV cache (kernels/attention.py) against SDPA.
+
+Most cases build a contiguous cache ``[rows, positions, ...]``, which is a paged one of one
+page per row (``identity``); ``test_pages_scattered_over_the_pool`` pages it for real."""
 
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def sdpa_reference(q, k_cache, v_cache, cache_rows, seq_lens, scale):  # type: i
     return out
 
 
+def identity(rows: int) -> torch.Tensor:
+    """The page table of a contiguous cache: row ``r`` is page ``r``."""
+    return torch.arange(rows, dtype=torch.int32, device=DEVICE)[:, None]
+
+
 def make_case(tokens, heads, kv_heads, head_dim, positions, lens, dtype, seed=0):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(seed)
     rows = tokens + 2
@@ -62,7 +70,9 @@ def test_matches_sdpa_over_each_rows_prefix(heads, kv_heads, head_dim, lens, dty
         len(lens), heads, kv_heads, head_dim, 160, lens, dtype
     )
     scale = head_dim**-0.5
-    out = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, scale)
+    out = attention.decode_attention(
+        q, k_cache, v_cache, identity(k_cache.shape[0]), rows, seq_lens, scale
+    )
     want = sdpa_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), rows.cpu(), seq_lens.cpu(), scale)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.cpu().double(), want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -71,11 +81,12 @@ def test_matches_sdpa_over_each_rows_prefix(heads, kv_heads, head_dim, lens, dty
 def test_positions_past_the_length_are_never_read() -> None:
     """NaN beyond each row's length (a stale or unwritten cache) must not reach the output."""
     q, k_cache, v_cache, rows, seq_lens = make_case(2, 4, 2, 16, 96, [10, 70], torch.float32)
-    want = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.25)
+    table = identity(k_cache.shape[0])
+    want = attention.decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.25)
     for t, n in enumerate([10, 70]):
         k_cache[rows[t], n:] = float("nan")
         v_cache[rows[t], n:] = float("nan")
-    out = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.25)
+    out = attention.decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.25)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, want, atol=0, rtol=0)
 
@@ -87,6 +98,7 @@ def test_positions_past_the_length_are_never_read() -> None:
         ("lens", "seq_lens must have dtype in (torch.int64), got torch.int32"),
         ("rows", "cache_rows.shape[0] must be 2 (one per token of q)"),
         ("v", "v_cache must have k_cache's shape and strides"),
+        ("table", "page_table must have dtype in (torch.int32), got torch.int64"),
     ],
 )
 def test_bad_arguments_name_the_field(field: str, message: str) -> None:
@@ -97,10 +109,13 @@ def test_bad_arguments_name_the_field(field: str, message: str) -> None:
         seq_lens = seq_lens.to(torch.int32)
     elif field == "rows":
         rows = rows[:1]
-    else:
+    elif field == "v":
         v_cache = v_cache[:, :16]
+    table = identity(k_cache.shape[0])
+    if field == "table":
+        table = table.long()
     with pytest.raises(ValueError, match=re.escape(message)):
-        attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 1.0)
+        attention.decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 1.0)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 5])
@@ -117,8 +132,9 @@ def test_split_positions_combine_to_the_same_attention(splits: int) -> None:
     old = attention.SPLITS_OVERRIDE
     attention.SPLITS_OVERRIDE = splits
     try:
-        got = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.2)
-        again = attention.decode_attention(q, k_cache, v_cache, rows, seq_lens, 0.2)
+        table = identity(k_cache.shape[0])
+        got = attention.decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2)
+        again = attention.decode_attention(q, k_cache, v_cache, table, rows, seq_lens, 0.2)
     finally:
         attention.SPLITS_OVERRIDE = old
     want = sdpa_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), rows.cpu(), seq_lens.cpu(), 0.2)
@@ -134,3 +150,28 @@ def test_split_count_fills_the_gpu_for_small_batches_only() -> None:
     counts = [attention.splits_for(t, 1, cpu) for t in (1, 2, 4, 8, 64)]
     assert counts == sorted(counts, reverse=True) and counts[0] > 1 and counts[-1] == 1
     assert all(1 <= c <= attention.MAX_SPLITS for c in counts)
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_pages_scattered_over_the_pool(page_size: int) -> None:
+    """The same attention when each row's positions sit on pages scattered over a shared
+    pool in any order (a page size that does not divide the blocks, too), and the pool's
+    other pages (NaN) are never read."""
+    lens = [1, 17, 64, 90]
+    q, k_rows, v_rows, rows, seq_lens = make_case(4, 4, 2, 16, 96, lens, torch.float32, seed=3)
+    per_row = -(-96 // page_size)
+    gen = torch.Generator().manual_seed(page_size)
+    pool = k_rows.shape[0] * per_row + 7
+    order = torch.randperm(pool, generator=gen)[: k_rows.shape[0] * per_row]
+    table = order.view(k_rows.shape[0], per_row).to(torch.int32)
+    k_cache = torch.full((pool, page_size, 2, 16), float("nan"), device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for r in range(k_rows.shape[0]):
+        for p in range(per_row):
+            n = min(page_size, 96 - p * page_size)
+            k_cache[table[r, p], :n] = k_rows[r, p * page_size : p * page_size + n]
+            v_cache[table[r, p], :n] = v_rows[r, p * page_size : p * page_size + n]
+    got = attention.decode_attention(q, k_cache, v_cache, table.to(DEVICE), rows, seq_lens, 0.25)
+    want = sdpa_reference(q.cpu(), k_rows.cpu(), v_rows.cpu(), rows.cpu(), seq_lens.cpu(), 0.25)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.kernels
 
 H, KV, D = 4, 2, 32  # heads, KV heads, head size: q | k | v is 256 columns
 N_QKV = (H + 2 * KV) * D
-ROWS, MAX_LEN = 6, 40  # KV-cache rows and positions
+ROWS, MAX_LEN = 6, 40  # sequences and positions
+PAGE = 8  # KV-cache positions per page: a row's 40 positions on 5 pages, scattered
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -66,13 +67,18 @@ def _rope_inputs(
     cache_rows = torch.randperm(ROWS, generator=g)[:t] if t <= ROWS else torch.arange(t) % ROWS
     # distinct (row, position) pairs, as a batch writes them
     positions = positions if t <= ROWS else torch.arange(t) // ROWS
+    # each row's pages, a permutation of the pool: the slot of (row, position)
+    per_row = MAX_LEN // PAGE
+    pages = torch.randperm(max(ROWS, t) * per_row, generator=g).view(-1, per_row)
+    slots = pages[cache_rows, positions // PAGE] * PAGE + positions % PAGE
+    shape = (pages.numel(), PAGE, KV, d)  # [pages, page_size, KV, d]
     return {
         "qkv": (torch.randn(t, n, generator=g) * 2).to(dtype).to(DEVICE),
         "positions": positions.to(DEVICE),
-        "cache_rows": cache_rows.to(DEVICE),
+        "slots": slots.to(DEVICE),
         "cos_sin": rotary.cos_sin(MAX_LEN, dtype),
-        "k_cache": torch.zeros(max(ROWS, t), MAX_LEN, KV, d, dtype=dtype, device=DEVICE),
-        "v_cache": torch.zeros(max(ROWS, t), MAX_LEN, KV, d, dtype=dtype, device=DEVICE),
+        "k_cache": torch.zeros(shape, dtype=dtype, device=DEVICE),
+        "v_cache": torch.zeros(shape, dtype=dtype, device=DEVICE),
         "rotary": rotary,
     }
 
@@ -87,13 +93,13 @@ def _torch_path(inp: dict, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None
         q, k = q_norm(q), k_norm(k)
     q, k = inp["rotary"](inp["positions"], q, k)
     k_cache, v_cache = inp["k_cache"].clone(), inp["v_cache"].clone()
-    k_cache[inp["cache_rows"], inp["positions"]] = k
-    v_cache[inp["cache_rows"], inp["positions"]] = v
+    k_cache.view(-1, KV, d)[inp["slots"]] = k
+    v_cache.view(-1, KV, d)[inp["slots"]] = v
     return q, k_cache, v_cache
 
 
 def _args(inp: dict) -> tuple:  # type: ignore[type-arg]
-    keys = ("qkv", "positions", "cache_rows", "cos_sin", "k_cache", "v_cache")
+    keys = ("qkv", "positions", "slots", "cos_sin", "k_cache", "v_cache")
     return tuple(inp[k] for k in keys)
 
 
@@ -178,8 +184,8 @@ def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(
     with_adapter, no_adapter = _rows(stage)
     assert torch.equal(q[no_adapter], base_q[no_adapter])
     for cache in ("k_cache", "v_cache"):  # and the cache slots they wrote
-        slots = (base["cache_rows"][no_adapter], base["positions"][no_adapter])
-        assert torch.equal(inp[cache][slots], base[cache][slots])
+        slots = base["slots"][no_adapter]
+        assert torch.equal(inp[cache].view(-1, KV, D)[slots], base[cache].view(-1, KV, D)[slots])
     assert (q[with_adapter].float() - base_q[with_adapter].float()).abs().max() > 0.1
     # the same as adding the LoRA first (stacked_plain), then the base path's rotation
     plain = _rope_inputs(rows, dtype)
@@ -200,10 +206,8 @@ def test_rope_qkv_names_a_bad_input() -> None:
         rope.rope_qkv(args[0], args[1][:4], *args[2:], H)
     with pytest.raises(ValueError, match=r"rope_qkv: positions must have dtype in \(torch.int64\)"):
         rope.rope_qkv(args[0], args[1].int(), *args[2:], H)
-    with pytest.raises(ValueError, match=r"rope_qkv: cache_rows must be contiguous"):
+    with pytest.raises(ValueError, match=r"rope_qkv: slots must be contiguous"):
         rope.rope_qkv(*args[:2], torch.stack([args[2], args[2]], 1)[:, 0], *args[3:], H)
-    with pytest.raises(ValueError, match=r"rope_qkv: cos_sin must cover every cache position"):
-        rope.rope_qkv(*args[:3], args[3][: MAX_LEN - 1], *args[4:], H)
     with pytest.raises(ValueError, match=r"rope_qkv: cos_sin.shape\[1\] must be 32"):
         rope.rope_qkv(*args[:3], args[3][:, :16], *args[4:], H)
     with pytest.raises(ValueError, match=r"rope_qkv: v_cache must have k_cache's shape"):

@@ -80,8 +80,9 @@ def test_worker_registration_and_unreachable_marking(
     first = client.post("/v1/workers", json=body, headers=ADMIN)
     assert first.status_code == 201, first.text
     assert first.json()["dp_groups"] == [
-        {"dp_group": 0, "adapters": [], "slots_used": 0, "slots_total": 3},
-        {"dp_group": 1, "adapters": [], "slots_used": 0, "slots_total": 3},
+        {"dp_group": g, "adapters": [], "slots_used": 0, "slots_total": 3}
+        | {"kv_pages_used": 0, "kv_pages_total": 0}  # (not seen from the worker yet)
+        for g in (0, 1)
     ]
     second = client.post(
         "/v1/workers", json={**body, "endpoint": "http://127.0.0.1:10/"}, headers=ADMIN

@@ -241,7 +241,18 @@ def test_crd_shape_printer_columns_short_names_and_status_subresource() -> None:
         ),
         (
             "loraplane.io_lorapools.yaml",
-            ["Model", "Replicas", "Ready", "Phase", "Reason", "TP", "DP", "Age"],
+            [
+                "Model",
+                "Replicas",
+                "Ready",
+                "Phase",
+                "Reason",
+                "TP",
+                "DP",
+                "KV-Used",
+                "KV-Total",
+                "Age",
+            ],
             "lpool",
         ),
     ):

@@ -208,16 +208,32 @@ def test_pool_status_reports_dp_group_health_and_slot_use() -> None:
             "state": "ready",
             "slots": {"loaded": 2, "pinned": 1},
             "dp_groups": [
-                {"dp_group": 0, "adapters": ["a", "b"], "slots_used": 2, "slots_total": 4},
-                {"dp_group": 1, "adapters": ["a", "b"], "slots_used": 2, "slots_total": 4},
+                {
+                    "dp_group": 0,
+                    "adapters": ["a", "b"],
+                    "slots_used": 2,
+                    "slots_total": 4,
+                    "kv_pages_used": 30,
+                    "kv_pages_total": 100,
+                },
+                {
+                    "dp_group": 1,
+                    "adapters": ["a", "b"],
+                    "slots_used": 2,
+                    "slots_total": 4,
+                    "kv_pages_used": 5,
+                    "kv_pages_total": 100,
+                },
             ],
         }
     ]
     st = status.pool_status(1, 2, pods, workers, {}, "t")
     assert st["readyReplicas"] == 1 and st["registeredWorkers"] == 1
     assert (st["slotsUsed"], st["slotsTotal"]) == (4, 8)
+    assert (st["kvPagesUsed"], st["kvPagesTotal"]) == (35, 200)
     assert st["workers"][0]["dpGroups"][1] == {
-        "dpGroup": 1, "healthy": True, "slotsUsed": 2, "slotsTotal": 4, "adapters": ["a", "b"],
+        "dpGroup": 1, "healthy": True, "slotsUsed": 2, "slotsTotal": 4, "kvPagesUsed": 5,
+        "kvPagesTotal": 100, "adapters": ["a", "b"],
     }  # fmt: skip
     assert st["workers"][1]["state"] == "unregistered"
     assert conditions(st)["Ready"]["status"] == "False"

@@ -246,6 +246,7 @@ class _MarkedExecutor:
     dp_size = 1
     max_seqs = 4
     max_len = 64
+    kv_pages, page_size = 16, 16
 
     def __init__(self, model_dir: Path) -> None:
         from loraplane.worker.config import ModelConfig

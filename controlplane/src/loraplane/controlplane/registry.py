@@ -100,14 +100,19 @@ def worker_json(worker: Worker, inflight: int = 0) -> dict[str, Any]:
             if any(r.dp_group == group and r.state == "loaded" for r in rows)
         )
         slots_used = len(names)
+        seen: dict[str, Any] = {}  # the worker's last /lora_state of this group
         if isinstance(observed_groups, list) and group < len(observed_groups):
-            slots_used = int(observed_groups[group].get("slots_used", slots_used))
+            seen = observed_groups[group]
+            slots_used = int(seen.get("slots_used", slots_used))
         groups.append(
             {
                 "dp_group": group,
                 "adapters": names,
                 "slots_used": slots_used,
                 "slots_total": pool.max_loras_per_batch,
+                # the paged KV cache's pages held by requests, and all of them (0: not seen)
+                "kv_pages_used": int(seen.get("kv_pages_used", 0)),
+                "kv_pages_total": int(seen.get("kv_pages_total", 0)),
             }
         )
     return {

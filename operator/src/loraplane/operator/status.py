@@ -425,19 +425,23 @@ def pool_status(
     plane's workers of the pool (the API's worker objects)."""
     by_name = {w.get("name"): w for w in cp_workers}
     workers: list[dict[str, Any]] = []
-    slots_used = slots_total = 0
+    slots_used = slots_total = kv_used = kv_total = 0
     for pod in sorted(pods, key=lambda p: str(p["name"])):
         cp = by_name.get(pod["worker"]) or {}
         groups = []
         for group in cp.get("dp_groups") or []:
             used, total = int(group.get("slots_used", 0)), int(group.get("slots_total", 0))
             slots_used, slots_total = slots_used + used, slots_total + total
+            pages = int(group.get("kv_pages_used", 0)), int(group.get("kv_pages_total", 0))
+            kv_used, kv_total = kv_used + pages[0], kv_total + pages[1]
             groups.append(
                 {
                     "dpGroup": int(group.get("dp_group", 0)),
                     "healthy": cp.get("state") == "ready",
                     "slotsUsed": used,
                     "slotsTotal": total,
+                    "kvPagesUsed": pages[0],
+                    "kvPagesTotal": pages[1],
                     "adapters": list(group.get("adapters") or []),
                 }
             )
@@ -486,6 +490,8 @@ def pool_status(
         "registeredWorkers": registered,
         "slotsUsed": slots_used,
         "slotsTotal": slots_total,
+        "kvPagesUsed": kv_used,
+        "kvPagesTotal": kv_total,
         "workers": workers,
         "conditions": merge_conditions(old.get("conditions"), conditions, now),
     }

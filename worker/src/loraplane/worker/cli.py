@@ -304,10 +304,27 @@ def serve_cmd(
     enable_fault_injection: Annotated[
         bool, typer.Option(help="Test only: enable POST /debug/fault")
     ] = False,
-    max_running: Annotated[int, typer.Option(help="Running requests (KV rows) per DP group")] = 32,
+    max_running: Annotated[
+        int, typer.Option(help="At most this many running requests per DP group")
+    ] = 32,
     max_model_len: Annotated[
         int | None, typer.Option(help="Prompt + generated tokens per request")
     ] = None,
+    kv_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="KV-cache positions per DP group (pages of 16). Default: on CUDA what "
+            "--mem-fraction leaves; on a CPU --max-running x --max-model-len",
+            show_default=False,
+        ),
+    ] = None,
+    mem_fraction: Annotated[
+        float,
+        typer.Option(
+            help="Share of the GPU's memory for the weights, LoRA slots and KV pool; the rest "
+            "is left to activations and CUDA graphs"
+        ),
+    ] = 0.85,
     served_model_name: Annotated[
         str | None, typer.Option(help="Base model id in /v1/models (default: dir name)")
     ] = None,
@@ -364,6 +381,8 @@ def serve_cmd(
             sampler=sampler,
             max_running=max_running,
             max_model_len=max_model_len,
+            kv_tokens=kv_tokens,
+            mem_fraction=mem_fraction,
             loras=tuple(loras),
             pinned=tuple(pinned),
             allowed_lora_roots=tuple(allowed_lora_root),

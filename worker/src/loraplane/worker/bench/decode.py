@@ -219,6 +219,7 @@ def _make_runner(model: nn.Module, device: str, max_seqs: int, max_len: int) -> 
                 self.dtype,
                 self.device,
             )
+            self.kv.point_at_spare(max_seqs)
             self.lora_config = None
             self.lora = None
             self.graphs = None  # set per measured variant (run_decode_bench)

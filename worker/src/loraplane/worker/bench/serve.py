@@ -16,7 +16,9 @@ measured over ``--windows`` windows of ``--duration`` seconds after ``--warmup``
   ``--num-adapters`` rank-16 adapters on every target.
 - Prompts are random token ids (``--prompt-len``), ``--output-len`` new tokens, greedy with
   ``ignore_eos``; adapters are drawn ``uniform`` or ``zipf`` from the first ``adapters`` of
-  the list, per request.
+  the list, per request. With ``--shared-prefix N`` every prompt of one adapter (or of the
+  base model) starts with the same N ids, drawn from the adapter's name (the worker's prefix
+  cache, ADR 0015); rows name it (``shared_prefix``).
 - ``gpu_busy`` is NVML's utilisation (the share of time a kernel ran), sampled every
   100 ms through the window, when NVML can be loaded; null otherwise.
 
@@ -282,16 +284,27 @@ async def run_row(
     seed: int,
     busy: GpuBusy,
     progress: Callable[[str], None],
+    shared_prefix: int = 0,
 ) -> list[dict[str, Any]]:
     """Drive one row's load and return one summary per window."""
     rng = random.Random(seed)
+    prefixes: dict[str | None, list[int]] = {}
+
+    def prefix_of(adapter: str | None) -> list[int]:
+        if adapter not in prefixes:
+            draw = random.Random(f"prefix:{adapter}")
+            prefixes[adapter] = [draw.randrange(1, vocab) for _ in range(shared_prefix)]
+        return prefixes[adapter]
+
     records: list[RequestRecord] = []
     end = time.perf_counter() + warmup + duration * windows
     tasks: set[asyncio.Task[None]] = set()
 
     async def one() -> None:
-        prompt = [rng.randrange(1, vocab) for _ in range(prompt_len)]
-        record = RequestRecord(draw(), time.perf_counter())
+        adapter = draw()
+        head = prefix_of(adapter) if shared_prefix else []
+        prompt = head + [rng.randrange(1, vocab) for _ in range(prompt_len - len(head))]
+        record = RequestRecord(adapter, time.perf_counter())
         records.append(record)
         try:
             await transport.stream(prompt, record.adapter, output_len, record)
@@ -557,6 +570,12 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--dist", choices=("uniform", "zipf"), default="uniform")
     load.add_argument("--prompt-len", type=int, default=256)
     load.add_argument("--output-len", type=int, default=128)
+    load.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="the first N prompt ids are the same for every request of an adapter",
+    )
     load.add_argument("--vocab", type=int, help="prompt ids below this (default: the model's)")
     load.add_argument("--warmup", type=float, default=5.0, help="seconds before the windows")
     load.add_argument("--duration", type=float, default=20.0, help="seconds per window")
@@ -670,9 +689,17 @@ async def _measure(
                     seed=args.seed + 1000 * i,
                     busy=busy,
                     progress=progress,
+                    shared_prefix=args.shared_prefix,
                 )
                 for summary in windows:
-                    results.append({**asdict(row), "slots": slots, **summary})
+                    results.append(
+                        {
+                            **asdict(row),
+                            "slots": slots,
+                            "shared_prefix": args.shared_prefix,
+                            **summary,
+                        }
+                    )
                 on_row(results)
                 if row.rate is None and args.poisson_fraction > 0:
                     peak = statistics.fmean(w["req_s"] for w in windows)
@@ -704,6 +731,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.url and not (args.model or args.fixture):
         print("error: give --url, --model or --fixture", file=sys.stderr)
+        return 2
+    if not 0 <= args.shared_prefix < args.prompt_len:
+        print(
+            f"error: --shared-prefix {args.shared_prefix} must be in 0..--prompt-len - 1 "
+            f"({args.prompt_len - 1}): each prompt keeps at least one id of its own",
+            file=sys.stderr,
+        )
         return 2
     model, loras = _resolve_target(args)
     names = [n for n, _ in loras] or [n for n in (args.adapter_names or "").split(",") if n.strip()]

@@ -35,6 +35,7 @@ from loraplane.worker.engine.executor import (
 )
 from loraplane.worker.engine.logprobs import TokenLogprob
 from loraplane.worker.engine.merge import LoRAUpdateResult, merge_lora_update_results
+from loraplane.worker.engine.pages import PagePool
 from loraplane.worker.engine.residency import Residency, ResidencyError
 from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.engine.scheduler import Admission, Scheduler
@@ -43,6 +44,10 @@ from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.lora.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
 
 log = logging.getLogger("loraplane.worker.engine")
+
+
+class RequestTooLongError(ValueError):
+    """A request that could never run: its KV positions exceed a DP group's whole pool."""
 
 
 class UnknownAdapterError(LookupError):
@@ -66,6 +71,14 @@ class EngineObserver(Protocol):
     def slot_loaded(self, adapter: str) -> None: ...
     def adapter_loaded(self, adapter: str) -> None: ...
     def adapter_unloaded(self, adapter: str) -> None: ...
+    def prefix_lookup(self, adapter: str | None, cached_tokens: int, prompt_tokens: int) -> None:
+        """A request was admitted with ``cached_tokens`` of its prompt from the prefix cache."""
+        ...
+
+    def kv_pool(self, dp_group: int, used: int, cached: int, total: int) -> None:
+        """A DP group's KV pages: held by requests, cached prefixes held by none, all."""
+        ...
+
     def residency_changed(
         self, slots_used: int, loaded: int, pinned: int, inconsistent: int
     ) -> None: ...
@@ -190,7 +203,15 @@ class Engine:
         self.dp_size = executor.dp_size
         self.max_model_len = min(max_model_len, executor.max_len)
         self.residency = Residency(max_loras_per_batch, max_loaded_loras)
-        self.scheduler = Scheduler(self.dp_size, executor.max_seqs, max_running, self.residency)
+        # one pool of KV pages per DP group (each group's ranks hold their own cache)
+        self.pools = [PagePool(executor.kv_pages, executor.page_size) for _ in range(self.dp_size)]
+        self.scheduler = Scheduler(
+            self.dp_size, executor.max_seqs, max_running, self.residency, self.pools
+        )
+        # per adapter name (None: the base model): [requests with a prefix hit, without,
+        # prompt tokens from the cache, prompt tokens]
+        self.prefix_stats: dict[str | None, list[int]] = {}
+        self._kv_reported: list[tuple[int, int, int]] = []
         self.observer: Any = observer or _NullObserver()
         self.fault_hook = fault_hook
         # called on the engine's thread after each round of commands and a step (outside the
@@ -270,15 +291,32 @@ class Engine:
         adapter: str | None,
         sink: Callable[[SeqEvent], None],
     ) -> Sequence:
+        kv_tokens = self.kv_tokens(len(prompt_ids), params.max_new_tokens)
+        if not self.pools[0].fits(kv_tokens):
+            raise RequestTooLongError(
+                f"the request needs {kv_tokens} KV positions (a {len(prompt_ids)}-token prompt "
+                f"and max_tokens {params.max_new_tokens}, within max_model_len "
+                f"{self.max_model_len}); this worker's KV pool holds {self.kv_pool_tokens}"
+            )
         with self._wake:
             key = self.resolve_adapter(adapter) if adapter is not None else None
             seq = Sequence(request_id, prompt_ids, params, adapter, key, sink)
+            seq.kv_tokens = kv_tokens
             if key is not None:
                 self.residency.hold(key)
             self._incoming.append(seq)
             self._wake.notify_all()
         self.observer.request_started(adapter, len(prompt_ids))
         return seq
+
+    def kv_tokens(self, prompt: int, max_new_tokens: int) -> int:
+        """KV positions a request reserves: its prompt and new tokens, cut at max_model_len."""
+        return min(prompt + max_new_tokens, self.max_model_len)
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        """KV positions of one DP group's pool."""
+        return self.pools[0].num_pages * self.pools[0].page_size
 
     def abort(self, seq: Sequence) -> None:
         with self._wake:
@@ -545,11 +583,24 @@ class Engine:
                         "slots_used": r.slots_used,
                         "slots_total": r.num_slots,
                         "running": sum(1 for s in self.scheduler.running if s.dp_group == g),
+                        "kv_pages_used": self.pools[g].used,
+                        "kv_pages_cached": self.pools[g].cached,
+                        "kv_pages_total": self.pools[g].num_pages,
                     }
                     for g in range(self.dp_size)
                 ],
                 "adapters": adapters,
                 "evictions": [{"adapter": e.adapter, "at": e.at} for e in self.evictions[-256:]],
+                "prefix_cache": [
+                    {
+                        "adapter": name,
+                        "hits": s[0],
+                        "misses": s[1],
+                        "cached_tokens": s[2],
+                        "prompt_tokens": s[3],
+                    }
+                    for name, s in sorted(self.prefix_stats.items(), key=lambda i: i[0] or "")
+                ],
                 "waiting": len(self.scheduler.waiting) + len(self._incoming),
                 "running": len(self.scheduler.running),
             }
@@ -592,6 +643,8 @@ class Engine:
                     self._step_overlapped()
                 else:
                     self._step()
+                with self._lock:
+                    self._report_kv()
                 if self.on_step is not None:
                     self.on_step()
         except BaseException as exc:
@@ -683,6 +736,7 @@ class Engine:
                     self._end(seq)
                     self._emit(seq, ())
             admission = self.scheduler.schedule()
+            self._prefix_hits(cast(list[Sequence], admission.admitted))
             for key in admission.evicted:
                 adapter = self.residency.adapters[key]
                 self.evictions.append(EventRecord("evict", adapter.name, time.time()))
@@ -716,10 +770,7 @@ class Engine:
         # Rows ordered by adapter slot (stable; no adapter first): each slot's tokens are then
         # contiguous, so the LoRA kernels read them in place, with no gather (`row_order`).
         for seq, take in sorted(self._plan(running), key=lambda p: p[0].slot):
-            tokens = seq.next_tokens(take)
-            work[seq.dp_group].append(
-                SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, seq.generated)
-            )
+            work[seq.dp_group].append(self._work(seq, seq.next_tokens(take), seq.generated))
             order[seq.dp_group].append(seq)
         self.observer.step(
             len({seq.adapter_key for seq in running if seq.adapter_key is not None}),
@@ -772,9 +823,7 @@ class Engine:
                 carry = -1 if seq.prefilling else in_flight.get(id(seq), -1)
                 tokens = (0,) if carry >= 0 else seq.next_tokens(take)
                 index = seq.generated + (1 if carry >= 0 else 0)
-                work.append(
-                    SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, index, carry)
-                )
+                work.append(self._work(seq, tokens, index, carry))
                 order.append(seq)
                 seq.cached += len(tokens)  # (written by this step, in the device's order)
                 real.append(not seq.prefilling)
@@ -866,6 +915,42 @@ class Engine:
         """A finished sequence leaves the running set: its KV row and adapter are free."""
         self.scheduler.finish(seq)
         self._release(seq)
+
+    def _work(self, seq: Sequence, tokens: tuple[int, ...], index: int, carry: int = -1) -> SeqWork:
+        """``seq``'s row of this step, with its pages (before ``seq.cached`` counts ``tokens``)."""
+        pages = self._pages(seq, len(tokens))
+        return SeqWork(seq.cache_row, seq.cached, tokens, seq.slot, seq.params, index, carry, pages)
+
+    def _pages(self, seq: Sequence, new_tokens: int) -> tuple[int, ...]:
+        """``seq``'s KV pages once this step writes ``new_tokens`` more (taken from its
+        reservation: ``engine/pages.py``); a step that writes the rest of its prompt makes
+        the full prompt pages prefix-cache blocks."""
+        assert seq.kv is not None
+        pool = self.pools[seq.dp_group]
+        pages = pool.cover(seq.kv, seq.cached + new_tokens)
+        if seq.cached < len(seq.prompt_ids) <= seq.cached + new_tokens:
+            pool.register(seq.kv, seq.adapter_key, seq.prompt_ids)
+        return pages
+
+    def _prefix_hits(self, admitted: list[Sequence]) -> None:
+        """Admitted sequences skip the prefill of their cached prefix; counted per adapter."""
+        for seq in admitted:
+            assert seq.kv is not None
+            seq.cached = seq.kv.cached
+            stats = self.prefix_stats.setdefault(seq.adapter_name, [0, 0, 0, 0])
+            stats[0 if seq.cached else 1] += 1
+            stats[2] += seq.cached
+            stats[3] += len(seq.prompt_ids)
+            self.observer.prefix_lookup(seq.adapter_name, seq.cached, len(seq.prompt_ids))
+        self._report_kv()
+
+    def _report_kv(self) -> None:
+        """The KV pools' use to the observer, when it changed."""
+        now = [(p.used, p.cached, p.num_pages) for p in self.pools]
+        if now != self._kv_reported:
+            for group, (used, cached, total) in enumerate(now):
+                self.observer.kv_pool(group, used, cached, total)
+            self._kv_reported = now
 
     def _ready(self, running: list[Sequence]) -> list[Sequence]:
         """The running sequences this step can advance: those whose slot is not still

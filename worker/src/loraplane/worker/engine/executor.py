@@ -28,7 +28,7 @@ from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 class SeqWork:
     """New tokens of one sequence for this step, on its DP group."""
 
-    cache_row: int  # KV-cache row within the DP group
+    cache_row: int  # page-table row within the DP group
     start: int  # tokens of this sequence already in the cache
     tokens: tuple[int, ...]
     slot: int = NO_ADAPTER  # LoRA slot of this sequence's adapter, -1 for none
@@ -40,6 +40,9 @@ class SeqWork:
     # previous launched step's sampled ids, copied on the device (``tokens`` holds a
     # placeholder); -1, ``tokens`` are the input.
     carry: int = -1
+    # The KV pages of positions ``0..start + len(tokens) - 1`` (``engine/pages.py``); None:
+    # the row's contiguous pages (callers that manage rows themselves).
+    pages: tuple[int, ...] | None = None
 
 
 PromptLogprobs = tuple[TokenLogprob, ...]
@@ -226,8 +229,10 @@ class Executor(Protocol):
     # reads adapter files beside its steps; everything else stays on the engine's thread).
     reads_adapters_concurrently: bool
     model_config: ModelConfig
-    max_seqs: int  # KV-cache rows per DP group
-    max_len: int  # positions per KV-cache row
+    max_seqs: int  # page-table rows per DP group: running sequences at most
+    max_len: int  # positions per sequence
+    kv_pages: int  # KV pages per DP group (models/kv_cache.py)
+    page_size: int  # positions per KV page
     # Stage positions of the stacked shrinks (lora/stage.py); 0 where nothing is staged.
     stage_positions: int
 
@@ -270,7 +275,11 @@ def build_batch(work: list[SeqWork], device: torch.device | str) -> tuple[Forwar
     for w in work:
         chunks.append(
             SeqChunk(
-                cache_row=w.cache_row, start=w.start, length=len(w.tokens), token_offset=offset
+                cache_row=w.cache_row,
+                start=w.start,
+                length=len(w.tokens),
+                token_offset=offset,
+                pages=w.pages,
             )
         )
         tokens.append(list(w.tokens))
@@ -300,6 +309,8 @@ class LocalExecutor:
         self.model_config = self.runner.model_config
         self.max_seqs = runner_config.max_seqs
         self.max_len = runner_config.max_len
+        self.kv_pages = self.runner.kv.num_pages
+        self.page_size = self.runner.kv.page_size
         lora_manager = self.runner.lora
         self.stage_positions = (
             lora_manager.stage.positions if lora_manager and lora_manager.stage.enabled else 0

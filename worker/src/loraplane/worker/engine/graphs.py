@@ -5,9 +5,13 @@ the host sets the pace (docs/performance.md: eager steps run at 0.4-0.6 of the g
 LoRA). A graph replays the whole forward in one launch. What makes the forward capturable:
 
 * Inputs live in static buffers of the bucket's size. A batch of ``n`` rows fills the first
-  ``n``; the rest are padding rows that decode token 0 at position 0 of a spare KV-cache row
-  (row ``max_seqs``, never given to a sequence), with no adapter. Their logits are dropped.
-* Decode attention reads each row's length on the device (``kernels.decode_attention``).
+  ``n``; the rest are padding rows that decode token 0 at position 0 of a spare page-table
+  row (row ``max_seqs``, never given to a sequence, mapped to the KV cache's spare page),
+  with no adapter. Their logits are dropped.
+* Decode attention reads each row's length and pages on the device
+  (``kernels.decode_attention``); the page table is one static tensor that the runner
+  updates before each step (``KVCache.sync_table``), and each token's KV slot is computed
+  from it inside the step.
 * LoRA batch info sits in ``StaticLoRABatch`` buffers. Launch grids follow the number of
   segments and the longest one, so LoRA graphs are keyed by ``static_shape``: the distinct
   adapters rounded up to a power of two and the longest segment's row-block class (16, 32,

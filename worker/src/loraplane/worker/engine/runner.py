@@ -13,6 +13,7 @@ import torch
 
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graphs_enabled
+from loraplane.worker.engine.pages import pages_for
 from loraplane.worker.lora.adapter import (
     AdapterWeights,
     blank_adapter,
@@ -22,7 +23,7 @@ from loraplane.worker.lora.adapter import (
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager, stages_eager_batches
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
-from loraplane.worker.models.kv_cache import KVCache
+from loraplane.worker.models.kv_cache import DEFAULT_PAGE_SIZE, KVCache
 from loraplane.worker.models.loader import load_model, resolve_dtype
 from loraplane.worker.parallel.state import ParallelState
 
@@ -32,14 +33,40 @@ class RunnerConfig:
     model: str
     device: str = "cpu"
     dtype: str | None = None  # None: the checkpoint's own dtype
-    max_seqs: int = 64
+    max_seqs: int = 64  # page-table rows: running sequences at most
     max_len: int = 1024
+    # The paged KV pool (models/kv_cache.py): positions per page, and pages to hand out
+    # (None: ``max_seqs`` rows of ``max_len``, the one-row-per-sequence capacity).
+    page_size: int = DEFAULT_PAGE_SIZE
+    kv_pages: int | None = None
+    # On CUDA without ``kv_pages``: the share of the GPU's memory for the weights, the LoRA
+    # slots and the KV pool together (SGLang's mem_fraction_static); the rest is left to
+    # activations and CUDA graphs. None: ``max_seqs`` rows of ``max_len``.
+    mem_fraction: float | None = None
     lora_backend: str = "triton"
     # Replay decode steps from CUDA graphs (engine/graphs.py): CUDA, single rank only.
     cuda_graphs: bool = True
     graph_max_batch: int | None = None  # the largest decode batch with a graph; None: max_seqs
     # How a step's tokens are picked from its logits: engine.sampling.SAMPLERS.
     sampler: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_pages is not None and self.kv_pages < 1:
+            raise ValueError(f"kv_pages must be >= 1 (or None: max_seqs rows), got {self.kv_pages}")
+        if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(
+                f"mem_fraction must be in (0, 1): the share of GPU memory for weights, LoRA "
+                f"slots and the KV pool; got {self.mem_fraction}"
+            )
+
+    @property
+    def pages(self) -> int:
+        """KV pages the runner's pool hands out, unless sized from memory (``kv_pages_for``)."""
+        if self.kv_pages is not None:
+            return self.kv_pages
+        return self.max_seqs * pages_for(self.max_len, self.page_size)
 
 
 def _interpret_triton() -> None:
@@ -93,16 +120,6 @@ class ModelRunner:
             self.ps.is_single,
             config.lora_backend if lora is not None else None,
         )
-        attn = self.model.layers[0].self_attn
-        self.kv = KVCache(
-            self.model_config.num_layers,
-            config.max_seqs + (1 if graphs else 0),  # graphs pad their batches into a spare row
-            config.max_len,
-            attn.num_kv_heads,
-            self.model_config.head_dim,
-            self.dtype,
-            self.device,
-        )
         self.lora_config = lora
         if (
             lora is not None
@@ -115,6 +132,21 @@ class ModelRunner:
             # static graph path without capture.)
             lora = dataclasses.replace(lora, stage_slots=0)
         self.lora = LoRAManager(self.model, lora, config.lora_backend) if lora is not None else None
+        # The KV pool last: sized from the memory the weights and LoRA slots leave.
+        attn = self.model.layers[0].self_attn
+        self.kv = KVCache(
+            self.model_config.num_layers,
+            config.max_seqs + (1 if graphs else 0),  # graphs pad their batches into a spare row
+            config.max_len,
+            attn.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+            self.device,
+            page_size=config.page_size,
+            num_pages=kv_pages_for(config, self.model, self.device, self.dtype),
+        )
+        if graphs:
+            self.kv.point_at_spare(config.max_seqs)
         self.graphs = (
             DecodeGraphs(self, config.graph_max_batch or config.max_seqs, config.max_seqs)
             if graphs
@@ -163,6 +195,7 @@ class ModelRunner:
         """
         ps = self.ps
         slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
+        self.kv.sync_table(batch.chunks)  # (before a graph replay too: it reads the table)
         if self.graphs is not None and self.graphs.supports(batch):
             logits = self.graphs.run(batch, slots, carry)
             if logits is not None:
@@ -187,6 +220,31 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.reset_batch_state()
+
+
+def kv_pages_for(
+    config: RunnerConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Pages of the runner's pool: ``config.pages``, or on CUDA with ``mem_fraction`` (and no
+    ``kv_pages``) what fits in ``mem_fraction`` of the GPU's memory beside what is allocated
+    now (the weights and the LoRA slots), at most ``max_seqs`` full rows."""
+    if config.kv_pages is not None or config.mem_fraction is None or device.type != "cuda":
+        return config.pages
+    layers = model.config.num_layers  # type: ignore[union-attr]
+    attn = model.layers[0].self_attn  # type: ignore[index]
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    page_bytes = 2 * layers * config.page_size * attn.num_kv_heads * attn.head_dim * itemsize
+    total = torch.cuda.get_device_properties(device).total_memory
+    left = config.mem_fraction * total - torch.cuda.memory_allocated(device)
+    pages = int(left // page_bytes)
+    if pages < pages_for(config.max_len, config.page_size):
+        raise RuntimeError(
+            f"--mem-fraction {config.mem_fraction} leaves {max(0, int(left)) >> 20} MiB for the "
+            f"KV pool after the weights and LoRA slots, {pages} pages of {page_bytes >> 10} KiB: "
+            f"fewer than one sequence of max_model_len {config.max_len} needs; raise "
+            "--mem-fraction or lower --max-model-len"
+        )
+    return min(pages, config.pages)
 
 
 def put_carried(input_ids: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -1,8 +1,13 @@
 """Continuous-batching admission: which waiting sequences start running this step.
 
 Plain Python. Sequences join the running set between steps and leave it when they finish.
-Each DP group has its own KV rows (`0..rows_per_group-1`); a new sequence goes to the group
-with the most free rows. Admission is FIFO by arrival, with LoRA-fair draining when more
+Each DP group has its own page-table rows (`0..rows_per_group-1`, a cap on its running
+sequences) and, when the scheduler is given pools, its own KV pages (`engine/pages.py`): a
+sequence is admitted with a reservation of every page it can need (`kv_tokens` positions,
+ADR 0015), so a running sequence never waits for pages. A new sequence goes to the group with
+the most free rows (with pools: the most available pages among groups with a free row). A
+sequence whose pages are not free yet waits, and so do the ones after it (FIFO: a long
+request is not passed over for ever by short ones). Admission is FIFO by arrival, with LoRA-fair draining when more
 adapters are wanted than there are slots (ADR 0013):
 
 - A request whose adapter holds a slot, and a request without an adapter, is admitted as
@@ -21,8 +26,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
+from loraplane.worker.engine.pages import PageLease, PagePool
 from loraplane.worker.engine.residency import Residency, SlotGrant
 
 
@@ -31,6 +37,18 @@ class Schedulable(Protocol):
     dp_group: int
     cache_row: int
     slot: int
+
+
+class Paged(Schedulable, Protocol):
+    """A sequence of a scheduler with page pools."""
+
+    kv_tokens: int  # KV positions to reserve at admission
+    kv: PageLease | None
+
+    @property
+    def shareable_prompt(self) -> list[int]:
+        """The prompt whose cached prefix (under its adapter_key) it may take."""
+        ...
 
 
 @dataclass(slots=True)
@@ -45,7 +63,12 @@ class Admission:
 
 class Scheduler:
     def __init__(
-        self, dp_size: int, rows_per_group: int, max_running: int, residency: Residency
+        self,
+        dp_size: int,
+        rows_per_group: int,
+        max_running: int,
+        residency: Residency,
+        pools: list[PagePool] | None = None,
     ) -> None:
         if dp_size < 1 or rows_per_group < 1 or max_running < 1:
             raise ValueError(
@@ -54,6 +77,9 @@ class Scheduler:
         self.dp_size = dp_size
         self.max_running = min(max_running, dp_size * rows_per_group)
         self.residency = residency
+        if pools is not None and len(pools) != dp_size:
+            raise ValueError(f"one page pool per DP group: {dp_size} groups, {len(pools)} pools")
+        self.pools = pools
         self.free_rows: list[list[int]] = [
             list(range(rows_per_group - 1, -1, -1)) for _ in range(dp_size)
         ]
@@ -78,8 +104,13 @@ class Scheduler:
         for seq in self.waiting:
             key = seq.adapter_key
             if not rows_full:
-                group = max(range(self.dp_size), key=lambda g: (len(self.free_rows[g]), -g))
+                group = max(range(self.dp_size), key=self._group_order)
                 rows_full = len(self.running) >= self.max_running or not self.free_rows[group]
+                if not rows_full and self.pools is not None:
+                    paged = cast(Paged, seq)
+                    pool = self.pools[group]
+                    cost = pool.cost(paged.kv_tokens, paged.adapter_key, paged.shareable_prompt)
+                    rows_full = cost > pool.available
             if rows_full:
                 keep.append(seq)
                 continue
@@ -101,6 +132,12 @@ class Scheduler:
                     out.evicted.append(grant.evicted)
                     self.draining.discard(grant.evicted)
             seq.dp_group = group
+            if self.pools is not None:
+                paged = cast(Paged, seq)
+                paged.kv = self.pools[group].lease(
+                    paged.kv_tokens, paged.adapter_key, paged.shareable_prompt
+                )
+                assert paged.kv is not None  # (checked above)
             seq.cache_row = self.free_rows[group].pop()
             seq.slot = grant.slot if grant is not None else -1
             self.running.append(seq)
@@ -108,6 +145,12 @@ class Scheduler:
         self.waiting = keep
         self._plan_drains(blocked)
         return out
+
+    def _group_order(self, g: int) -> tuple[int, ...]:
+        """The group a new sequence goes to is the largest by this key."""
+        if self.pools is None:
+            return (len(self.free_rows[g]), -g)
+        return (bool(self.free_rows[g]), self.pools[g].available, len(self.free_rows[g]), -g)
 
     def _plan_drains(self, blocked: list[str]) -> None:
         """As many draining adapters as blocked ones (fewer if fewer can drain): new
@@ -142,9 +185,14 @@ class Scheduler:
         self.draining.update(candidates[: len(blocked) - len(self.draining)])
 
     def finish(self, seq: Schedulable) -> None:
-        """A running sequence is done: its KV row and adapter use are released."""
+        """A running sequence is done: its row, KV pages and adapter use are released."""
         self.running.remove(seq)
         self.free_rows[seq.dp_group].append(seq.cache_row)
+        if self.pools is not None:
+            paged = cast(Paged, seq)
+            if paged.kv is not None:
+                self.pools[seq.dp_group].release(paged.kv)
+                paged.kv = None
         if seq.adapter_key is not None:
             self.residency.release(seq.adapter_key)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loraplane.worker.engine.logprobs import TokenLogprob
+from loraplane.worker.engine.pages import PageLease
 from loraplane.worker.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -68,10 +69,18 @@ class Sequence:
     dp_group: int = -1
     cache_row: int = -1
     slot: int = -1
-    cached: int = 0  # tokens of this sequence in its KV row
+    cached: int = 0  # tokens of this sequence in its KV pages
+    kv_tokens: int = 0  # KV positions reserved at admission (``Engine.kv_tokens``)
+    kv: PageLease | None = None  # its pages while it runs
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     aborted: bool = False
+
+    @property
+    def shareable_prompt(self) -> list[int]:
+        """The prompt tokens whose cached KV (the prefix cache's) this sequence may take: none
+        when it scores its prompt, since a cached position's logprob is never computed."""
+        return [] if self.params.prompt_logprobs is not None else self.prompt_ids
 
     @property
     def prefilling(self) -> bool:

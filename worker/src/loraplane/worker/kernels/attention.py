@@ -1,7 +1,10 @@
-"""Decode attention over the KV cache in place: one new token per sequence, GQA.
+"""Decode attention over the paged KV cache in place: one new token per sequence, GQA.
 
 ``out[t, h] = softmax(scale * q[t, h] K_row^T) V_row`` over the first ``seq_lens[t]`` positions of
-cache row ``cache_rows[t]``, for the KV head of ``h`` (``h // (heads / kv_heads)``). A program
+page-table row ``cache_rows[t]``, for the KV head of ``h`` (``h // (heads / kv_heads)``).
+Position ``p`` of row ``r`` is position ``p % page_size`` of page ``page_table[r, p //
+page_size]`` (``models/kv_cache.py``); a block of ``BLOCK_L`` positions loads its page ids
+first, then the keys and values of each position where its page puts it. A program
 holds all the query heads that share one KV head and streams keys and values in ``BLOCK_L``
 blocks with an online softmax (fp32); the cache is never copied.
 
@@ -64,22 +67,25 @@ SPLITS_OVERRIDE: int | None = None
 @triton.jit
 def _decode_attention_kernel(
     q_ptr,  # [T, heads, d]
-    k_ptr,  # [rows, positions, kv_heads, d]
+    k_ptr,  # [pages, page_size, kv_heads, d]
     v_ptr,  # same shape and strides as k
     out_ptr,  # [T, heads, d] (SPLITS == 1)
     part_ptr,  # fp32 [T, heads, SPLITS, d + 2]: acc | max | sum of each split (SPLITS > 1)
     count_ptr,  # int32 [>= T * kv_heads], zero between launches (SPLITS > 1)
-    cache_rows_ptr,  # int64 [T]
+    table_ptr,  # int32 [rows, pages_per_row]
+    cache_rows_ptr,  # int64 [T]: page-table rows
     seq_lens_ptr,  # int64 [T]: positions attended, >= 1
     scale,
     q_stride_t,
     q_stride_h,
-    kv_stride_row,
+    table_stride,
+    kv_stride_page,
     kv_stride_pos,
     kv_stride_head,
     out_stride_t,
     out_stride_h,
     num_heads,
+    PAGE_SIZE: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -103,7 +109,8 @@ def _decode_attention_kernel(
     q_ptrs = q_ptr + t * q_stride_t + heads[:, None] * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-    base = row * kv_stride_row + kv_head * kv_stride_head
+    table_row = table_ptr + row * table_stride
+    base = kv_head * kv_stride_head
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
@@ -114,7 +121,8 @@ def _decode_attention_kernel(
         for i in range(0, CHUNK, BLOCK_L):
             offs_l = c * CHUNK + i + tl.arange(0, BLOCK_L)
             l_mask = offs_l < length  # the chunk's first block always holds a position
-            kv_offs = base + offs_l.to(tl.int64) * kv_stride_pos
+            page = tl.load(table_row + offs_l // PAGE_SIZE, mask=l_mask, other=0).to(tl.int64)
+            kv_offs = base + page * kv_stride_page + (offs_l % PAGE_SIZE) * kv_stride_pos
             k = tl.load(
                 k_ptr + kv_offs[None, :] + offs_d[:, None],
                 mask=d_mask[:, None] & l_mask[None, :],
@@ -203,16 +211,20 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    page_table: torch.Tensor,
     cache_rows: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """``out [T, heads, d]``: token ``t`` attends to positions ``[0, seq_lens[t])`` of its row.
 
-    ``q [T, heads, d]`` (unit stride in ``d``); ``k_cache``/``v_cache`` ``[rows, positions,
-    kv_heads, d]`` with one layout; ``cache_rows``/``seq_lens`` int64 ``[T]`` on the device.
-    ``heads`` must be a multiple of ``kv_heads``. Lengths are trusted (no host sync): each must
-    be in ``1..positions``.
+    ``q [T, heads, d]`` (unit stride in ``d``); ``k_cache``/``v_cache`` ``[pages, page_size,
+    kv_heads, d]`` with one layout; ``page_table`` int32 ``[rows, pages_per_row]`` (unit stride
+    in its last dimension); ``cache_rows``/``seq_lens`` int64 ``[T]`` on the device.
+    ``heads`` must be a multiple of ``kv_heads``. Rows, lengths and page ids are trusted (no
+    host sync): each length must be in ``1..pages_per_row * page_size`` and the row's pages
+    that cover it must be pages of the cache. A contiguous cache ``[rows, positions, ...]`` is
+    a paged one with ``page_size = positions`` and the table ``[[0], [1], ...]``.
     """
     fn = "decode_attention"
     q = check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES, unit_last_stride=True)
@@ -233,6 +245,15 @@ def decode_attention(
         raise ValueError(
             f"{fn}: q's {q.shape[1]} heads must be a multiple of the cache's {kv_heads} KV heads"
         )
+    table = check_tensor(
+        fn,
+        "page_table",
+        page_table,
+        ndim=2,
+        dtypes=(torch.int32,),
+        device=q.device,
+        unit_last_stride=True,
+    )
     for name, t in (("cache_rows", cache_rows), ("seq_lens", seq_lens)):
         checked = check_tensor(
             fn, name, t, ndim=1, dtypes=(torch.int64,), device=q.device, contiguous=True
@@ -269,17 +290,20 @@ def decode_attention(
         out,
         part,
         counts,
+        table,
         cache_rows,
         seq_lens,
         float(scale),
         q.stride(0),
         q.stride(1),
+        table.stride(0),
         k.stride(0),
         k.stride(1),
         k.stride(2),
         out.stride(0),
         out.stride(1),
         heads,
+        PAGE_SIZE=k.shape[1],
         GROUP=group,
         BLOCK_G=max(MIN_DOT_BLOCK, next_power_of_2(group)),
         HEAD_DIM=head_dim,

@@ -316,7 +316,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_qkv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    cache_rows: torch.Tensor,
+    slots: torch.Tensor,
     cos_sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -330,7 +330,7 @@ def rope_qkv(
 ) -> torch.Tensor:
     """``kernels/rope.py``'s semantics: LoRA added in fp32 (staged batches), per-head norms
     rounded as ``RMSNorm`` rounds, the rotation in fp32 with ``cos_sin`` as given, rounded
-    once; k and v written into the caches; returns ``q [T, H, d]``."""
+    once; k and v written into the caches at their slots; returns ``q [T, H, d]``."""
     kv_heads, d = k_cache.shape[2], k_cache.shape[3]
     n_base = (num_heads + 2 * kv_heads) * d
     t, dtype = qkv.shape[0], qkv.dtype
@@ -351,6 +351,6 @@ def rope_qkv(
     cos, sin = cs[..., :half], cs[..., half:]
     lo, hi = qk[..., :half], qk[..., half:]
     rotated = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1).to(dtype)
-    k_cache[cache_rows, positions] = rotated[:, num_heads:]
-    v_cache[cache_rows, positions] = heads[:, num_heads + kv_heads :].to(dtype)
+    k_cache.view(-1, kv_heads, d)[slots] = rotated[:, num_heads:]  # [pages * page_size, KV, d]
+    v_cache.view(-1, kv_heads, d)[slots] = heads[:, num_heads + kv_heads :].to(dtype)
     return rotated[:, :num_heads].contiguous()

@@ -4,8 +4,9 @@ batch's qkv LoRA added first. Reference: ``reference.rope_qkv``.
 ``qkv [T, (H + 2 KV) d]`` is q | k | v, head by head. One program takes ``BLOCK_S`` rows of one
 head as two halves (``rotate_half`` pairs column ``j`` with ``j + d/2``): q heads are
 (optionally RMS-normed, Qwen3's ``q_norm``), rotated and stored into a new ``q [T, H, d]``;
-k heads are normed and rotated and v heads copied into the KV cache at
-``[cache_rows[t], positions[t]]``. ``cos_sin [max_pos, d]`` holds ``cos`` then ``sin`` of
+k heads are normed and rotated and v heads copied into the paged KV cache ``[pages,
+page_size, KV, d]`` at slot ``slots[t]`` (position ``slots[t] % page_size`` of page
+``slots[t] // page_size``, ``models/kv_cache.py``). ``cos_sin [max_pos, d]`` holds ``cos`` then ``sin`` of
 ``position * inv_freq`` in the model dtype, as the torch module rounds them; the products are
 fp32, rounded once.
 
@@ -21,7 +22,7 @@ batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). R
 place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) says which
 program adds its LoRA: one per (row block, stage position, head), the one of position 0 also
 taking the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows'
-positions, cache rows, stage positions and ``y`` first, then their values, ``cos | sin`` and
+positions, slots, stage positions and ``y`` first, then their values, ``cos | sin`` and
 B: two round trips, as without LoRA (a program per adapter segment would wait on the
 segment's bounds, then its row indices, then the positions, then the table).
 """
@@ -57,9 +58,9 @@ BLOCK_S = 16  # rows per program (tl.dot needs 16)
 def _rope_qkv_kernel(
     src_ptr,  # [T, >= (H + 2 KV) d]: qkv, or the stacked GEMM's full output
     q_ptr,  # [T, H, d]
-    k_cache_ptr,  # [rows, max_len, KV, d]
+    k_cache_ptr,  # [pages, page_size, KV, d]
     v_cache_ptr,
-    cache_rows_ptr,  # int64 [T]
+    slots_ptr,  # int64 [T]
     positions_ptr,  # int64 [T]
     cos_sin_ptr,  # [max_pos, d]: cos | sin
     q_norm_ptr,  # [d] (QK_NORM)
@@ -79,7 +80,8 @@ def _rope_qkv_kernel(
     src_stride,
     q_stride_t,
     q_stride_h,
-    c_stride_row,
+    page_size,
+    c_stride_page,
     c_stride_pos,
     c_stride_head,
     cs_stride,
@@ -102,11 +104,11 @@ def _rope_qkv_kernel(
     col = head * 2 * half  # the head's first column in q | k | v
     v_start = num_heads + num_kv_heads
     src_row = src_ptr + rows[:, None] * src_stride  # [BLOCK_S, 1]
-    # First round trip: the rows' positions and cache rows (with LoRA, also their stage
+    # First round trip: the rows' positions and KV slots (with LoRA, also their stage
     # positions and y, and this program's slot and scaling); then the values, cos | sin (and
     # B). With one stage position, or none, the values leave in the first round trip too.
     positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
-    cache_rows = tl.load(cache_rows_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
+    kv_slots = tl.load(slots_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
     if HAS_LORA:  # program (block, p, head): the block's rows at stage position p (see stacked)
         p = tl.program_id(1)
         qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
@@ -157,7 +159,8 @@ def _rope_qkv_kernel(
         tl.store(q_row + offs_d[None, :], lo.to(dtype), mask=mask)
         tl.store(q_row + half + offs_d[None, :], hi.to(dtype), mask=mask)
     else:
-        slot_off = cache_rows * c_stride_row + positions * c_stride_pos  # [BLOCK_S]
+        page, offset = kv_slots // page_size, kv_slots % page_size  # [BLOCK_S]
+        slot_off = page * c_stride_page + offset * c_stride_pos
         if head < v_start:
             c_row = k_cache_ptr + slot_off[:, None] + (head - num_heads) * c_stride_head
         else:
@@ -177,7 +180,7 @@ def _check_cache(fn: str, name: str, cache: object, like: torch.Tensor) -> torch
 def rope_qkv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    cache_rows: torch.Tensor,
+    slots: torch.Tensor,
     cos_sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -190,9 +193,11 @@ def rope_qkv(
     stage: StageInfo | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of ``qkv`` (and add a staged LoRA first), write k and v into the cache
-    at ``[cache_rows[t], positions[t]]``; returns ``q [T, num_heads, d]``.
+    at slot ``slots[t]`` of its flat ``[pages * page_size, KV, d]`` view; returns
+    ``q [T, num_heads, d]``. Positions are trusted to be rows of ``cos_sin`` and slots
+    slots of the cache (no host sync).
 
-    ``k_cache``/``v_cache`` ``[rows, max_len, KV, d]`` give KV and d; ``qkv`` has
+    ``k_cache``/``v_cache`` ``[pages, page_size, KV, d]`` give KV and d; ``qkv`` has
     ``(num_heads + 2 KV) d`` columns, or with ``lora_b [slots, N, R]`` and ``stage`` it is
     the stacked GEMM's ``[T, N + stage.width * 3 * stage.rank]``. ``q_norm``/``k_norm``
     ``[d]`` (both or neither) normalize each head first, with ``eps``."""
@@ -212,7 +217,7 @@ def rope_qkv(
         raise ValueError(f"{fn}: num_heads must be >= 1, got {num_heads}")
     n_base = (num_heads + 2 * kv_heads) * d
     t = x.shape[0]
-    for name, idx in (("positions", positions), ("cache_rows", cache_rows)):
+    for name, idx in (("positions", positions), ("slots", slots)):
         i = check_tensor(
             fn, name, idx, ndim=1, dtypes=(torch.int64,), device=x.device, contiguous=True
         )
@@ -221,11 +226,6 @@ def rope_qkv(
     check_dim(fn, "cos_sin", cs, 1, d, "cos | sin of the head size")
     if cs.stride(1) != 1:
         raise ValueError(f"{fn}: cos_sin must have unit stride in its last dimension")
-    if cs.shape[0] < kc.shape[1]:
-        raise ValueError(
-            f"{fn}: cos_sin must cover every cache position (k_cache.shape[1] = "
-            f"{kc.shape[1]}), got {cs.shape[0]} rows; build it with RotaryEmbedding.cos_sin"
-        )
     if (q_norm is None) != (k_norm is None):
         raise ValueError(f"{fn}: q_norm and k_norm go together (Qwen3's per-head norms)")
     norms = []
@@ -267,7 +267,7 @@ def rope_qkv(
         q,
         kc,
         vc,
-        cache_rows,
+        slots,
         positions,
         cs,
         norms[0] if norms else cs,
@@ -284,6 +284,7 @@ def rope_qkv(
         x.stride(0),
         q.stride(0),
         q.stride(1),
+        kc.shape[1],
         kc.stride(0),
         kc.stride(1),
         kc.stride(2),

@@ -1,4 +1,4 @@
-"""What one forward pass runs on: tokens, positions, KV-cache rows and the DP layout."""
+"""What one forward pass runs on: tokens, positions, page-table rows and the DP layout."""
 
 from __future__ import annotations
 
@@ -9,19 +9,24 @@ import torch
 
 @dataclass(slots=True)
 class SeqChunk:
-    """New tokens of one sequence in this forward: `length` tokens after `start` cached ones."""
+    """New tokens of one sequence in this forward: `length` tokens after `start` cached ones.
+
+    `cache_row` is the sequence's row of the KV cache's page table; `pages` the KV pages of
+    its positions `0..start + length - 1`, in order (None: the row's contiguous pages,
+    ``KVCache.contiguous_pages``)."""
 
     cache_row: int
     start: int
     length: int
     token_offset: int  # first row of this chunk in the flat local batch
+    pages: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T_local]
     positions: torch.Tensor  # int64 [T_local]
-    cache_rows: torch.Tensor  # int64 [T_local]: KV-cache row of every token
+    cache_rows: torch.Tensor  # int64 [T_local]: page-table row of every token
     chunks: list[SeqChunk]
     logit_rows: torch.Tensor  # int64 [L_local]: local rows whose next-token logits are wanted
     # DP-attention layout: local token and logit-row counts of every DP group, in group order.

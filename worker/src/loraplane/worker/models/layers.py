@@ -167,13 +167,13 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass(slots=True)
 class RopeKV:
-    """Everything ``kernels.rope_qkv`` reads besides ``qkv``: the step's positions and cache
-    rows, the layer's caches and per-head norms. Calling it rotates q and k of a qkv
+    """Everything ``kernels.rope_qkv`` reads besides ``qkv``: the step's positions and KV
+    slots, the layer's caches and per-head norms. Calling it rotates q and k of a qkv
     output, writes k and v into the caches and returns ``q [T, heads, d]``; with
     ``lora_b``/``stage`` the qkv is a stacked GEMM's output and the LoRA goes in first."""
 
     positions: torch.Tensor
-    cache_rows: torch.Tensor
+    slots: torch.Tensor
     cos_sin: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -190,7 +190,7 @@ class RopeKV:
         return kernels.rope_qkv(  # type: ignore[no-any-return]
             qkv,
             self.positions,
-            self.cache_rows,
+            self.slots,
             self.cos_sin,
             self.k_cache,
             self.v_cache,

@@ -78,17 +78,19 @@ class Attention(nn.Module):
         h: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
+        slots: torch.Tensor,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """o_proj's output for the normed ``h``, or ``residual`` plus it when given (see
-        ``RowParallelLinear.forward_add``: ``residual`` may be updated in place)."""
+        ``RowParallelLinear.forward_add``: ``residual`` may be updated in place). ``slots``
+        [T]: each token's KV slot (``KVCache.slots``)."""
         t = h.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]  # [pages, page_size, kv, d]
         if self.fused_rope and h.is_cuda:
             rope = RopeKV(
                 batch.positions,
-                batch.cache_rows,
+                slots,
                 self.rotary.cos_sin(kv.max_len, h.dtype),
                 k_cache,
                 v_cache,
@@ -108,30 +110,38 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(batch.positions, q, k)
             if t:
-                k_cache[batch.cache_rows, batch.positions] = k
-                v_cache[batch.cache_rows, batch.positions] = v
-        out = self._attend(q, batch, k_cache, v_cache)  # [T, heads, d]
+                k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots] = k  # [slots, kv, d]
+                v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots] = v
+        out = self._attend(q, batch, kv)  # [T, heads, d]
         if residual is not None:
             return self.o_proj.forward_add(out.reshape(t, q_size), residual)  # type: ignore[no-any-return]
         return self.o_proj(out.reshape(t, q_size))
 
-    def _attend(
-        self, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         if not batch.chunks:
             return q
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
         if batch.is_decode and q.device.type == "cuda":
-            # One new token per sequence, attending in place over its cache row; lengths are
+            # One new token per sequence, attending in place over its pages; lengths are
             # read on the device, so the step can be captured (engine/graphs.py).
             return kernels.decode_attention(  # type: ignore[no-any-return]
-                q, k_cache, v_cache, batch.cache_rows, batch.positions + 1, self.scale
+                q,
+                k_cache,
+                v_cache,
+                kv.page_table,
+                batch.cache_rows,
+                batch.positions + 1,
+                self.scale,
             )
         if batch.is_decode:
-            # One new token per sequence: one batched call over each row's cached prefix.
+            # One new token per sequence: one batched call over each row's cached prefix,
+            # its pages gathered through the page table.
             ctx = batch.positions + 1  # [B]
             length = int(batch.positions.max()) + 1
-            keys = k_cache[batch.cache_rows, :length].transpose(1, 2)  # [B, kv, L, d]
-            values = v_cache[batch.cache_rows, :length].transpose(1, 2)
+            n = -(-length // kv.page_size)
+            pages = kv.page_table[batch.cache_rows, :n].to(torch.int64)  # [B, n]
+            keys = k_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)  # [B, kv, L, d]
+            values = v_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)
             mask = torch.arange(length, device=q.device)[None, :] < ctx[:, None]  # [B, L]
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :],  # [B, heads, 1, d]
@@ -150,8 +160,9 @@ class Attention(nn.Module):
             qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[
                 None
             ]  # [1, heads, Lq, d]
-            ks = k_cache[c.cache_row, :total].transpose(0, 1)[None]  # [1, kv, Lk, d]
-            vs = v_cache[c.cache_row, :total].transpose(0, 1)[None]
+            row_k, row_v = kv.row_keys(self.layer, c.cache_row, total)  # [Lk, kv, d]
+            ks = row_k.transpose(0, 1)[None]  # [1, kv, Lk, d]
+            vs = row_v.transpose(0, 1)[None]
             if c.start == 0:
                 o = F.scaled_dot_product_attention(
                     qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
@@ -392,9 +403,10 @@ class CausalLM(nn.Module):
         """Next-token logits [len(batch.logit_rows), vocab] for this DP group's rows."""
         counts = batch.dp_token_counts or [batch.num_tokens]
         h = self.embed_tokens(batch.input_ids)  # [T_local, H]
+        slots = kv.slots(batch)  # [T_local]: each token's KV slot, read from the page table
         for layer in self.layers:
             # h is fresh each step (embedding or an add), so the residual adds may update it.
-            h = layer.self_attn(layer.input_layernorm(h), batch, kv, residual=h)
+            h = layer.self_attn(layer.input_layernorm(h), batch, kv, slots, residual=h)
             g = self._dp_gather(h, counts)  # [T_global, H]
             if g is h and isinstance(layer.mlp, MLP):
                 h = layer.mlp(layer.post_attention_layernorm(h), residual=h)

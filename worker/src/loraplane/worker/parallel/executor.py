@@ -117,6 +117,9 @@ def _rank_loop(
             dtype=runner_config.dtype,
             max_seqs=runner_config.max_seqs,
             max_len=runner_config.max_len,
+            page_size=runner_config.page_size,
+            kv_pages=runner_config.kv_pages,
+            mem_fraction=runner_config.mem_fraction,
             lora_backend=runner_config.lora_backend,
             sampler=runner_config.sampler,
         )
@@ -128,7 +131,7 @@ def _rank_loop(
             name=f"loraplane-rank{rank}-reads",
             daemon=True,
         ).start()
-        outbox.put(("ready", rank, None))
+        outbox.put(("ready", rank, runner.kv.num_pages))
     except BaseException:
         outbox.put(("error", rank, traceback.format_exc()))
         return
@@ -202,6 +205,8 @@ class MultiRankExecutor:
         self.model_config = ModelConfig.from_dir(runner_config.model)
         self.max_seqs = runner_config.max_seqs
         self.max_len = runner_config.max_len
+        self.kv_pages = runner_config.pages  # (the ranks' own count once they start)
+        self.page_size = runner_config.page_size
         if runner_config.device == "cuda" and torch.cuda.device_count() < pconf.tp:
             raise RuntimeError(
                 f"--tp {pconf.tp} needs {pconf.tp} GPUs; this machine has {torch.cuda.device_count()}"
@@ -235,7 +240,9 @@ class MultiRankExecutor:
         ]
         for p in self._procs:
             p.start()
-        self._collect("start")
+        # each rank sized its pool (from its free memory with --mem-fraction): the groups
+        # share the engine's page count, so the smallest one
+        self.kv_pages = min(payload for _, payload in self._collect("start"))
 
     def _send(self, cmd: str, args: Any = None) -> list[Any]:
         for box in self._inboxes:

@@ -288,6 +288,20 @@ class WorkerServer:
             )
         return prompt
 
+    def _check_kv_fits(self, prompt: int, max_new_tokens: int) -> None:
+        """Refuse a request whose KV positions (prompt and max_tokens, cut at max_model_len)
+        exceed the whole KV pool of a DP group: it could never run (ADR 0015)."""
+        need = min(prompt + max_new_tokens, self.engine.max_model_len)
+        pool = self.engine.kv_pool_tokens
+        if need > pool:
+            raise ApiError(
+                400,
+                f"max_tokens: the request needs {need} KV positions (a {prompt}-token prompt "
+                f"and max_tokens {max_new_tokens}); this worker's KV pool holds {pool}: "
+                f"lower max_tokens to at most {pool - prompt}",
+                "max_tokens",
+            )
+
     def start(
         self, prompt: list[int], params: SamplingParams, adapter: str | None, rid: str
     ) -> tuple[object, asyncio.Queue[SeqEvent]]:
@@ -302,6 +316,7 @@ class WorkerServer:
 
         if not self.engine.alive:
             raise ApiError(503, "the engine is not running", None, "server_error")
+        self._check_kv_fits(len(prompt), params.max_new_tokens)
         try:
             seq = self.engine.submit(rid, prompt, params, adapter, sink)
         except UnknownAdapterError as exc:

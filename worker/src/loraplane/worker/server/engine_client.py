@@ -37,6 +37,11 @@ class EngineClient(Protocol):
     @property
     def vocab_size(self) -> int: ...
     @property
+    def kv_pool_tokens(self) -> int:
+        """KV positions of one DP group's pool: a request needing more is refused."""
+        ...
+
+    @property
     def alive(self) -> bool: ...
     @property
     def error(self) -> BaseException | str | None: ...
@@ -95,6 +100,10 @@ class InThreadEngineClient:
     @property
     def vocab_size(self) -> int:
         return self.engine.executor.model_config.vocab_size
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.engine.kv_pool_tokens
 
     @property
     def alive(self) -> bool:

@@ -155,6 +155,7 @@ def run_core(config: ServeConfig, conn: Connection) -> None:
         info = {
             "max_model_len": engine.max_model_len,
             "vocab_size": engine.executor.model_config.vocab_size,
+            "kv_pool_tokens": engine.kv_pool_tokens,
         }
         outbox.send(("ready", info))
         _CoreServer(engine, conn, outbox, faults).serve()

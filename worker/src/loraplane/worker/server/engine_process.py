@@ -92,6 +92,7 @@ class ProcessEngineClient:
         self.tokenizer = TextTokenizer(config.model)  # (the core has read the model dir)
         self._max_model_len: int = info["max_model_len"]
         self._vocab_size: int = info["vocab_size"]
+        self._kv_pool_tokens: int = info["kv_pool_tokens"]
         self._reader = threading.Thread(
             target=self._read, name="loraplane-engine-reader", daemon=True
         )
@@ -195,6 +196,10 @@ class ProcessEngineClient:
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self._kv_pool_tokens
 
     @property
     def alive(self) -> bool:

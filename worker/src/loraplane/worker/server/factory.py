@@ -9,6 +9,7 @@ from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
 from loraplane.worker.engine.compile_watch import watch_compiles
 from loraplane.worker.engine.engine import Engine, EngineObserver, FaultHook
 from loraplane.worker.engine.executor import Executor
+from loraplane.worker.engine.pages import pages_for
 from loraplane.worker.engine.sampling import SAMPLERS
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.engine.warmup import plan_for, warm_up
@@ -30,8 +31,13 @@ class ServeConfig:
     sampler: str = "auto"  # engine.sampling.SAMPLERS
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
     warmup: bool | None = None  # engine.warmup before serving; None: on CUDA only
-    max_running: int = 32
+    max_running: int = 32  # a cap on running requests per DP group (page-table rows)
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
+    # The paged KV pool per DP group (ADR 0015): ``kv_tokens`` positions when given; else on
+    # CUDA what ``mem_fraction`` of the GPU's memory leaves beside the weights and LoRA slots
+    # (at most max_running full-length requests); else max_running x max_model_len.
+    kv_tokens: int | None = None
+    mem_fraction: float = 0.85
     loras: tuple[tuple[str, str], ...] = ()
     pinned: tuple[str, ...] = ()
     allowed_lora_roots: tuple[str, ...] = ()
@@ -76,6 +82,13 @@ class ServeConfig:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ConfigError(f"--kv-tokens must be >= 1, got {self.kv_tokens}")
+        if not 0.0 < self.mem_fraction < 1.0:
+            raise ConfigError(
+                f"--mem-fraction must be in (0, 1) (the share of GPU memory for weights, LoRA "
+                f"slots and the KV pool), got {self.mem_fraction}"
+            )
         names = [n for n, _ in self.loras]
         unknown = [p for p in self.pinned if p not in names]
         if unknown:
@@ -132,7 +145,8 @@ def _serving_dtype(config: ServeConfig) -> str | None:
 
 
 def make_executor(config: ServeConfig, max_len: int) -> Executor:
-    """The executor for `config`: KV rows per DP group = max_running, positions per row = max_len.
+    """The executor for `config`: page-table rows per DP group = max_running, positions per
+    request = max_len, a KV pool of `kv_tokens` (or sized by `mem_fraction` on CUDA).
 
     tp = dp = 1 runs in this process; otherwise one process per rank (gloo on CPU, NCCL on
     GPUs) driven from this one.
@@ -142,6 +156,7 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
         raise ConfigError(reason)
     from loraplane.worker.engine.executor import LocalExecutor
     from loraplane.worker.engine.runner import RunnerConfig
+    from loraplane.worker.models.kv_cache import DEFAULT_PAGE_SIZE
 
     runner = RunnerConfig(
         model=config.model,
@@ -149,6 +164,8 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
         dtype=config.dtype,
         max_seqs=config.rows_per_group,
         max_len=max_len,
+        kv_pages=pages_for(config.kv_tokens, DEFAULT_PAGE_SIZE) if config.kv_tokens else None,
+        mem_fraction=config.mem_fraction,
         lora_backend=config.lora_backend,
         cuda_graphs=config.cuda_graphs,
         sampler=config.sampler,

@@ -101,6 +101,27 @@ class WorkerMetrics:
             registry=r,
         )
         self.steps = Counter("loraplane_worker_steps", "Forward steps run", registry=r)
+        # the paged KV cache (ADR 0015): hit rate = rate(prefix_cached_tokens) /
+        # rate(prompt_tokens), or by requests from prefix_lookups
+        self.prefix_lookups = Counter(
+            "loraplane_worker_prefix_lookups",
+            "Admitted requests by whether a prefix of their prompt was cached (result=hit|miss)",
+            ["adapter", "result"],
+            registry=r,
+        )
+        self.prefix_cached_tokens = Counter(
+            "loraplane_worker_prefix_cached_tokens",
+            "Prompt tokens whose KV came from the prefix cache (their prefill skipped)",
+            ["adapter"],
+            registry=r,
+        )
+        self.kv_pages = Gauge(
+            "loraplane_worker_kv_pages",
+            "KV-cache pages per DP group: state=used (held by requests), cached (prefixes held "
+            "by none), total",
+            ["dp_group", "state"],
+            registry=r,
+        )
         self.slot_loads = Counter(
             "loraplane_worker_slot_loads",
             "Adapters copied from host memory into a GPU LoRA slot (slot-level cold starts)",
@@ -165,6 +186,14 @@ class WorkerMetrics:
         self.waiting.set(0)
         self.waiting_for_slot.set(0)
 
+    def prefix_lookup(self, adapter: str | None, cached_tokens: int, prompt_tokens: int) -> None:
+        self.prefix_lookups.labels(_label(adapter), "hit" if cached_tokens else "miss").inc()
+        self.prefix_cached_tokens.labels(_label(adapter)).inc(cached_tokens)
+
+    def kv_pool(self, dp_group: int, used: int, cached: int, total: int) -> None:
+        for state, value in (("used", used), ("cached", cached), ("total", total)):
+            self.kv_pages.labels(str(dp_group), state).set(value)
+
     def evicted(self, adapter: str) -> None:
         self.evictions.labels(adapter).inc()
 
@@ -175,10 +204,13 @@ class WorkerMetrics:
 
     def adapter_unloaded(self, adapter: str) -> None:
         """Its series go (a worker that churns through adapters and versions would otherwise
-        keep five series for every name it ever served); a later load starts them at 0."""
+        keep its series of every name it ever served); a later load starts them at 0."""
         for counter in self._per_adapter():
             with contextlib.suppress(KeyError):  # never loaded through this registry
                 counter.remove(adapter)
+        for result in ("hit", "miss"):
+            with contextlib.suppress(KeyError):
+                self.prefix_lookups.remove(adapter, result)
 
     def _per_adapter(self) -> tuple[Counter, ...]:
         return (
@@ -187,6 +219,7 @@ class WorkerMetrics:
             self.generated_tokens,
             self.evictions,
             self.slot_loads,
+            self.prefix_cached_tokens,
         )
 
     def slot_loaded(self, adapter: str) -> None:

@@ -348,6 +348,9 @@ class DPGroupState(BaseModel):
     slots_used: int
     slots_total: int
     running: int
+    kv_pages_used: int = Field(description="KV pages held by running requests")
+    kv_pages_cached: int = Field(description="KV pages of cached prefixes no request holds")
+    kv_pages_total: int
 
 
 class AdapterState(BaseModel):
@@ -360,6 +363,14 @@ class AdapterState(BaseModel):
     retired: bool
     running: int
     last_used: int
+
+
+class PrefixCacheState(BaseModel):
+    adapter: str | None = Field(description="the adapter name; null for the base model")
+    hits: int = Field(description="admitted requests that found a cached prefix")
+    misses: int
+    cached_tokens: int = Field(description="prompt tokens whose prefill was skipped")
+    prompt_tokens: int
 
 
 class EvictionRecord(BaseModel):
@@ -378,6 +389,7 @@ class LoRAStateResponse(BaseModel):
     dp_groups: list[DPGroupState]
     adapters: list[AdapterState]
     evictions: list[EvictionRecord]
+    prefix_cache: list[PrefixCacheState]
     waiting: int
     running: int
 
