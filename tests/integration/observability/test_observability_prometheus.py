@@ -174,6 +174,11 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         jobs.append((workers["w0"].client, "tiny-llama", None))
     with ThreadPoolExecutor(6) as pool_:
         list(pool_.map(lambda j: completion(j[0], j[1], f"hello {j[1]}", j[2]), jobs))
+    # A prompt of several KV pages sent twice to one worker's base model (whose series no
+    # unload removes): the second takes the first one's cached pages (the prefix-cache panels).
+    shared = " ".join(f"word{i}" for i in range(48))
+    for _ in range(2):
+        completion(workers["w0"].client, "tiny-llama", shared)
     # A routed-requests series is born at its first request, and the whole wave above can fit
     # in one scrape, leaving rate() nothing to see: one more request once a scrape has seen it.
     wait_for(
@@ -182,6 +187,13 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         "the routed requests scraped",
     )
     completion(http, "tiny:a1", "hello again", ADMIN)
+    # The same for the prefix-cache hits: one more once the first hit's series is scraped.
+    wait_for(
+        lambda: prom.has_data('loraplane_worker_prefix_cached_tokens_total{adapter="none"}'),
+        15,
+        "the prefix-cache hits scraped",
+    )
+    completion(workers["w0"].client, "tiny-llama", shared)
     # The workers' per-adapter series are born at each adapter's load, and a fast wave can
     # load and serve within one scrape; the dashboard's adapter list needs them scraped.
     wait_for(
