@@ -47,10 +47,17 @@ def make_engine(
     max_running: int = 4,
     *,
     engine_cls: type[Engine] = Engine,
+    executor_cls: type[LocalExecutor] | None = None,
+    max_seqs: int = 4,
+    runner_kw: dict[str, Any] | None = None,
     **engine_kw: Any,
 ) -> Engine:
-    executor = RecordingExecutor(
-        RunnerConfig(str(model_dir), lora_backend="torch", max_seqs=4, max_len=64),
+    """A started engine over the llama fixture on a recording one-rank executor
+    (``RecordingExecutor`` unless ``executor_cls``); ``runner_kw`` adds RunnerConfig fields."""
+    executor = (executor_cls or RecordingExecutor)(
+        RunnerConfig(
+            str(model_dir), lora_backend="torch", max_seqs=max_seqs, max_len=64, **(runner_kw or {})
+        ),
         LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=4, max_lora_rank=16),
     )
     engine = engine_cls(

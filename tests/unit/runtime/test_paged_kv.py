@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 from tests.engine_requests import start
+from tests.unit.runtime.test_overlapped_steps import make_engine as overlapped_engine
 
-from loraplane.worker.config import ConfigError, LoRARuntimeConfig
+from loraplane.worker.config import ConfigError
 from loraplane.worker.engine.engine import Engine, RequestTooLongError
 from loraplane.worker.engine.executor import LocalExecutor, SeqWork, StepResult
 from loraplane.worker.engine.pages import PageLease, PagePool
@@ -26,7 +27,6 @@ from loraplane.worker.engine.runner import RunnerConfig
 from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.engine.scheduler import Scheduler
 from loraplane.worker.engine.sequence import SeqEvent
-from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.server import protocol as p
 from loraplane.worker.server.app import ApiError, WorkerServer
 from loraplane.worker.server.engine_client import InThreadEngineClient
@@ -91,27 +91,14 @@ def make_engine(
     max_running: int = 4,
     recorder: type[PageRecorder] = PageRecorder,
 ) -> Engine:
-    executor = recorder(
-        RunnerConfig(
-            str(model_dir),
-            lora_backend="torch",
-            max_seqs=max_running,
-            max_len=64,
-            page_size=page_size,
-            kv_pages=kv_pages,
-        ),
-        LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=4, max_lora_rank=16),
+    return overlapped_engine(
+        model_dir,
+        False,
+        max_running,
+        executor_cls=recorder,
+        max_seqs=max_running,
+        runner_kw={"page_size": page_size, "kv_pages": kv_pages},
     )
-    engine = Engine(
-        executor,
-        TextTokenizer(str(model_dir)),
-        max_loras_per_batch=2,
-        max_loaded_loras=4,
-        max_running=max_running,
-        max_model_len=64,
-    )
-    engine.start()
-    return engine
 
 
 @pytest.fixture(scope="module")
