@@ -1,31 +1,23 @@
 #!/usr/bin/env bash
-# The paged KV cache's acceptance runs on one H200 (issue 42, ADR 0015), one device call per
-# step (each starts its own worker, warm-up included):
-#   OUT=/some/dir ONLY=kv256 bash bench/run_gpu_kv.sh      (the device tool sets $OUT)
-#   ONLY=prefix-on  ... ; ONLY=prefix-off ...
+# The paged KV cache's acceptance runs on one H200 (issue 42, ADR 0015), in one device call:
+#   OUT=/some/dir bash bench/run_gpu_kv.sh      (the device tool sets $OUT)
 # The worker's HTTP stack (FastAPI, pydantic, uvicorn) is not in the device image: install the
 # wheels first (docs/performance.md, "How to run"). The 32-layer Llama-3-8B shape in bf16
 # (--fixture dense --layers 32), 4 rank-16 adapters, --max-model-len 8192, the pool sized by
-# --mem-fraction (default 0.85), --max-running 256:
-#   kv256       1k-token prompts, 128 new tokens, 64 then 256 clients over 4 adapters
-#               (serve_kv.json: out tok/s at 256 vs 64 clients; errors must be 0)
-#   prefix-on   64 clients, 1088-token prompts of which the first 1024 are shared by all the
-#               requests of an adapter (serve_prefix_on.json)
-#   prefix-off  the same load with no shared prefix (serve_prefix_off.json): TTFT p50 of
-#               prefix-on should be >= 3x lower
-# summary.txt lists every row.
+# --mem-fraction (default 0.85), --max-running 256. One worker serves every row (its warm-up
+# dominates a call), 1088-token prompts and 128 new tokens over the 4 adapters:
+#   shared_prefix 0     64 then 256 clients: out tok/s at 256 vs 64 clients; errors must be 0
+#   shared_prefix 1024  the same loads with the first 1024 ids shared by all the requests of
+#                       an adapter: TTFT p50 at 64 clients should be >= 3x lower than without
+# Writes $OUT/serve_kv.json; summary.txt lists every row.
 . "$(dirname "$0")/gpu_env.sh"
 WORK=/tmp/loraplane-bench-kv
 COMMON=(--fixture dense --layers 32 --num-adapters 4 --workdir "$WORK" --device cuda
         --slots 4 --max-running 256 --output-len 128 --adapters 4 --transports http
         --worker-arg=--max-model-len=8192 --worker-log-level info)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
-step kv256 560 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --prompt-len 1024 \
-  --clients 64,256 --warmup 10 --duration 30 --out "$OUT/serve_kv.json"
-step prefix-on 560 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --prompt-len 1088 \
-  --shared-prefix 1024 --clients 64 --warmup 10 --duration 30 --out "$OUT/serve_prefix_on.json"
-step prefix-off 560 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --prompt-len 1088 \
-  --clients 64 --warmup 10 --duration 30 --out "$OUT/serve_prefix_off.json"
+step kv 560 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --prompt-len 1088 \
+  --shared-prefix 0,1024 --clients 64,256 --warmup 8 --duration 20 --out "$OUT/serve_kv.json"
 "$PY" - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
 import json, pathlib, sys
 for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
@@ -38,4 +30,6 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
               f"{r['itl_ms_p50']!s:>6} {r['itl_ms_p99']!s:>6} {r['requests']:>4} "
               f"{r['errors']:>4} {r['gpu_busy']!s:>5}")
 PY
+# the workers' logs, last lines (a failed start says why there)
+for f in "$WORK"*/worker*.log; do [ -f "$f" ] && tail -n 200 "$f" >"$OUT/$(basename "$f")"; done
 echo "total $(( $(date +%s) - T0 ))s"

@@ -53,3 +53,36 @@ def test_a_shared_prefix_starts_every_prompt_of_an_adapter() -> None:
         assert all(len(p) == 12 and p[:8] == seen[0][:8] for p in seen)
         assert len({tuple(p[8:]) for p in seen}) == len(seen)
     assert prompts["a"][0][:8] != prompts["b"][0][:8]
+
+
+def test_a_shared_prefix_sweep_measures_the_rows_without_sharing_first() -> None:
+    """``--shared-prefix 0,1024``: every load once without a shared prefix, then once with it,
+    each row naming its prefix (a prefix cache warmed by the shared rows would flatter the
+    others otherwise)."""
+    from loraplane.worker.bench.serve import _rows, parser
+
+    args = parser().parse_args(
+        [
+            "--fixture",
+            "dense",
+            "--clients",
+            "64,256",
+            "--adapters",
+            "4",
+            "--shared-prefix",
+            "0,1024",
+        ]
+    )
+    rows = _rows(args, "http")
+    assert [(r.clients, r.shared_prefix) for r in rows] == [
+        (64, 0),
+        (256, 0),
+        (64, 1024),
+        (256, 1024),
+    ]
+
+
+def test_a_shared_prefix_as_long_as_the_prompt_is_refused() -> None:
+    from loraplane.worker.bench.serve import main
+
+    assert main(["--fixture", "dense", "--prompt-len", "16", "--shared-prefix", "0,16"]) == 2

@@ -16,7 +16,7 @@ measured over ``--windows`` windows of ``--duration`` seconds after ``--warmup``
   ``--num-adapters`` rank-16 adapters on every target.
 - Prompts are random token ids (``--prompt-len``), ``--output-len`` new tokens, greedy with
   ``ignore_eos``; adapters are drawn ``uniform`` or ``zipf`` from the first ``adapters`` of
-  the list, per request. With ``--shared-prefix N`` every prompt of one adapter (or of the
+  the list, per request. With ``--shared-prefix N`` (a sweep: ``0,1024``) every prompt of one adapter (or of the
   base model) starts with the same N ids, drawn from the adapter's name (the worker's prefix
   cache, ADR 0015); rows name it (``shared_prefix``).
 - ``gpu_busy`` is NVML's utilisation (the share of time a kernel ran), sampled every
@@ -255,6 +255,7 @@ class Row:
     adapters: int  # distinct adapters in use; 0 = the base model
     clients: int  # closed-loop streams (0 under a Poisson rate)
     rate: float | None  # Poisson requests per second, or None
+    shared_prefix: int = 0  # the first ids every prompt of one adapter shares
 
 
 class AdapterDraw:
@@ -572,9 +573,9 @@ def parser() -> argparse.ArgumentParser:
     load.add_argument("--output-len", type=int, default=128)
     load.add_argument(
         "--shared-prefix",
-        type=int,
-        default=0,
-        help="the first N prompt ids are the same for every request of an adapter",
+        default="0",
+        help="the first N prompt ids are the same for every request of an adapter; "
+        "comma-separated sweep (rows without sharing first, e.g. 0,1024)",
     )
     load.add_argument("--vocab", type=int, help="prompt ids below this (default: the model's)")
     load.add_argument("--warmup", type=float, default=5.0, help="seconds before the windows")
@@ -649,9 +650,13 @@ def _serve_config(args: argparse.Namespace, model: Path, loras: list[tuple[str, 
 
 
 def _rows(args: argparse.Namespace, transport: str) -> list[Row]:
-    rows = [Row(transport, a, c, None) for c in _ints(args.clients) for a in _ints(args.adapters)]
+    rows: list[Row] = []
     rates = [float(x) for x in args.rate.split(",") if x.strip()]
-    rows += [Row(transport, a, 0, r) for r in rates for a in _ints(args.adapters)]
+    for s in _ints(args.shared_prefix):
+        rows += [
+            Row(transport, a, c, None, s) for c in _ints(args.clients) for a in _ints(args.adapters)
+        ]
+        rows += [Row(transport, a, 0, r, s) for r in rates for a in _ints(args.adapters)]
     return rows
 
 
@@ -689,14 +694,13 @@ async def _measure(
                     seed=args.seed + 1000 * i,
                     busy=busy,
                     progress=progress,
-                    shared_prefix=args.shared_prefix,
+                    shared_prefix=row.shared_prefix,
                 )
                 for summary in windows:
                     results.append(
                         {
                             **asdict(row),
                             "slots": slots,
-                            "shared_prefix": args.shared_prefix,
                             **summary,
                         }
                     )
@@ -710,6 +714,7 @@ async def _measure(
                                 row.adapters,
                                 0,
                                 round(peak * args.poisson_fraction, 2),
+                                row.shared_prefix,
                             )
                         )
         return results
@@ -732,9 +737,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.url and not (args.model or args.fixture):
         print("error: give --url, --model or --fixture", file=sys.stderr)
         return 2
-    if not 0 <= args.shared_prefix < args.prompt_len:
+    try:
+        prefixes = _ints(args.shared_prefix)
+    except ValueError:
         print(
-            f"error: --shared-prefix {args.shared_prefix} must be in 0..--prompt-len - 1 "
+            f"error: --shared-prefix {args.shared_prefix!r}: expected integers like 0,1024",
+            file=sys.stderr,
+        )
+        return 2
+    bad = [n for n in prefixes if not 0 <= n < args.prompt_len]
+    if bad:
+        print(
+            f"error: --shared-prefix {bad[0]} must be in 0..--prompt-len - 1 "
             f"({args.prompt_len - 1}): each prompt keeps at least one id of its own",
             file=sys.stderr,
         )
