@@ -32,6 +32,8 @@ class ForwardBatch:
     # DP-attention layout: local token and logit-row counts of every DP group, in group order.
     dp_token_counts: list[int] = field(default_factory=list)
     dp_logit_counts: list[int] = field(default_factory=list)
+    # local rows of the chunks of one token, on the device the attention asked for
+    _single_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +42,17 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return all(c.length == 1 for c in self.chunks)
+
+    def single_token_rows(self, device: torch.device) -> torch.Tensor:
+        """int64 [S]: the local rows of the chunks of one token (in a mixed step, the
+        running sequences' decodes), built once per batch and device."""
+        rows = self._single_rows
+        if rows is None or rows.device != device:
+            host = torch.tensor(
+                [c.token_offset for c in self.chunks if c.length == 1], dtype=torch.int64
+            )
+            rows = self._single_rows = host.to(device, non_blocking=True)
+        return rows
 
     @classmethod
     def from_chunks(

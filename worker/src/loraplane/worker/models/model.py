@@ -120,41 +120,18 @@ class Attention(nn.Module):
     def _attend(self, q: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         if not batch.chunks:
             return q
-        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
-        if batch.is_decode and q.device.type == "cuda":
-            # One new token per sequence, attending in place over its pages; lengths are
-            # read on the device, so the step can be captured (engine/graphs.py).
-            return kernels.decode_attention(  # type: ignore[no-any-return]
-                q,
-                k_cache,
-                v_cache,
-                kv.page_table,
-                batch.cache_rows,
-                batch.positions + 1,
-                self.scale,
-            )
         if batch.is_decode:
-            # One new token per sequence: one batched call over each row's cached prefix,
-            # its pages gathered through the page table.
-            ctx = batch.positions + 1  # [B]
-            length = int(batch.positions.max()) + 1
-            n = -(-length // kv.page_size)
-            pages = kv.page_table[batch.cache_rows, :n].to(torch.int64)  # [B, n]
-            keys = k_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)  # [B, kv, L, d]
-            values = v_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)
-            mask = torch.arange(length, device=q.device)[None, :] < ctx[:, None]  # [B, L]
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :],  # [B, heads, 1, d]
-                keys,
-                values,
-                attn_mask=mask[:, None, None, :],
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            return out[:, :, 0, :]
+            return self._attend_one_each(q, batch.cache_rows, batch.positions, kv)
+        # A mixed step (chunked prefill beside running decodes): every chunk of one token
+        # (a running sequence's decode) attends in one call; the longer chunks one by one.
         out = torch.empty_like(q)
+        singles = batch.single_token_rows(q.device)
+        if singles.numel():
+            out[singles] = self._attend_one_each(
+                q[singles], batch.cache_rows[singles], batch.positions[singles], kv
+            )
         for c in batch.chunks:
-            if not c.length:
+            if c.length < 2:
                 continue
             total = c.start + c.length
             qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[
@@ -176,6 +153,37 @@ class Attention(nn.Module):
                 )
             out[c.token_offset : c.token_offset + c.length] = o[0].transpose(0, 1)
         return out
+
+    def _attend_one_each(
+        self, q: torch.Tensor, cache_rows: torch.Tensor, positions: torch.Tensor, kv: KVCache
+    ) -> torch.Tensor:
+        """``q [B, heads, d]``: one new token per row, at ``positions``, attending in place
+        over its row's pages up to and including itself."""
+        k_cache, v_cache = kv.k[self.layer], kv.v[self.layer]
+        if q.device.type == "cuda":
+            # Lengths are read on the device, so a decode step can be captured
+            # (engine/graphs.py).
+            return kernels.decode_attention(  # type: ignore[no-any-return]
+                q, k_cache, v_cache, kv.page_table, cache_rows, positions + 1, self.scale
+            )
+        # One batched call over each row's cached prefix, its pages gathered through the
+        # page table.
+        ctx = positions + 1  # [B]
+        length = int(positions.max()) + 1
+        n = -(-length // kv.page_size)
+        pages = kv.page_table[cache_rows, :n].to(torch.int64)  # [B, n]
+        keys = k_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)  # [B, kv, L, d]
+        values = v_cache[pages].flatten(1, 2)[:, :length].transpose(1, 2)
+        mask = torch.arange(length, device=q.device)[None, :] < ctx[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :],  # [B, heads, 1, d]
+            keys,
+            values,
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return out[:, :, 0, :]
 
 
 class MLP(nn.Module):
