@@ -20,7 +20,8 @@ MESSAGE = "a Triton kernel was compiled or loaded after the warm-up: %s"
 def _after_compile(**kw: Any) -> bool:
     fn = kw.get("fn")
     name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or repr(fn)
-    log.warning(MESSAGE, f"{name} {kw.get('repr', '')}".strip())
+    spec = " ".join(str(kw.get("repr", "")).split())  # one line: its constexprs and types
+    log.warning(MESSAGE, f"{name} {spec}".strip()[:2000])
     return False  # (a pre-compile hook's true answer would skip the compile)
 
 
