@@ -30,6 +30,6 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
               f"{r['itl_ms_p50']!s:>6} {r['itl_ms_p99']!s:>6} {r['requests']:>4} "
               f"{r['errors']:>4} {r['gpu_busy']!s:>5}")
 PY
-# the workers' logs, last lines (a failed start says why there)
-for f in "$WORK"*/worker*.log; do [ -f "$f" ] && tail -n 200 "$f" >"$OUT/$(basename "$f")"; done
+# the workers' logs without the access lines, last lines (a failed start says why there)
+for f in "$WORK"*/worker*.log; do [ -f "$f" ] && grep -v uvicorn.access "$f" | tail -n 400 >"$OUT/$(basename "$f")"; done
 echo "total $(( $(date +%s) - T0 ))s"
