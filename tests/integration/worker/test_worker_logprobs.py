@@ -33,7 +33,7 @@ def worker(
 ) -> Iterator[WorkerProcess]:
     # steps taken in turn or overlapped (ADR 0014); the engine in its core process or on a
     # thread of the front end's (ADR 0012)
-    extra = {"in-turn": [], "overlap": ["--overlap"], "in-thread": ["--no-engine-process"]}[
+    extra = {"in-turn": ["--no-overlap"], "overlap": [], "in-thread": ["--no-engine-process"]}[
         request.param
     ]
     process = start_worker(

@@ -269,9 +269,9 @@ def serve_cmd(
             "--overlap/--no-overlap",
             help="Overlapped steps: launch the next step before reading this one's tokens, "
             "which are read one step late (ADR 0014). One-rank workers only (--tp/--dp 1; "
-            "ignored otherwise). Off by default: not yet measured on a GPU",
+            "ignored otherwise); --no-overlap steps in turn",
         ),
-    ] = False,
+    ] = True,
     chunked_prefill_size: Annotated[
         int,
         typer.Option(
