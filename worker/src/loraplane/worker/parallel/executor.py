@@ -11,6 +11,7 @@ and send back the token ids (``step_result``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as std_mp
 import os
 import queue
@@ -111,18 +112,7 @@ def _rank_loop(
     try:
         device = init_rank(rank, pconf.tp, runner_config.device, port)
         ps = ParallelState(pconf, rank)
-        cfg = RunnerConfig(
-            runner_config.model,
-            device=str(device),
-            dtype=runner_config.dtype,
-            max_seqs=runner_config.max_seqs,
-            max_len=runner_config.max_len,
-            page_size=runner_config.page_size,
-            kv_pages=runner_config.kv_pages,
-            mem_fraction=runner_config.mem_fraction,
-            lora_backend=runner_config.lora_backend,
-            sampler=runner_config.sampler,
-        )
+        cfg = dataclasses.replace(runner_config, device=str(device))
         runner = ModelRunner(cfg, lora, ps)
         host: dict[str, AdapterWeights] = {}
         threading.Thread(
@@ -145,7 +135,8 @@ def _rank_loop(
                 break
             if cmd == "step":
                 work: list[SeqWork] = args[ps.dp_rank]
-                batch, slots = build_batch(work, runner.device)
+                # (on the host: the runner moves it, or copies it into a decode graph's inputs)
+                batch, slots = build_batch(work, "cpu")
                 logits = runner.forward(batch, slots)
                 leader = ps.attn_tp_rank == 0
                 result = step_result(logits, work, cfg.sampler) if leader else None

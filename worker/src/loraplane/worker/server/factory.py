@@ -29,7 +29,7 @@ class ServeConfig:
     stage_slots: int | None = None  # None: the model's default (lora.stage.default_positions)
     lora_backend: str = "triton"
     sampler: str = "auto"  # engine.sampling.SAMPLERS
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA; every rank its own)
     warmup: bool | None = None  # engine.warmup before serving; None: on CUDA only
     max_running: int = 32  # a cap on running requests per DP group (page-table rows)
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
