@@ -159,6 +159,11 @@ class DecodeGraphs:
             and batch.logit_rows.numel() == n  # decode batches want every row's logits
         )
 
+    @property
+    def captured(self) -> bool:
+        """Whether any CUDA graph was captured (not only run without capture)."""
+        return any(g.graph is not None for g in self._graphs.values())
+
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 

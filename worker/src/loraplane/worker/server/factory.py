@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
-from loraplane.worker.engine.compile_watch import watch_compiles
 from loraplane.worker.engine.engine import Engine, EngineObserver, FaultHook
 from loraplane.worker.engine.executor import Executor
 from loraplane.worker.engine.pages import pages_for
@@ -204,7 +203,7 @@ def build_engine(
                 stage_positions=executor.stage_positions,
             )
             report = warm_up(executor, plan)
-            watch_compiles()  # (a kernel the warm-up missed then logs a line)
+            executor.watch_compiles()  # (a kernel the warm-up missed then logs a line, any rank)
             if observer is not None:
                 observer.warmed_up(report.seconds)
         return Engine(
