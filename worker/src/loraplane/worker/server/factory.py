@@ -201,6 +201,7 @@ def build_engine(
                 config.max_lora_rank,
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
                 stage_positions=executor.stage_positions,
+                dp=executor.dp_size,
             )
             report = warm_up(executor, plan)
             executor.watch_compiles()  # (a kernel the warm-up missed then logs a line, any rank)
