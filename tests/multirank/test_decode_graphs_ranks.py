@@ -10,6 +10,7 @@ rows, and with a DP group that has no requests at all.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -171,3 +172,63 @@ def test_graph_steps_give_the_eager_and_the_single_rank_tokens_and_logits(
     # the prefill is eager in both runs: bitwise the same rows
     for got, eager in zip(graph_lp, eager_lp, strict=True):
         assert torch.equal(got[: -(NEW_TOKENS - 1)], eager[: -(NEW_TOKENS - 1)])
+
+
+def _worker_tokens(suite: Any, monkeypatch: pytest.MonkeyPatch, static: bool) -> list[list[int]]:
+    """The tokens a tp=2 dp=2 worker's steps give, through its ranks' static graph steps
+    (``LORAPLANE_CPU_STATIC_DECODE=1``, read by the ranks at start) or eagerly: a prefill of
+    both groups, then decode steps of both, then of group 0 alone (group 1 idle)."""
+    from loraplane.worker.config import LoRARuntimeConfig
+    from loraplane.worker.engine.executor import SeqWork
+    from loraplane.worker.parallel.executor import MultiRankExecutor
+
+    monkeypatch.setenv("LORAPLANE_CPU_STATIC_DECODE", "1" if static else "0")
+    model_dir, adapters = suite["llama"]
+    executor = MultiRankExecutor(
+        ParallelConfig(tp=2, dp=2, dp_attention=True),
+        RunnerConfig(str(model_dir), max_seqs=2, max_len=32, lora_backend="triton"),
+        LoRARuntimeConfig(max_loras_per_batch=2, max_loaded_loras=2, max_lora_rank=32),
+    )
+    try:
+        for slot, (name, path) in enumerate(adapters[:2]):
+            for group in (0, 1):
+                executor.read_adapter(group, name, str(path))
+            executor.load_slot(slot, name)
+        seqs = [[(0, [5, 9, 200], 0), (1, [44, 2], NO_ADAPTER)], [(0, [7, 7, 8, 3], 1)]]
+        out: list[list[int]] = [[], []]
+        work = [[SeqWork(row, 0, tuple(p), slot) for row, p, slot in g] for g in seqs]
+        for step in range(5):
+            results = executor.step(work)
+            for g, result in enumerate(results):
+                out[g] += result.tokens
+            lengths = [[len(p) + step for _, p, _ in g] for g in seqs]
+            work = [
+                [
+                    SeqWork(row, lengths[g][j], (results[g].tokens[j],), slot)
+                    for j, (row, _, slot) in enumerate(seqs[g])
+                ]
+                if g == 0 or step < 2
+                else []  # group 1's request is done: the group idles
+                for g in range(2)
+            ]
+        return out
+    finally:
+        executor.shutdown()
+
+
+def test_a_workers_ranks_step_through_their_graphs_with_an_idle_group(
+    suite, monkeypatch, capfd, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """Through ``MultiRankExecutor``: the ranks build their graphs from the runner config, take
+    decode steps of both groups and of one group with the other idle, and give the tokens of
+    the eager steps."""
+    caplog.set_level(logging.INFO)  # (the level the ranks log at)
+    eager = _worker_tokens(suite, monkeypatch, static=False)
+    capfd.readouterr()
+    with_graphs = _worker_tokens(suite, monkeypatch, static=True)
+    logs = capfd.readouterr().err
+    assert with_graphs == eager
+    assert [len(g) for g in eager] == [2 * 5, 3]
+    # every rank made its static steps (the ranks log at the driver's level, with their rank)
+    for rank in (0, 1):
+        assert f"rank{rank} loraplane.worker.engine.graphs: a decode graph's static step" in logs

@@ -251,7 +251,7 @@ def test_backend_names_a_bad_kernel_family_or_overlap_mode() -> None:
     assert aside.stream is None and aside.result() == 7
 
 
-def test_graphs_only_where_a_capture_can_hold_the_step() -> None:
+def test_graphs_only_where_a_capture_can_hold_the_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert graphs_enabled(True, cuda, "triton")  # (one rank or many: each rank its own)
     assert graphs_enabled(True, cuda, None)  # no LoRA at all
@@ -259,6 +259,11 @@ def test_graphs_only_where_a_capture_can_hold_the_step() -> None:
     assert not graphs_enabled(True, cpu, "triton")
     # The torch reference kernels read segment bounds back to the host: never captured.
     assert not graphs_enabled(True, cuda, "torch")
+    # The tests' switch: the CPU runs the static steps without capture, when asked for graphs
+    monkeypatch.setenv("LORAPLANE_CPU_STATIC_DECODE", "1")
+    assert graphs_enabled(True, cpu, "triton")
+    assert not graphs_enabled(False, cpu, "triton")
+    assert not graphs_enabled(True, cpu, "torch")
 
 
 def test_a_cpu_runner_never_replays_graphs(runner: ModelRunner) -> None:

@@ -56,6 +56,7 @@ the LM head's gathers) are captured with it (docs/adr/0018-per-rank-decode-graph
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,8 +94,13 @@ def graph_buckets(max_batch: int) -> list[int]:
 def graphs_enabled(requested: bool, device: torch.device, lora_backend: str | None) -> bool:
     """Whether a runner replays decode steps from graphs: CUDA, and LoRA (if any) through the
     Triton kernels. The torch reference kernels read segment bounds back to the host, which a
-    capture cannot do (and would freeze one step's adapter layout)."""
-    return requested and device.type == "cuda" and lora_backend in (None, "triton")
+    capture cannot do (and would freeze one step's adapter layout).
+
+    On the CPU, ``LORAPLANE_CPU_STATIC_DECODE=1`` gives a runner that asks for graphs the same
+    static-buffer steps without capture (``DecodeGraphs(capture=False)``): how the tests take
+    a worker's ranks, which read it from the environment they start with, down that path."""
+    static_cpu = device.type == "cpu" and os.environ.get("LORAPLANE_CPU_STATIC_DECODE") == "1"
+    return requested and (device.type == "cuda" or static_cpu) and lora_backend in (None, "triton")
 
 
 @dataclass
@@ -378,6 +384,7 @@ class DecodeGraphs:
                     runner.lora.reset_batch_state()
 
         if not self.capture:
+            log.info("a decode graph's static step (not captured): %d rows, LoRA %s", bucket, shape)
             return _Graph(graph=None, forward=forward, logits=out)
         # The buffers hold this step's values: the warm-up runs and the capture compute this
         # step (KV writes included) and the first replay recomputes it with the same inputs.

@@ -145,7 +145,12 @@ class ModelRunner:
         if graphs:
             self.kv.point_at_spare(config.max_seqs)
         self.graphs = (
-            DecodeGraphs(self, config.graph_max_batch or config.max_seqs, config.max_seqs)
+            DecodeGraphs(
+                self,
+                config.graph_max_batch or config.max_seqs,
+                config.max_seqs,
+                capture=self.device.type == "cuda",
+            )
             if graphs
             else None
         )
