@@ -38,7 +38,12 @@ Plan = list[list[tuple[int, int]]]
 
 def _runner(model_dir: str, adapters: list[tuple[str, str]], device: torch.device, ps: Any) -> Any:
     cfg = RunnerConfig(
-        model_dir, device=str(device), max_seqs=ROWS + 1, max_len=MAX_LEN, lora_backend="triton"
+        model_dir,
+        device=str(device),
+        max_seqs=ROWS + 1,
+        max_len=MAX_LEN,
+        lora_backend="triton",
+        cuda_graphs=False,  # (the runs below set the graphs they compare)
     )
     runner = ModelRunner(cfg, lora_config_for(adapters), ps)
     for slot, (name, path) in enumerate(adapters):
@@ -63,13 +68,16 @@ def _rank_main(
         ids, slots = [prompts[i] for i, _ in mine], [s for _, s in mine]
         runner.graphs = None
         eager = run_ours(runner, ids, slots, NEW_TOKENS)
-        graphs = runner.graphs = DecodeGraphs(runner, ROWS, spare_row=ROWS, capture=False)
+        # (captured on GPUs: tests/gpu/test_decode_graphs_ranks.py)
+        capture = device.type == "cuda"
+        graphs = runner.graphs = DecodeGraphs(runner, ROWS, spare_row=ROWS, capture=capture)
         static = run_ours(runner, ids, slots, NEW_TOKENS)
         runner.graphs = None
         results.append(
             {
-                "eager": eager,
-                "graph": static,
+                "eager": _on_host(eager),
+                "graph": _on_host(static),
+                "captured": graphs.captured,
                 "replays": graphs.replays,
                 "buckets": sorted({bucket for bucket, _ in graphs._graphs}),
                 "lora_shapes": sorted(str(shape) for _, shape in graphs._graphs),
@@ -80,13 +88,22 @@ def _rank_main(
         torch.save(everyone, out)
 
 
+def _on_host(run: OurRun) -> OurRun:
+    return OurRun(run.sequences, run.generated, [t.cpu() for t in run.logprobs])
+
+
 def _single(
-    model_dir: str, adapters: list[tuple[str, str]], prompts: list[list[int]], plan: Plan
+    model_dir: str,
+    adapters: list[tuple[str, str]],
+    prompts: list[list[int]],
+    plan: Plan,
+    device: str = "cpu",
 ) -> OurRun:
     """Every group's requests in one batch on one rank (eager), in group order."""
-    runner = _runner(model_dir, adapters, torch.device("cpu"), None)
+    runner = _runner(model_dir, adapters, torch.device(device), None)
     rows = [r for group in plan for r in group]
-    return run_ours(runner, [prompts[i] for i, _ in rows], [s for _, s in rows], NEW_TOKENS)
+    run = run_ours(runner, [prompts[i] for i, _ in rows], [s for _, s in rows], NEW_TOKENS)
+    return _on_host(run)
 
 
 def _by_request(plan: Plan, per_group: list[OurRun]) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -112,12 +129,12 @@ CASES = [
 
 
 Layout = tuple[str, int, int]  # (arch, tp, dp)
-_RUNS: dict[Layout, tuple[list[Plan], list[Any]]] = {}
+_RUNS: dict[tuple[Layout, str], tuple[list[Plan], list[Any]]] = {}
 
 
-def _ranked(suite: Any, layout: Layout) -> tuple[list[Plan], list[Any]]:  # type: ignore[no-untyped-def]
+def _ranked(suite: Any, layout: Layout, device: str = "cpu") -> tuple[list[Plan], list[Any]]:
     """One rank run per layout, every plan of that layout in it (kept for its other tests)."""
-    if layout not in _RUNS:
+    if (layout, device) not in _RUNS:
         arch, tp, dp = layout
         model_dir, adapters = suite[arch]
         pairs = [(n, str(p)) for n, p in adapters[:2]]
@@ -129,7 +146,7 @@ def _ranked(suite: Any, layout: Layout) -> tuple[list[Plan], list[Any]]:  # type
             spawn_ranks(
                 _rank_main,
                 ParallelConfig(tp=tp, dp=dp, dp_attention=dp > 1),
-                "cpu",
+                device,
                 str(model_dir),
                 pairs,
                 prompts,
@@ -137,8 +154,8 @@ def _ranked(suite: Any, layout: Layout) -> tuple[list[Plan], list[Any]]:  # type
                 out,
             )
             parts = torch.load(out, weights_only=False)
-        _RUNS[layout] = (plans, [str(model_dir), pairs, prompts, parts])
-    return _RUNS[layout]
+        _RUNS[(layout, device)] = (plans, [str(model_dir), pairs, prompts, parts])
+    return _RUNS[(layout, device)]
 
 
 @pytest.mark.parametrize(
@@ -149,7 +166,15 @@ def _ranked(suite: Any, layout: Layout) -> tuple[list[Plan], list[Any]]:  # type
 def test_graph_steps_give_the_eager_and_the_single_rank_tokens_and_logits(
     suite, arch: str, tp: int, dp: int, name: str
 ) -> None:  # type: ignore[no-untyped-def]
-    plans, (model_dir, pairs, prompts, parts) = _ranked(suite, (arch, tp, dp))
+    check_graph_steps(suite, arch, tp, dp, name, "cpu", tolerance=1e-5)
+
+
+def check_graph_steps(
+    suite: Any, arch: str, tp: int, dp: int, name: str, device: str, tolerance: float
+) -> None:
+    """Every rank took every decode step through its graphs (captured on GPUs), and the
+    tokens and logprobs are the eager multi-rank run's and the single-rank run's."""
+    plans, (model_dir, pairs, prompts, parts) = _ranked(suite, (arch, tp, dp), device)
     index = [n for a, t, d, n, _ in CASES if (a, t, d) == (arch, tp, dp)].index(name)
     plan = plans[index]
     attn_tp = tp // dp
@@ -162,13 +187,14 @@ def test_graph_steps_give_the_eager_and_the_single_rank_tokens_and_logits(
         assert run["replays"] == NEW_TOKENS - 1, (rank, run)
         assert run["buckets"] == [4 if rows > 2 else 2], (rank, run)
         assert "None" not in run["lora_shapes"], (rank, run)
+        assert run["captured"] == (device == "cuda"), (rank, run)
     eager_tokens, eager_lp = _by_request(plan, [parts[r][index]["eager"] for r in leaders])
     graph_tokens, graph_lp = _by_request(plan, [parts[r][index]["graph"] for r in leaders])
-    single = _single(model_dir, pairs, prompts, plan)
+    single = _single(model_dir, pairs, prompts, plan, device)
     assert graph_tokens == eager_tokens == single.generated
     for got, eager, alone in zip(graph_lp, eager_lp, single.logprobs, strict=True):
-        assert float((got - eager).abs().max()) <= 1e-5
-        assert float((got - alone).abs().max()) <= 1e-5
+        assert float((got - eager).abs().max()) <= tolerance
+        assert float((got - alone).abs().max()) <= tolerance
     # the prefill is eager in both runs: bitwise the same rows
     for got, eager in zip(graph_lp, eager_lp, strict=True):
         assert torch.equal(got[: -(NEW_TOKENS - 1)], eager[: -(NEW_TOKENS - 1)])
