@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.multirank.test_decode_graphs_ranks import CASES, check_graph_steps
+from tests.multirank.test_decode_graphs_ranks import check_graph_steps, each_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,11 +23,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("arch", "tp", "dp", "name"),
-    [(a, t, d, n) for a, t, d, n, _ in CASES],
-    ids=[f"{a}-tp{t}-dp{d}-{n}" for a, t, d, n, _ in CASES],
-)
+@each_case
 def test_captured_rank_graphs_give_the_eager_and_the_one_gpu_tokens(
     suite, arch: str, tp: int, dp: int, name: str
 ) -> None:  # type: ignore[no-untyped-def]

@@ -158,11 +158,15 @@ def _ranked(suite: Any, layout: Layout, device: str = "cpu") -> tuple[list[Plan]
     return _RUNS[(layout, device)]
 
 
-@pytest.mark.parametrize(
+# every case of CASES, by name (shared with tests/gpu/test_rank_graphs_nccl.py)
+each_case = pytest.mark.parametrize(
     ("arch", "tp", "dp", "name"),
     [(a, t, d, n) for a, t, d, n, _ in CASES],
     ids=[f"{a}-tp{t}-dp{d}-{n}" for a, t, d, n, _ in CASES],
 )
+
+
+@each_case
 def test_graph_steps_give_the_eager_and_the_single_rank_tokens_and_logits(
     suite, arch: str, tp: int, dp: int, name: str
 ) -> None:  # type: ignore[no-untyped-def]
