@@ -245,15 +245,16 @@ def _dp_key(max_seqs: int, groups: list[list[int]]) -> tuple[Any, ...]:
     return (bucket, static_shape(segments, len(padded)) if segments[2] else None)
 
 
-@pytest.mark.parametrize(("max_seqs", "slots"), [(6, 2), (4, 3)])
+@pytest.mark.parametrize(("max_seqs", "slots"), [(6, 2), (4, 3), (2, 3)])
 def test_the_warm_up_captures_every_dp_lora_decode_graph_a_step_can_need(
     max_seqs: int, slots: int
 ) -> None:
     """Two DP groups, each with any batch of at most ``max_seqs`` rows (or none): every LoRA
-    graph key their steps can meet is one the warm-up's steps met."""
+    graph key their steps can meet is one the warm-up's steps met (with 2 rows a group, 3
+    adapters in a step: more than one group's rows hold)."""
     from itertools import combinations_with_replacement, product
 
-    plan = plan_for(max_seqs, 64, slots, 32)
+    plan = plan_for(max_seqs, 64, slots, 32, dp=2)
     executor = _DPKeys(max_seqs, 2)
     warm_up(executor, plan)  # type: ignore[arg-type]
     batches = [
