@@ -44,7 +44,7 @@ the LM head's gathers) are captured with it (docs/adr/0018-per-rank-decode-graph
 * The LoRA shape of a DP step is that of the TP-global slots (every group's, padded), the
   same on every rank, so all ranks capture at the same steps (a capture's warm-ups run the
   collectives). The attention projections read the group's own rows (``local``: ``bucket``
-  rows), the MLP, experts and LM head the gathered ones (``global``: ``dp x bucket`` rows).
+  rows), the MLP and experts the gathered ones (``global``: ``dp x bucket`` rows).
   Multi-rank runners do not stage (``lora/manager.py``): their LoRA graphs run the shrink
   and expand kernels.
 * Under plain TP every rank gets the same batch, so each rank's own choice of graph is the
