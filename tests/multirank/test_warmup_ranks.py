@@ -1,6 +1,7 @@
 """The warm-up on a multi-rank worker (``engine.warmup`` through ``MultiRankExecutor``): every
-rank holds the blank adapter, takes its steps and collectives in step, and serves after it the
-tokens that a worker without the warm-up serves."""
+rank holds the blank adapter, takes its steps and collectives in step, watches its Triton
+compiles after it (``engine.compile_watch``), and serves after it the tokens that a worker
+without the warm-up serves."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ def _tokens(suite, warmup: bool) -> list[list[int]]:  # type: ignore[no-untyped-
         if warmup:
             report = warm_up(executor, plan_for(2, 32, 2, 16))
             assert report.steps > 0 and any(p.startswith("LoRA") for p in report.phases)
+            # what the worker does next: every rank logs the kernels it compiles from now on
+            assert executor.watch_compiles()
         for group in (0, 1):
             executor.read_adapter(group, "a8", str(dict(adapters)["a8"]))
         executor.load_slot(1, "a8")

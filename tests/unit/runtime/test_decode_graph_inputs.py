@@ -251,15 +251,19 @@ def test_backend_names_a_bad_kernel_family_or_overlap_mode() -> None:
     assert aside.stream is None and aside.result() == 7
 
 
-def test_graphs_only_where_a_capture_can_hold_the_step() -> None:
+def test_graphs_only_where_a_capture_can_hold_the_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert graphs_enabled(True, cuda, True, "triton")
-    assert graphs_enabled(True, cuda, True, None)  # no LoRA at all
-    assert not graphs_enabled(False, cuda, True, "triton")  # --no-cuda-graphs
-    assert not graphs_enabled(True, cpu, True, "triton")
-    assert not graphs_enabled(True, cuda, False, "triton")  # TP / DP attention
+    assert graphs_enabled(True, cuda, "triton")  # (one rank or many: each rank its own)
+    assert graphs_enabled(True, cuda, None)  # no LoRA at all
+    assert not graphs_enabled(False, cuda, "triton")  # --no-cuda-graphs
+    assert not graphs_enabled(True, cpu, "triton")
     # The torch reference kernels read segment bounds back to the host: never captured.
-    assert not graphs_enabled(True, cuda, True, "torch")
+    assert not graphs_enabled(True, cuda, "torch")
+    # The tests' switch: the CPU runs the static steps without capture, when asked for graphs
+    monkeypatch.setenv("LORAPLANE_CPU_STATIC_DECODE", "1")
+    assert graphs_enabled(True, cpu, "triton")
+    assert not graphs_enabled(False, cpu, "triton")
+    assert not graphs_enabled(True, cpu, "torch")
 
 
 def test_a_cpu_runner_never_replays_graphs(runner: ModelRunner) -> None:
@@ -287,6 +291,38 @@ def test_a_shape_whose_capture_fails_runs_eagerly_from_then_on(
     finally:
         runner.graphs = None
     assert len(attempts) == 1 and graphs.replays == 0  # tried once, then remembered
+
+
+def test_a_rank_of_a_multirank_worker_raises_when_its_capture_fails(
+    runner: ModelRunner, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """An eager step on one rank alone would leave its peers in another collective: the
+    failure reaches the caller (the rank fails) and nothing is remembered as eager."""
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    graphs.multi_rank = True
+
+    def broken_capture(bucket, shape):  # type: ignore[no-untyped-def]
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", broken_capture)
+    runner.graphs = graphs
+    try:
+        with pytest.raises(RuntimeError, match="stream is capturing"):
+            runner.forward(decode_step(runner, [11, 12, 13, 14]), [0, 1, NO_ADAPTER, 0])  # type: ignore[arg-type]
+    finally:
+        runner.graphs = None
+    assert not graphs._failed and graphs.replays == 0
+
+
+def test_dp_slots_only_under_dp_attention(runner: ModelRunner) -> None:
+    """A single-rank runner's graphs refuse a DP-attention exchange, naming what they hold."""
+    graphs = DecodeGraphs(runner, 8, spare_row=5, capture=False)
+    batch = decode_step(runner, [11, 12, 13, 14])
+    with pytest.raises(
+        ValueError, match=r"dp_slots must be given exactly under DP attention \(dp 1\), got 2"
+    ):
+        graphs.run(batch, [0, 0, 0, 0], dp_slots=[[0, 0, 0, 0], []])  # type: ignore[arg-type]
+    assert graphs.replays == 0 and not graphs._graphs
 
 
 def test_an_adapter_loaded_between_repeated_steps_is_used(runner: ModelRunner, suite) -> None:  # type: ignore[no-untyped-def]

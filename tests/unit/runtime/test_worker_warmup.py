@@ -216,3 +216,54 @@ def test_the_warm_up_captures_every_lora_decode_graph_a_batch_can_need(
     reachable = _reachable_graphs(max_seqs, slots, positions, plan.ranks)
     assert reachable - executor.graphs == set()
     assert executor.graphs - reachable == set()  # (the test's enumeration misses nothing)
+
+
+class _DPKeys(_StageOnly):
+    """``_StageOnly`` of a DP-attention worker of ``dp`` groups, whose ranks do not stage: the
+    LoRA decode graph of a step is keyed by the bucket of its largest group and the static
+    shape of every group's slots padded to that bucket (``DecodeGraphs._dp_lora_shape``)."""
+
+    def __init__(self, max_seqs: int, dp: int) -> None:
+        super().__init__(max_seqs, 0, 32)
+        self.dp_size = dp
+
+    def step(self, work: list[list[Any]]) -> list[Any]:
+        assert len(work) == self.dp_size
+        if all(all(len(w.tokens) == 1 for w in rows) for rows in work):
+            self.graphs |= {_dp_key(self.max_seqs, [[w.slot for w in rows] for rows in work])}
+        return []
+
+
+def _dp_key(max_seqs: int, groups: list[list[int]]) -> tuple[Any, ...]:
+    from loraplane.worker.engine.graphs import graph_buckets
+    from loraplane.worker.lora.batch_info import segments_of, static_shape
+
+    rows = max(len(g) for g in groups)
+    bucket = next(b for b in graph_buckets(max_seqs) if b >= rows)
+    padded = [s for g in groups for s in (*g, *[-1] * (bucket - len(g)))]
+    segments = segments_of(padded)
+    return (bucket, static_shape(segments, len(padded)) if segments[2] else None)
+
+
+@pytest.mark.parametrize(("max_seqs", "slots"), [(6, 2), (4, 3), (2, 3)])
+def test_the_warm_up_captures_every_dp_lora_decode_graph_a_step_can_need(
+    max_seqs: int, slots: int
+) -> None:
+    """Two DP groups, each with any batch of at most ``max_seqs`` rows (or none): every LoRA
+    graph key their steps can meet is one the warm-up's steps met (with 2 rows a group, 3
+    adapters in a step: more than one group's rows hold)."""
+    from itertools import combinations_with_replacement, product
+
+    plan = plan_for(max_seqs, 64, slots, 32, dp=2)
+    executor = _DPKeys(max_seqs, 2)
+    warm_up(executor, plan)  # type: ignore[arg-type]
+    batches = [
+        list(rows)
+        for n in range(max_seqs + 1)
+        for rows in combinations_with_replacement(range(-1, slots), n)
+    ]
+    steps = {_dp_key(max_seqs, [a, b]) for a, b in product(batches, batches) if a or b}
+    reachable = {key for key in steps if key[1] is not None}
+    captured = {key for key in executor.graphs if key[1] is not None}
+    assert reachable - captured == set()
+    assert captured - reachable == set()  # (the test's enumeration misses nothing)

@@ -260,7 +260,7 @@ def serve_cmd(
     cuda_graphs: Annotated[
         bool,
         typer.Option(
-            help="Replay decode steps from CUDA graphs (CUDA with tp = dp = 1; else ignored)"
+            help="Replay decode steps from CUDA graphs (CUDA, every rank its own; else ignored)"
         ),
     ] = True,
     overlap: Annotated[

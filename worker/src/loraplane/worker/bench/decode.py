@@ -4,7 +4,7 @@
         [--shape llama3-8b|qwen3-30b-a3b|tiny|tiny-moe] [--layers 8] [--batch-sizes 16,32,64,128]
         [--adapters 1,4,16] [--rank 16] [--context 512] [--steps 10] [--rounds 3] [--cuda-graphs]
         [--order step|variant] [--sampling greedy|chat] [--profile] [--stage-slots P]
-        [--max-lora-rank R]
+        [--max-lora-rank R] [--tp N [--dp D --dp-attention]]
 
 Entry point: ``run_decode_bench(device, batch_sizes, adapters, layers, shape, cuda_graphs, out,
 *, rank=16, context=512, steps=10, warmup=3, profile=False, dtype=None, stage_slots=None,
@@ -79,13 +79,22 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   its ``4s`` row equals ``4``. Unset, the worker's default: 4 positions on a dense model, 16
   on a MoE one (``lora.stage.default_positions``; the JSON's ``stage_positions``). ``--max-lora-rank`` sizes the slot buffers above ``--rank``,
   as a pool that also serves larger adapters.
+* ``--tp N`` (``--dp D --dp-attention``): the same bench on every rank of an N-rank worker,
+  one process each (``run_decode_bench_ranks``; NCCL on N GPUs, gloo on the CPU), each rank
+  with its shard of the model and the adapters, and its own decode graphs with
+  ``--cuda-graphs`` (ADR 0018: the collectives inside; on the CPU the same static steps run
+  without capture, so the path is tested there). ``bs`` is the rows of each DP group (every
+  group decodes ``bs`` rows with the same adapters); ``tok_s`` counts every group's rows; the
+  times are rank 0's. Multi-rank workers do not stage (``stage_positions`` 0).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -170,13 +179,16 @@ def model_config(shape: str, layers: int, dtype: torch.dtype) -> Any:
     )
 
 
-def build_model(config: Any, device: str, dtype: torch.dtype, seed: int = 0) -> nn.Module:
-    """``CausalLM`` at ``config``'s shapes with random weights, built on ``device``."""
+def build_model(
+    config: Any, device: str, dtype: torch.dtype, seed: int = 0, ps: Any = None
+) -> nn.Module:
+    """``CausalLM`` at ``config``'s shapes with random weights, built on ``device``; with
+    ``ps`` (a ``ParallelState``) that rank's shard (random too: no rank's shard is another's)."""
     from loraplane.worker.models.loader import reset_rotary
     from loraplane.worker.models.model import CausalLM
 
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, ps)
     model = model.to_empty(device=device)
     model.to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -345,14 +357,17 @@ def bench_runner(
     max_rank: int | None = None,
     stage_slots: int | None = None,
     backend: str = "triton",
+    ps: Any = None,
 ) -> tuple[Any, _LoRASwitch]:
     """The bench's model at ``config`` on ``device`` (random weights, the KV cache filled
     randomly) in a runner, and a ``_LoRASwitch`` with ``slots`` random adapters of ``rank``
-    loaded (switched off). Shared with ``bench/probes``."""
+    loaded (switched off); with ``ps``, one rank's shard of them. Shared with
+    ``bench/probes``."""
     from loraplane.worker.config import LoRARuntimeConfig
 
     dtype = getattr(torch, config.torch_dtype)
-    runner = _make_runner(build_model(config, device, dtype), device, max_bs, max_len)
+    model = build_model(config, device, dtype, ps=ps)
+    runner = _make_runner(model, device, max_bs, max_len)
     for k_cache, v_cache in zip(runner.kv.k, runner.kv.v, strict=True):
         k_cache.normal_()
         v_cache.normal_()
@@ -412,7 +427,9 @@ def _active(
         if mode == "graph":
             if variant not in graphs_by_variant:
                 max_bs = runner.config.max_seqs
-                graphs_by_variant[variant] = DecodeGraphs(runner, max_bs, max_bs)
+                graphs_by_variant[variant] = DecodeGraphs(
+                    runner, max_bs, max_bs, capture=is_cuda(runner.device)
+                )
             runner.graphs = graphs_by_variant[variant]
         yield slots
     finally:
@@ -532,11 +549,13 @@ def run_decode_bench(
     order: str = "step",
     sampling: str = "greedy",
     control: bool = False,
+    ps: Any = None,
 ) -> dict[str, Any]:
     """Measure every (batch size, variant, mode); JSON written to ``out`` after each row.
     ``profile_graphs``: batch sizes whose graph steps are profiled too (``_profile``).
     ``order``: within a round, ``"step"`` interleaves the variants step by step, ``"variant"``
-    runs each variant's steps back to back."""
+    runs each variant's steps back to back. ``ps``: this rank's ``ParallelState`` when every
+    rank of a multi-rank worker runs it (``run_decode_bench_ranks``)."""
     from loraplane.worker.engine.graphs import DecodeGraphs
 
     if shape not in SHAPES:
@@ -550,8 +569,12 @@ def run_decode_bench(
         dtype or ("bfloat16" if dev_type == "cuda" else "float32")
     ]
     config = model_config(shape, layers, tdtype)
-    graphs = cuda_graphs and dev_type == "cuda"
+    multi = ps is not None and not ps.is_single
+    # Several ranks on the CPU take the graph steps without capture (DecodeGraphs(capture=
+    # False)): how the CPU tests run the per-rank graph path over gloo.
+    graphs = cuda_graphs and (dev_type == "cuda" or multi)
     modes = ["eager"] + (["graph"] if graphs else [])
+    groups = ps.dp_size if multi and ps.dp_attention else 1  # each group runs ``bs`` rows
     sink = JsonSink(
         out,
         {
@@ -582,6 +605,11 @@ def run_decode_bench(
                 if config.is_moe
                 else ",".join(DENSE_MODULES),
                 "cuda_graphs_requested": cuda_graphs,
+                "graph_capture": graphs and dev_type == "cuda",
+                "tp": ps.tp_size if ps is not None else 1,
+                "dp": ps.dp_size if ps is not None else 1,
+                "dp_attention": bool(ps is not None and ps.dp_attention),
+                "bs_is": "rows per DP group; tok_s counts every group's rows",
             },
             "rows": [],
         },
@@ -598,6 +626,7 @@ def run_decode_bench(
         max_rank=max_rank,
         stage_slots=stage_slots,
         backend=backend,
+        ps=ps,
     )
     if sampling != "greedy":  # language-model-like next-token distributions (CHAT_LOGIT_STD)
         with torch.no_grad():
@@ -669,8 +698,8 @@ def run_decode_bench(
             "variant": variant,
             "mode": mode,
             "step_ms": step_s * 1e3,
-            "tok_s": bs / step_s,  # median step: robust to a stray slow step
-            "tok_s_mean": bs * len(times) / sum(times),
+            "tok_s": groups * bs / step_s,  # median step: robust to a stray slow step
+            "tok_s_mean": groups * bs * len(times) / sum(times),
             "step_ms_min": min(times) * 1e3,
             "timed_steps": len(times),
         }
@@ -750,6 +779,64 @@ def run_decode_bench(
     if dev_type == "cuda":
         torch.cuda.empty_cache()
     return sink.payload
+
+
+def _bench_rank(
+    rank: int, ps: Any, device: torch.device, args: tuple[Any, ...], kw: dict[str, Any], out: str
+) -> None:
+    """One rank of ``run_decode_bench_ranks``: the whole bench, in step with its peers (every
+    rank runs the same variants and steps, so the collectives pair up); rank 0 writes the JSON
+    and prints the rows."""
+    if rank:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the rank's life)
+    batch_sizes, adapters, layers, shape, cuda_graphs = args
+    result = run_decode_bench(
+        str(device),
+        batch_sizes,
+        adapters,
+        layers,
+        shape,
+        cuda_graphs,
+        Path(out) if rank == 0 else None,
+        ps=ps,
+        **kw,
+    )
+    if rank == 0:
+        Path(out).write_text(json.dumps(result, default=str))
+
+
+def run_decode_bench_ranks(
+    tp: int,
+    dp: int,
+    dp_attention: bool,
+    device: str,
+    batch_sizes: list[int],
+    adapters: list[int],
+    layers: int,
+    shape: str,
+    cuda_graphs: bool,
+    out: Path | None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """``run_decode_bench`` on every rank of a ``tp``-rank worker (``dp`` DP-attention groups),
+    one process each (gloo on the CPU, NCCL on GPUs): each rank's model is its shard, every DP
+    group decodes ``bs`` rows of its own with the same adapters, and a step's time is rank 0's.
+    With ``cuda_graphs`` every rank replays its own decode graphs (ADR 0018); on the CPU they
+    run without capture. The layout is checked before any rank starts."""
+    import tempfile
+
+    from loraplane.worker.parallel.launch import spawn_ranks
+    from loraplane.worker.parallel.state import ParallelConfig
+
+    pconf = ParallelConfig(tp=tp, dp=dp, dp_attention=dp_attention)
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {sorted(SHAPES)}")
+    args = (batch_sizes, adapters, layers, shape, cuda_graphs)
+    with tempfile.TemporaryDirectory(prefix="loraplane-bench-decode-") as tmp:
+        path = out or Path(tmp) / "decode.json"
+        spawn_ranks(_bench_rank, pconf, torch.device(device).type, args, kw, str(path))
+        result: dict[str, Any] = json.loads(Path(path).read_text())
+    return result
 
 
 def _project(head_ms: float, off_ms: float, lora_ms: float, layers: int, full: int) -> float | None:
@@ -915,11 +1002,26 @@ def main(argv: list[str] | None = None) -> int:
         help="the slot buffers' rank (default: --rank); above it, adapters of --rank sit in "
         "wider slots, as in a pool that also serves larger ranks",
     )
+    p.add_argument(
+        "--tp", type=int, default=1, help="ranks of one worker, a process each (gloo on the CPU)"
+    )
+    p.add_argument("--dp", type=int, default=1, help="DP-attention groups (needs --dp-attention)")
+    p.add_argument("--dp-attention", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--json", action="store_true", help="print the result JSON on stdout (else a table)"
     )
     args = p.parse_args(argv)
+    if args.tp > 1 or args.dp > 1:
+        from loraplane.worker.config import ConfigError
+        from loraplane.worker.parallel.state import ParallelConfig
+
+        try:
+            ParallelConfig(tp=args.tp, dp=args.dp, dp_attention=args.dp_attention)
+        except ConfigError as exc:
+            p.error(str(exc))
+        if args.profile or args.profile_graphs:
+            p.error("--profile and --profile-graphs profile one rank's process: without --tp/--dp")
     cuda = is_cuda(args.device)
     shape = args.shape or ("llama3-8b" if cuda else "tiny")
     layers = args.layers or (
@@ -930,7 +1032,10 @@ def main(argv: list[str] | None = None) -> int:
     if too_big:
         p.error(f"--profile-graphs {too_big}: at most the largest batch size ({max(bss)})")
     context = args.context if args.context is not None else (512 if cuda else 8)
-    result = run_decode_bench(
+    run: Any = run_decode_bench
+    if args.tp > 1:
+        run = functools.partial(run_decode_bench_ranks, args.tp, args.dp, args.dp_attention)
+    result = run(
         args.device,
         bss,
         _ints(args.adapters),

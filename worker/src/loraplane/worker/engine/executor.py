@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.compile_watch import watch_compiles
 from loraplane.worker.engine.logprobs import DeviceLogprobs, LogprobRows, TokenLogprob
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_ids, sample_rows
@@ -265,6 +266,12 @@ class Executor(Protocol):
         (``lora.adapter.blank_adapter``; the warm-up loads it into slots)."""
         ...
 
+    def watch_compiles(self) -> bool:
+        """From now on, log each Triton kernel variant that any rank first launches
+        (``engine.compile_watch``; the worker calls it after its warm-up). False where this
+        Triton has no hook for it."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -363,6 +370,9 @@ class LocalExecutor:
 
     def hold_blank(self, name: str, rank: int) -> None:
         self.host[name] = self.runner.blank_adapter(name, rank)
+
+    def watch_compiles(self) -> bool:
+        return watch_compiles()
 
     def shutdown(self) -> None:
         pass

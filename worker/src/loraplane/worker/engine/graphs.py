@@ -27,15 +27,36 @@ LoRA). A graph replays the whole forward in one launch. What makes the forward c
   A batch of more adapters runs the shrink + expand kernels.
 
 A batch with no adapter replays the bucket's LoRA-off graph, which has no LoRA work at all.
-Graphs run only on a single-rank CUDA worker (no TP, no DP attention: their collectives and
-per-step host exchange are not captured here) and only for pure decode batches of at most
-the largest bucket; everything else runs eagerly, unchanged. Adapter loads copy into the slot
-buffers in place, so captured graphs see new adapters without a recapture.
+Graphs run only for pure decode batches of at most the largest bucket; everything else runs
+eagerly, unchanged. Adapter loads copy into the slot buffers in place, so captured graphs see
+new adapters without a recapture.
+
+Each rank of a multi-rank worker (``--tp``, ``--dp --dp-attention``) holds graphs of its own,
+and the step's collectives (the TP all-reduces, the DP-attention gather of hidden states and
+the LM head's gathers) are captured with it (docs/adr/0018-per-rank-decode-graphs.md):
+
+* Under DP attention ``ModelRunner.forward`` first exchanges every group's token count and
+  per-token slots (the host exchange of the eager step); the graph step runs when every
+  group's batch is a pure decode batch that fits the largest bucket, an idle group's empty
+  batch included. Every group pads its rows to the bucket of the largest group's, so the
+  gathers move ``dp x bucket`` rows at fixed offsets and every rank replays a graph of the
+  same bucket; an idle group replays it with padding rows only and drops every logit row.
+* The LoRA shape of a DP step is that of the TP-global slots (every group's, padded), the
+  same on every rank, so all ranks capture at the same steps (a capture's warm-ups run the
+  collectives). The attention projections read the group's own rows (``local``: ``bucket``
+  rows), the MLP and experts the gathered ones (``global``: ``dp x bucket`` rows).
+  Multi-rank runners do not stage (``lora/manager.py``): their LoRA graphs run the shrink
+  and expand kernels.
+* Under plain TP every rank gets the same batch, so each rank's own choice of graph is the
+  same as its peers'.
+* A capture that fails on one rank cannot fall back to an eager step alone (its peers would
+  wait in another collective): on a multi-rank worker it raises, and the rank fails.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +66,7 @@ import torch
 
 from loraplane.worker.lora.adapter import CUDA_CAPTURE_LOCK
 from loraplane.worker.lora.batch_info import (
+    NO_ADAPTER,
     StaticLoRABatch,
     segments_of,
     static_shape,
@@ -69,13 +91,16 @@ def graph_buckets(max_batch: int) -> list[int]:
     return [b for b in _BUCKETS if b < max_batch] + [max_batch]
 
 
-def graphs_enabled(
-    requested: bool, device: torch.device, single_rank: bool, lora_backend: str | None
-) -> bool:
-    """Whether a runner replays decode steps from graphs: CUDA, one rank, and LoRA (if any)
-    through the Triton kernels. The torch reference kernels read segment bounds back to the
-    host, which a capture cannot do (and would freeze one step's adapter layout)."""
-    return requested and device.type == "cuda" and single_rank and lora_backend in (None, "triton")
+def graphs_enabled(requested: bool, device: torch.device, lora_backend: str | None) -> bool:
+    """Whether a runner replays decode steps from graphs: CUDA, and LoRA (if any) through the
+    Triton kernels. The torch reference kernels read segment bounds back to the host, which a
+    capture cannot do (and would freeze one step's adapter layout).
+
+    On the CPU, ``LORAPLANE_CPU_STATIC_DECODE=1`` gives a runner that asks for graphs the same
+    static-buffer steps without capture (``DecodeGraphs(capture=False)``): how the tests take
+    a worker's ranks, which read it from the environment they start with, down that path."""
+    static_cpu = device.type == "cpu" and os.environ.get("LORAPLANE_CPU_STATIC_DECODE") == "1"
+    return requested and (device.type == "cuda" or static_cpu) and lora_backend in (None, "triton")
 
 
 @dataclass
@@ -117,7 +142,10 @@ class DecodeGraphs:
         self._copied: torch.cuda.Event | None = None  # the last host-to-device copies
         self._failed: set[tuple[int, Shape | None]] = set()
         self._stream = torch.cuda.Stream(device) if capture else None  # warm-ups
-        self._lora: dict[tuple[int, Shape], StaticLoRABatch] = {}
+        self._lora: dict[tuple[int, Shape, bool], StaticLoRABatch] = {}  # see _lora_batch
+        ps = runner.ps
+        self.dp_size = ps.dp_size if ps.dp_attention else 1
+        self.multi_rank = not ps.is_single
         self._graphs: dict[tuple[int, Shape | None], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._last_slots: tuple[int, tuple[int, ...], int, int] | None = None  # see _lora_shape
@@ -126,14 +154,21 @@ class DecodeGraphs:
         self.replays = 0
 
     def supports(self, batch: ForwardBatch) -> bool:
-        """A pure decode batch (logits of every row, in order) that fits the largest bucket."""
+        """A pure decode batch (logits of every row, in order) that fits the largest bucket.
+        Under DP attention an idle group's empty batch too (it replays its peers' bucket)."""
         n = batch.num_tokens
         return (
-            0 < n <= self.buckets[-1]
+            (n > 0 or self.dp_size > 1)
+            and n <= self.buckets[-1]
             and batch.is_decode
             and not batch.dp_token_counts
             and batch.logit_rows.numel() == n  # decode batches want every row's logits
         )
+
+    @property
+    def captured(self) -> bool:
+        """Whether any CUDA graph was captured (not only run without capture)."""
+        return any(g.graph is not None for g in self._graphs.values())
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
@@ -143,19 +178,34 @@ class DecodeGraphs:
         batch: ForwardBatch,
         slots: Sequence[int],
         carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+        dp_slots: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor | None:
         """Logits [rows, vocab] of a decode batch (every row's next token), by graph replay.
 
         ``carry``: input tokens taken from a previous step's sampled ids on the device
         (``ModelRunner.forward``), copied into the static input buffer after the host values.
+        ``dp_slots``: under DP attention, every group's per-token slots in group order (the
+        step's host exchange; the same on every rank): the bucket fits the largest group.
 
         The logits are a view of a buffer that the next step rewrites: read them first. None
         when this batch's graph could not be captured (the caller runs the step eagerly).
         """
         n = batch.num_tokens
-        bucket = self.bucket_for(n)
+        if (dp_slots is not None) != (self.dp_size > 1):
+            raise ValueError(
+                f"dp_slots must be given exactly under DP attention (dp {self.dp_size}), "
+                f"got {'none' if dp_slots is None else len(dp_slots)}"
+            )
+        if dp_slots is not None and len(dp_slots) != self.dp_size:
+            raise ValueError(
+                f"dp_slots must hold every DP group's slots ({self.dp_size}), got {len(dp_slots)}"
+            )
+        bucket = self.bucket_for(max(len(g) for g in dp_slots) if dp_slots else n)
         self._wait_for_last_copies()
-        shape = self._lora_shape(slots, bucket)  # None: no adapter in the batch
+        if dp_slots is not None:
+            shape = self._dp_lora_shape(slots, dp_slots, bucket)
+        else:
+            shape = self._lora_shape(slots, bucket)  # None: no adapter in the batch
         key = (bucket, shape)
         if key in self._failed:
             return None
@@ -169,6 +219,8 @@ class DecodeGraphs:
             try:
                 graph = self._graphs[key] = self._capture(bucket, shape)
             except Exception:
+                if self.multi_rank:
+                    raise  # (an eager step on this rank alone would strand its peers)
                 log.exception(
                     "could not capture a decode graph of %d rows (LoRA shape %s); "
                     "these steps run eagerly",
@@ -217,6 +269,33 @@ class DecodeGraphs:
         self._last_slots, self._last_shape, self._last_adapters = key, shape, segments[2]
         return shape
 
+    def _dp_lora_shape(
+        self, slots: Sequence[int], dp_slots: Sequence[Sequence[int]], bucket: int
+    ) -> Shape | None:
+        """``_lora_shape`` of a DP-attention step: the shape of the TP-global slots (every
+        group's rows padded to ``bucket``, in group order), with the local (``slots``, this
+        group's) and global metadata filled in. Every rank computes the same shape."""
+        manager = self.runner.lora
+        if manager is None:
+            return None
+        global_slots = [s for g in dp_slots for s in (*g, *[NO_ADAPTER] * (bucket - len(g)))]
+        key = (bucket, tuple(global_slots), 0, manager.version)
+        if key == self._last_slots:
+            manager.check_slots(self._last_adapters)
+            return self._last_shape
+        segments = segments_of(global_slots)
+        manager.check_slots(segments[2])
+        shape: Shape | None = None
+        if segments[2]:
+            shape = (*static_shape(segments, len(global_slots)), 0, 0)
+            values = manager.slot_values()
+            self._lora_batch(bucket, shape).fill(slots, None, None, values)
+            self._lora_batch(bucket, shape, gathered=True).fill(
+                global_slots, segments, None, values
+            )
+        self._last_slots, self._last_shape, self._last_adapters = key, shape, segments[2]
+        return shape
+
     def _fill(self, batch: ForwardBatch, bucket: int) -> None:
         n = batch.num_tokens
         host = self._inputs_host[:, :bucket]
@@ -229,18 +308,21 @@ class DecodeGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _lora_batch(self, bucket: int, shape: Shape) -> StaticLoRABatch:
-        static = self._lora.get((bucket, shape))
+    def _lora_batch(self, bucket: int, shape: Shape, gathered: bool = False) -> StaticLoRABatch:
+        """A graph's static LoRA metadata: of its ``bucket`` rows, or with ``gathered`` of the
+        TP-global rows of a DP-attention graph (``dp x bucket`` rows)."""
+        static = self._lora.get((bucket, shape, gathered))
         if static is None:
             manager = self.runner.lora
             assert manager is not None
-            static = self._lora[(bucket, shape)] = StaticLoRABatch(
-                bucket,
+            rows = self.dp_size * bucket if gathered else bucket
+            static = self._lora[(bucket, shape, gathered)] = StaticLoRABatch(
+                rows,
                 shape[0],
                 manager.slot_ranks,
                 manager.slot_scalings,
                 self.runner.device,
-                max_seg_len=shape[1],
+                max_seg_len=min(shape[1], rows),
                 stage_width=shape[2],
                 stage_rank=shape[3],
             )
@@ -269,12 +351,20 @@ class DecodeGraphs:
                 SeqChunk(cache_row=0, start=0, length=1, token_offset=i) for i in range(bucket)
             ],
             logit_rows=self._logit_rows[:bucket],
+            # every group's rows padded to the bucket: the gathers move fixed-size blocks
+            dp_token_counts=[bucket] * self.dp_size if self.dp_size > 1 else [],
+            dp_logit_counts=[bucket] * self.dp_size if self.dp_size > 1 else [],
         )
 
     def _capture(self, bucket: int, shape: Shape | None) -> _Graph:
         runner = self.runner
         batch = self._static_batch(bucket)
         static = self._lora_batch(bucket, shape) if shape is not None else None
+        gathered = (
+            self._lora_batch(bucket, shape, gathered=True)
+            if shape is not None and self.dp_size > 1
+            else None
+        )
 
         out = self._logits[:bucket]
 
@@ -285,7 +375,7 @@ class DecodeGraphs:
                 assert runner.lora is not None
                 info = static.info()
                 runner.lora.ctx.local = info
-                runner.lora.ctx.global_ = info
+                runner.lora.ctx.global_ = gathered.info() if gathered is not None else info
             try:
                 out.copy_(runner.model(batch, runner.kv))
                 return out
@@ -294,6 +384,7 @@ class DecodeGraphs:
                     runner.lora.reset_batch_state()
 
         if not self.capture:
+            log.info("a decode graph's static step (not captured): %d rows, LoRA %s", bucket, shape)
             return _Graph(graph=None, forward=forward, logits=out)
         # The buffers hold this step's values: the warm-up runs and the capture compute this
         # step (KV writes included) and the first replay recomputes it with the same inputs.

@@ -44,7 +44,7 @@ class RunnerConfig:
     # activations and CUDA graphs. None: ``max_seqs`` rows of ``max_len``.
     mem_fraction: float | None = None
     lora_backend: str = "triton"
-    # Replay decode steps from CUDA graphs (engine/graphs.py): CUDA, single rank only.
+    # Replay decode steps from CUDA graphs (engine/graphs.py): CUDA, each rank its own.
     cuda_graphs: bool = True
     graph_max_batch: int | None = None  # the largest decode batch with a graph; None: max_seqs
     # How a step's tokens are picked from its logits: engine.sampling.SAMPLERS.
@@ -115,10 +115,7 @@ class ModelRunner:
         self.model_config = self.model.config
         self.dtype = self.model.embed_tokens.weight.dtype
         graphs = graphs_enabled(
-            config.cuda_graphs,
-            self.device,
-            self.ps.is_single,
-            config.lora_backend if lora is not None else None,
+            config.cuda_graphs, self.device, config.lora_backend if lora is not None else None
         )
         self.lora_config = lora
         if (
@@ -148,7 +145,12 @@ class ModelRunner:
         if graphs:
             self.kv.point_at_spare(config.max_seqs)
         self.graphs = (
-            DecodeGraphs(self, config.graph_max_batch or config.max_seqs, config.max_seqs)
+            DecodeGraphs(
+                self,
+                config.graph_max_batch or config.max_seqs,
+                config.max_seqs,
+                capture=self.device.type == "cuda",
+            )
             if graphs
             else None
         )
@@ -187,7 +189,9 @@ class ModelRunner:
 
         Under DP attention every rank calls this once per step, idle or not: the ranks
         exchange their token counts and per-token adapter slots here, so the TP-global
-        sections see every DP group's tokens with their own adapters.
+        sections see every DP group's tokens with their own adapters, and every rank takes
+        the graph step (``DecodeGraphs``, the same bucket on every rank) or the eager one
+        from what all groups sent.
 
         ``carry`` ``(ids, index [2, k])``: input token ``index[0, j]`` is ``ids[index[1, j]]``,
         a previous step's sampled id still on the device (overlapped steps, ADR 0014); the
@@ -196,8 +200,19 @@ class ModelRunner:
         ps = self.ps
         slots = list(local_slots) if local_slots is not None else [NO_ADAPTER] * batch.num_tokens
         self.kv.sync_table(batch.chunks)  # (before a graph replay too: it reads the table)
-        if self.graphs is not None and self.graphs.supports(batch):
-            logits = self.graphs.run(batch, slots, carry)
+        graphs = self.graphs
+        groups: list[tuple[int, int, list[int], bool]] = []
+        if ps.dp_attention:
+            graphable = graphs is not None and graphs.supports(batch)
+            mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots, graphable)
+            everyone = ps.all_gather_object_tp(mine)
+            groups = [everyone[r] for r in ps.dp_group_leaders()]
+            if graphs is not None and all(g[3] for g in groups) and any(g[0] for g in groups):
+                logits = graphs.run(batch, slots, carry, dp_slots=[g[2] for g in groups])
+                if logits is not None:
+                    return logits
+        elif graphs is not None and graphs.supports(batch):
+            logits = graphs.run(batch, slots, carry)
             if logits is not None:
                 return logits
         batch = batch.to(self.device)
@@ -205,9 +220,6 @@ class ModelRunner:
             put_carried(batch.input_ids, carry)
         global_slots: list[int] | None = None
         if ps.dp_attention:
-            mine = (batch.num_tokens, int(batch.logit_rows.numel()), slots)
-            everyone = ps.all_gather_object_tp(mine)
-            groups = [everyone[r] for r in ps.dp_group_leaders()]
             batch.dp_token_counts = [g[0] for g in groups]
             batch.dp_logit_counts = [g[1] for g in groups]
             global_slots = [s for g in groups for s in g[2]]

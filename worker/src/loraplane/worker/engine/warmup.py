@@ -22,7 +22,10 @@ pod's readiness waits for it instead of a client:
   graph a batch of that many adapters can meet: every bucket, and in each the longest
   segment's classes (16 rows, 32, more: ``lora_decode_batches``); for batches the stage
   holds, also at every stage width above their own (a batch of one adapter whose stage
-  position is the fourth computes a width of 4). A graph the warm-up did not capture is
+  position is the fourth computes a width of 4). Under DP attention a LoRA graph is keyed by
+  the TP-global slots of every group's rows padded to the bucket (ADR 0018): the decode
+  steps are built over those ``dp x bucket`` rows instead (``dp_lora_decode_steps``), with
+  up to ``dp x max_seqs`` distinct adapters. A graph the warm-up did not capture is
   captured when a request first needs it, and every request waits for that. The slots are
   cleared and the adapter dropped after, so no adapter is loaded when the server starts
   (adapters given with ``--lora`` are loaded after the warm-up).
@@ -83,11 +86,13 @@ def plan_for(
     max_lora_rank: int,
     experts: tuple[int, int] | None = None,
     stage_positions: int = 0,
+    dp: int = 1,
 ) -> WarmupPlan:
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
     cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA), on a
     model with ``experts`` (routed experts, experts per token) or without (None), on an
-    executor with ``stage_positions`` (``Executor.stage_positions``)."""
+    executor with ``stage_positions`` (``Executor.stage_positions``) and ``dp`` DP-attention
+    groups."""
     sizes = tuple(graph_buckets(max_seqs))
     capacity = max_seqs * (max_len - 1)  # prompt tokens one step can hold
     wanted = set(PREFILL_TOKENS)
@@ -100,8 +105,8 @@ def plan_for(
     plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), tokens, max_len, max_seqs)
     if not max_loras_per_batch:
         return plan
-    # a step holds at most max_seqs sequences, so at most that many adapters
-    most = min(max_loras_per_batch, max_seqs)
+    # a step holds at most max_seqs sequences per group, so at most that many adapters each
+    most = min(max_loras_per_batch, dp * max_seqs)
     counts, n = [], 1
     while n < most:
         counts.append(n)
@@ -145,6 +150,29 @@ def lora_decode_batches(buckets: tuple[int, ...], slots: list[int]) -> list[list
     return batches
 
 
+def dp_lora_decode_steps(
+    buckets: tuple[int, ...], slots: list[int], dp: int
+) -> list[list[list[int]]]:
+    """DP-attention decode steps (each group's row slots) that meet every LoRA graph a step
+    of the distinct ``slots`` can: at each bucket whose ``dp x bucket`` rows hold them, one
+    step per class of the longest TP-global segment (``SEGMENT_CLASSES``, then longer). Every
+    group gets ``bucket`` rows (its rows of the global list, in order), so the step replays
+    that bucket; the graph's key is the same as for any step whose padded global slots have
+    that many adapters and that class of longest segment."""
+    others = slots[1:]
+    steps = []
+    for bucket in buckets:
+        rows = dp * bucket
+        top = rows - len(others)
+        if top < 1:
+            continue
+        for length in sorted({min(c, top) for c in SEGMENT_CLASSES} | {top}):
+            flat = [slots[0]] * length + others + [-1] * (top - length)
+            # (each group's rows in the engine's order: no adapter first, then by slot)
+            steps.append([sorted(flat[g * bucket : (g + 1) * bucket]) for g in range(dp)])
+    return steps
+
+
 def stage_widths(count: int, positions: int) -> list[int]:
     """The stage widths a staged batch of ``count`` adapters can compute (``stage_width``:
     its highest position + 1 rounded up to a power of two, at most ``positions``)."""
@@ -181,6 +209,19 @@ class _Runner:
 
     def step(self, work: list[SeqWork]) -> None:
         self.executor.step([work] * self.executor.dp_size)
+        self.report.steps += 1
+
+    def decode_groups(self, groups: list[list[int]]) -> None:
+        """One greedy decode step with each DP group's own row slots (``decode``'s rows)."""
+        self.executor.step(
+            [
+                [
+                    SeqWork(row, 0, _tokens(1, self.vocab, row), s, index=row)
+                    for row, s in enumerate(g)
+                ]
+                for g in groups
+            ]
+        )
         self.report.steps += 1
 
     def phase(self, name: str, body: Callable[..., None], *args: Any) -> None:
@@ -247,10 +288,16 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
 
 def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, decode: bool) -> None:
     for tokens in plan.prefill_tokens:
-        run.prefill(tokens, count, plan)
-    if decode:
-        for slots in lora_decode_batches(plan.decode_sizes, list(range(count))):
-            run.decode(slots)
+        run.prefill(tokens, min(count, plan.max_seqs), plan)
+    if not decode:
+        return
+    dp = run.executor.dp_size
+    if dp > 1:
+        for groups in dp_lora_decode_steps(plan.decode_sizes, list(range(count)), dp):
+            run.decode_groups(groups)
+        return
+    for slots in lora_decode_batches(plan.decode_sizes, list(range(count))):
+        run.decode(slots)
 
 
 def _wider_stage_steps(run: _Runner, plan: WarmupPlan) -> None:

@@ -11,6 +11,8 @@ and send back the token ids (``step_result``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import multiprocessing as std_mp
 import os
 import queue
@@ -23,6 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.compile_watch import watch_compiles
 from loraplane.worker.engine.executor import (
     AdapterInfo,
     SeqWork,
@@ -106,23 +109,18 @@ def _rank_loop(
     outbox: Any,
     read_inbox: Any,
     read_outbox: Any,
+    log_level: int,
 ) -> None:
     exit_with_parent()
+    # The rank's own log lines (decode graphs captured, kernels compiled after the warm-up)
+    # go to the worker's stderr like the driver's, at its level, each naming the rank.
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)-7s rank{rank} %(name)s: %(message)s"
+    )
     try:
         device = init_rank(rank, pconf.tp, runner_config.device, port)
         ps = ParallelState(pconf, rank)
-        cfg = RunnerConfig(
-            runner_config.model,
-            device=str(device),
-            dtype=runner_config.dtype,
-            max_seqs=runner_config.max_seqs,
-            max_len=runner_config.max_len,
-            page_size=runner_config.page_size,
-            kv_pages=runner_config.kv_pages,
-            mem_fraction=runner_config.mem_fraction,
-            lora_backend=runner_config.lora_backend,
-            sampler=runner_config.sampler,
-        )
+        cfg = dataclasses.replace(runner_config, device=str(device))
         runner = ModelRunner(cfg, lora, ps)
         host: dict[str, AdapterWeights] = {}
         threading.Thread(
@@ -145,7 +143,8 @@ def _rank_loop(
                 break
             if cmd == "step":
                 work: list[SeqWork] = args[ps.dp_rank]
-                batch, slots = build_batch(work, runner.device)
+                # (on the host: the runner moves it, or copies it into a decode graph's inputs)
+                batch, slots = build_batch(work, "cpu")
                 logits = runner.forward(batch, slots)
                 leader = ps.attn_tp_rank == 0
                 result = step_result(logits, work, cfg.sampler) if leader else None
@@ -170,13 +169,18 @@ def _rank_loop(
                 name, adapter_rank = args
                 host[name] = runner.blank_adapter(name, adapter_rank)
                 outbox.put(("ok", rank, None))
+            elif cmd == "watch_compiles":
+                outbox.put(("ok", rank, watch_compiles()))
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except BaseException:
             outbox.put(("error", rank, traceback.format_exc()))
             break
-    with contextlib.suppress(Exception):  # best effort on the way out
-        torch.distributed.destroy_process_group()
+    # Best effort on the way out; not after a capture of NCCL collectives, where NCCL's
+    # communicator teardown can hang (pytorch/pytorch#115388): the exit below ends it.
+    if not (runner.graphs is not None and runner.graphs.captured):
+        with contextlib.suppress(Exception):
+            torch.distributed.destroy_process_group()
     if stopped:
         # Every rank got "stop" between steps, so no collective is in flight. Leave without
         # interpreter teardown, whose C++ destructors of gloo's and torch's state can abort
@@ -232,6 +236,7 @@ class MultiRankExecutor:
                     self._outbox,
                     self._read_inboxes[r],
                     self._read_outbox,
+                    logging.getLogger().getEffectiveLevel(),
                 ),
                 name=f"loraplane-rank{r}",
                 daemon=True,
@@ -328,6 +333,9 @@ class MultiRankExecutor:
 
     def hold_blank(self, name: str, rank: int) -> None:
         self._send("blank", (name, rank))
+
+    def watch_compiles(self) -> bool:
+        return all(payload for _, payload in self._send("watch_compiles"))
 
     def shutdown(self) -> None:
         try:

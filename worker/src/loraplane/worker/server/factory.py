@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
-from loraplane.worker.engine.compile_watch import watch_compiles
 from loraplane.worker.engine.engine import Engine, EngineObserver, FaultHook
 from loraplane.worker.engine.executor import Executor
 from loraplane.worker.engine.pages import pages_for
@@ -29,7 +28,7 @@ class ServeConfig:
     stage_slots: int | None = None  # None: the model's default (lora.stage.default_positions)
     lora_backend: str = "triton"
     sampler: str = "auto"  # engine.sampling.SAMPLERS
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA, tp = dp = 1)
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA; every rank its own)
     warmup: bool | None = None  # engine.warmup before serving; None: on CUDA only
     max_running: int = 32  # a cap on running requests per DP group (page-table rows)
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
@@ -202,9 +201,10 @@ def build_engine(
                 config.max_lora_rank,
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
                 stage_positions=executor.stage_positions,
+                dp=executor.dp_size,
             )
             report = warm_up(executor, plan)
-            watch_compiles()  # (a kernel the warm-up missed then logs a line)
+            executor.watch_compiles()  # (a kernel the warm-up missed then logs a line, any rank)
             if observer is not None:
                 observer.warmed_up(report.seconds)
         return Engine(

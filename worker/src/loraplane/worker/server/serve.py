@@ -85,8 +85,9 @@ def serve(config: ServeConfig) -> None:
         config.lora_backend,
         config.sampler,
         config.device,
+        # (engine.graphs.graphs_enabled: every rank its own; the torch LoRA kernels never)
         "on"
-        if config.cuda_graphs and config.device == "cuda" and config.tp == config.dp == 1
+        if config.cuda_graphs and config.device == "cuda" and config.lora_backend == "triton"
         else "off",
     )
     app = create_app(server)
