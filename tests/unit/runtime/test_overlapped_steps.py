@@ -265,14 +265,14 @@ def test_a_finished_requests_kv_row_waits_for_its_lagged_step(
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_serve_config_overlap_reaches_the_engine(model: Model, overlap: bool) -> None:
-    """``worker serve --overlap`` builds an engine that overlaps (one rank), and the default
-    one steps in turn."""
+    """A one-rank worker's engine overlaps by default, and ``worker serve --no-overlap``
+    builds one that steps in turn."""
     from loraplane.worker.server.factory import ServeConfig, build_engine
 
     config = ServeConfig(model=str(model[0]), lora_backend="torch", max_running=2)
-    engine = build_engine(config if not overlap else replace(config, overlap=True))
+    engine = build_engine(config if overlap else replace(config, overlap=False))
     try:
-        assert not ServeConfig(model=str(model[0])).overlap
+        assert ServeConfig(model=str(model[0])).overlap
         assert engine.overlap is overlap
         engine.start()
         request = Request(PROMPTS[0], None, SamplingParams(max_new_tokens=4, temperature=0.0))
