@@ -42,14 +42,24 @@ class Stub:
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
             )
 
-    def stats(self) -> dict[str, int]:
-        """Requests open now, and those whose client left before the end."""
-        stats: dict[str, int] = httpx.get(self.url + "/stub/stats", timeout=5).json()
+    def stats(self) -> dict[str, Any]:
+        """Requests open now, those whose client left before the end, loads received and
+        answers held (by kind)."""
+        stats: dict[str, Any] = httpx.get(self.url + "/stub/stats", timeout=5).json()
         return stats
 
     def unload(self, name: str) -> None:
         """Drop an adapter behind the control plane's back (a restarted worker)."""
         response = httpx.post(self.url + "/unload_lora_adapter", json={"lora_name": name})
+        assert response.status_code == 200, response.text
+
+    def hold(self, *what: str) -> None:
+        """Hold the stub's answers of these kinds ("models", "loads") until ``release``."""
+        response = httpx.post(self.url + "/stub/hold", json={"what": list(what)})
+        assert response.status_code == 200, response.text
+
+    def release(self, *what: str) -> None:
+        response = httpx.post(self.url + "/stub/release", json={"what": list(what)})
         assert response.status_code == 200, response.text
 
     def stop(self) -> None:

@@ -6,6 +6,7 @@ is slow."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -19,7 +20,7 @@ import pytest
 import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cp_kit import ControlPlane
+from cp_kit import ControlPlane, wait_for
 from router_kit import (
     ADMIN,
     DelayProxy,
@@ -34,6 +35,7 @@ from router_kit import (
 pytestmark = pytest.mark.integration
 
 DELAY_S = 0.2
+PASSES_OK = 'loraplane_reconcile_passes_total{outcome="ok"}'
 STREAM = {"model": "bench:a0", "prompt": "hi", "max_tokens": 4, "stream": True}
 
 
@@ -130,17 +132,16 @@ def test_a_worker_that_lost_the_adapter_sends_the_request_back_through_the_regis
 ) -> None:
     """The worker restarted without the adapter while the route table still says it holds it:
     the worker's 404 never reaches the client. The placement is marked lost and the request
-    placed again from the database (an on-demand load, racing the reconciler's repair: either
-    serves it, or the client is told to retry), and the adapter is back on the worker."""
+    placed again from the database (an on-demand load, while the reconciler, poked, repairs
+    the same adapter): the request waits for the load and is served, and the adapter is back
+    on the worker."""
     cp = routed_control_plane(db_url, tmp_path, stub)
     try:
         body = {**STREAM, "stream": False}
         assert httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN).status_code == 200
         stub.unload("a0")
         again = httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN, timeout=60)
-        assert again.status_code in (200, 503), again.text
-        if again.status_code == 503:
-            assert again.json()["error"]["code"] == "no_worker", again.text
+        assert again.status_code == 200, again.text
         wait_for_value(
             lambda: [m["id"] for m in httpx.get(stub.url + "/v1/models").json()["data"]][1:],
             ["a0"],
@@ -150,6 +151,63 @@ def test_a_worker_that_lost_the_adapter_sends_the_request_back_through_the_regis
         assert served.status_code == 200, served.text
         assert inflight(cp) == 0
     finally:
+        cp.stop()
+
+
+def reconcile_passes(cp: ControlPlane) -> float:
+    """The control plane's completed reconcile passes (its metrics)."""
+    metrics = httpx.get(cp.url + "/metrics").text
+    line = next(x for x in metrics.splitlines() if x.startswith(PASSES_OK))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def routable(cp: ControlPlane, model: str) -> bool:
+    models = httpx.get(cp.url + "/v1/models", headers=ADMIN).json()["data"]
+    return bool(next(m for m in models if m["id"] == model)["routable"])
+
+
+def test_a_repair_from_a_look_older_than_an_on_demand_load_leaves_the_load_alone(
+    db_url: str, tmp_path: Path, stub: Stub
+) -> None:
+    """The race between the router's on-demand reload and the reconciler's repair of the same
+    adapter, made deterministic by holding the stub's answers: the worker lost ``a0``; the
+    request that finds out pokes the reconciler, which asks the worker what it holds (the
+    answer, "no a0", is held back), and loads ``a0`` on demand (held too, then let through:
+    the request is served). Only then does the reconciler get its answer, older than the
+    load. It must not take it for the truth: loading ``a0`` again would make it unroutable
+    until that load ended (a request meanwhile got 503 no_worker)."""
+    cp = routed_control_plane(db_url, tmp_path, stub)
+    try:
+        body = {**STREAM, "stream": False}
+        assert httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN).status_code == 200
+        stub.unload("a0")
+        loads, passes = stub.stats()["loads"], reconcile_passes(cp)
+        stub.hold("models", "loads")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            request = pool.submit(
+                httpx.post, cp.url + "/v1/completions", json=body, headers=ADMIN, timeout=60
+            )
+            wait_for_value(
+                lambda: stub.stats()["held"],
+                {"models": 1, "loads": 1},
+                "the reconciler's look and the on-demand load, both held",
+            )
+            stub.release("loads")
+            served = request.result()
+        assert served.status_code == 200, served.text
+        stub.hold("loads")  # a load from the reconciler now would wait here
+        stub.release("models")
+        wait_for(
+            lambda: reconcile_passes(cp) > passes or stub.stats()["held"]["loads"],
+            what="the reconciler's pass to end (or to load a0 again)",
+        )
+        assert routable(cp, "bench:a0"), "a0 is not routable after the reconciler's pass"
+        assert stub.stats()["loads"] == loads + 1  # the on-demand load, nothing since
+        assert stub.stats()["held"]["loads"] == 0
+        again = httpx.post(cp.url + "/v1/completions", json=body, headers=ADMIN, timeout=60)
+        assert again.status_code == 200, again.text
+    finally:
+        stub.release("models", "loads")
         cp.stop()
 
 

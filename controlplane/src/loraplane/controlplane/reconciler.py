@@ -9,7 +9,10 @@ operation left strays). Per worker:
   rollback, an old version) -> unloaded;
 - adapters with ``placement: all`` get placed on a ready worker of their pool that has room.
 
-Adapters with an operation in progress are left alone; the operation owns them.
+Adapters with an operation in progress are left alone; the operation owns them. So are
+placements recorded after the pass asked the worker (``lifecycle.observed_since``): an
+operation that loaded an adapter while the worker's answer was on its way knows better than
+that answer, which would have the adapter loaded again, and not routable meanwhile.
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from sqlalchemy import select
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus, stop_tasks
-from loraplane.controlplane.lifecycle import mark, new_placement
+from loraplane.controlplane.lifecycle import (
+    PlacementState,
+    mark,
+    new_placement,
+    observed_since,
+)
 from loraplane.controlplane.metrics import (
     ADAPTER_PHASES,
     PLACEMENT_STATES,
@@ -36,6 +44,7 @@ from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
 from loraplane.controlplane.plans import WorkerRef
 from loraplane.controlplane.registry import lora_name
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+from loraplane.rules.merge import UpdateResult
 from loraplane.rules.pins import room_to_pin
 
 log = logging.getLogger(__name__)
@@ -120,13 +129,16 @@ class Reconciler:
         self.metrics.reconcile_last_success.set(time.time())
 
     async def reconcile_worker(self, worker: WorkerRef) -> None:
+        asked_at = now()
         try:
             await self.client.health(worker.name, worker.endpoint)
             seen = await self.client.observe(worker.name, worker.endpoint, worker.dp_size)
         except WorkerUnreachable as exc:
             await self._mark_unreachable(worker, str(exc))
             return
-        restore, strays, fill, became_ready = await asyncio.to_thread(self._compare, worker, seen)
+        restore, strays, fill, became_ready = await asyncio.to_thread(
+            self._compare, worker, seen, asked_at
+        )
         if became_ready:
             namespace = await asyncio.to_thread(self._namespace_of, worker)
             await self.bus.publish("worker.ready", namespace=namespace, worker=worker.name)
@@ -162,9 +174,7 @@ class Reconciler:
             if set(seen.present_on(name)):  # partially present: start clean
                 await self.client.unload(worker.name, worker.endpoint, name)
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
-            await asyncio.to_thread(
-                self._after_restore, worker, adapter_id, name, result.success, result.error_message
-            )
+            await asyncio.to_thread(self._after_restore, worker, adapter_id, name, result, asked_at)
             if not result.success:
                 delay = min(60.0, self.interval_s * 2**failures)
                 self._backoff[(worker.name, name)] = (failures + 1, time.monotonic() + delay)
@@ -206,13 +216,7 @@ class Reconciler:
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
             await asyncio.to_thread(
                 functools.partial(
-                    self._after_restore,
-                    worker,
-                    adapter_id,
-                    name,
-                    result.success,
-                    result.error_message,
-                    create=True,
+                    self._after_restore, worker, adapter_id, name, result, asked_at, create=True
                 )
             )
             if result.success:
@@ -283,9 +287,10 @@ class Reconciler:
         return drift
 
     def _compare(
-        self, worker: WorkerRef, seen: Observation
+        self, worker: WorkerRef, seen: Observation, asked_at: datetime
     ) -> tuple[list[tuple[str, str, bool, int]], list[str], list[tuple[str, str, bool, int]], bool]:
-        """What to restore, unload and fill on ``worker``, and whether it became ready."""
+        """What to restore, unload and fill on ``worker`` from what it answered (``seen``,
+        asked at ``asked_at``), and whether it became ready."""
         restore: list[tuple[str, str, bool, int]] = []
         fill: list[tuple[str, str, bool, int]] = []
         wanted: set[str] = set()
@@ -325,7 +330,11 @@ class Reconciler:
             )
             for name, rows in by_name.items():
                 adapter = rows[0].adapter
-                if adapter.busy_operation_id or (name in evicting and pool_busy):
+                if (
+                    adapter.busy_operation_id
+                    or (name in evicting and pool_busy)
+                    or any(observed_since(r, asked_at) for r in rows)
+                ):
                     busy.add(name)
                     continue
                 current = lora_name(adapter.namespace, adapter.name, adapter.version)
@@ -340,10 +349,11 @@ class Reconciler:
                 wanted.add(name)
                 if present >= set(range(worker.dp_size)):
                     for r in rows:
-                        mark(r, "loaded", error=None, observed=True)
+                        mark(r, "loaded", error=None, observed=asked_at)
                 else:
                     for r in rows:
-                        mark(r, "loaded" if r.dp_group in present else "loading", observed=True)
+                        state: PlacementState = "loaded" if r.dp_group in present else "loading"
+                        mark(r, state, observed=asked_at)
                     restore.append((name, adapter.path, adapter.pinned, adapter.id))
             # rows of unwanted names that the worker no longer holds are forgotten
             for name, rows in by_name.items():
@@ -397,19 +407,24 @@ class Reconciler:
         worker: WorkerRef,
         adapter_id: int,
         name: str,
-        ok: bool,
-        error: str,
+        result: UpdateResult,
+        asked_at: datetime,
         create: bool = False,
     ) -> None:
+        """Rows of ``name`` on ``worker`` follow the load's answer, unless an operation took
+        the adapter or recorded them since the pass asked the worker: then they are its."""
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
-            if adapter is None:
+            if adapter is None or adapter.busy_operation_id:
                 return
             rows = {
                 r.dp_group: r
                 for r in adapter.placements
                 if r.worker_id == worker.id and r.lora_name == name
             }
+            if any(observed_since(r, asked_at) for r in rows.values()):
+                return
+            ok = result.success
             for group in range(worker.dp_size):
                 row = rows.get(group)
                 if row is None:
@@ -419,7 +434,8 @@ class Reconciler:
                         adapter_id, worker.id, group, name, adapter.version, "loaded"
                     )
                     session.add(row)
-                mark(row, "loaded" if ok else "failed", error=None if ok else error, observed=True)
+                error = None if ok else result.error_message
+                mark(row, "loaded" if ok else "failed", error=error, observed=True)
 
     def _after_stray(self, worker: WorkerRef, name: str) -> None:
         with self.db.session() as session:
