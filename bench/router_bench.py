@@ -54,8 +54,8 @@ class StubWorker:
     those whose client left before the end, the completion requests received, the adapter
     loads received and the answers held. ``POST /stub/hold`` and ``/stub/release`` with
     ``{"what": [...]}`` hold and release answers of a kind: ``"models"`` (``/v1/models``
-    answers as of when it was asked, sent on release: a look at the worker that arrives late)
-    and ``"loads"`` (a load takes effect on release)."""
+    answers as of when it was asked, sent on release: a look at the worker that arrives late),
+    ``"loads"`` and ``"unloads"`` (each takes effect on release)."""
 
     def __init__(self, tokens: int, gap_s: float) -> None:
         self.tokens = tokens
@@ -65,7 +65,7 @@ class StubWorker:
         self.abandoned = 0
         self.completions = 0  # completion requests received, answered or not
         self.loads = 0  # load requests received, held or not
-        self.gates = {"models": asyncio.Event(), "loads": asyncio.Event()}  # set: open
+        self.gates = {k: asyncio.Event() for k in ("models", "loads", "unloads")}  # set: open
         for gate in self.gates.values():
             gate.set()
         self.held = dict.fromkeys(self.gates, 0)
@@ -107,7 +107,7 @@ class StubWorker:
         elif path in ("/load_lora_adapter", "/unload_lora_adapter"):
             if path.startswith("/load"):
                 self.loads += 1
-                await self._pass("loads")
+            await self._pass("loads" if path.startswith("/load") else "unloads")
             name = request["lora_name"]
             (self.loaded.add if path.startswith("/load") else self.loaded.discard)(name)
             loaded = {n: f"/stub/{n}" for n in sorted(self.loaded)}

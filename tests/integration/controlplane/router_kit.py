@@ -54,13 +54,25 @@ class Stub:
         assert response.status_code == 200, response.text
 
     def hold(self, *what: str) -> None:
-        """Hold the stub's answers of these kinds ("models", "loads") until ``release``."""
+        """Hold the stub's answers of these kinds ("models", "loads", "unloads") until
+        ``release``."""
         response = httpx.post(self.url + "/stub/hold", json={"what": list(what)})
         assert response.status_code == 200, response.text
 
     def release(self, *what: str) -> None:
         response = httpx.post(self.url + "/stub/release", json={"what": list(what)})
         assert response.status_code == 200, response.text
+
+    def load(self, name: str) -> None:
+        """Load an adapter behind the control plane's back (a leftover, a stray)."""
+        body = {"lora_name": name, "lora_path": f"/stub/{name}"}
+        response = httpx.post(self.url + "/load_lora_adapter", json=body)
+        assert response.status_code == 200, response.text
+
+    def models(self) -> list[str]:
+        """The adapters the stub holds."""
+        data = httpx.get(self.url + "/v1/models").json()["data"]
+        return sorted(m["id"] for m in data if m["parent"] is not None)
 
     def stop(self) -> None:
         stop_process(self.process)

@@ -189,7 +189,7 @@ def test_a_repair_from_a_look_older_than_an_on_demand_load_leaves_the_load_alone
             )
             wait_for_value(
                 lambda: stub.stats()["held"],
-                {"models": 1, "loads": 1},
+                {"models": 1, "loads": 1, "unloads": 0},
                 "the reconciler's look and the on-demand load, both held",
             )
             stub.release("loads")
@@ -208,6 +208,38 @@ def test_a_repair_from_a_look_older_than_an_on_demand_load_leaves_the_load_alone
         assert again.status_code == 200, again.text
     finally:
         stub.release("models", "loads")
+        cp.stop()
+
+
+def test_a_stray_unloaded_while_an_operation_loads_it_is_restored(
+    db_url: str, tmp_path: Path, stub: Stub
+) -> None:
+    """The worker holds ``a1``, which the registry places nowhere: a stray. The reconciler
+    unloads it (the unload held at the stub) while ``a1`` is registered and loaded there,
+    so the unload lands after that load. The registry keeps the operation's placement, and
+    the next pass sees the worker without ``a1`` and loads it back."""
+    cp = routed_control_plane(db_url, tmp_path, stub)
+    try:
+        worker = {"name": "w0", "pool": "bench", "endpoint": stub.url, "dp_size": 1}
+        stub.load("a1")
+        stub.hold("unloads")
+        assert httpx.post(cp.url + "/v1/workers", json=worker, headers=ADMIN).status_code == 200
+        wait_for_value(
+            lambda: stub.stats()["held"]["unloads"], 1, "the reconciler unloading the stray"
+        )
+        a1 = write_adapter((tmp_path / "adapters").resolve() / "a1")
+        body = {"name": "a1", "pool": "bench", "source": {"uri": f"file://{a1}"}}
+        registered = httpx.post(cp.url + "/v1/adapters", json=body, headers=ADMIN, timeout=60)
+        assert registered.status_code == 201, registered.text
+        passes = reconcile_passes(cp)
+        stub.release("unloads")
+        wait_for(lambda: reconcile_passes(cp) > passes, what="the reconciler's pass to end")
+        assert stub.models() == ["a0"]  # the stray's unload landed after the load
+        assert httpx.post(cp.url + "/v1/workers", json=worker, headers=ADMIN).status_code == 200
+        wait_for_value(stub.models, ["a0", "a1"], "a1 loaded back on the worker")
+        wait_for(lambda: routable(cp, "bench:a1"), what="a1 routable")
+    finally:
+        stub.release("unloads")
         cp.stop()
 
 

@@ -12,7 +12,10 @@ operation left strays). Per worker:
 Adapters with an operation in progress are left alone; the operation owns them. So are
 placements recorded after the pass asked the worker (``lifecycle.observed_since``): an
 operation that loaded an adapter while the worker's answer was on its way knows better than
-that answer, which would have the adapter loaded again, and not routable meanwhile.
+that answer, which would have the adapter loaded again, and not routable meanwhile. A stray
+is unloaded only if no operation took its name since the comparison (checked just before the
+unload), and the rows of an operation whose load landed before that unload stay: the next
+pass sees the worker without the adapter and loads it back.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus, stop_tasks
@@ -197,9 +202,11 @@ class Reconciler:
                     lora_name=name,
                 )
         for name in strays:
+            if not await asyncio.to_thread(self._still_stray, worker, name, asked_at):
+                continue  # an operation took it since the comparison: it is the operation's
             result = await self.client.unload(worker.name, worker.endpoint, name)
             if result.success:
-                await asyncio.to_thread(self._after_stray, worker, name)
+                await asyncio.to_thread(self._after_stray, worker, name, asked_at)
                 self.metrics.drift_repaired.labels("stray_unloaded").inc()
                 await self.bus.publish(
                     "placement.drift_repaired",
@@ -437,13 +444,30 @@ class Reconciler:
                 error = None if ok else result.error_message
                 mark(row, "loaded" if ok else "failed", error=error, observed=True)
 
-    def _after_stray(self, worker: WorkerRef, name: str) -> None:
+    def _still_stray(self, worker: WorkerRef, name: str, asked_at: datetime) -> bool:
+        """No operation holds ``name``'s adapter on ``worker`` now, nor recorded its rows since
+        the pass asked the worker (a load journalled after the comparison)."""
         with self.db.session() as session:
-            rows = session.scalars(
-                select(Placement).where(
-                    Placement.worker_id == worker.id, Placement.lora_name == name
-                )
-            ).all()
+            return not any(
+                r.adapter.busy_operation_id or observed_since(r, asked_at)
+                for r in self._rows_of(session, worker, name)
+            )
+
+    @staticmethod
+    def _rows_of(session: Session, worker: WorkerRef, name: str) -> Sequence[Placement]:
+        return session.scalars(
+            select(Placement).where(Placement.worker_id == worker.id, Placement.lora_name == name)
+        ).all()
+
+    def _after_stray(self, worker: WorkerRef, name: str, asked_at: datetime) -> None:
+        """The stray's rows go, but those an operation holds or recorded since the pass asked
+        (its load may have landed before the unload: the next pass restores it)."""
+        with self.db.session() as session:
+            rows = [
+                r
+                for r in self._rows_of(session, worker, name)
+                if not (r.adapter.busy_operation_id or observed_since(r, asked_at))
+            ]
             adapters = {r.adapter for r in rows}
             for r in rows:
                 session.delete(r)
