@@ -51,7 +51,11 @@ class StubWorker:
     A request body may carry ``stub_delay_s``: the answer (its headers too) waits that long,
     ending early if the client disconnects; ``stub_status``: answer that HTTP status with an
     error body; ``stub_cut_after``: drop the connection after that many tokens. ``GET /stub/stats`` reports the requests open now,
-    those whose client left before the end, and the completion requests received."""
+    those whose client left before the end, the completion requests received, the adapter
+    loads received and the answers held. ``POST /stub/hold`` and ``/stub/release`` with
+    ``{"what": [...]}`` hold and release answers of a kind: ``"models"`` (``/v1/models``
+    answers as of when it was asked, sent on release: a look at the worker that arrives late),
+    ``"loads"`` and ``"unloads"`` (each takes effect on release)."""
 
     def __init__(self, tokens: int, gap_s: float) -> None:
         self.tokens = tokens
@@ -60,6 +64,11 @@ class StubWorker:
         self.open = 0
         self.abandoned = 0
         self.completions = 0  # completion requests received, answered or not
+        self.loads = 0  # load requests received, held or not
+        self.gates = {k: asyncio.Event() for k in ("models", "loads", "unloads")}  # set: open
+        for gate in self.gates.values():
+            gate.set()
+        self.held = dict.fromkeys(self.gates, 0)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -80,15 +89,25 @@ class StubWorker:
         elif path == "/v1/models":
             data = [{"id": BASE_MODEL, "object": "model", "parent": None}]
             data += [{"id": n, "object": "model", "parent": BASE_MODEL} for n in self.loaded]
+            await self._pass("models")
             await _answer(send, 200, {"object": "list", "data": data})
         elif path == "/stub/stats":
             stats = {
                 "open": self.open,
                 "abandoned": self.abandoned,
                 "completions": self.completions,
+                "loads": self.loads,
+                "held": self.held,
             }
             await _answer(send, 200, stats)
+        elif path in ("/stub/hold", "/stub/release"):
+            for what in request["what"]:
+                (self.gates[what].clear if path == "/stub/hold" else self.gates[what].set)()
+            await _answer(send, 200, {"held": self.held})
         elif path in ("/load_lora_adapter", "/unload_lora_adapter"):
+            if path.startswith("/load"):
+                self.loads += 1
+            await self._pass("loads" if path.startswith("/load") else "unloads")
             name = request["lora_name"]
             (self.loaded.add if path.startswith("/load") else self.loaded.discard)(name)
             loaded = {n: f"/stub/{n}" for n in sorted(self.loaded)}
@@ -99,6 +118,16 @@ class StubWorker:
             await self._complete(request, receive, send)
         else:
             await _answer(send, 404, {"error": {"message": f"no route {path}"}})
+
+    async def _pass(self, what: str) -> None:
+        """Wait while answers of kind ``what`` are held."""
+        gate = self.gates[what]
+        if not gate.is_set():
+            self.held[what] += 1
+            try:
+                await gate.wait()
+            finally:
+                self.held[what] -= 1
 
     async def _complete(self, request: dict[str, Any], receive: Any, send: Any) -> None:
         self.completions += 1

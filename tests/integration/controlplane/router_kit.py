@@ -42,15 +42,37 @@ class Stub:
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
             )
 
-    def stats(self) -> dict[str, int]:
-        """Requests open now, and those whose client left before the end."""
-        stats: dict[str, int] = httpx.get(self.url + "/stub/stats", timeout=5).json()
+    def stats(self) -> dict[str, Any]:
+        """Requests open now, those whose client left before the end, loads received and
+        answers held (by kind)."""
+        stats: dict[str, Any] = httpx.get(self.url + "/stub/stats", timeout=5).json()
         return stats
 
     def unload(self, name: str) -> None:
         """Drop an adapter behind the control plane's back (a restarted worker)."""
         response = httpx.post(self.url + "/unload_lora_adapter", json={"lora_name": name})
         assert response.status_code == 200, response.text
+
+    def hold(self, *what: str) -> None:
+        """Hold the stub's answers of these kinds ("models", "loads", "unloads") until
+        ``release``."""
+        response = httpx.post(self.url + "/stub/hold", json={"what": list(what)})
+        assert response.status_code == 200, response.text
+
+    def release(self, *what: str) -> None:
+        response = httpx.post(self.url + "/stub/release", json={"what": list(what)})
+        assert response.status_code == 200, response.text
+
+    def load(self, name: str) -> None:
+        """Load an adapter behind the control plane's back (a leftover, a stray)."""
+        body = {"lora_name": name, "lora_path": f"/stub/{name}"}
+        response = httpx.post(self.url + "/load_lora_adapter", json=body)
+        assert response.status_code == 200, response.text
+
+    def models(self) -> list[str]:
+        """The adapters the stub holds."""
+        data = httpx.get(self.url + "/v1/models").json()["data"]
+        return sorted(m["id"] for m in data if m["parent"] is not None)
 
     def stop(self) -> None:
         stop_process(self.process)

@@ -3,6 +3,7 @@ database engine, the event bus (Redis), the worker HTTP client and the reconcile
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -132,7 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         db = Database(settings.db_url)
-        db.migrate()
+        await asyncio.to_thread(db.migrate)  # no database call on the event loop, even at start
         metrics = Metrics()
         bus = make_bus(settings.redis_url, metrics, settings.replica_id)
         await bus.start()
@@ -199,7 +200,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await bus.close()
             await close_within(http.aclose(), "worker HTTP client")
             await close_within(upstream.close(), "router upstream client")
-            db.close()
+            await asyncio.to_thread(db.close)
 
     app = FastAPI(
         title="loraplane control plane",

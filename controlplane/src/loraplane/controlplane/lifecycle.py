@@ -103,15 +103,26 @@ def mark(
     state: PlacementState,
     *,
     error: str | EllipsisType | None = ...,
-    observed: bool = False,
+    observed: bool | datetime = False,
 ) -> None:
     """Move one row to ``state``; ``error`` is its reason (None clears it; left out, it stays);
-    ``observed``: a worker was just asked, so the row records when."""
+    ``observed``: a worker was asked, so the row records when (True: just now)."""
     row.state = _checked(state)
     if not isinstance(error, EllipsisType):
         row.error = error
-    if observed:
+    if observed is True:
         row.observed_at = now()
+    elif observed:
+        row.observed_at = observed
+
+
+def observed_since(row: Placement, asked_at: datetime) -> bool:
+    """Whether ``row`` records a look at its worker later than ``asked_at`` (an operation
+    that loaded it, say): an answer the worker gave before then says nothing about it now."""
+    seen = row.observed_at
+    if seen is None:
+        return False
+    return (seen if seen.tzinfo else seen.replace(tzinfo=UTC)) > asked_at  # SQLite: naive UTC
 
 
 def mark_where(session: Session, state: PlacementState, *where: ColumnElement[bool]) -> None:

@@ -12,6 +12,12 @@ more: its own replica's that missed a renewal (left by an earlier process or dro
 unexpected error), and any replica's whose lease ran out. It runs at start and then every third of a lease, so a
 database blip or a bug mid-operation never leaves an adapter claimed until a restart, and a
 replica starting during a rolling update leaves the old replica's live operations alone.
+
+The coroutines here await workers and the database, never block on either: every
+transaction is a small synchronous method (``_start``, ``_set_rows``, ``_write_outcome`` …),
+one ``with self.db.session()`` block each, run in a worker thread (``asyncio.to_thread``) and
+handing back plain values, never ORM objects. A database 200 ms away per round trip holds the
+operation, not the event loop that proxies the router's streams.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -91,6 +98,18 @@ def _registered(session: Session, adapter_id: int, target: WorkerRef) -> bool:
     return (
         session.get(Worker, target.id) is not None and session.get(Adapter, adapter_id) is not None
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """What ``_write_outcome`` did: ``ours``: it wrote ``state`` (else another replica had
+    settled the operation, as ``state``); the labels of the operation's metric and event."""
+
+    ours: bool
+    state: str
+    namespace: str
+    adapter_name: str | None
+    pool_name: str
 
 
 class Inflight:
@@ -360,22 +379,17 @@ class Operations:
                 raise PinLimit(str(exc), field="body.pinned") from exc
 
     # -- running ---------------------------------------------------------------------------------
-    async def run(self, op_id: str) -> Operation | None:
-        """Run a journalled operation; None when it could not be settled here (the database
-        went away), in which case the lease pass settles it later."""
+    async def run(self, op_id: str) -> str | None:
+        """Run a journalled operation; its final state, or None when it could not be settled
+        here (the database went away), in which case the lease pass settles it later."""
         self.running.add(op_id)
         try:
             return await self._run(op_id)
         finally:
             self.running.discard(op_id)
 
-    async def _run(self, op_id: str) -> Operation | None:
-        with self.db.session() as session:
-            op = session.get(Operation, op_id)
-            assert op is not None
-            op.state = "running"
-            op.owner, op.heartbeat_at = self.owner, now()
-            kind, plan = op.kind, plan_from_json(op.kind, op.plan)
+    async def _run(self, op_id: str) -> str | None:
+        kind, plan = await asyncio.to_thread(self._start, op_id)
         started = time.perf_counter()
         try:
             per_target: list[dict[str, Any]]
@@ -390,12 +404,7 @@ class Operations:
         except Exception:  # a bug or the database went away: settle it from what workers hold
             log.exception("operation %s failed unexpectedly; settling it", op_id)
             try:
-                with self.db.session() as session:
-                    op = session.get(Operation, op_id)
-                    assert op is not None
-                    self.metrics.operations.labels(
-                        op.namespace, _pool_of(session, op), kind, "error"
-                    ).inc()
+                await asyncio.to_thread(self._count_error, op_id, kind)
                 return await self._settle(op_id, kind, plan, ABANDONED)
             except Exception as exc:
                 log.warning(
@@ -409,6 +418,21 @@ class Operations:
             op_id, kind, state, merged, per_target, time.perf_counter() - started
         )
 
+    def _start(self, op_id: str) -> tuple[str, Plan]:
+        """Mark the operation running (by this replica); its kind and plan."""
+        with self.db.session() as session:
+            op = session.get(Operation, op_id)
+            assert op is not None
+            op.state = "running"
+            op.owner, op.heartbeat_at = self.owner, now()
+            return op.kind, plan_from_json(op.kind, op.plan)
+
+    def _count_error(self, op_id: str, kind: str) -> None:
+        with self.db.session() as session:
+            op = session.get(Operation, op_id)
+            assert op is not None
+            self.metrics.operations.labels(op.namespace, _pool_of(session, op), kind, "error").inc()
+
     async def _finish(
         self,
         op_id: str,
@@ -417,7 +441,38 @@ class Operations:
         merged: UpdateResult,
         per_target: list[dict[str, Any]],
         took: float,
-    ) -> Operation:
+    ) -> str:
+        """Write the outcome and release the adapter; the operation's final state."""
+        written = await asyncio.to_thread(
+            self._write_outcome, op_id, kind, state, merged, per_target
+        )
+        if not written.ours:
+            return written.state
+        namespace, adapter_name = written.namespace, written.adapter_name
+        self.metrics.operations.labels(namespace, written.pool_name, kind, state).inc()
+        log.info(
+            "operation %s %s %s/%s: %s (%.3fs)", op_id, kind, namespace, adapter_name, state, took
+        )
+        await self.bus.publish(
+            "operation.finished",
+            operation=op_id,
+            kind=kind,
+            state=state,
+            namespace=namespace,
+            adapter=adapter_name,
+        )
+        return state
+
+    def _write_outcome(
+        self,
+        op_id: str,
+        kind: str,
+        state: str,
+        merged: UpdateResult,
+        per_target: list[dict[str, Any]],
+    ) -> _Written:
+        """The outcome into the journal, and the adapter settled; not over an outcome another
+        replica wrote meanwhile (then ``state`` is that one's)."""
         with self.db.session() as session:
             op = session.get(Operation, op_id)
             assert op is not None
@@ -428,7 +483,7 @@ class Operations:
                     op.owner,
                     state,
                 )
-                return op
+                return _Written(False, op.state, op.namespace, op.adapter_name, "")
             op.state = state
             op.result = merged.to_json()
             op.per_target = per_target
@@ -448,21 +503,8 @@ class Operations:
                     error=op.error,
                     keeps_error=kind in ("register", "load", "pin", "unpin", "update_version"),
                 )
-            namespace, adapter_name = op.namespace, op.adapter_name
             pool_name = adapter.pool.name if adapter is not None else _pool_of(session, op)
-        self.metrics.operations.labels(namespace, pool_name, kind, state).inc()
-        log.info(
-            "operation %s %s %s/%s: %s (%.3fs)", op_id, kind, namespace, adapter_name, state, took
-        )
-        await self.bus.publish(
-            "operation.finished",
-            operation=op_id,
-            kind=kind,
-            state=state,
-            namespace=namespace,
-            adapter=adapter_name,
-        )
-        return op
+            return _Written(True, state, op.namespace, op.adapter_name, pool_name)
 
     async def _fanout(
         self,
@@ -512,6 +554,18 @@ class Operations:
         comes back the reconciler unloads the leftover instead of restoring it.
         Returns True if the adapter is still present anywhere (or a worker could not be asked)."""
         observations = await asyncio.gather(*(self.observe(t) for t in targets))
+        return await asyncio.to_thread(
+            self._write_observed, adapter_id, name, targets, observations, error
+        )
+
+    def _write_observed(
+        self,
+        adapter_id: int,
+        name: str,
+        targets: Sequence[WorkerRef],
+        observations: Sequence[Observation | None],
+        error: str | None,
+    ) -> bool:
         leftover = False
         with self.db.session() as session:
             for target, seen in zip(targets, observations, strict=True):
@@ -568,11 +622,45 @@ class Operations:
                         session.add(row)
                     mark(row, state, error=None, observed=True)
 
-    def _set_state(self, adapter_id: int, name: str, state: PlacementState) -> None:
+    def _mark_rows(
+        self,
+        state: PlacementState,
+        holder: ColumnElement[bool],
+        name: str,
+        *where: ColumnElement[bool],
+    ) -> None:
+        """Every row of ``name`` matching ``holder`` (its adapter's, or its worker's) and
+        ``where`` moves to ``state``, in one statement."""
         with self.db.session() as session:
-            mark_where(
-                session, state, Placement.adapter_id == adapter_id, Placement.lora_name == name
-            )
+            mark_where(session, state, holder, Placement.lora_name == name, *where)
+
+    def _touch(self, adapter_id: int) -> None:
+        """A load counts as a use: the adapter is not the next to go."""
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is not None:
+                adapter.last_used_at = max(adapter.last_used_at or 0.0, time.time())
+
+    def _mark_inconsistent(self, adapter_id: int) -> None:
+        """A copy stayed after a failed load's rollback: not routable, name not reusable."""
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is not None:
+                adapter.inconsistent = True
+
+    def _write_pinned(self, adapter_id: int, pinned: bool) -> None:
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            assert adapter is not None
+            adapter.pinned = pinned
+
+    def _write_version(self, adapter_id: int, record: dict[str, Any]) -> None:
+        """The adapter record switches to the new version's fields (``NewVersion``)."""
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            assert adapter is not None
+            for field_name, value in record.items():
+                setattr(adapter, field_name, value)
 
     def _namespace_of(self, adapter_id: int) -> str | None:
         with self.db.session() as session:
@@ -591,29 +679,12 @@ class Operations:
 
     async def _evict(self, target: WorkerRef, names: Sequence[str]) -> UpdateResult:
         for victim in names:
-            with self.db.session() as session:  # not routed there while it goes away
-                mark_where(
-                    session,
-                    "unloading",
-                    Placement.worker_id == target.id,
-                    Placement.lora_name == victim,
-                )
+            # not routed there while it goes away
+            await asyncio.to_thread(
+                self._mark_rows, "unloading", Placement.worker_id == target.id, victim
+            )
             result = await self.client.unload(target.name, target.endpoint, victim)
-            with self.db.session() as session:
-                worker = session.get(Worker, target.id)
-                pool_labels = (
-                    (worker.pool.namespace, worker.pool.name) if worker is not None else ("", "")
-                )
-                rows = session.scalars(
-                    select(Placement).where(
-                        Placement.worker_id == target.id, Placement.lora_name == victim
-                    )
-                ).all()
-                for row in rows:
-                    if result.success:
-                        session.delete(row)
-                    else:
-                        mark(row, "inconsistent", error=result.error_message)
+            pool_labels = await asyncio.to_thread(self._after_evict, target, victim, result)
             if not result.success:
                 return UpdateResult(
                     False,
@@ -628,6 +699,23 @@ class Operations:
                 lora_name=victim,
             )
         return UpdateResult(True)
+
+    def _after_evict(self, target: WorkerRef, victim: str, result: UpdateResult) -> tuple[str, str]:
+        """The victim's rows on ``target`` dropped (or ``inconsistent`` if it would not go);
+        the (namespace, pool) of the worker, for the eviction's metric and event."""
+        with self.db.session() as session:
+            worker = session.get(Worker, target.id)
+            rows = session.scalars(
+                select(Placement).where(
+                    Placement.worker_id == target.id, Placement.lora_name == victim
+                )
+            ).all()
+            for row in rows:
+                if result.success:
+                    session.delete(row)
+                else:
+                    mark(row, "inconsistent", error=result.error_message)
+            return (worker.pool.namespace, worker.pool.name) if worker is not None else ("", "")
 
     async def _load_everywhere(
         self, op_label: str, plan: LoadPlan
@@ -652,14 +740,11 @@ class Operations:
         results, per_target = await self._fanout(op_label, targets, load_one)
         merged = merge_results(results)
         if merged.success:
-            self._set_rows(adapter_id, name, targets, "loaded")
-            with self.db.session() as session:  # a load counts as a use: not the next to go
-                adapter = session.get(Adapter, adapter_id)
-                if adapter is not None:
-                    adapter.last_used_at = max(adapter.last_used_at or 0.0, time.time())
+            await asyncio.to_thread(self._set_rows, adapter_id, name, targets, "loaded")
+            await asyncio.to_thread(self._touch, adapter_id)
             await self.bus.publish(
                 "adapter.loaded",
-                namespace=self._namespace_of(adapter_id),
+                namespace=await asyncio.to_thread(self._namespace_of, adapter_id),
                 adapter_id=adapter_id,
                 lora_name=name,
                 workers=[t.name for t in targets],
@@ -671,13 +756,11 @@ class Operations:
             "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)
         )
         leftover = await self._record_observed(adapter_id, name, touched, merged.error_message)
-        with self.db.session() as session:
-            adapter = session.get(Adapter, adapter_id)
-            if adapter is not None and leftover:
-                adapter.inconsistent = True
+        if leftover:
+            await asyncio.to_thread(self._mark_inconsistent, adapter_id)
         await self.bus.publish(
             "adapter.failed",
-            namespace=self._namespace_of(adapter_id),
+            namespace=await asyncio.to_thread(self._namespace_of, adapter_id),
             adapter_id=adapter_id,
             lora_name=name,
             error=merged.error_message,
@@ -694,20 +777,19 @@ class Operations:
         """Unload copies beyond a smaller ``count`` (the chosen targets hold it, so it stays
         routable). Rows go ``unloading`` first; a copy that would not go is left
         ``inconsistent`` for the reconciler, without failing the load."""
-        with self.db.session() as session:
-            mark_where(
-                session,
-                "unloading",
-                Placement.adapter_id == adapter_id,
-                Placement.lora_name == name,
-                Placement.worker_id.in_([t.id for t in extras]),
-            )
+        await asyncio.to_thread(
+            self._mark_rows,
+            "unloading",
+            Placement.adapter_id == adapter_id,
+            name,
+            Placement.worker_id.in_([t.id for t in extras]),
+        )
         results, _ = await self._fanout(
             "unload", extras, lambda t: self.client.unload(t.name, t.endpoint, name)
         )
         gone = [t for t, r in zip(extras, results, strict=True) if r.success]
         stuck = [t for t, r in zip(extras, results, strict=True) if not r.success]
-        self._drop_rows(adapter_id, name, gone)
+        await asyncio.to_thread(self._drop_rows, adapter_id, name, gone)
         if stuck:
             error = merge_results([r for r in results if not r.success]).error_message
             await self._record_observed(adapter_id, name, stuck, error)
@@ -732,7 +814,7 @@ class Operations:
         leftover = False
         if merged.success:
             for n in {n for ns in names.values() for n in ns}:
-                self._drop_rows(adapter_id, n, targets)
+                await asyncio.to_thread(self._drop_rows, adapter_id, n, targets)
         else:
             for n in {n for ns in names.values() for n in ns}:
                 holders = [t for t in targets if n in names[t.name]]
@@ -740,15 +822,9 @@ class Operations:
                     await self._record_observed(adapter_id, n, holders, merged.error_message)
                     or leftover
                 )
-        namespace: str | None = None
-        with self.db.session() as session:
-            adapter = session.get(Adapter, adapter_id)
-            if adapter is not None:
-                namespace = adapter.namespace
-                adapter.inconsistent = leftover
-                adapter.last_error = merged.error_message if leftover else None
-                if plan.then == "delete" and not leftover:
-                    session.delete(adapter)
+        namespace = await asyncio.to_thread(
+            self._after_unload, adapter_id, leftover, merged.error_message, plan.then
+        )
         await self.bus.publish(
             "adapter.unloaded",
             namespace=namespace,
@@ -757,6 +833,19 @@ class Operations:
             inconsistent=leftover,
         )
         return ("succeeded" if merged.success else "failed"), merged, per_target
+
+    def _after_unload(self, adapter_id: int, leftover: bool, error: str, then: str) -> str | None:
+        """The adapter inconsistent while a copy is left (else deleted, with ``then``
+        "delete"); its namespace (None when it was gone already)."""
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if adapter is None:
+                return None
+            adapter.inconsistent = leftover
+            adapter.last_error = error if leftover else None
+            if then == "delete" and not leftover:
+                session.delete(adapter)
+            return adapter.namespace
 
     async def _run_pin(self, plan: PinPlan) -> tuple[str, UpdateResult, list[dict[str, Any]]]:
         """Reload the adapter with the new ``pinned`` flag on every worker that holds it."""
@@ -772,18 +861,18 @@ class Operations:
                 await self.client.load(target.name, target.endpoint, name, path, not pinned)
             return loaded
 
-        self._set_state(adapter_id, name, "loading")  # absent for a moment on every target
+        # absent for a moment on every target
+        await asyncio.to_thread(
+            self._mark_rows, "loading", Placement.adapter_id == adapter_id, name
+        )
         if targets:
             results, per_target = await self._fanout("pin", targets, reload)
             merged = merge_results(results)
         else:
             merged, per_target = UpdateResult(True), []
         if merged.success:
-            with self.db.session() as session:
-                adapter = session.get(Adapter, adapter_id)
-                assert adapter is not None
-                adapter.pinned = pinned
-            self._set_rows(adapter_id, name, targets, "loaded")
+            await asyncio.to_thread(self._write_pinned, adapter_id, pinned)
+            await asyncio.to_thread(self._set_rows, adapter_id, name, targets, "loaded")
             return "succeeded", merged, per_target
         await self._observe_rows(adapter_id, name, targets)
         return "failed", merged, per_target
@@ -791,6 +880,15 @@ class Operations:
     async def _observe_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef]) -> None:
         """Rows of ``name`` follow the workers: present -> loaded, absent -> failed (the reconciler restores)."""
         observations = await asyncio.gather(*(self.observe(t) for t in targets))
+        await asyncio.to_thread(self._write_seen, adapter_id, name, targets, observations)
+
+    def _write_seen(
+        self,
+        adapter_id: int,
+        name: str,
+        targets: Sequence[WorkerRef],
+        observations: Sequence[Observation | None],
+    ) -> None:
         with self.db.session() as session:
             for target, seen in zip(targets, observations, strict=True):
                 rows = session.scalars(
@@ -837,20 +935,19 @@ class Operations:
 
     async def _switch_version(self, plan: VersionPlan) -> None:
         adapter_id = plan.adapter_id
-        with self.db.session() as session:
-            adapter = session.get(Adapter, adapter_id)
-            assert adapter is not None
-            for field_name, value in plan.new.to_json().items():
-                setattr(adapter, field_name, value)
+        await asyncio.to_thread(self._write_version, adapter_id, plan.new.to_json())
         old = plan.old_lora_name
         holders = list(plan.old_targets)
-        self._set_state(adapter_id, old, "unloading")  # never reported loaded while it goes away
+        # never reported loaded while it goes away
+        await asyncio.to_thread(
+            self._mark_rows, "unloading", Placement.adapter_id == adapter_id, old
+        )
         if holders:
             results, _ = await self._fanout(
                 "unload", holders, lambda t: self.client.unload(t.name, t.endpoint, old)
             )
             if merge_results(results).success:
-                self._drop_rows(adapter_id, old, holders)
+                await asyncio.to_thread(self._drop_rows, adapter_id, old, holders)
             else:
                 await self._record_observed(adapter_id, old, holders, "old version not unloaded")
 
@@ -858,17 +955,9 @@ class Operations:
     async def settle_interrupted(self) -> list[str]:
         """Finish or roll back the operations nobody runs any more (see the module docstring);
         returns the ids this call settled."""
-        with self.db.session() as session:
-            ops = session.scalars(
-                select(Operation).where(self._abandoned()).order_by(Operation.created_at)
-            ).all()
-            pending = [
-                (op.id, op.kind, plan_from_json(op.kind, op.plan), self._before_start(op))
-                for op in ops
-            ]
         settled = []
-        for op_id, kind, plan, restarted in pending:
-            if op_id in self.running or not self._claim(op_id):
+        for op_id, kind, plan, restarted in await asyncio.to_thread(self._abandoned_plans):
+            if op_id in self.running or not await asyncio.to_thread(self._claim, op_id):
                 continue  # running here, or another replica took it over first
             self.running.add(op_id)
             try:
@@ -879,6 +968,18 @@ class Operations:
             settled.append(op_id)
         return settled
 
+    def _abandoned_plans(self) -> list[tuple[str, str, Plan, bool]]:
+        """(id, kind, plan, left by this replica's previous process) of every abandoned
+        operation, oldest first."""
+        with self.db.session() as session:
+            ops = session.scalars(
+                select(Operation).where(self._abandoned()).order_by(Operation.created_at)
+            ).all()
+            return [
+                (op.id, op.kind, plan_from_json(op.kind, op.plan), self._before_start(op))
+                for op in ops
+            ]
+
     def _before_start(self, op: Operation) -> bool:
         """Left by this replica's previous process (SQLite hands datetimes back naive, in UTC)."""
         beat = op.heartbeat_at
@@ -886,7 +987,7 @@ class Operations:
             return False
         return (beat if beat.tzinfo else beat.replace(tzinfo=UTC)) < self.started_at
 
-    async def _settle(self, op_id: str, kind: str, plan: Plan, why: str) -> Operation:
+    async def _settle(self, op_id: str, kind: str, plan: Plan, why: str) -> str:
         """Finish ``op_id`` from what its workers hold now: a load present everywhere succeeds,
         anything less is rolled back; an unload is run again; a pin change keeps the old flag."""
         started = time.perf_counter()
@@ -927,7 +1028,7 @@ class Operations:
             for t, seen in zip(targets, observations, strict=True)
         ]
         if complete:
-            self._set_rows(adapter_id, name, targets, "loaded")
+            await asyncio.to_thread(self._set_rows, adapter_id, name, targets, "loaded")
             return "succeeded", UpdateResult(True, "", {name: plan.path}), per_target
         already = plan.already_loaded
         touched = [t for t in targets if t.name not in already]
@@ -935,10 +1036,8 @@ class Operations:
             "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)
         )
         leftover = await self._record_observed(adapter_id, name, touched, why)
-        with self.db.session() as session:
-            adapter = session.get(Adapter, adapter_id)
-            if adapter is not None and leftover:
-                adapter.inconsistent = True
+        if leftover:
+            await asyncio.to_thread(self._mark_inconsistent, adapter_id)
         return (
             ("failed" if leftover else "rolled_back"),
             UpdateResult(False, why),

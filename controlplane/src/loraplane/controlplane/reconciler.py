@@ -9,7 +9,13 @@ operation left strays). Per worker:
   rollback, an old version) -> unloaded;
 - adapters with ``placement: all`` get placed on a ready worker of their pool that has room.
 
-Adapters with an operation in progress are left alone; the operation owns them.
+Adapters with an operation in progress are left alone; the operation owns them. So are
+placements recorded after the pass asked the worker (``lifecycle.observed_since``): an
+operation that loaded an adapter while the worker's answer was on its way knows better than
+that answer, which would have the adapter loaded again, and not routable meanwhile. A stray
+is unloaded only if no operation took its name since the comparison (checked just before the
+unload), and the rows of an operation whose load landed before that unload stay: the next
+pass sees the worker without the adapter and loads it back.
 """
 
 from __future__ import annotations
@@ -19,13 +25,20 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus, stop_tasks
-from loraplane.controlplane.lifecycle import mark, new_placement
+from loraplane.controlplane.lifecycle import (
+    PlacementState,
+    mark,
+    new_placement,
+    observed_since,
+)
 from loraplane.controlplane.metrics import (
     ADAPTER_PHASES,
     PLACEMENT_STATES,
@@ -36,6 +49,7 @@ from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
 from loraplane.controlplane.plans import WorkerRef
 from loraplane.controlplane.registry import lora_name
 from loraplane.controlplane.workers import Observation, WorkerClient, WorkerUnreachable
+from loraplane.rules.merge import UpdateResult
 from loraplane.rules.pins import room_to_pin
 
 log = logging.getLogger(__name__)
@@ -120,13 +134,16 @@ class Reconciler:
         self.metrics.reconcile_last_success.set(time.time())
 
     async def reconcile_worker(self, worker: WorkerRef) -> None:
+        asked_at = now()
         try:
             await self.client.health(worker.name, worker.endpoint)
             seen = await self.client.observe(worker.name, worker.endpoint, worker.dp_size)
         except WorkerUnreachable as exc:
             await self._mark_unreachable(worker, str(exc))
             return
-        restore, strays, fill, became_ready = await asyncio.to_thread(self._compare, worker, seen)
+        restore, strays, fill, became_ready = await asyncio.to_thread(
+            self._compare, worker, seen, asked_at
+        )
         if became_ready:
             namespace = await asyncio.to_thread(self._namespace_of, worker)
             await self.bus.publish("worker.ready", namespace=namespace, worker=worker.name)
@@ -162,9 +179,7 @@ class Reconciler:
             if set(seen.present_on(name)):  # partially present: start clean
                 await self.client.unload(worker.name, worker.endpoint, name)
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
-            await asyncio.to_thread(
-                self._after_restore, worker, adapter_id, name, result.success, result.error_message
-            )
+            await asyncio.to_thread(self._after_restore, worker, adapter_id, name, result, asked_at)
             if not result.success:
                 delay = min(60.0, self.interval_s * 2**failures)
                 self._backoff[(worker.name, name)] = (failures + 1, time.monotonic() + delay)
@@ -187,9 +202,11 @@ class Reconciler:
                     lora_name=name,
                 )
         for name in strays:
+            if not await asyncio.to_thread(self._still_stray, worker, name, asked_at):
+                continue  # an operation took it since the comparison: it is the operation's
             result = await self.client.unload(worker.name, worker.endpoint, name)
             if result.success:
-                await asyncio.to_thread(self._after_stray, worker, name)
+                await asyncio.to_thread(self._after_stray, worker, name, asked_at)
                 self.metrics.drift_repaired.labels("stray_unloaded").inc()
                 await self.bus.publish(
                     "placement.drift_repaired",
@@ -206,13 +223,7 @@ class Reconciler:
             result = await self.client.load(worker.name, worker.endpoint, name, path, pinned)
             await asyncio.to_thread(
                 functools.partial(
-                    self._after_restore,
-                    worker,
-                    adapter_id,
-                    name,
-                    result.success,
-                    result.error_message,
-                    create=True,
+                    self._after_restore, worker, adapter_id, name, result, asked_at, create=True
                 )
             )
             if result.success:
@@ -283,9 +294,10 @@ class Reconciler:
         return drift
 
     def _compare(
-        self, worker: WorkerRef, seen: Observation
+        self, worker: WorkerRef, seen: Observation, asked_at: datetime
     ) -> tuple[list[tuple[str, str, bool, int]], list[str], list[tuple[str, str, bool, int]], bool]:
-        """What to restore, unload and fill on ``worker``, and whether it became ready."""
+        """What to restore, unload and fill on ``worker`` from what it answered (``seen``,
+        asked at ``asked_at``), and whether it became ready."""
         restore: list[tuple[str, str, bool, int]] = []
         fill: list[tuple[str, str, bool, int]] = []
         wanted: set[str] = set()
@@ -325,7 +337,11 @@ class Reconciler:
             )
             for name, rows in by_name.items():
                 adapter = rows[0].adapter
-                if adapter.busy_operation_id or (name in evicting and pool_busy):
+                if (
+                    adapter.busy_operation_id
+                    or (name in evicting and pool_busy)
+                    or any(observed_since(r, asked_at) for r in rows)
+                ):
                     busy.add(name)
                     continue
                 current = lora_name(adapter.namespace, adapter.name, adapter.version)
@@ -340,10 +356,11 @@ class Reconciler:
                 wanted.add(name)
                 if present >= set(range(worker.dp_size)):
                     for r in rows:
-                        mark(r, "loaded", error=None, observed=True)
+                        mark(r, "loaded", error=None, observed=asked_at)
                 else:
                     for r in rows:
-                        mark(r, "loaded" if r.dp_group in present else "loading", observed=True)
+                        state: PlacementState = "loaded" if r.dp_group in present else "loading"
+                        mark(r, state, observed=asked_at)
                     restore.append((name, adapter.path, adapter.pinned, adapter.id))
             # rows of unwanted names that the worker no longer holds are forgotten
             for name, rows in by_name.items():
@@ -397,19 +414,24 @@ class Reconciler:
         worker: WorkerRef,
         adapter_id: int,
         name: str,
-        ok: bool,
-        error: str,
+        result: UpdateResult,
+        asked_at: datetime,
         create: bool = False,
     ) -> None:
+        """Rows of ``name`` on ``worker`` follow the load's answer, unless an operation took
+        the adapter or recorded them since the pass asked the worker: then they are its."""
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
-            if adapter is None:
+            if adapter is None or adapter.busy_operation_id:
                 return
             rows = {
                 r.dp_group: r
                 for r in adapter.placements
                 if r.worker_id == worker.id and r.lora_name == name
             }
+            if any(observed_since(r, asked_at) for r in rows.values()):
+                return
+            ok = result.success
             for group in range(worker.dp_size):
                 row = rows.get(group)
                 if row is None:
@@ -419,15 +441,33 @@ class Reconciler:
                         adapter_id, worker.id, group, name, adapter.version, "loaded"
                     )
                     session.add(row)
-                mark(row, "loaded" if ok else "failed", error=None if ok else error, observed=True)
+                error = None if ok else result.error_message
+                mark(row, "loaded" if ok else "failed", error=error, observed=True)
 
-    def _after_stray(self, worker: WorkerRef, name: str) -> None:
+    def _still_stray(self, worker: WorkerRef, name: str, asked_at: datetime) -> bool:
+        """No operation holds ``name``'s adapter on ``worker`` now, nor recorded its rows since
+        the pass asked the worker (a load journalled after the comparison)."""
         with self.db.session() as session:
-            rows = session.scalars(
-                select(Placement).where(
-                    Placement.worker_id == worker.id, Placement.lora_name == name
-                )
-            ).all()
+            return not any(
+                r.adapter.busy_operation_id or observed_since(r, asked_at)
+                for r in self._rows_of(session, worker, name)
+            )
+
+    @staticmethod
+    def _rows_of(session: Session, worker: WorkerRef, name: str) -> Sequence[Placement]:
+        return session.scalars(
+            select(Placement).where(Placement.worker_id == worker.id, Placement.lora_name == name)
+        ).all()
+
+    def _after_stray(self, worker: WorkerRef, name: str, asked_at: datetime) -> None:
+        """The stray's rows go, but those an operation holds or recorded since the pass asked
+        (its load may have landed before the unload: the next pass restores it)."""
+        with self.db.session() as session:
+            rows = [
+                r
+                for r in self._rows_of(session, worker, name)
+                if not (r.adapter.busy_operation_id or observed_since(r, asked_at))
+            ]
             adapters = {r.adapter for r in rows}
             for r in rows:
                 session.delete(r)

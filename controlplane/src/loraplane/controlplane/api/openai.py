@@ -27,6 +27,7 @@ from loraplane.controlplane import application
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal
 from loraplane.controlplane.deps import RouteCaller, Services, ServicesDep
 from loraplane.controlplane.errors import ApiError, bad_value
+from loraplane.controlplane.lifecycle import mark
 from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef
 from loraplane.controlplane.registry import check_label, lora_name, routable_workers
@@ -207,8 +208,7 @@ def mark_lost(services: Services, route: Route) -> None:
             )
         ).all()
         for row in rows:
-            row.state = "failed"
-            row.error = "the worker answered 404 for this adapter"
+            mark(row, "failed", error="the worker answered 404 for this adapter")
 
 
 def mark_unreachable(services: Services, worker_id: int, error: str) -> None:
@@ -219,7 +219,7 @@ def mark_unreachable(services: Services, worker_id: int, error: str) -> None:
             worker.last_error = error
             for placement in worker.placements:
                 if placement.state == "loaded":
-                    placement.state = "unreachable"
+                    mark(placement, "unreachable")
 
 
 def check_finite(value: Any, field: str) -> None:

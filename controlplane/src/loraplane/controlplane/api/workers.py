@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -13,6 +14,7 @@ from sqlalchemy import select
 from loraplane.controlplane.deps import (
     ClusterAdmin,
     Reader,
+    Services,
     ServicesDep,
     SessionDep,
     check_namespace,
@@ -40,40 +42,46 @@ class WorkerRegister(BaseModel):
 
 @router.post("")
 async def register_worker(
-    body: WorkerRegister, services: ServicesDep, session: SessionDep, _: ClusterAdmin
+    body: WorkerRegister, services: ServicesDep, _: ClusterAdmin
 ) -> JSONResponse:
     if not WORKER_NAME.match(body.name):
         raise bad_value("body.name", f"{body.name!r} is not a DNS-1123 subdomain name")
     check_label(body.namespace, "body.namespace")
     if not ENDPOINT.match(body.endpoint):
         raise bad_value("body.endpoint", f"{body.endpoint!r} is not an http(s)://host[:port] URL")
-    pool = get_pool(session, body.namespace, body.pool, field="body.pool")
-    if body.dp_size != pool.dp:
-        raise bad_value(
-            "body.dp_size", f"{body.dp_size} does not match pool {pool.name}'s dp={pool.dp}"
-        )
-    worker = session.scalar(select(Worker).where(Worker.name == body.name))
-    created = worker is None
-    if worker is None:
-        worker = Worker(name=body.name, state="pending")
-        session.add(worker)
-    elif worker.pool_id != pool.id and worker.placements:
-        raise bad_value(
-            "body.pool", f"worker {body.name} is registered in another pool and holds adapters"
-        )
-    worker.pool = pool
-    worker.endpoint = body.endpoint.rstrip("/")
-    worker.dp_size = body.dp_size
-    if not created:
-        worker.state = "pending"
-    session.flush()
-    body_json = worker_json(worker, services.inflight.by_worker.get(worker.id, 0))
-    session.commit()
+    body_json, created = await asyncio.to_thread(_register, services, body)
     await services.bus.publish(
-        "worker.registered", worker=worker.name, pool=pool.name, namespace=pool.namespace
+        "worker.registered", worker=body.name, pool=body.pool, namespace=body.namespace
     )
     services.reconciler.poke()
     return JSONResponse(body_json, status_code=201 if created else 200)
+
+
+def _register(services: Services, body: WorkerRegister) -> tuple[dict[str, Any], bool]:
+    """Record the worker (pending until the reconciler has seen it): its JSON, and whether it
+    is new."""
+    with services.db.session() as session:
+        pool = get_pool(session, body.namespace, body.pool, field="body.pool")
+        if body.dp_size != pool.dp:
+            raise bad_value(
+                "body.dp_size", f"{body.dp_size} does not match pool {pool.name}'s dp={pool.dp}"
+            )
+        worker = session.scalar(select(Worker).where(Worker.name == body.name))
+        created = worker is None
+        if worker is None:
+            worker = Worker(name=body.name, state="pending")
+            session.add(worker)
+        elif worker.pool_id != pool.id and worker.placements:
+            raise bad_value(
+                "body.pool", f"worker {body.name} is registered in another pool and holds adapters"
+            )
+        worker.pool = pool
+        worker.endpoint = body.endpoint.rstrip("/")
+        worker.dp_size = body.dp_size
+        if not created:
+            worker.state = "pending"
+        session.flush()
+        return worker_json(worker, services.inflight.by_worker.get(worker.id, 0)), created
 
 
 @router.get("")
@@ -107,12 +115,16 @@ def read_worker(
 
 
 @router.delete("/{name}", status_code=204)
-async def delete_worker(
-    name: str, services: ServicesDep, session: SessionDep, _: ClusterAdmin
-) -> Response:
-    worker = get_worker(session, name)
-    namespace = worker.pool.namespace
-    session.delete(worker)
-    session.commit()
+async def delete_worker(name: str, services: ServicesDep, _: ClusterAdmin) -> Response:
+    namespace = await asyncio.to_thread(_delete, services, name)
     await services.bus.publish("worker.deregistered", namespace=namespace, worker=name)
     return Response(status_code=204)
+
+
+def _delete(services: Services, name: str) -> str:
+    """Forget the worker (its placements go with it); the namespace of its pool."""
+    with services.db.session() as session:
+        worker = get_worker(session, name)
+        namespace = worker.pool.namespace
+        session.delete(worker)
+        return namespace
