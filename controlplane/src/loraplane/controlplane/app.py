@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import logging
 import re
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -52,6 +53,8 @@ from loraplane.controlplane.workers import WorkerClient
 from loraplane.rules.body_limit import BodyLimit
 
 log = logging.getLogger(__name__)
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 _UNION_TAGS = re.compile(r"^([A-Z]\w*|.*\[.*\]|int|str|bool|float|list|dict|none)$")
@@ -215,9 +218,14 @@ def create_app(settings: Settings | None = None) -> ControlPlaneApp:
         # (every stream with it) for tens of milliseconds.
         gc.collect()
         gc.freeze()
+        # A thread (a database call, a route lookup) holds the GIL for up to this long while
+        # the event loop waits for it: Python's default, 5 ms, is the router's whole p99 budget.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         try:
             yield
         finally:
+            sys.setswitchinterval(switch_interval)
             gc.unfreeze()
             # Each step is bounded (events.CLOSE_TIMEOUT_S): a stuck socket never hangs shutdown.
             await reconciler.close()

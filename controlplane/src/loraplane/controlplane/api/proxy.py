@@ -114,14 +114,14 @@ class _Watch:
     """Whether the client is gone, from the message after its body. While ``armed``, a
     hang-up cancels the request's task (``cancelled_it``), which then uncancels itself."""
 
-    __slots__ = ("_handler", "_task", "armed", "cancelled_it", "gone")
+    __slots__ = ("_handler", "armed", "cancelled_it", "gone", "task")
 
     def __init__(self, receive: Receive) -> None:
         self.gone = False
         self.armed = False
         self.cancelled_it = False
         self._handler = asyncio.current_task()
-        self._task = asyncio.ensure_future(self._wait(receive))
+        self.task = asyncio.ensure_future(self._wait(receive))
 
     async def _wait(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -132,8 +132,10 @@ class _Watch:
             self._handler.cancel()
 
     def close(self) -> None:
+        """Disarm; the task ends by itself once the answer is sent (ASGI's receive says
+        ``http.disconnect`` then), without a cancellation, whose traceback would hold this
+        request's objects in a reference cycle until the collector's next full pass."""
         self.armed = False
-        self._task.cancel()
 
     def absorb(self) -> bool:
         """After a ``CancelledError``: True (and the task uncancelled) if the hang-up sent it."""
@@ -408,7 +410,7 @@ class ModelSwap:
 
     An event's top-level ``"model"`` holding what the worker was sent is replaced on the bytes
     when that is certainly the edit JSON would make: the key appears once, not after a
-    backslash, and before it the payload opens no object or array but its own. Any other
+    backslash, and before it the payload opens no object but its own. Any other
     event (the worker wrote the key differently, or nested) goes through JSON."""
 
     model: str  # as the client named it
@@ -442,8 +444,7 @@ class ModelSwap:
                 if (
                     at > 0
                     and payload[at - 1] != 0x5C  # a backslash
-                    and payload.find(b"{", 1, at) < 0
-                    and payload.find(b"[", 0, at) < 0
+                    and payload.find(b"{", 1, at) < 0  # nor inside an array: its object opens
                 ):
                     return payload[:at] + replacement + payload[at + len(needle) :]
         return rewrite_model(payload, self.model)
