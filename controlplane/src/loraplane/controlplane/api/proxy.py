@@ -56,7 +56,7 @@ def route_path(scope: Scope) -> str:
     """The path the app routes on (without the ASGI ``root_path``, as Starlette strips it)."""
     path: str = scope["path"]
     root: str = scope.get("root_path", "")
-    if root and path.startswith(root) and path != root:
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] == "/":
         return path[len(root) :]
     return path
 

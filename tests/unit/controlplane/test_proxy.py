@@ -1,6 +1,7 @@
-"""The router's rewrite of ``model`` in a worker's stream (``api/proxy.py``'s ``ModelSwap``):
-whichever way an event is written, the client reads the same JSON as a full parse and rewrite
-would give it, and every other line passes unchanged."""
+"""Pure pieces of the router's request path (``api/proxy.py``): the rewrite of ``model`` in a
+worker's stream (``ModelSwap``: whichever way an event is written, the client reads the same
+JSON as a full parse and rewrite would give it, and every other line passes unchanged) and the
+path the app routes on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from loraplane.controlplane.api.openai import Route
-from loraplane.controlplane.api.proxy import ModelSwap
+from loraplane.controlplane.api.proxy import ModelSwap, route_path
 from loraplane.controlplane.plans import WorkerRef
 
 pytestmark = pytest.mark.unit
@@ -85,3 +86,18 @@ def test_several_events_in_one_read_are_each_rewritten() -> None:
         " t2",
     ]
     assert lines[3] == b"data: [DONE]"
+
+
+@pytest.mark.parametrize(
+    ("path", "root_path", "routed"),
+    [
+        ("/v1/completions", "", "/v1/completions"),
+        ("/api/v1/completions", "/api", "/v1/completions"),
+        ("/apiv1/completions", "/api", "/apiv1/completions"),
+        ("/v1/completions", "/api", "/v1/completions"),
+    ],
+)
+def test_the_routed_path_drops_the_root_path_as_starlette_does(
+    path: str, root_path: str, routed: str
+) -> None:
+    assert route_path({"path": path, "root_path": root_path}) == routed
