@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -409,15 +410,24 @@ async def measure(args: argparse.Namespace, cp: str, stub: str, cp_pid: int) -> 
 
             adapter_dir = write_adapter(Path(tmp).resolve() / "a0")
             await set_up(client, cp, stub, adapter_dir)
+    # the client's own heap out of the collector: a full pass over it (200 ms here) would
+    # show up as latency on whichever side was running
+    gc.collect()
+    gc.freeze()
     direct, routed = Side(), Side()
     stream_s = args.tokens * args.gap_ms / 1000
     router_cpu_s, routed_all = 0.0, 0
     load_before = os.getloadavg()[0]
-    for _ in range(args.rounds):
-        await phase(stub, "a0", direct, args.concurrency, args.phase_s, stream_s)
-        before = cpu_seconds(cp_pid)
-        routed_all += await phase(cp, "bench:a0", routed, args.concurrency, args.phase_s, stream_s)
-        router_cpu_s += cpu_seconds(cp_pid) - before
+    try:
+        for _ in range(args.rounds):
+            await phase(stub, "a0", direct, args.concurrency, args.phase_s, stream_s)
+            before = cpu_seconds(cp_pid)
+            routed_all += await phase(
+                cp, "bench:a0", routed, args.concurrency, args.phase_s, stream_s
+            )
+            router_cpu_s += cpu_seconds(cp_pid) - before
+    finally:
+        gc.unfreeze()
     d, r = direct.summary(), routed.summary()
     added = {
         "ttft_p50_ms": round(r["ttft_ms"]["p50"] - d["ttft_ms"]["p50"], 3),

@@ -3,7 +3,7 @@ adapters, operations, tokens; every bad input is a 4xx naming the field, and cha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,7 @@ import pytest
 from cp_kit import ADMIN, POOL, HungWorker, join_hung_worker, snapshot, wait_for
 from fastapi.testclient import TestClient
 
-from loraplane.controlplane.app import create_app
+from loraplane.controlplane.app import ControlPlaneApp, create_app
 from loraplane.controlplane.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -510,6 +510,52 @@ def test_router_errors_are_clear(
     for code, n in (("invalid_value", 2), ("not_found", 2), ("no_worker", 2)):
         assert f'loraplane_router_rejected_total{{code="{code}"}} {n}.0' in text, text
     assert "nope" not in text and 'adapter="other' not in text
+
+
+def test_the_router_routes_answer_like_the_rest_of_the_api(
+    client: TestClient, settings: Settings
+) -> None:
+    """The completion routes are served ahead of FastAPI (``api/proxy.py``): a missing or
+    unknown token, a token without the route scope, a body over the limit sent without a
+    length, and a wrong method get the answers every other route gives."""
+    reader = make_token(client, ["read"], "default")
+    for headers in ({}, {"Authorization": "Bearer lp_unknown"}, {"Authorization": "Basic x"}):
+        routed = client.post("/v1/completions", json={"model": "m"}, headers=headers)
+        api = client.get("/v1/adapters", headers=headers)
+        assert routed.status_code == api.status_code == 401
+        assert routed.json() == api.json() and routed.json()["error"]["code"] == "unauthenticated"
+    scoped = client.post("/v1/chat/completions", json={"model": "m"}, headers=reader)
+    assert scoped.status_code == 403 and scoped.json()["error"]["code"] == "forbidden_scope"
+    assert "this call needs 'route'" in scoped.json()["error"]["message"]
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is met as the body streams
+        yield b'{"model": "'
+        for _ in range(settings.max_request_bytes // 65536 + 1):
+            yield b"x" * 65536
+        yield b'"}'
+
+    too_large = {}
+    for path in ("/v1/completions", "/v1/adapters"):
+        answer = client.post(path, content=chunks(), headers=ADMIN)
+        assert answer.status_code == 413, answer.text[:300]
+        too_large[path] = answer.json()
+    assert too_large["/v1/completions"] == too_large["/v1/adapters"]
+    assert too_large["/v1/completions"]["error"]["field"] == "body"
+    wrong_method = client.get("/v1/completions", headers=ADMIN)
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert "/v1/completions" in client.get("/openapi.json").json()["paths"]
+    # refused before routing: not counted as the router's rejections
+    assert 'code="unauthenticated"' not in client.get("/metrics").text
+    # through FastAPI's routing (the router mounted elsewhere), the same handler answers
+    app = client.app
+    assert isinstance(app, ControlPlaneApp)
+    app.inference = None
+    assert client.post("/v1/chat/completions", json={"model": "m"}, headers=reader).json() == (
+        scoped.json()
+    )
+    unknown = client.post("/v1/completions", json={"model": "nope"}, headers=ADMIN)
+    assert unknown.status_code == 404 and unknown.json()["error"]["field"] == "body.model"
 
 
 def test_metrics_count_operations(

@@ -37,7 +37,12 @@ SessionDep = Annotated[Session, Depends(get_session)]
 async def get_principal(
     services: ServicesDep, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
-    """The caller; a bearer token other than the admin's is looked up off the event loop."""
+    return await authenticate(services, authorization)
+
+
+async def authenticate(services: Services, authorization: str | None) -> Principal:
+    """The caller of a request with this ``Authorization`` header; a bearer token other than
+    the admin's is looked up off the event loop."""
     if not services.settings.auth:
         return BOOTSTRAP
     if not authorization:
@@ -83,16 +88,20 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 def require(scope: str):  # type: ignore[no-untyped-def]
     async def check(principal: PrincipalDep) -> Principal:
-        if not principal.has(scope):
-            raise ApiError(
-                403,
-                "forbidden_scope",
-                f"token {principal.name!r} has scopes {sorted(principal.scopes)}; this call needs {scope!r}",
-                field="header.Authorization",
-            )
-        return principal
+        return check_scope(principal, scope)
 
     return check
+
+
+def check_scope(principal: Principal, scope: str) -> Principal:
+    if not principal.has(scope):
+        raise ApiError(
+            403,
+            "forbidden_scope",
+            f"token {principal.name!r} has scopes {sorted(principal.scopes)}; this call needs {scope!r}",
+            field="header.Authorization",
+        )
+    return principal
 
 
 Reader = Annotated[Principal, Depends(require("read"))]
