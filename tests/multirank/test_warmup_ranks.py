@@ -29,7 +29,7 @@ def _tokens(suite, warmup: bool) -> list[list[int]]:  # type: ignore[no-untyped-
             report = warm_up(executor, plan_for(2, 32, 2, 16))
             assert report.steps > 0 and any(p.startswith("LoRA") for p in report.phases)
             # what the worker does next: every rank logs the kernels it compiles from now on
-            assert executor.watch_compiles()
+            assert executor.after_warmup()
         for group in (0, 1):
             executor.read_adapter(group, "a8", str(dict(adapters)["a8"]))
         executor.load_slot(1, "a8")

@@ -46,3 +46,26 @@ def test_a_kernel_compiled_after_the_warm_up_logs_its_name(
         ]
     finally:
         knobs.runtime.jit_post_compile_hook = before
+
+
+def test_a_settled_heap_is_frozen_and_a_long_full_collection_logs_its_pause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After the warm-up the start-up heap is out of the collector's reach, and a full
+    collection that stops the process past the threshold says how long it took."""
+    import gc
+
+    from loraplane.worker.engine import compile_watch
+
+    try:
+        compile_watch.settle_heap()
+        assert gc.get_freeze_count() > 0
+        monkeypatch.setattr(compile_watch, "GC_PAUSE_WARN_S", 0.0)
+        with caplog.at_level(logging.WARNING, logger="loraplane.worker.compile_watch"):
+            gc.collect(1)  # a young collection is not a full one: no line
+            assert not caplog.records
+            gc.collect()
+        assert any("full garbage collection paused" in r.getMessage() for r in caplog.records)
+    finally:
+        gc.callbacks.remove(compile_watch._on_gc)
+        gc.unfreeze()

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
-from loraplane.worker.engine.compile_watch import watch_compiles
+from loraplane.worker.engine.compile_watch import after_warmup
 from loraplane.worker.engine.logprobs import DeviceLogprobs, LogprobRows, TokenLogprob
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig
 from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_ids, sample_rows
@@ -266,10 +266,11 @@ class Executor(Protocol):
         (``lora.adapter.blank_adapter``; the warm-up loads it into slots)."""
         ...
 
-    def watch_compiles(self) -> bool:
-        """From now on, log each Triton kernel variant that any rank first launches
-        (``engine.compile_watch``; the worker calls it after its warm-up). False where this
-        Triton has no hook for it."""
+    def after_warmup(self) -> bool:
+        """Once warmed up, on every rank: from now on log each Triton kernel variant first
+        launched, and keep the start-up heap out of the garbage collector
+        (``engine.compile_watch.after_warmup``). False where this Triton has no hook for
+        compiles."""
         ...
 
     def shutdown(self) -> None: ...
@@ -371,8 +372,8 @@ class LocalExecutor:
     def hold_blank(self, name: str, rank: int) -> None:
         self.host[name] = self.runner.blank_adapter(name, rank)
 
-    def watch_compiles(self) -> bool:
-        return watch_compiles()
+    def after_warmup(self) -> bool:
+        return after_warmup()
 
     def shutdown(self) -> None:
         pass

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from loraplane.worker.config import LoRARuntimeConfig, ModelConfig
-from loraplane.worker.engine.compile_watch import watch_compiles
+from loraplane.worker.engine.compile_watch import after_warmup
 from loraplane.worker.engine.executor import (
     AdapterInfo,
     SeqWork,
@@ -169,8 +169,8 @@ def _rank_loop(
                 name, adapter_rank = args
                 host[name] = runner.blank_adapter(name, adapter_rank)
                 outbox.put(("ok", rank, None))
-            elif cmd == "watch_compiles":
-                outbox.put(("ok", rank, watch_compiles()))
+            elif cmd == "after_warmup":
+                outbox.put(("ok", rank, after_warmup()))
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except BaseException:
@@ -334,8 +334,8 @@ class MultiRankExecutor:
     def hold_blank(self, name: str, rank: int) -> None:
         self._send("blank", (name, rank))
 
-    def watch_compiles(self) -> bool:
-        return all(payload for _, payload in self._send("watch_compiles"))
+    def after_warmup(self) -> bool:
+        return all(payload for _, payload in self._send("after_warmup"))
 
     def shutdown(self) -> None:
         try:

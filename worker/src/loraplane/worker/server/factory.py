@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
+from loraplane.worker.engine.compile_watch import settle_heap
 from loraplane.worker.engine.engine import Engine, EngineObserver, FaultHook
 from loraplane.worker.engine.executor import Executor
 from loraplane.worker.engine.pages import pages_for
@@ -204,7 +205,8 @@ def build_engine(
                 dp=executor.dp_size,
             )
             report = warm_up(executor, plan)
-            executor.watch_compiles()  # (a kernel the warm-up missed then logs a line, any rank)
+            executor.after_warmup()  # (a kernel the warm-up missed then logs a line, any rank)
+            settle_heap()  # this process steps the engine too (rank 0 may live elsewhere)
             if observer is not None:
                 observer.warmed_up(report.seconds)
         return Engine(
