@@ -19,6 +19,7 @@ per-pair output), one token per program in a fixed order; reference: ``reference
 # (Triton kernels are untyped JIT functions; their wrappers are typed.)
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,15 @@ from loraplane.worker.kernels._triton_utils import (
     next_power_of_2,
 )
 from loraplane.worker.kernels.moe import MoeLoraRouting, moe_lora_routing
+
+# Under Triton's interpreter (the CPU) ``tl.dot`` is numpy's matmul, and a BLAS kernel may
+# round a row differently by its place in the tile (OpenBLAS's AVX2 sgemm does). A grouped
+# GEMM's tile holds whichever pairs routed to its expert, so a pair's bits would depend on
+# other tokens' routing: a row with no adapter would differ from the same row of a batch
+# without LoRA (docs/adr/0001-batch-invariant-experts.md). There ``_dot_over_k`` sums
+# elementwise products over K instead, the same sums for every row of a tile. Triton reads
+# ``TRITON_INTERPRET`` when a kernel is defined, as this module is imported.
+ROWWISE_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 __all__ = [
     "ExpertLoRA",
@@ -92,14 +102,19 @@ def _dot_over_k(
     BLOCK_K: tl.constexpr,
 ):
     """``x @ w`` over K in ``BLOCK_K`` steps, fp32 (K a compile-time constant: the loop is
-    unrolled)."""
+    unrolled). Each row's sums do not depend on the tile's other rows or on the row's place
+    in the tile (``ROWWISE_DOT`` under the interpreter)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         k_mask = (k0 + offs_k) < HIDDEN
         x_tile = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w_tile = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
+        if ROWWISE_DOT:
+            prod = x_tile.to(tl.float32)[:, :, None] * w_tile.to(tl.float32)[None, :, :]
+            acc += tl.sum(prod, axis=1)
+        else:
+            acc += tl.dot(x_tile, w_tile, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     return acc
