@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
 
@@ -31,7 +32,9 @@ class Upstream:
             headers=headers,
             read_bufsize=READ_BUFSIZE,
             timeout=aiohttp.ClientTimeout(total=None),
+            cookie_jar=aiohttp.DummyCookieJar(),  # workers set none: nothing to store or send
         )
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once per worker and path
 
     async def open(
         self, worker: str, endpoint: str, path: str, body: dict[str, Any], timeout_s: float
@@ -41,8 +44,11 @@ class Upstream:
         timeout = aiohttp.ClientTimeout(
             total=None, connect=min(timeout_s, self.probe_timeout_s), sock_read=timeout_s
         )
+        url = self._urls.get((endpoint, path))
+        if url is None:
+            url = self._urls[(endpoint, path)] = URL(f"{endpoint}{path}")
         try:
-            return await self.session.post(f"{endpoint}{path}", json=body, timeout=timeout)
+            return await self.session.post(url, json=body, timeout=timeout)
         except aiohttp.ConnectionTimeoutError as exc:
             raise WorkerUnreachable(f"worker {worker}: ConnectTimeout: {exc}") from exc
         except TimeoutError as exc:
