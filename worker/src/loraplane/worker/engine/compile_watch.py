@@ -74,10 +74,12 @@ def settle_heap() -> None:
     then log each full collection that pauses the process 50 ms or more. vLLM freezes its
     heap the same way after capturing its graphs: a full pass over a model's objects stops
     a step for tens to hundreds of milliseconds."""
+    if _on_gc in gc.callbacks:  # settled before in this process: freeze what came since
+        gc.freeze()
+        return
     gc.collect()
     gc.freeze()
-    if _on_gc not in gc.callbacks:
-        gc.callbacks.append(_on_gc)
+    gc.callbacks.append(_on_gc)
 
 
 def after_warmup() -> bool:
