@@ -187,11 +187,14 @@ def workload(stack: dict[str, Any]) -> dict[str, Any]:
         "the routed requests scraped",
     )
     completion(http, "tiny:a1", "hello again", ADMIN)
-    # The same for the prefix-cache hits: one more once the first hit's series is scraped.
+    # The same for the prefix-cache hits: one more once a scrape of w0 has seen the first hit
+    # (the base series is born at w0's first miss, and w1 has one too: neither tells).
     wait_for(
-        lambda: prom.has_data('loraplane_worker_prefix_cached_tokens_total{adapter="none"}'),
+        lambda: prom.has_data(
+            'loraplane_worker_prefix_cached_tokens_total{adapter="none",worker="w0"} > 0'
+        ),
         15,
-        "the prefix-cache hits scraped",
+        "w0's prefix-cache hit scraped",
     )
     completion(workers["w0"].client, "tiny-llama", shared)
     # The workers' per-adapter series are born at each adapter's load, and a fast wave can
