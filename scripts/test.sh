@@ -37,6 +37,12 @@ status=0
 for tier in "${tiers[@]}"; do
   echo "== tier: $tier"
   extra=()
+  # The kernels tier is CPU-bound Python (Triton's interpreter) with no services or ports:
+  # its tests spread over one pytest-xdist process per core (at most 4).
+  if [ "$tier" = kernels ]; then
+    cores=$(nproc)
+    extra=(-n "$(( cores < 4 ? cores : 4 ))")
+  fi
   # Triton runs kernels on the CPU through its interpreter; set before triton is imported.
   export TRITON_INTERPRET=1
   # The interpreter's tl.dot is numpy's matmul. OpenBLAS's Haswell and Zen sgemm kernels give

@@ -43,9 +43,17 @@ def _chunks_of(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(fused, "CHUNKS_MIN", 2)
 
 
+TEMPERATURES, TOP_KS, TOP_PS = (0.4, 1.0, 2.5), (-1, 2, 9, 60), (1.0, 0.95, 0.6, 0.05)
 SETTINGS = [
     SamplingParams(temperature=t, top_k=k, top_p=p, seed=1)
-    for t, k, p in itertools.product((0.4, 1.0, 2.5), (-1, 2, 9, 60), (1.0, 0.95, 0.6, 0.05))
+    for t, k, p in itertools.product(TEMPERATURES, TOP_KS, TOP_PS)
+]
+# Every pair of values of two parameters at least once (each top_k with each top_p, the
+# temperature cycling through both): the kernel's block and chunk layouts run these 16.
+PAIRWISE = [
+    SamplingParams(temperature=TEMPERATURES[(i + j) % 3], top_k=k, top_p=p, seed=1)
+    for i, k in enumerate(TOP_KS)
+    for j, p in enumerate(TOP_PS)
 ]
 
 
@@ -57,8 +65,9 @@ SETTINGS = [
 def test_seeded_tokens_are_the_torch_samplers(
     block: int, candidates: int, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """48 settings x 6 rows: every token equal to the torch sampler's (over one block of the
-    vocabulary, and over three, where the race and the masses run across blocks). top_k rows
+    """48 settings x 6 rows (16 covering every pair of values, past the first layout): every
+    token equal to the torch sampler's (over one block of the vocabulary, and over three,
+    where the race and the masses run across blocks). top_k rows
     run on their candidates in registers, or (with no room for candidates) over the row;
     the other rows in one program each, or raced and checked once in chunks (five of 64
     tokens: the first check in other programs than the rest). In chunks, a top_k row's
@@ -69,7 +78,8 @@ def test_seeded_tokens_are_the_torch_samplers(
     assert fused.chunking(6, 300) == ((5, chunk) if chunk else (1, 300))
     logits = _logits(6, 300, seed=block).to(DEVICE)
     differ = []
-    for n, base in enumerate(SETTINGS):
+    settings = SETTINGS if (block, candidates, chunk) == (128, fused.CANDIDATES, 0) else PAIRWISE
+    for n, base in enumerate(settings):
         params = [
             SamplingParams(temperature=base.temperature, top_k=base.top_k, top_p=base.top_p,
                            seed=n * 7 + r)
