@@ -204,8 +204,9 @@ def test_attend_through_the_kernel_matches_the_sdpa_path() -> None:
     attn = Attention(config, 0, ParallelState.single()).to(DEVICE)
     layout = [(0, 9), (20, 1), (12, 70), (5, 1), (0, 2)]
     kv, batch, q = make_step(layout, 4, 2, 16, 16, torch.float32, seed=5, fill=50.0)
+    attn.prompt_kernel = False  # instance attributes: the class keeps its default
     want = attn._attend(q, batch, kv)
-    attn.cpu_prompt_kernel = True  # an instance attribute: the class keeps its default
+    attn.prompt_kernel = True
     got = attn._attend(q, batch, kv)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -40,9 +40,11 @@ class Attention(nn.Module):
     # kernel (kernels/rope.py), a staged qkv LoRA inside it; a class switch so that one
     # bench run can compare it with the torch path (bench/probes/switches.py rope=0).
     fused_rope = True
-    # The prompt chunks' Triton kernel (``extend_attention``) on CPU tensors too, through
-    # Triton's interpreter: a switch for the kernels tier's tests of the CUDA path.
-    cpu_prompt_kernel = False
+    # Prompt chunks through the Triton kernel (``extend_attention``): None on CUDA only; True
+    # on CPU tensors too, through Triton's interpreter (the kernels tier's tests of the CUDA
+    # path); False nowhere, one SDPA per chunk (the baseline of `loraplane bench
+    # prefill-attention`).
+    prompt_kernel: bool | None = None
 
     def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
         super().__init__()
@@ -135,7 +137,8 @@ class Attention(nn.Module):
             out[singles] = self._attend_one_each(
                 q[singles], batch.cache_rows[singles], batch.positions[singles], kv
             )
-        if q.device.type == "cuda" or self.cpu_prompt_kernel:
+        use_kernel = q.device.type == "cuda" if self.prompt_kernel is None else self.prompt_kernel
+        if use_kernel:
             tiles = batch.prompt_tiles(q.device, PROMPT_TILE)
             return kernels.extend_attention(  # type: ignore[no-any-return]
                 q,
@@ -147,7 +150,7 @@ class Attention(nn.Module):
                 out,
                 block_m=PROMPT_TILE,
             )
-        # On the CPU one SDPA per chunk, over the row's keys gathered from its pages.
+        # Otherwise one SDPA per chunk, over the row's keys gathered from its pages.
         masks = batch.prompt_masks(q.device)
         for c, mask in zip(batch.chunks, masks, strict=True):
             if c.length < 2:
