@@ -384,6 +384,7 @@ def decode_attention(
 # rule, for a chunk from position 0 and for one past a cached prefix alike.
 EXTEND_BLOCK_N = 64
 EXTEND_NUM_WARPS = 4
+EXTEND_NUM_STAGES = 2  # K and V blocks in flight: 2 x 32 KiB of shared memory at d 128, bf16
 # A tile's four int32 fields (``ForwardBatch.prompt_tiles``): its first query's row of q, its
 # page-table row, its first query's position, its query count (1..BLOCK_M).
 TILE_FIELDS = 4
@@ -435,8 +436,9 @@ def _extend_attention_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     end = first + count  # keys 0..end-1: up to the tile's last query
-    n0 = 0
-    while n0 < end:  # a device-read bound: a while loop (see kernels/moe.py)
+    # a for loop with a device-read bound (as kernels/sampling.py's passes): the compiler
+    # pipelines its loads over ``num_stages`` blocks
+    for n0 in range(0, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         # causal over the cache; position 0 is in the first block, so every row's max is
@@ -461,7 +463,6 @@ def _extend_attention_kernel(
             PAGE_SIZE,
             DOT_PRECISION,
         )
-        n0 += BLOCK_N
 
     out = acc / l_i[:, None]
     out_ptrs = (
@@ -533,5 +534,6 @@ def extend_attention(
         BLOCK_N=EXTEND_BLOCK_N,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=EXTEND_NUM_WARPS,
+        num_stages=EXTEND_NUM_STAGES,
     )
     return out
