@@ -27,9 +27,16 @@ pytestmark = pytest.mark.kernels
 BLOCK_M = 16  # queries per tile in the kernel cases: chunks of 17+ tokens take several
 
 
-def make_step(  # type: ignore[no-untyped-def]
-    layout, heads, kv_heads, head_dim, page_size, dtype, seed, fill=float("nan")
-):
+def make_step(
+    layout: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    fill: float = float("nan"),
+) -> tuple[KVCache, ForwardBatch, torch.Tensor]:
     """``layout`` [(start, length)] per row: the KV cache with every row's positions
     ``0..start + length - 1`` written (the rest ``fill``), the batch, and q."""
     gen = torch.Generator().manual_seed(seed)
@@ -41,7 +48,9 @@ def make_step(  # type: ignore[no-untyped-def]
         page_size=page_size, num_pages=pool,
     )  # fmt: skip
     order = torch.randperm(pool, generator=gen).tolist()
-    chunks, ids, offset = [], [], 0
+    chunks: list[SeqChunk] = []
+    ids: list[list[int]] = []
+    offset = 0
     for row, (start, length) in enumerate(layout):
         pages = tuple(order[row * per_row : row * per_row + -(-(start + length) // page_size)])
         chunks.append(SeqChunk(row, start, length, offset, pages))
@@ -60,9 +69,11 @@ def make_step(  # type: ignore[no-untyped-def]
     return kv, batch, q
 
 
-def sdpa_per_chunk(q, kv, batch, scale):  # type: ignore[no-untyped-def]
+def sdpa_per_chunk(
+    q: torch.Tensor, kv: KVCache, batch: ForwardBatch, scale: float
+) -> dict[int, torch.Tensor]:
     """fp64: each chunk of two or more tokens over its row's gathered keys, causal."""
-    out = {}
+    out: dict[int, torch.Tensor] = {}
     for c in batch.chunks:
         if c.length < 2:
             continue
