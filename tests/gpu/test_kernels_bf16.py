@@ -347,6 +347,56 @@ def test_decode_attention_bf16(tokens: int, max_ctx: int) -> None:
     assert a_rel < 1e-2
 
 
+@pytest.mark.parametrize(("prefix", "new", "chunks"), [(1024, 64, 16), (0, 200, 3), (37, 500, 2)])
+def test_extend_attention_bf16(prefix: int, new: int, chunks: int) -> None:
+    """Prompt chunks in one launch at Llama-3-8B's heads over pages of 16 scattered over the
+    pool, beside decode rows it leaves alone, vs fp32 SDPA per chunk over the gathered row:
+    the shared-prefix serve load's step (64 new tokens past 1024), chunks from 0 over
+    several tiles, chunks past a prefix that is not a multiple of a page or a block."""
+    import torch.nn.functional as F
+
+    from loraplane.worker.kernels import attention
+    from loraplane.worker.models.batch import PROMPT_TILE, ForwardBatch, SeqChunk
+
+    dev, heads, kv, d, page = "cuda", 32, 8, 128, 16
+    g = torch.Generator().manual_seed(prefix + new)
+    per_row = -(-(prefix + new) // page)
+    pool = (chunks + 2) * per_row
+    order = torch.randperm(pool, generator=g).tolist()
+    table = torch.tensor(order, dtype=torch.int32, device=dev).view(chunks + 2, per_row)
+    k_cache = torch.randn(pool, page, kv, d, device=dev, dtype=torch.bfloat16)
+    v_cache = torch.randn(pool, page, kv, d, device=dev, dtype=torch.bfloat16)
+    layout = [SeqChunk(r, prefix, new, r * (new + 1)) for r in range(chunks)]
+    layout += [SeqChunk(chunks + r % 2, 5, 1, r * (new + 1) + new) for r in range(chunks)]
+    layout.sort(key=lambda c: c.token_offset)
+    tokens = chunks * (new + 1)
+    batch = ForwardBatch.from_chunks(
+        [[0] * c.length for c in layout], layout, all_logits=False, device=dev
+    )
+    q = torch.randn(tokens, heads, d, device=dev, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    tiles = batch.prompt_tiles(torch.device(dev), PROMPT_TILE)
+    attention.extend_attention(q, k_cache, v_cache, table, tiles, d**-0.5, out, block_m=PROMPT_TILE)
+    total = prefix + new
+    mask = (
+        torch.arange(total, device=dev)[None, :] <= torch.arange(prefix, total, device=dev)[:, None]
+    )
+    ref = torch.zeros(tokens, heads, d, device=dev)
+    for c in layout:
+        if c.length < 2:
+            continue
+        pages = table[c.cache_row].long()
+        keys = k_cache[pages].flatten(0, 1)[:total].float().transpose(0, 1)[None]
+        values = v_cache[pages].flatten(0, 1)[:total].float().transpose(0, 1)[None]
+        qs = q[c.token_offset : c.token_offset + new].float().transpose(0, 1)[None]
+        ref[c.token_offset : c.token_offset + new] = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask, scale=d**-0.5, enable_gqa=True
+        )[0].transpose(0, 1)
+    a_max, a_rel = _rel(out, ref)  # decode rows: zero in both
+    RESULTS[f"extend_attention-P{prefix}-N{new}-C{chunks}"] = {"max_abs": a_max, "rel": a_rel}
+    assert a_rel < 1e-2
+
+
 def teardown_module() -> None:
     path = os.environ.get("LORAPLANE_GPU_REPORT")
     if path and RESULTS:

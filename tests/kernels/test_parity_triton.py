@@ -45,3 +45,24 @@ def test_moe_lora_inside_the_experts_kernels_matches_peft(suite, monkeypatch, ma
     if max_pairs == 1024:
         assert max(sizes) > 20, "the prefill should have taken the fused path too"
     assert_parity(report)
+
+
+def test_prompt_chunks_through_the_attention_kernel_match_peft(suite, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The prefill's prompt chunks through ``extend_attention`` (the CUDA path), here through
+    the interpreter: the same parity figures against HF + PEFT."""
+    from loraplane.worker.kernels import attention
+    from loraplane.worker.models.model import Attention
+
+    launches: list[int] = []
+    kernel = attention.extend_attention
+
+    def counted(q, *args, **kwargs):  # type: ignore[no-untyped-def]
+        launches.append(q.shape[0])
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(Attention, "prompt_kernel", True)
+    monkeypatch.setattr(attention, "extend_attention", counted)
+    model_dir, adapters = suite["llama"]
+    report = check_parity(model_dir, adapters, prompts=4, max_new_tokens=2, backend="triton")
+    assert launches, "the prompt attention kernel never ran"
+    assert_parity(report)

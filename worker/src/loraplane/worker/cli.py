@@ -421,6 +421,14 @@ def bench_decode_cmd(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
+@bench_app.command("prefill-attention", context_settings=_PASSTHROUGH)
+def bench_prefill_attention_cmd(ctx: typer.Context) -> None:
+    """A mixed step's attention on CUDA: prompt chunks in one Triton launch vs SDPA per chunk."""
+    from loraplane.worker.bench.prefill_attention import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
 @bench_app.command("serve", context_settings=_PASSTHROUGH)
 def bench_serve_cmd(ctx: typer.Context) -> None:
     """Streaming clients over HTTP (or in-process): out tok/s, TTFT, ITL, GPU busy; `--help` for options."""

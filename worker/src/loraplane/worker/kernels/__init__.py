@@ -17,6 +17,7 @@ __all__ = [
     "MoeLoraRouting",
     "PendingLoRA",
     "decode_attention",
+    "extend_attention",
     "lora_apply",
     "lora_apply_shrink",
     "lora_expand",
@@ -42,6 +43,7 @@ __all__ = [
 
 _TRITON_EXPORTS = {
     "decode_attention": "loraplane.worker.kernels.attention",
+    "extend_attention": "loraplane.worker.kernels.attention",
     "lora_shrink": "loraplane.worker.kernels.shrink",
     "lora_expand": "loraplane.worker.kernels.expand",
     "lora_apply": "loraplane.worker.kernels.expand",

@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV cache in place: one new token per sequence, GQA.
+"""Attention over the paged KV cache in place, GQA: decode (one new token per sequence) and
+prompt chunks (``extend_attention``, at the end of this module).
 
 ``out[t, h] = softmax(scale * q[t, h] K_row^T) V_row`` over the first ``seq_lens[t]`` positions of
 page-table row ``cache_rows[t]``, for the KV head of ``h`` (``h // (heads / kv_heads)``).
@@ -38,6 +39,7 @@ from loraplane.worker.kernels._triton_utils import (
     MIN_DOT_BLOCK,
     cdiv,
     check_dim,
+    check_interpretable,
     check_same_dtype,
     check_tensor,
     dot_precision,
@@ -45,7 +47,7 @@ from loraplane.worker.kernels._triton_utils import (
 )
 from loraplane.worker.kernels.shrink import COUNT_SLOTS, split_counts
 
-__all__ = ["decode_attention"]
+__all__ = ["decode_attention", "extend_attention"]
 
 
 # Positions per chunk; a program takes chunks ``split, split + SPLITS, ...`` of its row,
@@ -62,6 +64,51 @@ MAX_SPLITS = 16
 # A fixed split count instead of the rule in ``splits_for`` when set (bench/probes/switches.py
 # attn=N; 0 would be invalid, 1 is the unsplit kernel).
 SPLITS_OVERRIDE: int | None = None
+
+
+@triton.jit
+def _online_softmax_block(
+    q,  # [rows, BLOCK_D]: the queries
+    k_ptr,
+    v_ptr,
+    table_row,  # the row's page-table entries
+    base,  # the KV head's offset
+    offs_n,  # [BLOCK_N]: positions of the row
+    n_mask,  # [BLOCK_N]: the positions to load
+    keep,  # [rows, BLOCK_N] (or broadcast to it): the scores that count
+    offs_d,
+    d_mask,
+    m_i,  # [rows] fp32: running max, denominator and unnormalized sum
+    l_i,
+    acc,  # [rows, BLOCK_D]
+    scale,
+    kv_stride_page,
+    kv_stride_pos,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One block of a row's positions, read through its pages, folded into the queries'
+    online softmax (fp32); returns the new max, denominator and sum."""
+    page = tl.load(table_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    kv_offs = base + page * kv_stride_page + (offs_n % PAGE_SIZE) * kv_stride_pos
+    k = tl.load(
+        k_ptr + kv_offs[None, :] + offs_d[:, None],
+        mask=d_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_D, BLOCK_N]
+    v = tl.load(
+        v_ptr + kv_offs[:, None] + offs_d[None, :],
+        mask=n_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [rows, BLOCK_N]
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -121,26 +168,26 @@ def _decode_attention_kernel(
         for i in range(0, CHUNK, BLOCK_L):
             offs_l = c * CHUNK + i + tl.arange(0, BLOCK_L)
             l_mask = offs_l < length  # the chunk's first block always holds a position
-            page = tl.load(table_row + offs_l // PAGE_SIZE, mask=l_mask, other=0).to(tl.int64)
-            kv_offs = base + page * kv_stride_page + (offs_l % PAGE_SIZE) * kv_stride_pos
-            k = tl.load(
-                k_ptr + kv_offs[None, :] + offs_d[:, None],
-                mask=d_mask[:, None] & l_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_D, BLOCK_L]
-            v = tl.load(
-                v_ptr + kv_offs[:, None] + offs_d[None, :],
-                mask=l_mask[:, None] & d_mask[None, :],
-                other=0.0,
-            )  # [BLOCK_L, BLOCK_D]
-            s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_G, BLOCK_L]
-            s = tl.where(l_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_block(
+                q,
+                k_ptr,
+                v_ptr,
+                table_row,
+                base,
+                offs_l,
+                l_mask,
+                l_mask[None, :],
+                offs_d,
+                d_mask,
+                m_i,
+                l_i,
+                acc,
+                scale,
+                kv_stride_page,
+                kv_stride_pos,
+                PAGE_SIZE,
+                DOT_PRECISION,
+            )
         c += SPLITS
 
     hd_mask = g_mask[:, None] & d_mask[None, :]
@@ -207,6 +254,38 @@ def splits_for(tokens: int, kv_heads: int, device: torch.device) -> int:
     return min(MAX_SPLITS, max(1, cdiv(want, max(1, tokens * kv_heads))))
 
 
+def _check_cache(
+    fn: str, q: torch.Tensor, k_cache: object, v_cache: object, page_table: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checked ``k_cache``, ``v_cache`` and ``page_table`` of an attention over ``q``."""
+    k = check_tensor(fn, "k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
+    v = check_tensor(fn, "v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
+    check_same_dtype(fn, "k_cache", k, "q", q.dtype)
+    check_same_dtype(fn, "v_cache", v, "q", q.dtype)
+    if v.shape != k.shape or v.stride() != k.stride():
+        raise ValueError(
+            f"{fn}: v_cache must have k_cache's shape and strides, got {tuple(v.shape)} "
+            f"{v.stride()} and {tuple(k.shape)} {k.stride()}"
+        )
+    if k.stride(-1) != 1:
+        raise ValueError(f"{fn}: k_cache must have unit stride in head_dim, got {k.stride()}")
+    check_dim(fn, "k_cache", k, 3, q.shape[2], "the head dim of q")
+    if q.shape[1] % k.shape[2]:
+        raise ValueError(
+            f"{fn}: q's {q.shape[1]} heads must be a multiple of the cache's {k.shape[2]} KV heads"
+        )
+    table = check_tensor(
+        fn,
+        "page_table",
+        page_table,
+        ndim=2,
+        dtypes=(torch.int32,),
+        device=q.device,
+        unit_last_stride=True,
+    )
+    return k, v, table
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -228,32 +307,8 @@ def decode_attention(
     """
     fn = "decode_attention"
     q = check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES, unit_last_stride=True)
-    k = check_tensor(fn, "k_cache", k_cache, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
-    v = check_tensor(fn, "v_cache", v_cache, ndim=4, dtypes=FLOAT_DTYPES, device=q.device)
-    check_same_dtype(fn, "k_cache", k, "q", q.dtype)
-    check_same_dtype(fn, "v_cache", v, "q", q.dtype)
-    if v.shape != k.shape or v.stride() != k.stride():
-        raise ValueError(
-            f"{fn}: v_cache must have k_cache's shape and strides, got {tuple(v.shape)} "
-            f"{v.stride()} and {tuple(k.shape)} {k.stride()}"
-        )
-    if k.stride(-1) != 1:
-        raise ValueError(f"{fn}: k_cache must have unit stride in head_dim, got {k.stride()}")
-    check_dim(fn, "k_cache", k, 3, q.shape[2], "the head dim of q")
+    k, v, table = _check_cache(fn, q, k_cache, v_cache, page_table)
     kv_heads = k.shape[2]
-    if q.shape[1] % kv_heads:
-        raise ValueError(
-            f"{fn}: q's {q.shape[1]} heads must be a multiple of the cache's {kv_heads} KV heads"
-        )
-    table = check_tensor(
-        fn,
-        "page_table",
-        page_table,
-        ndim=2,
-        dtypes=(torch.int32,),
-        device=q.device,
-        unit_last_stride=True,
-    )
     for name, t in (("cache_rows", cache_rows), ("seq_lens", seq_lens)):
         checked = check_tensor(
             fn, name, t, ndim=1, dtypes=(torch.int64,), device=q.device, contiguous=True
@@ -313,5 +368,172 @@ def decode_attention(
         SPLITS=splits,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=NUM_WARPS,
+    )
+    return out
+
+
+# Prompt chunks (chunks of two or more new tokens, from position 0 or past a cached prefix):
+# one launch for all the chunks of a step. The host cuts every chunk into tiles of at most
+# ``block_m`` consecutive queries (``ForwardBatch.prompt_tiles``, once per batch, not per
+# layer; the model's tiles are ``models.batch.PROMPT_TILE``, 64); a program takes one (query head, tile) and streams its row's keys and values
+# ``EXTEND_BLOCK_N`` positions at a time, from position 0 to the tile's last query, with an
+# online softmax in fp32 (the flash-attention forward pass, the keys read through the page
+# table as ``decode_attention`` reads them). Query ``i`` of a tile at position ``p`` sees the
+# positions ``0..p`` of its row: the step has written its own keys and values into the cache
+# before attending (``Attention.forward``), so the causal mask over the cache is the whole
+# rule, for a chunk from position 0 and for one past a cached prefix alike.
+EXTEND_BLOCK_N = 64
+EXTEND_NUM_WARPS = 4
+EXTEND_NUM_STAGES = 2  # K and V blocks in flight: 2 x 32 KiB of shared memory at d 128, bf16
+# A tile's four int32 fields (``ForwardBatch.prompt_tiles``): its first query's row of q, its
+# page-table row, its first query's position, its query count (1..BLOCK_M).
+TILE_FIELDS = 4
+
+
+@triton.jit
+def _extend_attention_kernel(
+    q_ptr,  # [T, heads, d]
+    k_ptr,  # [pages, page_size, kv_heads, d]
+    v_ptr,  # same shape and strides as k
+    out_ptr,  # [T, heads, d]: the tiles' rows are written, no other
+    table_ptr,  # int32 [rows, pages_per_row]
+    tiles_ptr,  # int32 [tiles, 4]: token, cache row, position, count
+    scale,
+    q_stride_t,
+    q_stride_h,
+    table_stride,
+    kv_stride_page,
+    kv_stride_pos,
+    kv_stride_head,
+    out_stride_t,
+    out_stride_h,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)  # heads of one tile run side by side: its K and V stay in L2
+    tile = tiles_ptr + tl.program_id(1) * 4
+    token = tl.load(tile).to(tl.int64)
+    row = tl.load(tile + 1)
+    first = tl.load(tile + 2)
+    count = tl.load(tile + 3)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = first + offs_m  # [BLOCK_M]
+    q_ptrs = q_ptr + (token + offs_m)[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    table_row = table_ptr + row * table_stride
+    base = (head // GROUP) * kv_stride_head
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    end = first + count  # keys 0..end-1: up to the tile's last query
+    # a for loop with a device-read bound (as kernels/sampling.py's passes): the compiler
+    # pipelines its loads over ``num_stages`` blocks
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        # causal over the cache; position 0 is in the first block, so every row's max is
+        # finite from the first block on (padding rows too: their positions pass the end)
+        m_i, l_i, acc = _online_softmax_block(
+            q,
+            k_ptr,
+            v_ptr,
+            table_row,
+            base,
+            offs_n,
+            n_mask,
+            offs_n[None, :] <= q_pos[:, None],
+            offs_d,
+            d_mask,
+            m_i,
+            l_i,
+            acc,
+            scale,
+            kv_stride_page,
+            kv_stride_pos,
+            PAGE_SIZE,
+            DOT_PRECISION,
+        )
+
+    out = acc / l_i[:, None]
+    out_ptrs = (
+        out_ptr + (token + offs_m)[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :]
+    )
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    tiles: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    block_m: int,
+) -> torch.Tensor:
+    """Write into ``out [T, heads, d]`` the attention of the queries the ``tiles`` cover.
+
+    A tile ``(token, row, position, count)`` (int32 ``[tiles, 4]``, ``ForwardBatch.prompt_tiles``
+    with the same ``block_m``) is ``count`` (``1..block_m``) consecutive queries ``q[token ..
+    token + count]`` at positions ``position ..``; query ``i`` attends to positions ``0 ..
+    position + i`` of page-table row ``row``. ``q`` and ``out`` ``[T, heads, d]`` (unit stride in
+    ``d``); caches and table as ``decode_attention`` takes them. Rows of ``out`` no tile covers
+    are left as they are. Tiles and page ids are trusted (no host sync): a tile's rows must lie
+    in ``q``, its positions within its row's pages. Returns ``out``.
+    """
+    fn = "extend_attention"
+    q = check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES, unit_last_stride=True)
+    check_interpretable(fn, "q", q)
+    k, v, table = _check_cache(fn, q, k_cache, v_cache, page_table)
+    out = check_tensor(
+        fn, "out", out, ndim=3, dtypes=(q.dtype,), device=q.device, unit_last_stride=True
+    )
+    if out.shape != q.shape:
+        raise ValueError(f"{fn}: out must have q's shape {tuple(q.shape)}, got {tuple(out.shape)}")
+    tiles = check_tensor(
+        fn, "tiles", tiles, ndim=2, dtypes=(torch.int32,), device=q.device, contiguous=True
+    )
+    check_dim(fn, "tiles", tiles, 1, TILE_FIELDS, "token, cache row, position, count")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"{fn}: block_m must be an int >= 1, got {block_m!r}")
+    if tiles.shape[0] == 0:
+        return out
+    heads, head_dim = q.shape[1], q.shape[2]
+    _extend_attention_kernel[(heads, tiles.shape[0])](
+        q,
+        k,
+        v,
+        out,
+        table,
+        tiles,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        table.stride(0),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=k.shape[1],
+        GROUP=heads // k.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(MIN_DOT_BLOCK, next_power_of_2(head_dim)),
+        BLOCK_M=max(MIN_DOT_BLOCK, next_power_of_2(block_m)),
+        BLOCK_N=EXTEND_BLOCK_N,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=EXTEND_NUM_WARPS,
+        num_stages=EXTEND_NUM_STAGES,
     )
     return out

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+# Queries per tile of the prompt attention kernel (``kernels.extend_attention``'s ``block_m``):
+# 64 query rows x 64 keys per step, d 128 in bf16, is the flash-attention forward's usual
+# H100 block.
+PROMPT_TILE = 64
+
 
 @dataclass(slots=True)
 class SeqChunk:
@@ -34,6 +39,13 @@ class ForwardBatch:
     dp_logit_counts: list[int] = field(default_factory=list)
     # local rows of the chunks of one token, on the device the attention asked for
     _single_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # the prompt chunks' tiles and causal masks, per (device, block_m) and device
+    _tiles: tuple[torch.device, int, torch.Tensor] | None = field(
+        default=None, init=False, repr=False
+    )
+    _masks: tuple[torch.device, list[torch.Tensor | None]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +65,46 @@ class ForwardBatch:
             )
             rows = self._single_rows = host.to(device, non_blocking=True)
         return rows
+
+    def prompt_tiles(self, device: torch.device, block_m: int = PROMPT_TILE) -> torch.Tensor:
+        """int32 [tiles, 4]: the chunks of two or more tokens cut into tiles of at most
+        ``block_m`` consecutive queries, each ``(first local row, page-table row, first
+        position, queries)``: the work list of ``kernels.extend_attention``, built once per
+        batch (one small host-to-device copy), not per layer."""
+        cached = self._tiles
+        if cached is not None and cached[0] == device and cached[1] == block_m:
+            return cached[2]
+        if block_m < 1:
+            raise ValueError(f"prompt_tiles: block_m must be >= 1, got {block_m}")
+        tiles = [
+            (c.token_offset + i, c.cache_row, c.start + i, min(block_m, c.length - i))
+            for c in self.chunks
+            if c.length > 1
+            for i in range(0, c.length, block_m)
+        ]
+        host = torch.tensor(tiles, dtype=torch.int32).reshape(len(tiles), 4)
+        rows = host.to(device, non_blocking=True)
+        self._tiles = (device, block_m, rows)
+        return rows
+
+    def prompt_masks(self, device: torch.device) -> list[torch.Tensor | None]:
+        """Per chunk, the causal mask bool [length, start + length] of a chunk of two or more
+        tokens past a cached prefix (None for the others: from position 0, a chunk is causal
+        as it stands): the CPU path's masks, built once per batch, not per layer."""
+        cached = self._masks
+        if cached is not None and cached[0] == device:
+            return cached[1]
+        masks: list[torch.Tensor | None] = []
+        for c in self.chunks:
+            if c.length < 2 or c.start == 0:
+                masks.append(None)
+                continue
+            total = c.start + c.length
+            qpos = torch.arange(c.start, total, device=device)
+            kpos = torch.arange(total, device=device)
+            masks.append(kpos[None, :] <= qpos[:, None])  # [Lq, Lk]
+        self._masks = (device, masks)
+        return masks
 
     @classmethod
     def from_chunks(

@@ -20,7 +20,7 @@ from torch import nn
 
 from loraplane.worker import kernels
 from loraplane.worker.config import ModelConfig
-from loraplane.worker.models.batch import ForwardBatch
+from loraplane.worker.models.batch import PROMPT_TILE, ForwardBatch
 from loraplane.worker.models.kv_cache import KVCache
 from loraplane.worker.models.layers import (
     ColumnParallelLinear,
@@ -40,6 +40,11 @@ class Attention(nn.Module):
     # kernel (kernels/rope.py), a staged qkv LoRA inside it; a class switch so that one
     # bench run can compare it with the torch path (bench/probes/switches.py rope=0).
     fused_rope = True
+    # Prompt chunks through the Triton kernel (``extend_attention``): None on CUDA only; True
+    # on CPU tensors too, through Triton's interpreter (the kernels tier's tests of the CUDA
+    # path); False nowhere, one SDPA per chunk (the baseline of `loraplane bench
+    # prefill-attention`).
+    prompt_kernel: bool | None = None
 
     def __init__(self, config: ModelConfig, layer: int, ps: ParallelState) -> None:
         super().__init__()
@@ -122,35 +127,47 @@ class Attention(nn.Module):
             return q
         if batch.is_decode:
             return self._attend_one_each(q, batch.cache_rows, batch.positions, kv)
-        # A mixed step (chunked prefill beside running decodes): every chunk of one token
-        # (a running sequence's decode) attends in one call; the longer chunks one by one.
+        # A prefill or mixed step (chunked prefill beside running decodes): every chunk of one
+        # token (a running sequence's decode) attends in one call, and on CUDA every longer
+        # chunk in one more (kernels/attention.py, ``extend_attention``): from position 0 or
+        # past a cached prefix, the step's own keys are in the cache already.
         out = torch.empty_like(q)
         singles = batch.single_token_rows(q.device)
         if singles.numel():
             out[singles] = self._attend_one_each(
                 q[singles], batch.cache_rows[singles], batch.positions[singles], kv
             )
-        for c in batch.chunks:
+        use_kernel = q.device.type == "cuda" if self.prompt_kernel is None else self.prompt_kernel
+        if use_kernel:
+            tiles = batch.prompt_tiles(q.device, PROMPT_TILE)
+            return kernels.extend_attention(  # type: ignore[no-any-return]
+                q,
+                kv.k[self.layer],
+                kv.v[self.layer],
+                kv.page_table,
+                tiles,
+                self.scale,
+                out,
+                block_m=PROMPT_TILE,
+            )
+        # Otherwise one SDPA per chunk, over the row's keys gathered from its pages.
+        masks = batch.prompt_masks(q.device)
+        for c, mask in zip(batch.chunks, masks, strict=True):
             if c.length < 2:
                 continue
-            total = c.start + c.length
-            qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[
-                None
-            ]  # [1, heads, Lq, d]
-            row_k, row_v = kv.row_keys(self.layer, c.cache_row, total)  # [Lk, kv, d]
+            qs = q[c.token_offset : c.token_offset + c.length].transpose(0, 1)[None]
+            row_k, row_v = kv.row_keys(self.layer, c.cache_row, c.start + c.length)
             ks = row_k.transpose(0, 1)[None]  # [1, kv, Lk, d]
             vs = row_v.transpose(0, 1)[None]
-            if c.start == 0:
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True
-                )
-            else:
-                qpos = torch.arange(c.start, total, device=q.device)
-                kpos = torch.arange(total, device=q.device)
-                mask = kpos[None, :] <= qpos[:, None]  # [Lq, Lk]
-                o = F.scaled_dot_product_attention(
-                    qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True
-                )
+            o = F.scaled_dot_product_attention(  # [1, heads, Lq, d]
+                qs,
+                ks,
+                vs,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
             out[c.token_offset : c.token_offset + c.length] = o[0].transpose(0, 1)
         return out
 
