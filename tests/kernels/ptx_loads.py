@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loraplane.worker.kernels import expand, rope, sampling, stacked
+from loraplane.worker.kernels import attention, expand, rope, sampling, stacked
 
 SCALAR_16BIT = re.compile(r"ld\.global(?:\.[a-z0-9_]+)*\.b16\b")
 
@@ -233,5 +233,56 @@ def sampler_cases() -> dict[str, int]:
     return cases
 
 
+def attention_cases() -> dict[str, int]:
+    """The decode and prompt-chunk attention kernels as the model launches them on the 8B
+    shape (bf16, d 128, four query heads per KV head, pages of 16): the shared memory each
+    program asks for, which a launch past the SM's 227 KiB refuses, and the bytes spilled."""
+    cache = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    ints = ("q_stride_t", "q_stride_h", "table_stride", "kv_stride_page", "kv_stride_pos")
+    ints += ("kv_stride_head", "out_stride_t", "out_stride_h")
+    common = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128}
+    common |= {"DOT_PRECISION": "tf32"}
+    cases = {}
+    for splits in (1, 4):
+        types = _types(cache, (*ints, "num_heads")) | {
+            "part_ptr": "*fp32",
+            "count_ptr": "*i32",
+            "table_ptr": "*i32",
+            "cache_rows_ptr": "*i64",
+            "seq_lens_ptr": "*i64",
+            "scale": "fp32",
+        }
+        consts = common | {"BLOCK_G": 16, "BLOCK_L": attention.BLOCK_L, "CHUNK": attention.CHUNK}
+        compiled = compile_sm90(
+            attention._decode_attention_kernel,
+            types,
+            consts | {"SPLITS": splits},
+            set(cache) | set(ints) | {"part_ptr", "count_ptr", "table_ptr"},
+            num_warps=attention.NUM_WARPS,
+        )
+        cases[f"attention_decode_splits_{splits}_shared"] = compiled.metadata.shared
+        cases[f"attention_decode_splits_{splits}_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
+    types = _types(cache, ints) | {"table_ptr": "*i32", "tiles_ptr": "*i32", "scale": "fp32"}
+    names = list(inspect.signature(attention._extend_attention_kernel.fn).parameters)
+    src = ASTSource(
+        fn=attention._extend_attention_kernel,
+        signature={n: types.get(n, "constexpr") for n in names},
+        constexprs={
+            (names.index(k),): v
+            for k, v in (common | {"BLOCK_M": 64, "BLOCK_N": attention.EXTEND_BLOCK_N}).items()
+        },
+        attrs={
+            (names.index(n),): [["tt.divisibility", 16]]
+            for n in set(cache) | set(ints) | {"table_ptr", "tiles_ptr"}
+        },
+    )
+    options = {"num_warps": attention.EXTEND_NUM_WARPS, "num_stages": attention.EXTEND_NUM_STAGES}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    cases["attention_extend_shared"] = compiled.metadata.shared
+    cases["attention_extend_spill_bytes"] = spill_bytes(compiled.asm["ptx"])
+    return cases
+
+
 if __name__ == "__main__":
-    print(json.dumps(expand_cases() | stacked_cases() | rope_cases() | sampler_cases()))
+    cases = expand_cases() | stacked_cases() | rope_cases() | sampler_cases() | attention_cases()
+    print(json.dumps(cases))

@@ -1,4 +1,5 @@
-"""The LoRA kernels' B and y loads stay 16-byte vectors: PTX for sm_90, compiled on any machine.
+"""The LoRA kernels' B and y loads stay 16-byte vectors, and the sampler and attention kernels
+compile within an SM's budget: PTX for sm_90, compiled on any machine.
 
 A mask Triton cannot prove constant over a group of columns along B's contiguous rank axis
 splits every load into single elements. The MoE expand ran L1-bound that way on an H200 (ncu:
@@ -72,3 +73,13 @@ def test_the_fused_sampler_compiles_without_spills(loads: dict[str, int]) -> Non
     names += ("bf16_after_chunks",)
     names += ("race_chunks_kernel", "check_chunks_kernel")
     assert spills == {f"sampler_{d}_spill_bytes": 0 for d in names}
+
+
+def test_the_attention_kernels_compile_within_an_sms_shared_memory(loads: dict[str, int]) -> None:
+    """The decode kernel (one split and four) and the prompt-chunk kernel compile for sm_90 at
+    the 8B shape in bf16, each program's shared memory within the 227 KiB an H100/H200 SM
+    grants one block, nothing spilled (the interpreter runs kernels the compiler refuses)."""
+    kernels = ("decode_splits_1", "decode_splits_4", "extend")
+    for name in kernels:
+        assert 0 < loads[f"attention_{name}_shared"] <= 227 * 1024, loads
+        assert loads[f"attention_{name}_spill_bytes"] == 0, loads
