@@ -9,7 +9,10 @@
 #   shared_prefix 0     64 then 256 clients: out tok/s at 256 vs 64 clients; errors must be 0
 #   shared_prefix 1024  the same loads with the first 1024 ids shared by all the requests of
 #                       an adapter: TTFT p50 at 64 clients should be >= 3x lower than without
-# Writes $OUT/serve_kv.json; summary.txt lists every row.
+# Writes $OUT/serve_kv.json; summary.txt lists every row. The last step, `prefill_attention`
+# (`loraplane bench prefill-attention`: a mixed step's attention, the prompt chunks through
+# one Triton launch vs one SDPA per chunk), needs a device call of its own, the kv step
+# taking most of one: ONLY=prefill_attention.
 . "$(dirname "$0")/gpu_env.sh"
 WORK=/tmp/loraplane-bench-kv
 COMMON=(--fixture dense --layers 32 --num-adapters 4 --workdir "$WORK" --device cuda
@@ -32,4 +35,6 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
 PY
 # the workers' logs without the access lines, last lines (a failed start says why there)
 for f in "$WORK"*/worker*.log; do [ -f "$f" ] && grep -v uvicorn.access "$f" | tail -n 400 >"$OUT/$(basename "$f")"; done
+step prefill_attention 240 "$PY" -m loraplane.worker.bench.prefill_attention \
+  --out "$OUT/prefill_attention.json"
 echo "total $(( $(date +%s) - T0 ))s"
