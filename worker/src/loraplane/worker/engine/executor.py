@@ -149,6 +149,19 @@ def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto"
     return StepResult(tokens, *logprobs.read())
 
 
+class LaunchedStep(Protocol):
+    """What ``launch`` returns (ADR 0014): a step started without reading its tokens back.
+
+    ``tokens`` waits for that step (not for any launched after it) and gives every DP
+    group's sampled ids, group after group, each in work order; ``logprobs`` gives the
+    step's ``StepResult.logprobs`` and ``prompt_logprobs`` in the same order (both empty when
+    no row asked), read after ``tokens``."""
+
+    def tokens(self) -> list[int]: ...
+
+    def logprobs(self) -> tuple[list[TokenLogprob | None], list[PromptLogprobs | None]]: ...
+
+
 class PendingStep:
     """A launched step (``LocalExecutor.launch``) whose sampled ids are still on the device.
 
@@ -236,6 +249,10 @@ class Executor(Protocol):
     page_size: int  # positions per KV page
     # Stage positions of the stacked shrinks (lora/stage.py); 0 where nothing is staged.
     stage_positions: int
+    # Whether ``launch(work, after) -> LaunchedStep`` is there (overlapped steps, ADR 0014):
+    # it starts a step without reading its tokens, and rows with a ``carry`` take their
+    # input token from ``after``, the step launched just before, on the device.
+    supports_launch: bool
 
     def step(self, work: list[list[SeqWork]]) -> list[StepResult]:
         """Run one forward; per DP group, its sequences' next tokens (``StepResult``)."""
@@ -311,6 +328,7 @@ class LocalExecutor:
     dp_size = 1
     # A read touches host memory only (`ModelRunner.read_adapter`, then one `host` entry).
     reads_adapters_concurrently = True
+    supports_launch = True
 
     def __init__(self, runner_config: RunnerConfig, lora: LoRARuntimeConfig) -> None:
         self.runner = ModelRunner(runner_config, lora)
