@@ -17,15 +17,10 @@ from tests.multirank.test_overlapped_steps_ranks import check_overlapped_ranks, 
 
 from loraplane.worker.parallel.state import ParallelConfig
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        torch.cuda.device_count() < 2,
-        reason="needs two CUDA GPUs: run it through the device tool on two GPUs",
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @each_layout
 def test_overlapped_steps_over_nccl_give_the_tokens_of_steps_in_turn(
     suite, pconf: ParallelConfig
