@@ -119,10 +119,11 @@ class StepLogprobs:
 
 
 def sample_step(
-    logits: torch.Tensor, work: list[SeqWork], sampler: str
+    logits: torch.Tensor, work: list[SeqWork], sampler: str, logprobs: bool = True
 ) -> tuple[torch.Tensor, StepLogprobs | None]:
     """A group's sampled ids ``[len(work)]`` on the device, from its step's ``logits`` (rows
-    as ``build_batch`` asked for them), and its log probabilities if some sequence asks."""
+    as ``build_batch`` asked for them), and its log probabilities if some sequence asks (and
+    ``logprobs``: a rank that only feeds the ids to the next step skips them)."""
     params = [w.params for w in work]
     indices = [w.index for w in work]
     if not any(p.wants_logprobs for p in params):
@@ -133,7 +134,7 @@ def sample_step(
         ends = [end - 1 for end in accumulate(e + 1 for e in extra)]
         last = logits.index_select(0, torch.tensor(ends, device=logits.device))
     ids = sample_ids(last, params, indices, sampler)
-    return ids, StepLogprobs(logits, work, ids)
+    return ids, StepLogprobs(logits, work, ids) if logprobs else None
 
 
 def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto") -> StepResult:

@@ -132,11 +132,12 @@ def _launch_on_rank(
     logits = runner.forward(batch, slots, carry)
     if not work:
         return PendingStep(torch.empty(0, dtype=torch.int64))
-    ids, logprobs = sample_step(logits, work, runner.config.sampler)
+    leader = ps.attn_tp_rank == 0  # (the one that sends the group's tokens and logprobs)
+    ids, logprobs = sample_step(logits, work, runner.config.sampler, logprobs=leader)
     if ps.attn_tp_size > 1 and _draws_unseeded(work):
-        leader = ps.dp_rank * ps.attn_tp_size
-        torch.distributed.broadcast(ids, src=leader, group=ps.attn_tp_group)
-    return PendingStep(ids, logprobs if ps.attn_tp_rank == 0 else None)
+        src = ps.dp_rank * ps.attn_tp_size
+        torch.distributed.broadcast(ids, src=src, group=ps.attn_tp_group)
+    return PendingStep(ids, logprobs)
 
 
 def _reply_loop(
