@@ -379,7 +379,11 @@ class MultiRankExecutor:
         outbox = outbox or self._outbox
         replies: list[Any] = [None] * len(self._procs)
         pending = set(range(len(self._procs)))
-        kept = later.pop(seq, []) if later is not None and seq is not None else []
+        kept: list[Any] = []
+        if later is not None and seq is not None:
+            kept = later.pop(seq, [])
+            for stale in [s for s in later if s < seq]:  # (steps never read: an engine stopped)
+                del later[stale]
         waited = 0.0
         while pending:
             try:
