@@ -38,6 +38,7 @@ def test_loads_beside_a_running_request_change_none_of_its_tokens(suite, tmp_pat
         max_loaded_loras=2,
         max_running=2,
         max_model_len=64,
+        overlap=True,  # (a worker's default: ADR 0014)
     )
     bad = tmp_path / "bad"
     bad.mkdir()

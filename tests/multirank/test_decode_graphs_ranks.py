@@ -204,10 +204,14 @@ def check_graph_steps(
         assert torch.equal(got[: -(NEW_TOKENS - 1)], eager[: -(NEW_TOKENS - 1)])
 
 
-def _worker_tokens(suite: Any, monkeypatch: pytest.MonkeyPatch, static: bool) -> list[list[int]]:
+def _worker_tokens(
+    suite: Any, monkeypatch: pytest.MonkeyPatch, static: bool, overlap: bool = False
+) -> list[list[int]]:
     """The tokens a tp=2 dp=2 worker's steps give, through its ranks' static graph steps
     (``LORAPLANE_CPU_STATIC_DECODE=1``, read by the ranks at start) or eagerly: a prefill of
-    both groups, then decode steps of both, then of group 0 alone (group 1 idle)."""
+    both groups, then decode steps of both, then of group 0 alone (group 1 idle). With
+    ``overlap``, every step is launched (ADR 0014) with its input tokens carried on the ranks
+    from the step before, and the tokens are read after the last launch."""
     from loraplane.worker.config import LoRARuntimeConfig
     from loraplane.worker.engine.executor import SeqWork
     from loraplane.worker.parallel.executor import MultiRankExecutor
@@ -227,20 +231,30 @@ def _worker_tokens(suite: Any, monkeypatch: pytest.MonkeyPatch, static: bool) ->
         seqs = [[(0, [5, 9, 200], 0), (1, [44, 2], NO_ADAPTER)], [(0, [7, 7, 8, 3], 1)]]
         out: list[list[int]] = [[], []]
         work = [[SeqWork(row, 0, tuple(p), slot) for row, p, slot in g] for g in seqs]
+        launched: list[tuple[Any, int]] = []  # each launch, and its group 0's rows
         for step in range(5):
-            results = executor.step(work)
-            for g, result in enumerate(results):
-                out[g] += result.tokens
+            if overlap:
+                after = launched[-1][0] if launched else None
+                launched.append((executor.launch(work, after), len(work[0])))
+                tokens: list[list[int]] = [[0] * len(g) for g in work]  # (carried instead)
+            else:
+                tokens = [result.tokens for result in executor.step(work)]
+                for g in range(2):
+                    out[g] += tokens[g]
             lengths = [[len(p) + step for _, p, _ in g] for g in seqs]
             work = [
                 [
-                    SeqWork(row, lengths[g][j], (results[g].tokens[j],), slot)
+                    SeqWork(row, lengths[g][j], (tokens[g][j],), slot, carry=j if overlap else -1)
                     for j, (row, _, slot) in enumerate(seqs[g])
                 ]
                 if g == 0 or step < 2
                 else []  # group 1's request is done: the group idles
                 for g in range(2)
             ]
+        for step, rows in launched:
+            read = step.tokens()
+            out[0] += read[:rows]
+            out[1] += read[rows:]
         return out
     finally:
         executor.shutdown()
@@ -251,11 +265,12 @@ def test_a_workers_ranks_step_through_their_graphs_with_an_idle_group(
 ) -> None:  # type: ignore[no-untyped-def]
     """Through ``MultiRankExecutor``: the ranks build their graphs from the runner config, take
     decode steps of both groups and of one group with the other idle, and give the tokens of
-    the eager steps."""
+    the eager steps; launched ahead (overlapped steps), the graph steps take their input
+    tokens carried from each group's previous step."""
     caplog.set_level(logging.INFO)  # (the level the ranks log at)
     eager = _worker_tokens(suite, monkeypatch, static=False)
     capfd.readouterr()
-    with_graphs = _worker_tokens(suite, monkeypatch, static=True)
+    with_graphs = _worker_tokens(suite, monkeypatch, static=True, overlap=True)
     logs = capfd.readouterr().err
     assert with_graphs == eager
     assert [len(g) for g in eager] == [2 * 5, 3]

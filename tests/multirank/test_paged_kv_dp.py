@@ -41,6 +41,7 @@ def test_requests_over_two_groups_small_pools_get_their_tokens(suite) -> None:  
         max_loaded_loras=2,
         max_running=2,
         max_model_len=64,
+        overlap=True,  # (a worker's default: ADR 0014)
     )
     engine.start()
     try:

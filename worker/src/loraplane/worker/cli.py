@@ -268,8 +268,8 @@ def serve_cmd(
         typer.Option(
             "--overlap/--no-overlap",
             help="Overlapped steps: launch the next step before reading this one's tokens, "
-            "which are read one step late (ADR 0014). One-rank workers only (--tp/--dp 1; "
-            "ignored otherwise); --no-overlap steps in turn",
+            "which are read one step late (ADR 0014), on one rank or on every rank of "
+            "--tp/--dp; --no-overlap steps in turn",
         ),
     ] = True,
     chunked_prefill_size: Annotated[

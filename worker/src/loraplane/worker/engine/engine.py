@@ -28,8 +28,7 @@ from typing import Any, Protocol, cast
 from loraplane.worker.engine.executor import (
     Executor,
     ExecutorFailed,
-    LocalExecutor,
-    PendingStep,
+    LaunchedStep,
     PromptLogprobs,
     SeqWork,
 )
@@ -165,6 +164,12 @@ def _fingerprint(path: str) -> tuple[Any, ...]:
     return tuple(parts)
 
 
+class _Launches(Protocol):
+    """An executor whose ``supports_launch`` is true (``Executor.supports_launch``)."""
+
+    def launch(self, work: list[list[SeqWork]], after: Any) -> LaunchedStep: ...
+
+
 class Engine:
     def __init__(
         self,
@@ -189,13 +194,15 @@ class Engine:
                 f"chunked_prefill_size {chunked_prefill_size} must be >= 0 (0 turns chunking off)"
             )
         self.chunked_prefill_size = chunked_prefill_size
-        # Overlapped steps (ADR 0014): one-rank executors only; the others step in turn.
-        self.overlap = overlap and isinstance(executor, LocalExecutor)
+        # Overlapped steps (ADR 0014), where the executor can launch a step ahead of reading
+        # the last one's tokens (one rank or several); the others step in turn.
+        self.overlap = overlap and bool(getattr(executor, "supports_launch", False))
         if overlap and not self.overlap:
-            log.info("overlapped steps need a one-rank executor; this engine steps in turn")
+            log.info("this executor cannot launch steps ahead; this engine steps in turn")
         # the launched step whose tokens are not read yet: its handle, its sequences and
         # whether each one's token is real (False: a prompt chunk that does not end the prompt)
-        self._inflight: tuple[PendingStep, list[Sequence], list[bool]] | None = None
+        # (every DP group's sequences, group after group, as ``LaunchedStep.tokens`` reads)
+        self._inflight: tuple[LaunchedStep, list[Sequence], list[bool]] | None = None
         # finished sequences whose KV row and adapter are released once the step in flight,
         # which still runs them, is resolved
         self._parked: list[Sequence] = []
@@ -809,32 +816,44 @@ class Engine:
         only when N is read: then its extra row in N+1 is discarded, and its KV row and
         adapter are released once N+1 is read too."""
         prev = self._inflight
-        in_flight = {id(seq): i for i, seq in enumerate(prev[1])} if prev else {}
+        # each sequence in flight: its row in its DP group's part of that step
+        in_flight: dict[int, int] = {}
+        if prev:
+            rows = [0] * self.dp_size
+            for seq in prev[1]:
+                in_flight[id(seq)] = rows[seq.dp_group]
+                rows[seq.dp_group] += 1
         admission, running, waiting = self._admit(in_flight)
         running = [s for s in running if not self._ends_in_flight(s, in_flight)]
-        launched: tuple[PendingStep, list[Sequence], list[bool]] | None = None
+        launched: tuple[LaunchedStep, list[Sequence], list[bool]] | None = None
         if running:
-            work: list[SeqWork] = []
-            order: list[Sequence] = []
-            real: list[bool] = []
+            work: list[list[SeqWork]] = [[] for _ in range(self.dp_size)]
+            order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
+            real: list[list[bool]] = [[] for _ in range(self.dp_size)]
             # (as `_step` orders them; `cached` counts what the launched steps write, so a
             # sequence whose prompt is fed by the step in flight has its token carried)
             for seq, take in sorted(self._plan(running), key=lambda p: p[0].slot):
                 carry = -1 if seq.prefilling else in_flight.get(id(seq), -1)
                 tokens = (0,) if carry >= 0 else seq.next_tokens(take)
                 index = seq.generated + (1 if carry >= 0 else 0)
-                work.append(self._work(seq, tokens, index, carry))
-                order.append(seq)
+                group = seq.dp_group
+                work[group].append(self._work(seq, tokens, index, carry))
+                order[group].append(seq)
                 seq.cached += len(tokens)  # (written by this step, in the device's order)
-                real.append(not seq.prefilling)
+                real[group].append(not seq.prefilling)
+            stepping = [s for o in order for s in o]  # (group after group)
             self.observer.step(
-                len({s.adapter_key for s in order if s.adapter_key is not None}),
-                [len(order)],
+                len({s.adapter_key for s in stepping if s.adapter_key is not None}),
+                [len(o) for o in order],
                 waiting,
                 admission.waiting_for_slot,
             )
-            executor = cast(LocalExecutor, self.executor)
-            launched = (executor.launch([work], prev[0] if prev else None), order, real)
+            launches = cast(_Launches, self.executor)
+            launched = (
+                launches.launch(work, prev[0] if prev else None),
+                stepping,
+                [r for g in real for r in g],
+            )
             self.steps += 1
         self._inflight = launched
         if prev is None:
@@ -857,7 +876,7 @@ class Engine:
         )
 
     def _resolve(
-        self, step: tuple[PendingStep, list[Sequence], list[bool]], running_on: set[int]
+        self, step: tuple[LaunchedStep, list[Sequence], list[bool]], running_on: set[int]
     ) -> None:
         """Read a launched step's tokens: append, finish, emit. A sequence that ends here
         and runs in the step launched after it (``running_on``) keeps its KV row and adapter

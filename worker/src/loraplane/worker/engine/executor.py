@@ -119,10 +119,11 @@ class StepLogprobs:
 
 
 def sample_step(
-    logits: torch.Tensor, work: list[SeqWork], sampler: str
+    logits: torch.Tensor, work: list[SeqWork], sampler: str, logprobs: bool = True
 ) -> tuple[torch.Tensor, StepLogprobs | None]:
     """A group's sampled ids ``[len(work)]`` on the device, from its step's ``logits`` (rows
-    as ``build_batch`` asked for them), and its log probabilities if some sequence asks."""
+    as ``build_batch`` asked for them), and its log probabilities if some sequence asks (and
+    ``logprobs``: a rank that only feeds the ids to the next step skips them)."""
     params = [w.params for w in work]
     indices = [w.index for w in work]
     if not any(p.wants_logprobs for p in params):
@@ -133,7 +134,7 @@ def sample_step(
         ends = [end - 1 for end in accumulate(e + 1 for e in extra)]
         last = logits.index_select(0, torch.tensor(ends, device=logits.device))
     ids = sample_ids(last, params, indices, sampler)
-    return ids, StepLogprobs(logits, work, ids)
+    return ids, StepLogprobs(logits, work, ids) if logprobs else None
 
 
 def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto") -> StepResult:
@@ -147,6 +148,19 @@ def step_result(logits: torch.Tensor, work: list[SeqWork], sampler: str = "auto"
     tokens = ids.tolist()
     assert logprobs is not None
     return StepResult(tokens, *logprobs.read())
+
+
+class LaunchedStep(Protocol):
+    """What ``launch`` returns (ADR 0014): a step started without reading its tokens back.
+
+    ``tokens`` waits for that step (not for any launched after it) and gives every DP
+    group's sampled ids, group after group, each in work order; ``logprobs`` gives the
+    step's ``StepResult.logprobs`` and ``prompt_logprobs`` in the same order (both empty when
+    no row asked), read after ``tokens``."""
+
+    def tokens(self) -> list[int]: ...
+
+    def logprobs(self) -> tuple[list[TokenLogprob | None], list[PromptLogprobs | None]]: ...
 
 
 class PendingStep:
@@ -236,6 +250,10 @@ class Executor(Protocol):
     page_size: int  # positions per KV page
     # Stage positions of the stacked shrinks (lora/stage.py); 0 where nothing is staged.
     stage_positions: int
+    # Whether ``launch(work, after) -> LaunchedStep`` is there (overlapped steps, ADR 0014):
+    # it starts a step without reading its tokens, and rows with a ``carry`` take their
+    # input token from ``after``, the step launched just before, on the device.
+    supports_launch: bool
 
     def step(self, work: list[list[SeqWork]]) -> list[StepResult]:
         """Run one forward; per DP group, its sequences' next tokens (``StepResult``)."""
@@ -311,6 +329,7 @@ class LocalExecutor:
     dp_size = 1
     # A read touches host memory only (`ModelRunner.read_adapter`, then one `host` entry).
     reads_adapters_concurrently = True
+    supports_launch = True
 
     def __init__(self, runner_config: RunnerConfig, lora: LoRARuntimeConfig) -> None:
         self.runner = ModelRunner(runner_config, lora)

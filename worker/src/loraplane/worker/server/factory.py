@@ -44,7 +44,7 @@ class ServeConfig:
     enable_fault_injection: bool = False
     served_model_name: str | None = None
     engine_process: bool = True  # the engine core in a process of its own (ADR 0012)
-    overlap: bool = True  # overlapped steps, one-rank workers (ADR 0014)
+    overlap: bool = True  # overlapped steps, one rank or several (ADR 0014)
     chunked_prefill_size: int = 4096  # prompt tokens a step at most; 0: whole prompts (ADR 0017)
     host: str = "127.0.0.1"
     port: int = 30000
