@@ -1,9 +1,9 @@
 """Per-forward LoRA metadata: which rows use which adapter slot.
 
 Tokens are grouped into segments of rows that share a slot. Rows with no adapter belong
-to no segment, so they cost no LoRA work and their outputs are never touched. When the
-rows of one slot are not contiguous, `row_order` gathers them (tokens sorted by slot,
-stably, so the order inside a slot is the batch order).
+to no segment, so they cost no LoRA work and their outputs are never touched. `row_order`
+lists the segments' rows (tokens sorted by slot, stably, so the order inside a slot is the
+batch order), and the kernels gather them through it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class LoRABatchInfo:
     seg_indptr: torch.Tensor  # int32 [S+1]
     seg_slots: torch.Tensor  # int32 [S]
     row_order: torch.Tensor | None  # int64 [rows in segments]; None = rows are 0..n-1 in order
+    # (``build`` always gives it)
     slot_ranks: torch.Tensor  # int32 [K]
     slot_scalings: torch.Tensor  # float32 [K]
     seg_ranks: torch.Tensor  # int32 [S]: slot_ranks[seg_slots], gathered once per forward
@@ -72,14 +73,16 @@ class LoRABatchInfo:
         order, indptr, slots = segments or segments_of(token_slots)
         if not order:
             return None
-        identity = order == list(range(len(order)))
         lens = [b - a for a, b in pairwise(indptr)]
         seg_slots = torch.tensor(slots, dtype=torch.int32, device=device)
         return cls(
             token_slots=torch.tensor(list(token_slots), dtype=torch.int32, device=device),
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
             seg_slots=seg_slots,
-            row_order=None if identity else torch.tensor(order, dtype=torch.int64, device=device),
+            # (given even when it is 0..n-1: the kernels then compile one variant, the one
+            # the decode graphs' static batches use, whether a step has rows without an
+            # adapter or not; the gather costs one index load per row)
+            row_order=torch.tensor(order, dtype=torch.int64, device=device),
             slot_ranks=slot_ranks,
             slot_scalings=slot_scalings,
             seg_ranks=slot_ranks.index_select(0, seg_slots),
