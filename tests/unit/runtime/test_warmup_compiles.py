@@ -176,3 +176,45 @@ def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # ty
         f"{len(missing)} Triton kernel variants would compile after the warm-up:\n"
         + "\n".join(missing)
     )
+
+
+@pytest.mark.parametrize(("hidden", "block_k"), [(4096, 128), (14336, 128), (2048, 64), (64, 16)])
+def test_grids_of_one_split_class_give_every_projection_the_same_split(
+    hidden: int, block_k: int
+) -> None:
+    """The warm-up runs one grid per ``split_class``: every grid of that class must give a
+    shrink of each slice count the same K split (the kernel's constexpr), whatever its cap."""
+    from loraplane.worker.kernels._triton_utils import split_class, split_k_for
+
+    by_class: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for grid in range(1, 300):
+        splits = tuple(split_k_for(grid * s, hidden, block_k) for s in (1, 2, 3))
+        assert by_class.setdefault(split_class(grid), splits) == splits, grid
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "max_len", "segments", "longest"),
+    [(64, 4096, 32, 4160), (8, 160, 2, 48), (6, 40, 6, 234), (256, 2048, 16, 4352)],
+)
+def test_the_eager_lora_steps_meet_every_row_block_and_split_class(
+    max_rows: int, max_len: int, segments: int, longest: int
+) -> None:
+    """Every (row block, split class) an eager step can launch the shrink at (its longest
+    segment of 1..``longest`` rows over rows of ``max_len - 1``, 1..``segments`` segments,
+    at most ``max_rows`` rows) is met by one of ``lora_shapes``' steps, and they meet no other."""
+    from loraplane.worker.engine.warmup import lora_shapes
+    from loraplane.worker.kernels._triton_utils import cdiv, segment_block, split_class
+
+    def key(length: int, count: int) -> tuple[int, tuple[int, ...]]:
+        block = segment_block(length)
+        return block, split_class(cdiv(length, block) * count)
+
+    reachable = {
+        key(length, count)
+        for length in range(1, longest + 1)
+        for count in range(1, segments + 1)
+        if cdiv(length, max_len - 1) + count - 1 <= max_rows
+    }
+    steps = lora_shapes(max_rows, max_len, segments, longest)
+    assert {key(length, count) for length, count in steps} == reachable
+    assert len(steps) == len(reachable)  # (one step each)

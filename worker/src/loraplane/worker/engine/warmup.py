@@ -15,6 +15,10 @@ pod's readiness waits for it instead of a client:
   graph bucket up to the worker's running cap (each bucket's LoRA-off graph is captured);
 * the sampler: decode steps of temperature/top_p rows and of top_k rows with a seeded one, at
   one row (the chunked launches) and at the largest bucket;
+* mixed steps (a prompt chunk beside one-token rows, which no graph pads to a bucket): the
+  decode attention kernel's split count is a constexpr chosen by the count of one-token
+  rows, so one step per split count a count up to ``max_seqs - 1`` gives
+  (``single_row_counts``; every count where the executor's ranks run elsewhere);
 * LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
   rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
   stage width, and the kernels past the stage): the same prefill steps with the adapters
@@ -22,7 +26,12 @@ pod's readiness waits for it instead of a client:
   graph a batch of that many adapters can meet: every bucket, and in each the longest
   segment's classes (16 rows, 32, more: ``lora_decode_batches``); for batches the stage
   holds, also at every stage width above their own (a batch of one adapter whose stage
-  position is the fourth computes a width of 4). Under DP attention a LoRA graph is keyed by
+  position is the fourth computes a width of 4), decode graphs and eager prefills (an eager
+  batch of up to 256 rows stages too). Then eager steps of every shrink variant an eager
+  step can launch (``lora_shapes``): the kernel's row block follows the longest segment (16,
+  32, 64 rows) and its K split (a constexpr) the grid of (segment blocks) x (segments)
+  programs, by class (``split_class``), up to the longest segment a step of
+  ``--chunked-prefill-size`` prompt tokens can hold. Under DP attention a LoRA graph is keyed by
   the TP-global slots of every group's rows padded to the bucket (ADR 0018): the decode
   steps are built over those ``dp x bucket`` rows instead (``dp_lora_decode_steps``), with
   up to ``dp x max_seqs`` distinct adapters. A graph the warm-up did not capture is
@@ -146,7 +155,8 @@ def lora_shapes(
     wide = (
         _triton_utils.TARGET_PROGRAMS // 4 + 1
     )  # (grids of this many programs a slice or more never split)
-    lengths = [(16, 2), (32, 17)] + [(64, 64 * b - 31) for b in range(1, wide + 1)]
+    # (the fewest rows of each block class and block count: past 32 rows, b blocks of 64)
+    lengths = [(16, 2), (32, 17)] + [(64, max(33, 64 * b - 63)) for b in range(1, wide + 1)]
     for block, length in lengths:
         if length > longest:
             break
