@@ -439,8 +439,11 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
         if plan.stage_positions:
             run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan)
         for length, segments in plan.lora_shapes:
-            label = f"LoRA rank {rank}, eager: {segments} segment(s), the longest {length}"
-            run.phase(label, run.lora_shape, length, segments, plan)
+            # (past the stage the shrink and expand read the slots' largest rank: the same
+            # variants at every stage rank)
+            if segments <= plan.stage_positions or rank == plan.ranks[0]:
+                label = f"LoRA rank {rank}, eager: {segments} segment(s), the longest {length}"
+                run.phase(label, run.lora_shape, length, segments, plan)
     # (after a failure the worker does not start: the executor is shut down, and a clean-up
     # here would only raise again on a dead rank or a broken device, over the real error)
     for slot in range(max(plan.adapter_counts)):
