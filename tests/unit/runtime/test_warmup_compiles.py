@@ -218,3 +218,18 @@ def test_the_eager_lora_steps_meet_every_row_block_and_split_class(
     steps = lora_shapes(max_rows, max_len, segments, longest)
     assert {key(length, count) for length, count in steps} == reachable
     assert len(steps) == len(reachable)  # (one step each)
+
+
+def test_the_mixed_steps_meet_every_decode_attention_split_count() -> None:
+    """One mixed step per split count the decode attention picks for 1..63 one-token rows
+    (here an H200's rule: 132 multiprocessors, 8 KV heads), and every count where the rule
+    is not known."""
+    from loraplane.worker.engine.warmup import single_row_counts
+
+    def splits(n: int) -> int:
+        return min(16, max(1, -(-4 * 132 // (n * 8))))
+
+    counts = single_row_counts(63, splits)
+    assert {splits(n) for n in counts} == {splits(n) for n in range(1, 64)}
+    assert len(counts) == len({splits(n) for n in counts}) < 16
+    assert single_row_counts(5, None) == [1, 2, 3, 4, 5]
