@@ -233,3 +233,32 @@ def test_the_mixed_steps_meet_every_decode_attention_split_count() -> None:
     assert {splits(n) for n in counts} == {splits(n) for n in range(1, 64)}
     assert len(counts) == len({splits(n) for n in counts}) < 16
     assert single_row_counts(5, None) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("width", [0, 1, 2, 4])
+def test_every_part_of_a_static_lora_batch_is_16_byte_aligned(width: int) -> None:
+    """An eager staged batch's static buffers are sized by its own row count; a part that
+    is 16-byte aligned at some counts and not at others would be a kernel variant per
+    alignment (Triton specializes pointers on it), which no warm-up of a few sizes meets."""
+    import torch
+
+    from loraplane.worker.lora.batch_info import StaticLoRABatch
+
+    ranks, scalings = torch.tensor([8, 16], dtype=torch.int32), torch.tensor([1.0, 2.0])
+    for rows in range(1, 11):
+        for segments in (1, 2, 3):
+            batch = StaticLoRABatch(
+                rows, segments, ranks, scalings, torch.device("cpu"), stage_width=width
+            )
+            used = 2 if segments > 1 and width != 1 else 1  # (adapters in the batch)
+            slots = [i % used for i in range(rows)]
+            batch.fill(slots, positions={0: 0, 1: width - 1} if width else None)
+            info = batch.info()
+            parts = [info.token_slots, info.seg_indptr, info.seg_slots, info.seg_ranks]
+            parts += [info.seg_scalings, info.row_order]
+            if info.stage is not None:
+                parts += [info.stage.row_pos, info.stage.pos_slots, info.stage.pos_scalings]
+            assert [p.data_ptr() % 16 for p in parts] == [0] * len(parts), (rows, segments)
+            assert info.token_slots.tolist() == slots
+            distinct = min(used, rows)
+            assert info.seg_ranks.tolist()[:distinct] == [8, 16][:distinct]
