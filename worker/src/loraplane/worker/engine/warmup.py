@@ -15,6 +15,10 @@ pod's readiness waits for it instead of a client:
   graph bucket up to the worker's running cap (each bucket's LoRA-off graph is captured);
 * the sampler: decode steps of temperature/top_p rows and of top_k rows with a seeded one, at
   one row (the chunked launches) and at the largest bucket;
+* mixed steps (a prompt chunk beside one-token rows, which no graph pads to a bucket): the
+  decode attention kernel's split count is a constexpr chosen by the count of one-token
+  rows, so one step per split count a count up to ``max_seqs - 1`` gives
+  (``single_row_counts``; every count where the executor's ranks run elsewhere);
 * LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
   rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
   stage width, and the kernels past the stage): the same prefill steps with the adapters
@@ -22,7 +26,12 @@ pod's readiness waits for it instead of a client:
   graph a batch of that many adapters can meet: every bucket, and in each the longest
   segment's classes (16 rows, 32, more: ``lora_decode_batches``); for batches the stage
   holds, also at every stage width above their own (a batch of one adapter whose stage
-  position is the fourth computes a width of 4). Under DP attention a LoRA graph is keyed by
+  position is the fourth computes a width of 4), decode graphs and eager prefills (an eager
+  batch of up to 256 rows stages too). Then eager steps of every shrink variant an eager
+  step can launch (``lora_shapes``): the kernel's row block follows the longest segment (16,
+  32, 64 rows) and its K split (a constexpr) the grid of (segment blocks) x (segments)
+  programs, by class (``split_class``), up to the longest segment a step of
+  ``--chunked-prefill-size`` prompt tokens can hold. Under DP attention a LoRA graph is keyed by
   the TP-global slots of every group's rows padded to the bucket (ADR 0018): the decode
   steps are built over those ``dp x bucket`` rows instead (``dp_lora_decode_steps``), with
   up to ``dp x max_seqs`` distinct adapters. A graph the warm-up did not capture is
@@ -37,6 +46,7 @@ before it reads them. Nothing the engine tracks (residency, metrics, step counts
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -45,6 +55,9 @@ from typing import Any
 from loraplane.worker.engine.executor import Executor, SeqWork
 from loraplane.worker.engine.graphs import graph_buckets
 from loraplane.worker.engine.sampling import GREEDY, SamplingParams
+from loraplane.worker.kernels import _triton_utils
+from loraplane.worker.kernels._triton_utils import cdiv, split_class
+from loraplane.worker.lora.manager import EAGER_STAGE_MAX_ROWS
 from loraplane.worker.lora.stage import MIN_STAGE_RANK
 
 log = logging.getLogger(__name__)
@@ -77,6 +90,8 @@ class WarmupPlan:
     ranks: tuple[int, ...] = ()  # blank adapters' ranks; () without LoRA
     adapter_counts: tuple[int, ...] = ()  # distinct adapters in a LoRA step
     stage_positions: int = 0  # the executor's stage positions (0: nothing is staged)
+    # eager LoRA steps, (longest segment, segments) each: every shrink variant they can meet
+    lora_shapes: tuple[tuple[int, int], ...] = ()
 
 
 def plan_for(
@@ -87,12 +102,14 @@ def plan_for(
     experts: tuple[int, int] | None = None,
     stage_positions: int = 0,
     dp: int = 1,
+    chunked_prefill_size: int = 0,
 ) -> WarmupPlan:
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
     cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA), on a
     model with ``experts`` (routed experts, experts per token) or without (None), on an
     executor with ``stage_positions`` (``Executor.stage_positions``) and ``dp`` DP-attention
-    groups."""
+    groups, for an engine that feeds at most ``chunked_prefill_size`` prompt tokens a step
+    (0: whole prompts)."""
     sizes = tuple(graph_buckets(max_seqs))
     capacity = max_seqs * (max_len - 1)  # prompt tokens one step can hold
     wanted = set(PREFILL_TOKENS)
@@ -112,12 +129,73 @@ def plan_for(
         counts.append(n)
         n *= 2
     counts.append(most)
+    # the longest segment (one adapter's rows) an eager step can hold: a step's prompt
+    # tokens beside a decode row per running sequence
+    longest = min(capacity, chunked_prefill_size + max_seqs) if chunked_prefill_size else capacity
     return replace(
         plan,
         ranks=stage_ranks(max_lora_rank),
         adapter_counts=tuple(counts),
         stage_positions=min(stage_positions, most),
+        lora_shapes=tuple(lora_shapes(max_seqs, max_len, min(most, max_seqs), longest)),
     )
+
+
+def lora_shapes(
+    max_rows: int, max_len: int, max_segments: int, longest: int
+) -> list[tuple[int, int]]:
+    """Eager LoRA steps (longest segment, segments) that launch every shrink variant an
+    eager step of at most ``max_rows`` rows of ``max_len`` positions, ``max_segments``
+    adapters and segments of at most ``longest`` rows can: the kernel's row block follows
+    the longest segment (16, 32, 64: ``segment_block``) and its K splits the grid, (segment
+    blocks) x (segments) programs a slice, by class (``split_class``). One step per (row
+    block, class), the fewest tokens that reach it; the longest segment is one adapter's
+    prompt chunk (rows of ``max_len - 1``), the others a one-token row each."""
+    picks: dict[tuple[int, tuple[int, int, int]], tuple[int, int]] = {}
+    wide = (
+        _triton_utils.TARGET_PROGRAMS // 4 + 1
+    )  # (grids of this many programs a slice or more never split)
+    # (the fewest rows of each block class and block count: past 32 rows, b blocks of 64)
+    lengths = [(16, 2), (32, 17)] + [(64, max(33, 64 * b - 63)) for b in range(1, wide + 1)]
+    for block, length in lengths:
+        if length > longest:
+            break
+        for segments in range(1, max_segments + 1):
+            if cdiv(length, max_len - 1) + segments - 1 > max_rows:
+                break
+            key = (block, split_class(cdiv(length, block) * segments))
+            picks.setdefault(key, (length, segments))
+    return sorted(set(picks.values()))
+
+
+def single_row_counts(max_rows: int, splits: Callable[[int], int] | None) -> list[int]:
+    """Counts of one-token rows, 1 to ``max_rows``, that launch every variant of the decode
+    attention kernel (``kernels.decode_attention``) a step's one-token rows can: one count
+    per split count ``splits`` gives (the kernel's constexpr, by the row count; a mixed
+    step's rows are not padded to a graph bucket), or every count where ``splits`` is not
+    known (None)."""
+    if splits is None:
+        return list(range(1, max_rows + 1))
+    first: dict[int, int] = {}
+    for n in range(1, max_rows + 1):
+        first.setdefault(splits(n), n)
+    return sorted(first.values())
+
+
+def attention_splits(executor: Executor) -> Callable[[int], int] | None:
+    """The decode attention kernel's split count for a step of n one-token rows on
+    ``executor``'s device (``kernels.attention.splits_for``); None where its ranks run in
+    processes of their own (a multi-rank executor), which this one cannot ask."""
+    runner = getattr(executor, "runner", None)
+    if runner is None:
+        return None
+    device = runner.device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return lambda _n: 1  # (the CPU attends with torch: no kernel, one step is enough)
+    from loraplane.worker.kernels import attention
+
+    kv_heads = runner.kv.k[0].shape[2]
+    return lambda n: attention.splits_for(n, kv_heads, device)  # type: ignore[no-any-return]
 
 
 def stage_ranks(max_lora_rank: int) -> tuple[int, ...]:
@@ -231,10 +309,11 @@ class _Runner:
         self.report.phases[name] = self.report.phases.get(name, 0.0) + took
         log.info("warm-up: %s (%.2f s)", name, took)
 
-    def prefill(self, tokens: int, adapters: int, plan: WarmupPlan) -> None:
+    def prefill(self, tokens: int, adapters: int, plan: WarmupPlan, first: int = 0) -> None:
         """One prefill step of ``tokens`` prompt tokens over as few rows as fit the plan's
-        ``max_len`` and at least ``adapters`` rows; row ``i`` has slot ``i % adapters`` (0:
-        no adapter). ``plan_for`` keeps ``tokens`` and ``adapters`` within ``max_seqs`` rows."""
+        ``max_len`` and at least ``adapters`` rows; row ``i`` has slot ``first + i %
+        adapters`` (``adapters`` 0: no adapter). ``plan_for`` keeps ``tokens`` and
+        ``adapters`` within ``max_seqs`` rows."""
         rows = max(adapters, 1, -(-tokens // (plan.max_len - 1)))
         tokens = max(tokens, rows)
         self.step(
@@ -243,11 +322,33 @@ class _Runner:
                     row,
                     0,
                     _tokens(tokens // rows + (row < tokens % rows), self.vocab, row),
-                    row % adapters if adapters else -1,
+                    first + row % adapters if adapters else -1,
                 )
                 for row in range(rows)
             ]
         )
+
+    def mixed(self, singles: int) -> None:
+        """One step of a two-token prompt chunk beside ``singles`` one-token rows (the decode
+        rows of a mixed step), no adapter."""
+        work = [SeqWork(0, 0, _tokens(2, self.vocab), -1)]
+        work += [SeqWork(r, 0, _tokens(1, self.vocab, r), -1) for r in range(1, singles + 1)]
+        self.step(work)
+
+    def lora_shape(self, length: int, segments: int, plan: WarmupPlan) -> None:
+        """One eager step whose longest segment is slot 0's ``length`` tokens (rows of at
+        most the plan's ``max_len - 1``), beside one-token rows of slots 1 to ``segments - 1``."""
+        per_row = plan.max_len - 1
+        rows = cdiv(length, per_row)
+        work = [
+            SeqWork(r, 0, _tokens(min(per_row, length - r * per_row), self.vocab, r), 0)
+            for r in range(rows)
+        ]
+        work += [
+            SeqWork(rows + i, 0, _tokens(1, self.vocab, rows + i), 1 + i)
+            for i in range(segments - 1)
+        ]
+        self.step(work)
 
     def decode(self, slots: list[int], params: list[SamplingParams] | None = None) -> None:
         """One decode step: row ``i`` at position 0, with ``slots[i]`` and ``params[i]``."""
@@ -274,6 +375,9 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
         for label, mix in (("top_p", [_TOP_P]), ("top_k", [_TOP_K, _TOP_P, _SEEDED])):
             params = [mix[i % len(mix)] for i in range(size)]
             run.phase(f"sampler {label} bs={size}", run.decode, [none] * size, params)
+    # a mixed step's one-token rows attend at their own count (no graph pads them)
+    for singles in single_row_counts(plan.max_seqs - 1, attention_splits(executor)):
+        run.phase(f"mixed, {singles} one-token row(s)", run.mixed, singles)
     if plan.ranks:
         _warm_lora(run, plan)
     run.report.seconds = time.perf_counter() - t0
@@ -301,14 +405,19 @@ def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, decode: bool) -> Non
 
 
 def _wider_stage_steps(run: _Runner, plan: WarmupPlan) -> None:
-    """Staged batches at every width above their own. The stage now holds slot ``p`` at
-    position ``p`` (each count's steps staged slots 0..count-1 in turn into the lowest free
-    positions), so the slots ``width - count .. width - 1`` compute ``width``."""
+    """Staged batches at every width above their own, decode graphs and eager prefills (an
+    eager batch of up to ``EAGER_STAGE_MAX_ROWS`` rows stages on a GPU too). The stage now
+    holds slot ``p`` at position ``p`` (each count's steps staged slots 0..count-1 in turn
+    into the lowest free positions), so the slots ``width - count .. width - 1`` compute
+    ``width``."""
     for count in plan.adapter_counts:
         for width in stage_widths(count, plan.stage_positions)[1:]:
             slots = list(range(width - count, width))
             for batch in lora_decode_batches(plan.decode_sizes, slots):
                 run.decode(batch)
+            for tokens in plan.prefill_tokens:
+                if tokens <= EAGER_STAGE_MAX_ROWS:
+                    run.prefill(tokens, count, plan, first=width - count)
 
 
 def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
@@ -329,6 +438,12 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
             run.phase(label, _lora_steps, run, plan, count, decode)
         if plan.stage_positions:
             run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan)
+        for length, segments in plan.lora_shapes:
+            # (past the stage the shrink and expand read the slots' largest rank: the same
+            # variants at every stage rank)
+            if segments <= plan.stage_positions or rank == plan.ranks[0]:
+                label = f"LoRA rank {rank}, eager: {segments} segment(s), the longest {length}"
+                run.phase(label, run.lora_shape, length, segments, plan)
     # (after a failure the worker does not start: the executor is shut down, and a clean-up
     # here would only raise again on a dead rank or a broken device, over the real error)
     for slot in range(max(plan.adapter_counts)):

@@ -256,7 +256,13 @@ def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None
     """Split the K loop when the (segment, block, slice) grid alone cannot fill the GPU.
 
     At most one split per ``MIN_K_PER_SPLIT`` columns (whole K steps), or ``cap``
-    (``MAX_SPLIT_K`` when set) splits; 1 keeps the shrink on few programs."""
+    (``MAX_SPLIT_K`` when set) splits; 1 keeps the shrink on few programs.
+
+    The split count is a constexpr of the kernel, so each value is a variant Triton
+    compiles apart: the wanted count (``TARGET_PROGRAMS / programs``) is rounded down to a
+    power of two, which gives a projection a handful of variants over every grid an eager
+    step can launch instead of one per grid size, and lets the warm-up cover them
+    (``split_class``)."""
     k_blocks = max(1, cdiv(hidden, block_k))
     # Past a quarter of the target the extra partial buffer and reduction cost more than the
     # idle multiprocessors (measured on an H200: qkv prefill, 96 programs, 20 -> 36 us).
@@ -265,7 +271,21 @@ def split_k_for(programs: int, hidden: int, block_k: int, cap: int | None = None
     if cap is None:
         steps = max(1, MIN_K_PER_SPLIT // block_k)
         cap = MAX_SPLIT_K if MAX_SPLIT_K is not None else k_blocks // steps
-    return max(1, min(k_blocks, cap, cdiv(TARGET_PROGRAMS, programs)))
+    wanted = 1 << (cdiv(TARGET_PROGRAMS, programs).bit_length() - 1)
+    return max(1, min(k_blocks, cap, wanted))
+
+
+def split_class(grid: int) -> tuple[int, int, int]:
+    """The split counts (``split_k_for``) of shrinks of 1, 2 and 3 slices over a grid of
+    ``grid`` (segment, block) programs per slice, before any cap. Grids of one class give
+    every projection the same variants (a cap only merges counts), so an eager step of each
+    class warms them all (``engine/warmup.py``)."""
+    uncapped = 1 << 30
+    return (
+        split_k_for(grid, uncapped, 1, uncapped),
+        split_k_for(2 * grid, uncapped, 1, uncapped),
+        split_k_for(3 * grid, uncapped, 1, uncapped),
+    )
 
 
 # (block_n, num_warps) for every expand instead of the rule below when set

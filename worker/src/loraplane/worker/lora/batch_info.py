@@ -1,9 +1,9 @@
 """Per-forward LoRA metadata: which rows use which adapter slot.
 
 Tokens are grouped into segments of rows that share a slot. Rows with no adapter belong
-to no segment, so they cost no LoRA work and their outputs are never touched. When the
-rows of one slot are not contiguous, `row_order` gathers them (tokens sorted by slot,
-stably, so the order inside a slot is the batch order).
+to no segment, so they cost no LoRA work and their outputs are never touched. `row_order`
+lists the segments' rows (tokens sorted by slot, stably, so the order inside a slot is the
+batch order), and the kernels gather them through it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ import torch
 from loraplane.worker.kernels._triton_utils import StageInfo
 
 NO_ADAPTER = -1
+# int32 entries of 16 bytes: where each part of ``StaticLoRABatch``'s packed buffer starts
+_ALIGN = 4
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 Segments = tuple[list[int], list[int], list[int]]  # segments_of's (order, indptr, slots)
@@ -45,6 +51,7 @@ class LoRABatchInfo:
     seg_indptr: torch.Tensor  # int32 [S+1]
     seg_slots: torch.Tensor  # int32 [S]
     row_order: torch.Tensor | None  # int64 [rows in segments]; None = rows are 0..n-1 in order
+    # (``build`` always gives it)
     slot_ranks: torch.Tensor  # int32 [K]
     slot_scalings: torch.Tensor  # float32 [K]
     seg_ranks: torch.Tensor  # int32 [S]: slot_ranks[seg_slots], gathered once per forward
@@ -72,14 +79,16 @@ class LoRABatchInfo:
         order, indptr, slots = segments or segments_of(token_slots)
         if not order:
             return None
-        identity = order == list(range(len(order)))
         lens = [b - a for a, b in pairwise(indptr)]
         seg_slots = torch.tensor(slots, dtype=torch.int32, device=device)
         return cls(
             token_slots=torch.tensor(list(token_slots), dtype=torch.int32, device=device),
             seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
             seg_slots=seg_slots,
-            row_order=None if identity else torch.tensor(order, dtype=torch.int64, device=device),
+            # (given even when it is 0..n-1: the kernels then compile one variant, the one
+            # the decode graphs' static batches use, whether a step has rows without an
+            # adapter or not; the gather costs one index load per row)
+            row_order=torch.tensor(order, dtype=torch.int64, device=device),
             slot_ranks=slot_ranks,
             slot_scalings=slot_scalings,
             seg_ranks=slot_ranks.index_select(0, seg_slots),
@@ -155,14 +164,18 @@ class StaticLoRABatch:
         # seg_scalings [S] (float32 bits), and when staged row_pos [rows] | pos_slots [W] |
         # pos_scalings [W] (float32 bits): one buffer and one host-to-device copy (row_order is
         # the other); the scalings are float32 views.
+        # Each part starts 16 bytes in (``_ALIGN`` entries): Triton compiles a kernel apart
+        # for a pointer that is not 16-byte aligned, and an eager staged batch's ``rows`` is
+        # its own row count, so packed back to back the parts' alignment would follow it.
         staged_rows = rows if w else 0
-        n_ints = rows + 4 * s + 1 + staged_rows + 2 * w
-        self._ints = torch.zeros(n_ints, dtype=torch.int32, device=device)
-        self._ints_host = torch.zeros(n_ints, dtype=torch.int32, pin_memory=pin)
+        sizes = [rows, s + 1, s, s, s, staged_rows, w, w]
+        spans = [_aligned(n) for n in sizes]
+        self._ints = torch.zeros(sum(spans), dtype=torch.int32, device=device)
+        self._ints_host = torch.zeros(sum(spans), dtype=torch.int32, pin_memory=pin)
         # the adapter rows by segment, then zeros (the shrink and expand read only the prefix)
         self.row_order = torch.zeros(rows, dtype=torch.int64, device=device)
         self._order_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
-        views = self._ints.split([rows, s + 1, s, s, s, staged_rows, w, w])
+        views = [v[:n] for v, n in zip(self._ints.split(spans), sizes, strict=True)]
         self.token_slots, self.seg_indptr, self.seg_slots, self.seg_ranks = views[:4]
         self.seg_scalings = views[4].view(torch.float32)
         self.row_pos, self.pos_slots = views[5], views[6]
@@ -211,9 +224,14 @@ class StaticLoRABatch:
             slot_values = (self.slot_ranks.tolist(), self.slot_scalings.tolist())
         ranks, scalings = slot_values
         padded = [*slots, *[0] * pad]  # padding segments are empty (and read slot 0)
-        ints = [*token_slots, *[NO_ADAPTER] * (self.rows - n), *indptr, *[len(order)] * pad]
         floats = [scalings[s] for s in padded]
-        ints += [*padded, *(ranks[s] for s in padded), *_bits(floats)]
+        parts: list[list[int]] = [
+            [*token_slots, *[NO_ADAPTER] * (self.rows - n)],
+            [*indptr, *[len(order)] * pad],
+            padded,
+            [ranks[s] for s in padded],
+            _bits(floats),
+        ]
         if self.stage_width:
             assert positions is not None
             at = {positions[s]: s for s in slots}  # the positions this batch reads
@@ -222,11 +240,14 @@ class StaticLoRABatch:
                     f"positions must give each slot of the batch its own stage position, got "
                     f"{ {s: positions[s] for s in slots} }"
                 )
-            ints += [positions[s] if s != NO_ADAPTER else -1 for s in token_slots]
-            ints += [-1] * (self.rows - n)
+            row_pos = [positions[s] if s != NO_ADAPTER else -1 for s in token_slots]
             pos_slots = [at.get(p, -1) for p in range(self.stage_width)]
-            ints += pos_slots
-            ints += _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots])
+            parts += [
+                [*row_pos, *[-1] * (self.rows - n)],
+                pos_slots,
+                _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots]),
+            ]
+        ints = [v for part in parts for v in (*part, *[0] * (_aligned(len(part)) - len(part)))]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
         self._order_host.copy_(torch.tensor(order + [0] * (self.rows - len(order))))
         self._ints.copy_(self._ints_host, non_blocking=True)

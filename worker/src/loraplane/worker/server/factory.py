@@ -203,6 +203,7 @@ def build_engine(
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
                 stage_positions=executor.stage_positions,
                 dp=executor.dp_size,
+                chunked_prefill_size=config.chunked_prefill_size,
             )
             report = warm_up(executor, plan)
             executor.after_warmup()  # (a kernel the warm-up missed then logs a line, any rank)
