@@ -20,7 +20,10 @@ from loraplane.worker.parallel.state import ParallelConfig
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs two CUDA GPUs: the gpu tier on nvidia-h200-x2 through the device tool",
+)
 @each_layout
 def test_overlapped_steps_over_nccl_give_the_tokens_of_steps_in_turn(
     suite, pconf: ParallelConfig

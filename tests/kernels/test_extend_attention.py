@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tests.kernels.test_decode_attention import DEVICE, TOL
 
+from loraplane.worker.bench.prefill_attention import scattered_chunks
 from loraplane.worker.config import ModelConfig
 from loraplane.worker.kernels import attention
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
@@ -47,15 +48,7 @@ def make_step(
         1, len(layout), max_len, kv_heads, head_dim, dtype, DEVICE,
         page_size=page_size, num_pages=pool,
     )  # fmt: skip
-    order = torch.randperm(pool, generator=gen).tolist()
-    chunks: list[SeqChunk] = []
-    ids: list[list[int]] = []
-    offset = 0
-    for row, (start, length) in enumerate(layout):
-        pages = tuple(order[row * per_row : row * per_row + -(-(start + length) // page_size)])
-        chunks.append(SeqChunk(row, start, length, offset, pages))
-        ids.append([0] * length)
-        offset += length
+    chunks, ids, offset = scattered_chunks(layout, page_size, pool, gen)
     kv.sync_table(chunks)
     kv.k[0].fill_(fill)
     kv.v[0].fill_(fill)
@@ -189,7 +182,7 @@ def test_bad_arguments_name_the_field(field: str, message: str) -> None:
         block_m = 0
     elif field == "bf16":
         if DEVICE.type != "cpu":
-            pytest.skip("bfloat16 runs on the GPU")
+            pytest.skip("on a GPU bfloat16 is accepted: this case checks the refusal on the CPU")
         q, out, k, v = (t.to(torch.bfloat16) for t in (q, out, k, v))
     before = out.clone()
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -44,13 +44,32 @@ from loraplane.worker.bench.common import (
 )
 
 
+def scattered_chunks(
+    layout: list[tuple[int, int]], page_size: int, pool: int, gen: torch.Generator
+) -> tuple[list[Any], list[list[int]], int]:
+    """One chunk per ``layout`` row ``(start, length)``, on pages drawn at random from a pool of
+    ``pool`` (each row ``-(-max_len // page_size)`` of them, as a busy pool scatters them): the
+    chunks, their (zero) token ids and the tokens in all."""
+    from loraplane.worker.models.batch import SeqChunk
+
+    per_row = -(-max(s + n for s, n in layout) // page_size)
+    order = torch.randperm(pool, generator=gen).tolist()
+    chunks, ids, offset = [], [], 0
+    for row, (start, length) in enumerate(layout):
+        pages = tuple(order[row * per_row : row * per_row + -(-(start + length) // page_size)])
+        chunks.append(SeqChunk(row, start, length, offset, pages))
+        ids.append([0] * length)
+        offset += length
+    return chunks, ids, offset
+
+
 def measure_step(args: argparse.Namespace, prefix: int, device: torch.device) -> dict[str, Any]:
     """One case: the step with prompt chunks past ``prefix`` cached positions (``args``: the
     parsed options). On CPU (the unit tier's smoke test) the kernels run through Triton's
     interpreter and the times mean nothing."""
     from loraplane.worker import kernels
     from loraplane.worker.config import ModelConfig
-    from loraplane.worker.models.batch import PROMPT_TILE, ForwardBatch, SeqChunk
+    from loraplane.worker.models.batch import PROMPT_TILE, ForwardBatch
     from loraplane.worker.models.kv_cache import KVCache
     from loraplane.worker.models.model import Attention
     from loraplane.worker.parallel.state import ParallelState
@@ -76,14 +95,8 @@ def measure_step(args: argparse.Namespace, prefix: int, device: torch.device) ->
         1, rows, max_len, kv_heads, d, dtype, device, page_size=page, num_pages=rows * per_row
     )
     gen = torch.Generator().manual_seed(0)
-    order = torch.randperm(rows * per_row, generator=gen).tolist()  # pages scattered
     layout = [(prefix, args.new)] * args.chunks + [(decode_len, 1)] * args.decodes
-    chunks, ids, offset = [], [], 0
-    for row, (start, length) in enumerate(layout):
-        pages = tuple(order[row * per_row : row * per_row + -(-(start + length) // page)])
-        chunks.append(SeqChunk(row, start, length, offset, pages))
-        ids.append([0] * length)
-        offset += length
+    chunks, ids, offset = scattered_chunks(layout, page, rows * per_row, gen)
     kv.sync_table(chunks)
     kv.k[0].normal_()
     kv.v[0].normal_()
