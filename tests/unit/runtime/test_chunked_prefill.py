@@ -184,3 +184,42 @@ def test_a_prompt_scored_for_its_logprobs_is_fed_whole(model: Model) -> None:
         got.append((request.tokens, [(lp.token, round(lp.logprob, 5)) for lp in prompt]))
         assert [take for plan in engine.plans for _, take in plan if take] == [len(LONG)]
     assert got[0] == got[1]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_the_worker_metrics_split_steps_by_kind_and_time_each_request(
+    model: Model, overlap: bool
+) -> None:
+    """What /metrics tells an operator about latency inside the engine: every loop pass that
+    launched a step is counted under the kind of its plan (mixed: it fed prompt tokens), and
+    every request gets one queue wait and one time to first token, the one admitted after
+    the other finished included."""
+    from loraplane.worker.server.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(dp_size=1, max_loras_per_batch=2, max_loaded_loras=4)
+    engine = overlapped_engine(
+        model[0],
+        overlap,
+        max_running=1,
+        engine_cls=RecordingEngine,
+        chunked_prefill_size=8,
+        observer=metrics,
+    )
+    assert isinstance(engine, RecordingEngine)
+    requests = [Request(LONG, None, greedy(5)), Request(LONG[:20], "a8", greedy(4))]
+    serve_on(engine, model, requests, None)
+    assert [len([t for e in r.events for t in e.token_ids]) for r in requests] == [5, 4]
+
+    def sample(name: str, **labels: str) -> float:
+        value = metrics.registry.get_sample_value(name, labels)
+        assert value is not None, f"{name}{labels} is not exported"
+        return value
+
+    mixed = sum(1 for plan in engine.plans if any(take is not None for _, take in plan))
+    assert mixed == 4 + 3  # 29 prompt tokens in chunks of 8, then 20
+    assert sample("loraplane_worker_step_seconds_count", kind="mixed") == mixed
+    assert sample("loraplane_worker_step_seconds_count", kind="decode") == len(engine.plans) - mixed
+    assert sample("loraplane_worker_step_seconds_sum", kind="mixed") > 0
+    assert sample("loraplane_worker_queue_seconds_count") == 2
+    assert sample("loraplane_worker_first_token_seconds_count") == 2
+    assert sample("loraplane_worker_first_token_seconds_sum") > 0

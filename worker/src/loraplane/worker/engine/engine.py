@@ -65,6 +65,20 @@ class EngineObserver(Protocol):
         waiting: int,
         waiting_for_slot: int,
     ) -> None: ...
+    def request_admitted(self, queue_seconds: float) -> None:
+        """A request joined the running batch ``queue_seconds`` after the engine got it."""
+        ...
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token reached its consumer ``seconds`` after the engine got it."""
+        ...
+
+    def loop_iteration(self, kind: str, seconds: float) -> None:
+        """One pass of the engine loop that launched a step (``kind``: "mixed" when the step
+        feeds prompt tokens, else "decode"): its preparation, launch and the read of the
+        step it waited for (with overlapped steps the one launched before, ADR 0014)."""
+        ...
+
     def idle(self) -> None: ...
     def evicted(self, adapter: str) -> None: ...
     def slot_loaded(self, adapter: str) -> None: ...
@@ -646,10 +660,10 @@ class Engine:
                     commands, self._commands = self._commands, []
                 for fn, future in commands:
                     _run_command(fn, future)
-                if self.overlap:
-                    self._step_overlapped()
-                else:
-                    self._step()
+                started = time.perf_counter()
+                kind = self._step_overlapped() if self.overlap else self._step()
+                if kind is not None:
+                    self.observer.loop_iteration(kind, time.perf_counter() - started)
                 with self._lock:
                     self._report_kv()
                 if self.on_step is not None:
@@ -702,6 +716,9 @@ class Engine:
         """Send ``seq``'s new tokens (with the logprob of the step's token, when it asked and
         the token is one of them) and its end, if any."""
         finished = seq.finish_reason is not None
+        if new_tokens and not seq.first_token_seen:
+            seq.first_token_seen = True
+            self.observer.first_token(time.perf_counter() - seq.arrived)
         if new_tokens or finished:
             seq.sink(
                 SeqEvent(
@@ -744,6 +761,9 @@ class Engine:
                     self._emit(seq, ())
             admission = self.scheduler.schedule()
             self._prefix_hits(cast(list[Sequence], admission.admitted))
+            now = time.perf_counter()
+            for seq in cast(list[Sequence], admission.admitted):
+                self.observer.request_admitted(now - seq.arrived)
             for key in admission.evicted:
                 adapter = self.residency.adapters[key]
                 self.evictions.append(EventRecord("evict", adapter.name, time.time()))
@@ -765,18 +785,20 @@ class Engine:
             self._publish_residency()
         return admission, self._ready(running), waiting
 
-    def _step(self) -> None:
+    def _step(self) -> str | None:
+        """One step in turn: admit, run, read. The step's kind (None: nothing ran)."""
         admission, running, waiting = self._admit()
         if not running:
             self.observer.idle()
             if waiting:
                 time.sleep(0.001)
-            return
+            return None
         work: list[list[SeqWork]] = [[] for _ in range(self.dp_size)]
         order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
         # Rows ordered by adapter slot (stable; no adapter first): each slot's tokens are then
         # contiguous, so the LoRA kernels read them in place, with no gather (`row_order`).
-        for seq, take in sorted(self._plan(running), key=lambda p: p[0].slot):
+        plan = sorted(self._plan(running), key=lambda p: p[0].slot)
+        for seq, take in plan:
             work[seq.dp_group].append(self._work(seq, seq.next_tokens(take), seq.generated))
             order[seq.dp_group].append(seq)
         self.observer.step(
@@ -806,9 +828,11 @@ class Engine:
                     )
                     if seq.params.max_new_tokens:  # (not a prompt scored only)
                         self.observer.tokens_generated(seq.adapter_name, 1)
+        return _kind(plan)
 
-    def _step_overlapped(self) -> None:
-        """One step of ADR 0014: launch step N+1, then read step N's tokens.
+    def _step_overlapped(self) -> str | None:
+        """One step of ADR 0014: launch step N+1, then read step N's tokens. The launched
+        step's kind (None: none was launched).
 
         A sequence of step N in flight is launched again with its input token taken from N's
         sampled ids on the device (``SeqWork.carry``), unless N ends it by length (known
@@ -826,13 +850,16 @@ class Engine:
         admission, running, waiting = self._admit(in_flight)
         running = [s for s in running if not self._ends_in_flight(s, in_flight)]
         launched: tuple[LaunchedStep, list[Sequence], list[bool]] | None = None
+        kind: str | None = None
         if running:
             work: list[list[SeqWork]] = [[] for _ in range(self.dp_size)]
             order: list[list[Sequence]] = [[] for _ in range(self.dp_size)]
             real: list[list[bool]] = [[] for _ in range(self.dp_size)]
             # (as `_step` orders them; `cached` counts what the launched steps write, so a
             # sequence whose prompt is fed by the step in flight has its token carried)
-            for seq, take in sorted(self._plan(running), key=lambda p: p[0].slot):
+            plan = sorted(self._plan(running), key=lambda p: p[0].slot)
+            kind = _kind(plan)
+            for seq, take in plan:
                 carry = -1 if seq.prefilling else in_flight.get(id(seq), -1)
                 tokens = (0,) if carry >= 0 else seq.next_tokens(take)
                 index = seq.generated + (1 if carry >= 0 else 0)
@@ -861,8 +888,9 @@ class Engine:
                 self.observer.idle()
                 if waiting:
                     time.sleep(0.001)
-            return
+            return kind
         self._resolve(prev, {id(s) for s in launched[1]} if launched else set())
+        return kind
 
     def _ends_in_flight(self, seq: Sequence, in_flight: dict[int, int]) -> bool:
         """Whether the step in flight gives ``seq`` its last token by length (so it is not
@@ -1004,6 +1032,11 @@ class Engine:
             or len(seq.prompt_ids) + seq.generated >= self.max_model_len
         ):
             self._finish(seq, "length")
+
+
+def _kind(plan: list[tuple[Sequence, int | None]]) -> str:
+    """A step's kind for the loop metrics: "mixed" when it feeds prompt tokens."""
+    return "mixed" if any(take is not None for _, take in plan) else "decode"
 
 
 def _logprobs_at(

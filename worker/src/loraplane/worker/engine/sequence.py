@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,6 +76,8 @@ class Sequence:
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     aborted: bool = False
+    arrived: float = field(default_factory=time.perf_counter)  # when the engine got it
+    first_token_seen: bool = False  # whether a token of it reached its sink
 
     @property
     def shareable_prompt(self) -> list[int]:

@@ -11,6 +11,9 @@ NO_ADAPTER_LABEL = "none"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+_STEP_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1)
+
+
 def _label(adapter: str | None) -> str:
     return adapter if adapter is not None else NO_ADAPTER_LABEL
 
@@ -101,6 +104,28 @@ class WorkerMetrics:
             registry=r,
         )
         self.steps = Counter("loraplane_worker_steps", "Forward steps run", registry=r)
+        # where a request's time to first token goes, inside the engine (the client's TTFT
+        # adds the HTTP front end and the network)
+        self.queue_seconds = Histogram(
+            "loraplane_worker_queue_seconds",
+            "Time from the engine receiving a request to its admission into the running batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.first_token_seconds = Histogram(
+            "loraplane_worker_first_token_seconds",
+            "Time from the engine receiving a request to its first token leaving the engine",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "loraplane_worker_step_seconds",
+            "One pass of the engine loop that launched a step (kind=mixed: it feeds prompt "
+            "tokens; decode: only running sequences' next tokens)",
+            ["kind"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         # the paged KV cache (ADR 0015): hit rate = rate(prefix_cached_tokens) /
         # rate(prompt_tokens), or by requests from prefix_lookups
         self.prefix_lookups = Counter(
@@ -146,6 +171,8 @@ class WorkerMetrics:
         self.max_loaded.set(max_loaded_loras)
         for counter in (self.requests, self.prompt_tokens, self.generated_tokens):
             counter.labels(NO_ADAPTER_LABEL)
+        for kind in ("decode", "mixed"):
+            self.step_seconds.labels(kind)
         for outcome in ("success", "failure"):  # born at 0: increase() sees the first failure
             self.load_seconds.labels(outcome)
             self.unload_seconds.labels(outcome)
@@ -179,6 +206,15 @@ class WorkerMetrics:
             self.running.labels(str(g)).set(n)
         self.waiting.set(waiting)
         self.waiting_for_slot.set(waiting_for_slot)
+
+    def request_admitted(self, queue_seconds: float) -> None:
+        self.queue_seconds.observe(queue_seconds)
+
+    def first_token(self, seconds: float) -> None:
+        self.first_token_seconds.observe(seconds)
+
+    def loop_iteration(self, kind: str, seconds: float) -> None:
+        self.step_seconds.labels(kind).observe(seconds)
 
     def idle(self) -> None:
         for g in range(self.dp_size):
