@@ -267,3 +267,34 @@ def test_the_warm_up_captures_every_dp_lora_decode_graph_a_step_can_need(
     captured = {key for key in executor.graphs if key[1] is not None}
     assert reachable - captured == set()
     assert captured - reachable == set()  # (the test's enumeration misses nothing)
+
+
+@pytest.mark.parametrize(("max_seqs", "slots"), [(24, 32), (48, 40), (12, 16)])
+def test_the_warm_up_captures_the_lora_graphs_of_buckets_with_fewer_rows_than_slots(
+    max_seqs: int, slots: int
+) -> None:
+    """More slots than a bucket's rows (no stage): a graph's segment count is capped at the
+    bucket, so 17 to 24 adapters at bucket 24 meet a graph of their own. Every batch shape
+    (rows, distinct adapters, rows with an adapter, the longest segment) is enumerated: the
+    warm-up met the LoRA graph of each."""
+    from loraplane.worker.engine.graphs import graph_buckets
+    from loraplane.worker.lora.batch_info import segments_of, static_shape
+
+    plan = plan_for(max_seqs, 64, slots, 32, stage_positions=0)
+    executor = _StageOnly(max_seqs, 0, 32)
+    warm_up(executor, plan)  # type: ignore[arg-type]
+    reachable = set()
+    for n in range(1, max_seqs + 1):
+        bucket = next(b for b in graph_buckets(max_seqs) if b >= n)
+        for k in range(1, min(n, slots) + 1):
+            for m in range(k, n + 1):  # rows with an adapter
+                for longest in range(-(-m // k), m - k + 2):
+                    rest = m - longest  # over the k - 1 other adapters, 1 to `longest` each
+                    sizes = (
+                        [longest] + [rest // (k - 1) + (i < rest % (k - 1)) for i in range(k - 1)]
+                        if k > 1
+                        else [longest]
+                    )
+                    rows = [-1] * (n - m) + [s for s, size in enumerate(sizes) for _ in range(size)]
+                    reachable.add((bucket, static_shape(segments_of(rows), bucket), 0, 0))
+    assert reachable - executor.graphs == set()

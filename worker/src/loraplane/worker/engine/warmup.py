@@ -214,12 +214,16 @@ def lora_decode_batches(buckets: tuple[int, ...], slots: list[int]) -> list[list
     slot) that meet every LoRA graph a batch of the distinct ``slots`` can: at each bucket
     of at least ``len(slots)`` rows, one batch per class of its longest segment that such a
     batch can have (``SEGMENT_CLASSES``, then longer). The other adapters get a row each,
-    the remaining rows none."""
+    the remaining rows none. A bucket of fewer rows than ``slots`` caps the graph's segment
+    count at its rows: a batch of one row per adapter meets that graph when it falls in
+    this count's power-of-two class (``static_shape``: 17 to 24 adapters at bucket 24)."""
     others = slots[1:]
     batches = []
     for bucket in buckets:
         top = bucket - len(others)  # the longest segment a batch of ``bucket`` rows can have
         if top < 1:
+            if 2 * bucket > len(slots):
+                batches.append(sorted(slots[:bucket]))
             continue
         longest = {min(c, top) for c in SEGMENT_CLASSES} | {top}
         for length in sorted(longest):
