@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 
-def test_a_kernel_compiled_after_the_warm_up_logs_its_name(
+def test_a_kernel_compiled_after_the_warm_up_logs_its_name_and_specialization(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from triton import knobs
@@ -32,7 +32,7 @@ def test_a_kernel_compiled_after_the_warm_up_logs_its_name(
         with caplog.at_level(logging.WARNING, logger="loraplane.worker.compile_watch"):
             # (the arguments JITFunction._call_hook passes, those this hook reads)
             skip = hook(
-                key="k",
+                key="(('*bf16', 'D'), ('i32', ''))",
                 repr="_decode_attention_kernel[num_warps=4]",
                 fn=info,
                 compile={},
@@ -42,7 +42,8 @@ def test_a_kernel_compiled_after_the_warm_up_logs_its_name(
         assert not skip
         assert [r.getMessage() for r in caplog.records] == [
             "a Triton kernel was compiled or loaded after the warm-up: "
-            "_decode_attention_kernel _decode_attention_kernel[num_warps=4]"
+            "_decode_attention_kernel _decode_attention_kernel[num_warps=4] "
+            "key=\"(('*bf16', 'D'), ('i32', ''))\""
         ]
     finally:
         knobs.runtime.jit_post_compile_hook = before

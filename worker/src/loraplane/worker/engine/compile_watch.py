@@ -23,8 +23,10 @@ MESSAGE = "a Triton kernel was compiled or loaded after the warm-up: %s"
 def _after_compile(**kw: Any) -> bool:
     fn = kw.get("fn")
     name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or repr(fn)
-    spec = " ".join(str(kw.get("repr", "")).split())  # one line: its constexprs and types
-    log.warning(MESSAGE, f"{name} {spec}".strip()[:2000])
+    # one line: its constexprs and types, and the cache key (the argument specializations,
+    # which some Triton versions leave out of ``repr``)
+    spec = " ".join(f"{kw.get('repr', '')} key={kw.get('key', '')!r}".split())
+    log.warning(MESSAGE, f"{name} {spec}".strip()[:3000])
     return False  # (a pre-compile hook's true answer would skip the compile)
 
 
