@@ -102,3 +102,25 @@ def test_engine_figures_are_the_window_deltas_of_the_workers_histograms() -> Non
     totals = parse_engine_totals(generate_latest(bare).decode())
     assert EngineMetrics.delta(totals, totals) == dict.fromkeys(ENGINE_FIGURES)
     assert EngineMetrics.delta(None, after) == dict.fromkeys(ENGINE_FIGURES)
+
+
+def test_a_client_side_failure_is_named_by_its_type_and_url_rows_measure_only_the_bench(
+    tmp_path: Path,
+) -> None:
+    """``--url`` at a port nothing listens on: every request fails in the client (httpx's
+    ConnectError), the scrapes too; the bench measures only its own CPU."""
+    from loraplane.devcluster.processes import free_port
+
+    out = tmp_path / "serve.json"
+    args = [
+        "--url", f"http://127.0.0.1:{free_port()}", "--device", "cpu", "--clients", "1",
+        "--adapters", "0", "--prompt-len", "4", "--output-len", "2", "--vocab", "100",
+        "--warmup", "0", "--duration", "0.3", "--out", str(out),
+    ]  # fmt: skip
+    assert main(args) == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    ((message, count),) = row["error_kinds"].items()
+    assert message.startswith("ConnectError"), message
+    assert count == row["errors"] > 0
+    assert set(row["cpu"]) == {"bench"}
+    assert row["engine"] == dict.fromkeys(ENGINE_FIGURES)
