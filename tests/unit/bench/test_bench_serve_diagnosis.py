@@ -50,6 +50,11 @@ def test_a_window_carries_the_workers_own_figures(rows: list[dict[str, Any]]) ->
     assert all(v is None or (isinstance(v, float | int) and v >= 0) for v in engine.values())
     # the prefix cache is looked up for every admitted request (random prompts: misses)
     assert engine["prefix_hit_rate"] == 0.0
+    from loraplane.worker.server.metrics import WorkerMetrics
+
+    if hasattr(WorkerMetrics, "loop_iteration"):  # the worker exposes its queue and steps
+        assert engine["decode_steps"] > 0 and engine["mixed_steps"] > 0  # prompts were fed
+        assert None not in engine.values(), engine
 
 
 def test_failed_requests_are_counted_by_their_message(rows: list[dict[str, Any]]) -> None:
@@ -63,21 +68,27 @@ def test_failed_requests_are_counted_by_their_message(rows: list[dict[str, Any]]
 
 
 def test_engine_figures_are_the_window_deltas_of_the_workers_histograms() -> None:
-    """The histograms the worker exposes for its queue, first tokens and steps, and its
-    prefix lookups, as a real registry writes them, scraped at a window's two edges."""
-    from prometheus_client import Histogram, generate_latest
+    """The worker's queue, first-token and step histograms (as prometheus_client writes them,
+    under the worker's names) and its prefix lookups (its own metrics), scraped at a window's
+    two edges."""
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
     from loraplane.worker.bench.serve import EngineMetrics, parse_engine_totals
     from loraplane.worker.server.metrics import WorkerMetrics
 
     metrics = WorkerMetrics(dp_size=1, max_loras_per_batch=2, max_loaded_loras=2)
-    r = metrics.registry
+    r = CollectorRegistry()
     queue = Histogram("loraplane_worker_queue_seconds", "queue", registry=r)
     first = Histogram("loraplane_worker_first_token_seconds", "first token", registry=r)
     step = Histogram("loraplane_worker_step_seconds", "step", ["kind"], registry=r)
+
+    def scrape() -> dict[str, float]:
+        pages = (generate_latest(metrics.registry), generate_latest(r))
+        return {k: v for page in pages for k, v in parse_engine_totals(page.decode()).items()}
+
     queue.observe(5.0)  # before the window: not counted
     metrics.prefix_lookup("a", 16, 20)
-    before = parse_engine_totals(generate_latest(r).decode())
+    before = scrape()
     queue.observe(0.010)
     queue.observe(0.030)
     first.observe(0.250)
@@ -87,8 +98,7 @@ def test_engine_figures_are_the_window_deltas_of_the_workers_histograms() -> Non
     metrics.prefix_lookup(None, 0, 20)
     metrics.prefix_lookup("b", 0, 20)
     metrics.prefix_lookup("b", 32, 40)
-    after = parse_engine_totals(generate_latest(r).decode())
-    assert EngineMetrics.delta(before, after) == {
+    assert EngineMetrics.delta(before, scrape()) == {
         "queue_ms_mean": 20.0,
         "first_token_ms_mean": 250.0,
         "decode_steps": 3,
@@ -97,11 +107,12 @@ def test_engine_figures_are_the_window_deltas_of_the_workers_histograms() -> Non
         "mixed_step_ms_mean": None,
         "prefix_hit_rate": 0.5,
     }
-    # a worker without these histograms and no lookups, or a failed scrape: null figures
-    bare = WorkerMetrics(dp_size=1, max_loras_per_batch=2, max_loaded_loras=2).registry
-    totals = parse_engine_totals(generate_latest(bare).decode())
+    # a server without these metrics (a gauge of its own only), or a failed scrape: nulls
+    other = CollectorRegistry()
+    Gauge("loraplane_router_up", "up", registry=other).set(1)
+    totals = parse_engine_totals(generate_latest(other).decode())
     assert EngineMetrics.delta(totals, totals) == dict.fromkeys(ENGINE_FIGURES)
-    assert EngineMetrics.delta(None, after) == dict.fromkeys(ENGINE_FIGURES)
+    assert EngineMetrics.delta(None, before) == dict.fromkeys(ENGINE_FIGURES)
 
 
 def test_a_client_side_failure_is_named_by_its_type_and_url_rows_measure_only_the_bench(
