@@ -23,6 +23,7 @@ step kv 560 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --prompt-len 10
   --shared-prefix 0,1024 --clients 64,256 --warmup 8 --duration 20 --out "$OUT/serve_kv.json"
 "$PY" - "$OUT" <<'PY' | tee -a "$OUT/summary.txt"
 import json, pathlib, sys
+from loraplane.worker.bench.serve import diagnosis
 for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
     rows = json.loads(p.read_text())["rows"]
     print(f"--- {p.name}")
@@ -32,6 +33,7 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
               f"{r['out_tok_s']:>6} {r['ttft_ms_p50']!s:>7} {r['ttft_ms_p99']!s:>7} "
               f"{r['itl_ms_p50']!s:>6} {r['itl_ms_p99']!s:>6} {r['requests']:>4} "
               f"{r['errors']:>4} {r['gpu_busy']!s:>5}")
+        print(f"        {diagnosis(r)}")  # cpu per process, the worker's figures, error kinds
 PY
 # the workers' logs without the access lines, last lines (a failed start says why there)
 for f in "$WORK"*/worker*.log; do [ -f "$f" ] && grep -v uvicorn.access "$f" | tail -n 400 >"$OUT/$(basename "$f")"; done

@@ -46,6 +46,7 @@ step moe-dp2 550 "$PY" -m loraplane.worker.bench.serve "${MOE[@]}" --dp 2 --dp-a
   --out "$OUT/serve_moe_dp2.json"
 "$PY" - "$OUT" <<'PY' | tee "$OUT/summary.txt"
 import json, pathlib, sys
+from loraplane.worker.bench.serve import diagnosis
 for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
     rows = json.loads(p.read_text())["rows"]
     print(f"--- {p.name}")
@@ -54,6 +55,7 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("serve_*.json")):
         print(f"{r['transport']:<10} {r['clients']:>7} {r['adapters']:>8} {r['slots']:>5} {r['window']:>6} "
               f"{r['out_tok_s']:>6} {r['ttft_ms_p50']!s:>7} {r['ttft_ms_p99']!s:>7} {r['itl_ms_p50']!s:>6} "
               f"{r['itl_ms_p99']!s:>6} {r['requests']:>4} {r['errors']:>4} {r['gpu_busy']!s:>5}")
+        print(f"        {diagnosis(r)}")  # cpu per process, the worker's figures, error kinds
 PY
 # the decode graphs each worker captured, and the Triton kernels it compiled, after its
 # warm-up (what a client waited for)

@@ -21,6 +21,11 @@ measured over ``--windows`` windows of ``--duration`` seconds after ``--warmup``
   cache, ADR 0015); rows name it (``shared_prefix``).
 - ``gpu_busy`` is NVML's utilisation (the share of time a kernel ran), sampled every
   100 ms through the window, when NVML can be loaded; null otherwise.
+- Why a window is slow or failed: ``error_kinds`` (the failed requests' messages, the 5 most
+  frequent, with counts), ``cpu`` (cores used by this process and, for a worker it started,
+  the worker and each of its processes: ``engine-core:<pid>``, ``rank:<pid>``) and ``engine``
+  (from the server's ``/metrics`` at the window's edges: mean queue, first-token and step
+  times, decode and mixed steps, the prefix cache's hit rate by lookups; null in-process).
 
 Progress goes to stderr, one JSON object to stdout (and ``--out``).
 """
@@ -41,6 +46,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -115,7 +121,15 @@ def summarise(records: list[RequestRecord], t0: float, t1: float) -> dict[str, A
         "requests": len(ended),
         "req_s": round(len(ended) / (t1 - t0), 2),
         "errors": sum(1 for r in started if r.error is not None),
+        "error_kinds": error_kinds(started),
     }
+
+
+def error_kinds(records: list[RequestRecord], top: int = 5) -> dict[str, int]:
+    """The failed requests' messages (cut to 120 characters) and how many had each, the
+    ``top`` most frequent first."""
+    counts = Counter(r.error[:120] for r in records if r.error is not None)
+    return dict(counts.most_common(top))
 
 
 def _round(v: float | None, digits: int = 1) -> float | None:
@@ -176,7 +190,7 @@ class HttpTransport:
         async with self.client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:200]}"
+                record.error = f"HTTP {response.status_code}: {_error_message(text)[:200]}"
                 return
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -201,6 +215,22 @@ class HttpTransport:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _error_message(body: str) -> str:
+    """The message of an error body (``{"error": {"message": ...}}``, or FastAPI's
+    ``{"detail": ...}``), else the body as it came."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body
+    if isinstance(doc, dict):
+        error = doc.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if "detail" in doc:
+            return str(doc["detail"])
+    return body
 
 
 class InProcessTransport:
@@ -286,8 +316,12 @@ async def run_row(
     busy: GpuBusy,
     progress: Callable[[str], None],
     shared_prefix: int = 0,
+    cpu: CpuUse | None = None,
+    engine: EngineMetrics | None = None,
 ) -> list[dict[str, Any]]:
-    """Drive one row's load and return one summary per window."""
+    """Drive one row's load and return one summary per window (with ``cpu``, each process's
+    CPU use; with ``engine``, the server's own figures; null without)."""
+    cpu = cpu or CpuUse()
     rng = random.Random(seed)
     prefixes: dict[str | None, list[int]] = {}
 
@@ -310,7 +344,8 @@ async def run_row(
         try:
             await transport.stream(prompt, record.adapter, output_len, record)
         except Exception as exc:  # a dropped connection is a row's error, not the bench's
-            record.error = f"{type(exc).__name__}: {exc}"[:200]
+            name = type(exc).__name__  # httpx's timeouts often carry no message: the type does
+            record.error = (f"{name}: {exc}" if str(exc) else name)[:200]
 
     async def client() -> None:
         while time.perf_counter() < end:
@@ -334,11 +369,16 @@ async def run_row(
     summaries: list[dict[str, Any]] = []
     for i in range(windows):
         await asyncio.sleep(max(0.0, edges[i] - time.perf_counter()))
+        before = await engine.scrape() if engine else None
         busy.begin()
+        cpu.begin()
         await asyncio.sleep(max(0.0, edges[i + 1] - time.perf_counter()))
         gpu_busy = busy.end()
+        cpu_use = cpu.end()
         summary = summarise(records, edges[i], edges[i + 1])
         summary["gpu_busy"] = gpu_busy
+        summary["cpu"] = cpu_use
+        summary["engine"] = EngineMetrics.delta(before, await engine.scrape()) if engine else None
         summary["window"] = i
         summaries.append(summary)
         progress(
@@ -346,9 +386,29 @@ async def run_row(
             f"itl p50 {summary['itl_ms_p50']} ms, {summary['requests']} requests, "
             f"{summary['errors']} errors, gpu_busy {gpu_busy}"
         )
+        progress(f"    {diagnosis(summary)}")
     # stop issuing; let the streams in flight end so the next row starts from an idle server
     await asyncio.gather(*list(tasks), return_exceptions=True)
     return summaries
+
+
+def diagnosis(summary: dict[str, Any]) -> str:
+    """A window's CPU use, engine figures and error kinds on one line."""
+    cpu = " ".join(f"{k} {v}" for k, v in summary.get("cpu", {}).items())
+    parts = [f"cpu {cpu or '-'}"]
+    e = summary.get("engine")
+    if e is not None and all(v is None for v in e.values()):
+        parts.append("engine -")
+    elif e is not None:
+        parts.append(
+            f"queue {e['queue_ms_mean']} ms, first token {e['first_token_ms_mean']} ms, "
+            f"steps decode {e['decode_steps']} x {e['decode_step_ms_mean']} ms "
+            f"mixed {e['mixed_steps']} x {e['mixed_step_ms_mean']} ms, "
+            f"prefix hits {e['prefix_hit_rate']}"
+        )
+    if summary.get("error_kinds"):
+        parts.append(f"errors {json.dumps(summary['error_kinds'])}")
+    return "; ".join(parts)
 
 
 class GpuBusy:
@@ -390,6 +450,194 @@ class GpuBusy:
         self._thread.join()
         self._thread = None
         return round(statistics.fmean(self.samples), 3) if self.samples else None
+
+
+class CpuUse:
+    """The share of one CPU core (1.0 = a full core) each process used between ``begin`` and
+    ``end``, from /proc/<pid>/stat: ``bench`` (this process) and, given the ``worker``'s pid,
+    the worker (its HTTP front end) and each of its descendants that lived through the window
+    (``engine-core:<pid>``, ``rank:<pid>``, ...). Without /proc, or for a process that ended,
+    the entry is left out."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        self.worker = worker
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._begin: tuple[float, dict[str, float]] = (0.0, {})
+
+    def begin(self) -> None:
+        self._begin = (time.perf_counter(), self._ticks())
+
+    def end(self) -> dict[str, float]:
+        t0, before = self._begin
+        after = self._ticks()
+        seconds = max(time.perf_counter() - t0, 1e-9)
+        return {
+            key: round((after[key] - ticks) / self.tick / seconds, 2)
+            for key, ticks in before.items()
+            if key in after
+        }
+
+    def _ticks(self) -> dict[str, float]:
+        """CPU ticks (user + system) so far of every process measured, by key."""
+        stats = _proc_stats()
+        ticks = {}
+        if os.getpid() in stats:
+            ticks["bench"] = stats[os.getpid()][1]
+        if self.worker is None or self.worker not in stats:
+            return ticks
+        ticks["worker"] = stats[self.worker][1]
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _) in stats.items():
+            children.setdefault(ppid, []).append(pid)
+        todo = [(pid, 1) for pid in children.get(self.worker, [])]
+        while todo:
+            pid, depth = todo.pop()
+            ticks[f"{_process_name(pid, depth)}:{pid}"] = stats[pid][1]
+            todo += [(child, depth + 1) for child in children.get(pid, [])]
+        return ticks
+
+
+def _proc_stats() -> dict[int, tuple[int, float]]:
+    """{pid: (parent pid, utime + stime in ticks)} of every process /proc shows (none
+    without /proc)."""
+    stats: dict[int, tuple[int, float]] = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return stats
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                text = f.read()
+        except OSError:  # ended since the listing
+            continue
+        # the fields after the command name (which may hold spaces and parentheses):
+        # state ppid ... utime (14th field of the line) stime (15th)
+        rest = text[text.rindex(b")") + 2 :].split()
+        stats[pid] = (int(rest[1]), float(int(rest[11]) + int(rest[12])))
+    return stats
+
+
+def _process_name(pid: int, depth: int) -> str:
+    """A short name for a descendant of the worker: the engine core (its multiprocessing
+    spawn child), the core's rank processes (spawned by it in turn), the resource tracker,
+    else the program's name."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        argv = []
+    line = " ".join(argv)
+    if "spawn_main" in line:
+        return "engine-core" if depth == 1 else "rank"
+    if "resource_tracker" in line:
+        return "resource-tracker"
+    if argv and argv[0]:
+        return Path(argv[0]).name
+    return "process"
+
+
+ENGINE_FIGURES = (
+    "queue_ms_mean",
+    "first_token_ms_mean",
+    "decode_steps",
+    "mixed_steps",
+    "decode_step_ms_mean",
+    "mixed_step_ms_mean",
+    "prefix_hit_rate",
+)
+
+
+class EngineMetrics:
+    """The worker's own figures for a window, from two scrapes of its ``GET /metrics`` (one
+    short request of its own at each edge, 5 s timeout): the means of its queue, first-token
+    and step histograms, step counts by kind, and the prefix cache's hit rate by lookups.
+    A figure whose metric the server does not expose (or a failed scrape) is null."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        self.url = url.rstrip("/") + "/metrics"
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def scrape(self) -> dict[str, float] | None:
+        """The totals so far, by series (``None`` if the scrape failed)."""
+        import httpx
+
+        try:
+            async with httpx.AsyncClient(timeout=5, headers=self.headers) as client:
+                response = await client.get(self.url)
+                response.raise_for_status()
+            return parse_engine_totals(response.text)
+        except Exception:  # a scrape never fails the row: its figures are null
+            return None
+
+    @staticmethod
+    def delta(begin: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, Any]:
+        def d(key: str) -> float | None:
+            if begin is None or end is None or key not in begin or key not in end:
+                return None
+            return end[key] - begin[key]
+
+        def mean_ms(name: str) -> float | None:
+            total, count = d(f"{name}_sum"), d(f"{name}_count")
+            if total is None or not count:
+                return None
+            return round(1000 * total / count, 2)
+
+        def steps(kind: str) -> int | None:
+            count = d(f"step:{kind}_count")
+            return None if count is None else int(count)
+
+        hits, lookups = d("prefix:hit"), d("prefix:all")
+        return {
+            "queue_ms_mean": mean_ms("queue"),
+            "first_token_ms_mean": mean_ms("first_token"),
+            "decode_steps": steps("decode"),
+            "mixed_steps": steps("mixed"),
+            "decode_step_ms_mean": mean_ms("step:decode"),
+            "mixed_step_ms_mean": mean_ms("step:mixed"),
+            "prefix_hit_rate": None if hits is None or not lookups else round(hits / lookups, 3),
+        }
+
+
+_HISTOGRAMS = {
+    "loraplane_worker_queue_seconds": "queue",
+    "loraplane_worker_first_token_seconds": "first_token",
+    "loraplane_worker_step_seconds": "step",
+}
+
+
+def parse_engine_totals(text: str) -> dict[str, float]:
+    """The series ``EngineMetrics`` needs from a Prometheus text page, summed over their
+    labels: ``queue_sum``/``queue_count``, ``first_token_*``, ``step:<kind>_*``,
+    ``prefix:hit`` and ``prefix:all`` (lookups); a series the page lacks is absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+
+    def add(key: str, value: float) -> None:
+        totals[key] = totals.get(key, 0.0) + value
+
+    for family in text_string_to_metric_families(text):
+        # a family the page has counts from 0 in the series it has not born yet
+        kinds = ["step:decode", "step:mixed"] if family.name.endswith("step_seconds") else []
+        for key in kinds or [_HISTOGRAMS.get(family.name, "")]:
+            if key:
+                totals.setdefault(f"{key}_sum", 0.0)
+                totals.setdefault(f"{key}_count", 0.0)
+        if family.name == "loraplane_worker_prefix_lookups":
+            totals.setdefault("prefix:all", 0.0)
+            totals.setdefault("prefix:hit", 0.0)
+        for sample in family.samples:
+            base, _, suffix = sample.name.rpartition("_")
+            if base in _HISTOGRAMS and suffix in ("sum", "count"):
+                key = _HISTOGRAMS[base]
+                if key == "step":
+                    key = f"step:{sample.labels.get('kind', 'unknown')}"
+                add(f"{key}_{suffix}", sample.value)
+            elif sample.name == "loraplane_worker_prefix_lookups_total":
+                add("prefix:all", sample.value)
+                add("prefix:hit", sample.value if sample.labels.get("result") == "hit" else 0.0)
+    return totals
 
 
 # --- the worker under test ------------------------------------------------------------------
@@ -668,6 +916,8 @@ async def _measure(
     busy: GpuBusy,
     slots: int | None,
     on_row: Callable[[list[dict[str, Any]]], None],
+    cpu: CpuUse | None = None,
+    engine: EngineMetrics | None = None,
 ) -> list[dict[str, Any]]:
     """Every row of ``transport``, each given to ``on_row`` as it ends; closes the transport."""
     try:
@@ -695,6 +945,8 @@ async def _measure(
                     busy=busy,
                     progress=progress,
                     shared_prefix=row.shared_prefix,
+                    cpu=cpu,
+                    engine=engine,
                 )
                 for summary in windows:
                     results.append(
@@ -790,8 +1042,10 @@ def main(argv: list[str] | None = None) -> int:
                     url, args.endpoint, args.token, max(_ints(args.clients), default=64)
                 )
                 slots = args.slots if worker is not None else None
+                cpu = CpuUse(worker.proc.pid if worker is not None else None)
+                scraper = EngineMetrics(url, args.token)
                 out["rows"] += asyncio.run(
-                    _measure(transport, args, names, vocab, busy, slots, flush)
+                    _measure(transport, args, names, vocab, busy, slots, flush, cpu, scraper)
                 )
             finally:
                 if worker is not None:
