@@ -21,6 +21,10 @@ from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
 
 # Upstream reads go straight to the client; a larger read buffer only means fewer reads.
 READ_BUFSIZE = 1 << 20
+# An idle connection to a worker is closed after this long: below the worker's own
+# keep-alive (`loraplane worker serve --keep-alive-timeout`, 75 s), so the router closes
+# first and never sends a request on a connection the worker is closing.
+KEEPALIVE_S = 30
 
 
 class Upstream:
@@ -28,7 +32,7 @@ class Upstream:
         self.probe_timeout_s = probe_timeout_s
         headers = {"Authorization": f"Bearer {worker_token}"} if worker_token else None
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
             headers=headers,
             read_bufsize=READ_BUFSIZE,
             timeout=aiohttp.ClientTimeout(total=None),

@@ -341,6 +341,14 @@ def serve_cmd(
     max_request_bytes: Annotated[
         int, typer.Option(help="A request body larger than this is refused with 413")
     ] = 16 * 1024 * 1024,
+    keep_alive_timeout: Annotated[
+        int,
+        typer.Option(
+            help="Seconds an idle keep-alive connection stays open. Keep it above what the "
+            "clients (the router: 30 s) keep one idle, so they close first: a connection the "
+            "worker closes just as a client reuses it fails that request"
+        ),
+    ] = 75,
     admin_token_file: Annotated[
         str | None,
         typer.Option(
@@ -395,6 +403,7 @@ def serve_cmd(
             chunked_prefill_size=chunked_prefill_size,
             engine_process=engine_process,
             max_request_bytes=max_request_bytes,
+            keep_alive_s=keep_alive_timeout,
             admin_token_file=admin_token_file,
         )
         serve(config)

@@ -50,6 +50,10 @@ class ServeConfig:
     port: int = 30000
     log_level: str = "info"
     max_request_bytes: int = 16 * 1024 * 1024  # a larger body is refused with 413
+    # An idle keep-alive connection stays open this long. Longer than its clients keep one
+    # idle (the router 30 s, httpx 5 s), so the client closes first: a server that closes a
+    # connection as a client reuses it fails that request (a reset the client reports).
+    keep_alive_s: int = 75
     admin_token_file: str | None = None  # adapter and debug endpoints need this bearer token
 
     def __post_init__(self) -> None:
@@ -70,6 +74,10 @@ class ServeConfig:
         if self.sampler not in SAMPLERS:
             raise ConfigError(
                 f"--sampler {self.sampler!r} is not supported; expected one of {', '.join(SAMPLERS)}"
+            )
+        if not 1 <= self.keep_alive_s <= 3600:
+            raise ConfigError(
+                f"--keep-alive-timeout must be in 1..3600 seconds, got {self.keep_alive_s}"
             )
         if self.max_request_bytes < 1024:
             raise ConfigError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")

@@ -93,7 +93,12 @@ def serve(config: ServeConfig) -> None:
     app = create_app(server)
     try:
         uvicorn.run(
-            app, host=config.host, port=config.port, log_level=config.log_level, log_config=None
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            log_config=None,
+            timeout_keep_alive=config.keep_alive_s,
         )
     finally:
         server.engine.stop()
