@@ -115,8 +115,8 @@ def test_engine_figures_are_the_window_deltas_of_the_workers_histograms() -> Non
 def test_a_client_side_failure_is_named_by_its_type_and_url_rows_measure_only_the_bench(
     tmp_path: Path,
 ) -> None:
-    """``--url`` at a port nothing listens on: every request fails in the client (httpx's
-    ConnectError), the scrapes too; the bench measures only its own CPU."""
+    """``--url`` at a port nothing listens on: every request fails in the client (aiohttp's
+    ClientConnectorError), the scrapes too; the bench measures only its own CPU."""
     from loraplane.devcluster.processes import free_port
 
     out = tmp_path / "serve.json"
@@ -128,7 +128,7 @@ def test_a_client_side_failure_is_named_by_its_type_and_url_rows_measure_only_th
     assert main(args) == 1
     (row,) = json.loads(out.read_text())["rows"]
     ((message, count),) = row["error_kinds"].items()
-    assert message.startswith("ConnectError"), message
+    assert message.startswith("ClientConnectorError: Cannot connect to host"), message
     assert count == row["errors"] > 0
     assert set(row["cpu"]) == {"bench"}
     assert row["engine"] == dict.fromkeys(ENGINE_FIGURES)

@@ -52,6 +52,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import aiohttp
+from yarl import URL
+
 # --- what one request saw -------------------------------------------------------------------
 
 
@@ -138,6 +141,15 @@ def _round(v: float | None, digits: int = 1) -> float | None:
 
 # --- transports ---------------------------------------------------------------------------
 
+# A stream's events go straight to its record; a larger read buffer only means fewer reads.
+READ_BUFSIZE = 1 << 20
+# A connection that waited for its first byte, or for the next event, this long has failed.
+STREAM_TIMEOUT_S = 600
+# An idle connection is closed after this long: below the keep-alive of the servers measured
+# (uvicorn's default 5 s, the router's; the worker's 75 s), so the bench never sends a request
+# on a connection the server is closing.
+KEEPALIVE_S = 4
+
 
 class Transport(Protocol):
     name: str
@@ -153,68 +165,98 @@ class HttpTransport:
     """Streams ``POST /generate`` (a worker: one event per step, so every token's arrival is
     seen) or ``POST /v1/completions`` (a worker or the router: an event per text delta, so
     tokens that decode to no text yet arrive with the next one, and TTFT and the gaps count
-    text, not tokens)."""
+    text, not tokens).
+
+    Over aiohttp, as the router's upstream streams (``controlplane/upstream.py``) and SGLang's
+    ``bench_serving``: a stream costs this process little CPU, so its event loop does not hold
+    token events back and inflate the TTFT and gaps it reports (``cpu.bench`` near 1.0 says
+    it did). The session is made in the event loop that streams (a transport's rows run in
+    one ``asyncio.run``) and closed by ``close``."""
 
     name = "http"
 
-    def __init__(self, url: str, endpoint: str, token: str | None, clients: int) -> None:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        limits = httpx.Limits(max_connections=clients * 2 + 8, max_keepalive_connections=clients)
-        self.client = httpx.AsyncClient(
-            base_url=url.rstrip("/"), headers=headers, limits=limits, timeout=600
-        )
+    def __init__(self, url: str, endpoint: str, token: str | None) -> None:
         self.endpoint = endpoint
+        path = "/generate" if endpoint == "generate" else "/v1/completions"
+        self.url = URL(url.rstrip("/") + path)  # parsed once, not per request
+        self.headers = {"Authorization": f"Bearer {token}"} if token else None
+        self.session: aiohttp.ClientSession | None = None
 
-    def _request(
-        self, prompt: list[int], adapter: str | None, output_len: int
-    ) -> tuple[str, dict[str, Any]]:
-        """The path and body of one greedy streamed request of ``output_len`` tokens."""
+    def _session(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                # no cap on connections: every client streams on its own
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                headers=self.headers,
+                read_bufsize=READ_BUFSIZE,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=STREAM_TIMEOUT_S, sock_read=STREAM_TIMEOUT_S
+                ),
+                cookie_jar=aiohttp.DummyCookieJar(),  # servers set none: nothing to store
+            )
+        return self.session
+
+    def _body(self, prompt: list[int], adapter: str | None, output_len: int) -> dict[str, Any]:
+        """The body of one greedy streamed request of ``output_len`` tokens."""
         greedy = {"temperature": 0, "ignore_eos": True}
         if self.endpoint == "generate":
             sampling = {"max_new_tokens": output_len, **greedy}
             body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
             if adapter is not None:
                 body["lora_path"] = adapter
-            return "/generate", body
+            return body
         body = {"prompt": prompt, "max_tokens": output_len, **greedy, "stream": True}
         if adapter is not None:
             body["model"] = adapter
-        return "/v1/completions", body
+        return body
 
     async def stream(
         self, prompt: list[int], adapter: str | None, output_len: int, record: RequestRecord
     ) -> None:
-        path, body = self._request(prompt, adapter, output_len)
-        async with self.client.stream("POST", path, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {_error_message(text)[:200]}"
+        body = self._body(prompt, adapter, output_len)
+        async with self._session().post(self.url, json=body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                record.error = f"HTTP {response.status}: {_error_message(text)[:200]}"
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                now = time.perf_counter()
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    record.error = str(chunk["error"])[:200]
-                    return
-                if self.endpoint == "generate":
-                    tokens = int(chunk["meta_info"]["completion_tokens"])
-                    if tokens > record.tokens:
-                        record.chunks.append(now)
-                        record.counts.append(tokens)
-                        record.tokens = tokens
-                    continue
-                choices = chunk.get("choices") or [{}]
-                if choices[0].get("text") or not record.chunks:
-                    record.chunks.append(now)
-                if chunk.get("usage"):
-                    record.tokens = int(chunk["usage"]["completion_tokens"])
+            # each read's complete lines, as the router's ``upstream.lines`` splits them
+            pending = b""
+            async for data in response.content.iter_any():
+                pending += data
+                *complete, pending = pending.split(b"\n")
+                for line in complete:
+                    if self._event(line, record):
+                        return
+            if pending:  # a last line without its newline
+                self._event(pending, record)
+
+    def _event(self, line: bytes, record: RequestRecord) -> bool:
+        """Record one line of the stream; True when it ends the request (an error event)."""
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            return False
+        now = time.perf_counter()
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            record.error = str(chunk["error"])[:200]
+            return True
+        if self.endpoint == "generate":
+            tokens = int(chunk["meta_info"]["completion_tokens"])
+            if tokens > record.tokens:
+                record.chunks.append(now)
+                record.counts.append(tokens)
+                record.tokens = tokens
+            return False
+        choices = chunk.get("choices") or [{}]
+        if choices[0].get("text") or not record.chunks:
+            record.chunks.append(now)
+        if chunk.get("usage"):
+            record.tokens = int(chunk["usage"]["completion_tokens"])
+        return False
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
 
 
 def _error_message(body: str) -> str:
@@ -344,7 +386,7 @@ async def run_row(
         try:
             await transport.stream(prompt, record.adapter, output_len, record)
         except Exception as exc:  # a dropped connection is a row's error, not the bench's
-            name = type(exc).__name__  # httpx's timeouts often carry no message: the type does
+            name = type(exc).__name__  # aiohttp's errors often carry no message: the type does
             record.error = (f"{name}: {exc}" if str(exc) else name)[:200]
 
     async def client() -> None:
@@ -1038,9 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
                     progress(f"worker ready after {out['ready_s']} s")
                     url = worker.url
                 assert url is not None
-                transport: Transport = HttpTransport(
-                    url, args.endpoint, args.token, max(_ints(args.clients), default=64)
-                )
+                transport: Transport = HttpTransport(url, args.endpoint, args.token)
                 slots = args.slots if worker is not None else None
                 cpu = CpuUse(worker.proc.pid if worker is not None else None)
                 scraper = EngineMetrics(url, args.token)
