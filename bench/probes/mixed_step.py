@@ -1,0 +1,129 @@
+"""Probe: where an eager mixed step's time goes (a prompt chunk beside running decodes).
+
+    python bench/probes/mixed_step.py [OUT.json] [--layers 4] [--model DIR]
+
+A serving run on an H100 (`bench/results/2026-12-05-h100-serve/serve_k32_base.json`) found
+the engine's core at a full CPU core with the GPU busy 0.80 of the time: mixed steps, which
+run eagerly (no CUDA graph pads a prompt chunk), took 23.6 ms each at 16 layers against
+3.6 ms for a decode step from its graph, so 10 % of the steps held 43 % of the time. This
+runs one executor (`LocalExecutor`, the serving worker's one-rank executor) on the dense 8B
+shape at ``--layers`` layers (`bench serve`'s fixture; ``--model`` for another checkpoint)
+and times, with and without LoRA (2 adapters over the rows):
+
+- ``mixed_ms``: 48 decode rows and one 256-token prompt chunk, eager;
+- ``decode_ms``: the 48 decode rows alone (from their CUDA graph on a GPU).
+
+Then it profiles five LoRA mixed steps (``torch.profiler``, CPU and CUDA) and prints the ops
+with the most host time: a ``cudaStreamSynchronize`` or ``cudaMemcpy`` per layer, or many
+small launches per layer, shows where the host time goes. One JSON object first, then the
+table. Runs on the CPU too (slowly, the Triton kernels under the interpreter), to check it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loraplane.worker.engine.executor import LocalExecutor, SeqWork
+from loraplane.worker.engine.runner import RunnerConfig
+from loraplane.worker.lora.manager import LoRARuntimeConfig
+
+DECODE_ROWS, CONTEXT, PROMPT = 48, 300, 256
+
+
+def _pages(row: int, positions: int) -> tuple[int, ...]:
+    """Row ``row``'s pages for ``positions`` positions (pages of 16, 64 pages a row)."""
+    return tuple(range(row * 64, row * 64 + -(-positions // 16)))
+
+
+def work(mixed: bool, lora: bool) -> list[list[SeqWork]]:
+    rows = [
+        SeqWork(r, CONTEXT, (5,), r % 2 if lora else -1, index=1, pages=_pages(r, CONTEXT + 1))
+        for r in range(DECODE_ROWS)
+    ]
+    if mixed:
+        prompt = tuple(3 + i % 200 for i in range(PROMPT))
+        rows.append(SeqWork(DECODE_ROWS, 0, prompt, -1, pages=_pages(DECODE_ROWS, PROMPT)))
+    return [rows]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", help="also write the JSON here")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model", type=Path, help="a checkpoint (default: the dense 8B shape)")
+    p.add_argument("--adapters", type=Path, nargs=2, help="two adapters of --model")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/loraplane-mixed-step"))
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.model is None:
+        from loraplane.worker.bench.serve import make_fixtures
+
+        model, adapters = make_fixtures("dense", args.workdir, args.layers, 2)
+    else:
+        if args.adapters is None:
+            p.error("--model needs --adapters A B")
+        model, adapters = args.model, list(args.adapters)
+    executor = LocalExecutor(
+        RunnerConfig(str(model), device=device, max_seqs=64, max_len=1024),
+        LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=16),
+    )
+    for slot, path in enumerate(adapters):
+        executor.read_adapter(0, f"a{slot}", str(path))
+        executor.load_slot(slot, f"a{slot}")
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def step_ms(mixed: bool, lora: bool) -> float:
+        for _ in range(3):  # compiles, graph captures
+            executor.step(work(mixed, lora))
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            executor.step(work(mixed, lora))
+        sync()
+        return round((time.perf_counter() - t0) / args.steps * 1e3, 3)
+
+    out: dict[str, Any] = {
+        "probe": "mixed_step",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "layers": executor.model_config.num_layers,
+        "decode_rows": DECODE_ROWS,
+        "prompt_tokens": PROMPT,
+    }
+    for lora in (False, True):
+        suffix = "_lora" if lora else ""
+        out[f"mixed_ms{suffix}"] = step_ms(True, lora)
+        out[f"decode_ms{suffix}"] = step_ms(False, lora)
+    text = json.dumps(out)
+    print(text, flush=True)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            executor.step(work(True, True))
+        sync()
+    table = prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60
+    )
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
