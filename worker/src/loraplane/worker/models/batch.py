@@ -27,6 +27,15 @@ class SeqChunk:
     pages: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SingleTokens:
+    """A batch's chunks of one token, on one device: local rows, int64 [S] each."""
+
+    rows: torch.Tensor
+    cache_rows: torch.Tensor
+    positions: torch.Tensor
+
+
 @dataclass(slots=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T_local]
@@ -37,8 +46,8 @@ class ForwardBatch:
     # DP-attention layout: local token and logit-row counts of every DP group, in group order.
     dp_token_counts: list[int] = field(default_factory=list)
     dp_logit_counts: list[int] = field(default_factory=list)
-    # local rows of the chunks of one token, on the device the attention asked for
-    _single_rows: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # the chunks of one token, on the device the attention asked for (``single_tokens``)
+    _singles: SingleTokens | None = field(default=None, init=False, repr=False)
     # the prompt chunks' tiles and causal masks, per (device, block_m) and device
     _tiles: tuple[torch.device, int, torch.Tensor] | None = field(
         default=None, init=False, repr=False
@@ -55,16 +64,21 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         return all(c.length == 1 for c in self.chunks)
 
-    def single_token_rows(self, device: torch.device) -> torch.Tensor:
-        """int64 [S]: the local rows of the chunks of one token (in a mixed step, the
-        running sequences' decodes), built once per batch and device."""
-        rows = self._single_rows
-        if rows is None or rows.device != device:
+    def single_tokens(self, device: torch.device) -> SingleTokens:
+        """The chunks of one token (in a mixed step, the running sequences' decodes): their
+        local rows, page-table rows and positions, built once per batch and device (every
+        layer attends them; gathering the rows' values per layer would be two more launches
+        a layer)."""
+        singles = self._singles
+        if singles is None or singles.rows.device != device:
             host = torch.tensor(
                 [c.token_offset for c in self.chunks if c.length == 1], dtype=torch.int64
             )
-            rows = self._single_rows = host.to(device, non_blocking=True)
-        return rows
+            rows = host.to(device, non_blocking=True)
+            singles = self._singles = SingleTokens(
+                rows, self.cache_rows.to(device)[rows], self.positions.to(device)[rows]
+            )
+        return singles
 
     def prompt_tiles(self, device: torch.device, block_m: int = PROMPT_TILE) -> torch.Tensor:
         """int32 [tiles, 4]: the chunks of two or more tokens cut into tiles of at most

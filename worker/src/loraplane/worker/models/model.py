@@ -132,10 +132,10 @@ class Attention(nn.Module):
         # chunk in one more (kernels/attention.py, ``extend_attention``): from position 0 or
         # past a cached prefix, the step's own keys are in the cache already.
         out = torch.empty_like(q)
-        singles = batch.single_token_rows(q.device)
-        if singles.numel():
-            out[singles] = self._attend_one_each(
-                q[singles], batch.cache_rows[singles], batch.positions[singles], kv
+        singles = batch.single_tokens(q.device)
+        if singles.rows.numel():
+            out[singles.rows] = self._attend_one_each(
+                q[singles.rows], singles.cache_rows, singles.positions, kv
             )
         use_kernel = q.device.type == "cuda" if self.prompt_kernel is None else self.prompt_kernel
         if use_kernel:
