@@ -22,7 +22,7 @@ from loraplane.worker.engine.sampling import GREEDY, SamplingParams, sample_ids,
 from loraplane.worker.lora.adapter import AdapterWeights
 from loraplane.worker.lora.batch_info import NO_ADAPTER
 from loraplane.worker.lora.manager import LoRAManager
-from loraplane.worker.models.batch import ForwardBatch, SeqChunk
+from loraplane.worker.models.batch import ForwardBatch, SeqChunk, upload
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,10 +209,7 @@ def carried_inputs(
         return None
     if after is None:
         raise ValueError(f"work carries tokens of a previous step ({pairs}), and there is none")
-    index = torch.tensor(pairs, dtype=torch.int64).T.contiguous()
-    if device.type == "cuda":
-        index = index.pin_memory().to(device, non_blocking=True)
-    return after.ids, index
+    return after.ids, upload(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
 
 
 def slots_loaded(manager: LoRAManager, slots: list[int], wait: bool) -> set[int]:

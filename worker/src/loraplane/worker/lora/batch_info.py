@@ -15,6 +15,7 @@ from itertools import pairwise
 import torch
 
 from loraplane.worker.kernels._triton_utils import StageInfo
+from loraplane.worker.models.batch import upload
 
 NO_ADAPTER = -1
 # int32 entries of 16 bytes: where each part of ``StaticLoRABatch``'s packed buffer starts
@@ -80,15 +81,15 @@ class LoRABatchInfo:
         if not order:
             return None
         lens = [b - a for a, b in pairwise(indptr)]
-        seg_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+        seg_slots = upload(torch.tensor(slots, dtype=torch.int32), device)
         return cls(
-            token_slots=torch.tensor(list(token_slots), dtype=torch.int32, device=device),
-            seg_indptr=torch.tensor(indptr, dtype=torch.int32, device=device),
+            token_slots=upload(torch.tensor(list(token_slots), dtype=torch.int32), device),
+            seg_indptr=upload(torch.tensor(indptr, dtype=torch.int32), device),
             seg_slots=seg_slots,
             # (given even when it is 0..n-1: the kernels then compile one variant, the one
             # the decode graphs' static batches use, whether a step has rows without an
             # adapter or not; the gather costs one index load per row)
-            row_order=torch.tensor(order, dtype=torch.int64, device=device),
+            row_order=upload(torch.tensor(order, dtype=torch.int64), device),
             slot_ranks=slot_ranks,
             slot_scalings=slot_scalings,
             seg_ranks=slot_ranks.index_select(0, seg_slots),

@@ -27,6 +27,16 @@ class SeqChunk:
     pages: tuple[int, ...] | None = None
 
 
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``. On CUDA through page-locked memory and without
+    waiting: a copy from pageable memory that waits (``non_blocking=False``) first waits
+    for every kernel queued on the stream, which would stall an overlapped step (ADR 0014)
+    behind the step still running."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True, slots=True)
 class SingleTokens:
     """A batch's chunks of one token, on one device: local rows, int64 [S] each."""
@@ -74,7 +84,7 @@ class ForwardBatch:
             host = torch.tensor(
                 [c.token_offset for c in self.chunks if c.length == 1], dtype=torch.int64
             )
-            rows = host.to(device, non_blocking=True)
+            rows = upload(host, device)
             singles = self._singles = SingleTokens(
                 rows, self.cache_rows.to(device)[rows], self.positions.to(device)[rows]
             )
@@ -96,8 +106,7 @@ class ForwardBatch:
             if c.length > 1
             for i in range(0, c.length, block_m)
         ]
-        host = torch.tensor(tiles, dtype=torch.int32).reshape(len(tiles), 4)
-        rows = host.to(device, non_blocking=True)
+        rows = upload(torch.tensor(tiles, dtype=torch.int32).reshape(len(tiles), 4), device)
         self._tiles = (device, block_m, rows)
         return rows
 
@@ -164,8 +173,8 @@ class ForwardBatch:
             return self
         return replace(
             self,
-            input_ids=self.input_ids.to(device),
-            positions=self.positions.to(device),
-            cache_rows=self.cache_rows.to(device),
-            logit_rows=self.logit_rows.to(device),
+            input_ids=upload(self.input_ids, device),
+            positions=upload(self.positions, device),
+            cache_rows=upload(self.cache_rows, device),
+            logit_rows=upload(self.logit_rows, device),
         )

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loraplane.worker.models.batch import ForwardBatch, SeqChunk
+from loraplane.worker.models.batch import ForwardBatch, SeqChunk, upload
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -96,13 +96,11 @@ class KVCache:
             values.extend(pages[keep:])
             self._rows[c.cache_row] = tuple(pages)
         if rows:
-            index = torch.tensor([rows, cols], dtype=torch.int64)
-            update = torch.tensor(values, dtype=torch.int32)
             device = self.page_table.device
-            if device.type == "cuda":
-                index, update = index.pin_memory(), update.pin_memory()
-            index = index.to(device, non_blocking=True)
-            self.page_table[index[0], index[1]] = update.to(device, non_blocking=True)
+            index = upload(torch.tensor([rows, cols], dtype=torch.int64), device)
+            self.page_table[index[0], index[1]] = upload(
+                torch.tensor(values, dtype=torch.int32), device
+            )
 
     def point_at_spare(self, row: int) -> None:
         """Map every entry of ``row`` to the spare page (the CUDA graphs' padding row)."""
