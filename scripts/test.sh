@@ -39,9 +39,15 @@ for tier in "${tiers[@]}"; do
   extra=()
   # The kernels tier is CPU-bound Python (Triton's interpreter) with no services or ports:
   # its tests spread over one pytest-xdist process per core (at most 4).
+  cores=$(nproc)
   if [ "$tier" = kernels ]; then
-    cores=$(nproc)
     extra=(-n "$(( cores < 4 ? cores : 4 ))")
+  fi
+  # The integration tier's tests wait on processes they start (workers, control planes) and
+  # on their polls: two at a time, one's waits overlap the other's work (each test has its
+  # own database, ports and temporary files). More would only share the same cores.
+  if [ "$tier" = integration ] && [ "$cores" -ge 2 ]; then
+    extra=(-n 2)
   fi
   # Triton runs kernels on the CPU through its interpreter; set before triton is imported.
   export TRITON_INTERPRET=1
