@@ -126,3 +126,22 @@ def test_killed_mid_load_is_rolled_back_at_restart(
         assert replay.status_code == 502 and replay.json()["operation"]["id"] == op["id"]
     finally:
         second.stop()
+
+
+def test_an_idle_client_connection_outlives_a_load_balancers_idle_time(
+    tmp_path: Path, adapters_root: Path
+) -> None:
+    """The control plane keeps an idle keep-alive connection open past uvicorn's default
+    5 s (`LORAPLANE_KEEP_ALIVE_S`, 75 s), so a load balancer in front that keeps its idle
+    connections longer does not send a request on one the control plane is closing."""
+    from tests.keepalive import answers_on_an_idle_connection
+
+    from loraplane.controlplane.settings import Settings
+
+    assert Settings().keep_alive_s > 60
+    cp = ControlPlane(f"sqlite:///{tmp_path / 'cp.db'}", adapters_root, tmp_path)
+    cp.start()
+    try:
+        assert answers_on_an_idle_connection(cp.url, "/readyz", 6)
+    finally:
+        cp.stop()

@@ -316,26 +316,10 @@ def test_an_idle_keep_alive_connection_outlives_the_routers_idle_time(
     connection idle for longer than uvicorn's default keep-alive (5 s) gets its answer on it:
     the worker does not close idle connections before its clients do, which would fail
     the request sent just as it closes (seen as a reset by the client)."""
-    import http.client
-    import time
-    from urllib.parse import urlsplit
+    from tests.keepalive import answers_on_an_idle_connection
 
     from loraplane.controlplane.upstream import KEEPALIVE_S
     from loraplane.worker.server.factory import ServeConfig
 
     assert ServeConfig(model="m").keep_alive_s > KEEPALIVE_S
-    where = urlsplit(worker.url)
-    conn = http.client.HTTPConnection(where.hostname or "", where.port, timeout=30)
-    try:
-        conn.request("GET", "/health")
-        first = conn.getresponse()
-        first.read()
-        assert first.status == 200
-        sock = conn.sock
-        time.sleep(6)
-        conn.request("GET", "/health")  # (http.client does not reconnect on its own)
-        again = conn.getresponse()
-        again.read()
-        assert again.status == 200 and conn.sock is sock
-    finally:
-        conn.close()
+    assert answers_on_an_idle_connection(worker.url, "/health", 6)

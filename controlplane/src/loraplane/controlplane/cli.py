@@ -79,7 +79,13 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        timeout_keep_alive=settings.keep_alive_s,
+    )
 
 
 def _check_urls(db_url: str, redis_url: str | None) -> None:

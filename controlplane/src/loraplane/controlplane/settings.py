@@ -106,6 +106,16 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="a larger request body is refused (413)"
     )
+    keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        le=3600,
+        description=(
+            "seconds an idle client connection stays open: above the idle timeout of what "
+            "keeps connections to it (load balancers and ingresses, often 60 s), so they "
+            "close first and never send a request on a connection this server is closing"
+        ),
+    )
     replica_id: str | None = Field(
         default=None,
         description=(
