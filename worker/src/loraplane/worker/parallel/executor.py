@@ -374,8 +374,8 @@ class MultiRankExecutor:
     ) -> list[Any]:
         """Every rank's ``(status, payload)`` for ``what``; with ``seq``, replies are
         ``(seq, payload)`` and those of earlier commands are dropped, those of later ones
-        too, or kept in ``later`` (by their ``seq``) where given. An error of any of them
-        raises."""
+        too, or kept in ``later`` (by their ``seq``, failures included) where given. This
+        command's error raises."""
         outbox = outbox or self._outbox
         replies: list[Any] = [None] * len(self._procs)
         pending = set(range(len(self._procs)))
@@ -402,9 +402,11 @@ class MultiRankExecutor:
                 answered, payload = payload
                 if answered < seq or (answered > seq and later is None):
                     continue  # the late reply of a command that gave up
-                if answered > seq and later is not None and status != "error":
+                if answered > seq and later is not None:
+                    # a later launched step's answer, its failure too: read in its turn (a
+                    # rank answers its steps in order, so this step's answer came first)
                     later.setdefault(answered, []).append((status, rank, (answered, payload)))
-                    continue  # a later launched step's, read in its turn
+                    continue
             if status == "error":
                 raise RankFailed(f"rank {rank} failed during {what!r}:\n{payload}")
             replies[rank] = (status, payload)
