@@ -16,7 +16,7 @@ from loraplane.worker.parallel.launch import RankFailed
 pytestmark = pytest.mark.unit
 
 
-def _collector(answers: list[tuple[str, int, tuple[int, Any]]]) -> tuple[Any, queue.Queue[Any]]:
+def _collector(answers: list[tuple[str, int, tuple[int, Any]]]) -> tuple[Any, Any]:
     outbox: queue.Queue[Any] = queue.Queue()
     for answer in answers:
         outbox.put(answer)
