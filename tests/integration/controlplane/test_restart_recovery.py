@@ -129,7 +129,7 @@ def test_killed_mid_load_is_rolled_back_at_restart(
 
 
 def test_an_idle_client_connection_outlives_a_load_balancers_idle_time(
-    tmp_path: Path, adapters_root: Path
+    db_url: str, tmp_path: Path, adapters_root: Path
 ) -> None:
     """The control plane keeps an idle keep-alive connection open past uvicorn's default
     5 s (`LORAPLANE_KEEP_ALIVE_S`, 75 s), so a load balancer in front that keeps its idle
@@ -139,7 +139,7 @@ def test_an_idle_client_connection_outlives_a_load_balancers_idle_time(
     from loraplane.controlplane.settings import Settings
 
     assert Settings().keep_alive_s > 60
-    cp = ControlPlane(f"sqlite:///{tmp_path / 'cp.db'}", adapters_root, tmp_path)
+    cp = ControlPlane(db_url, adapters_root, tmp_path)
     cp.start()
     try:
         assert answers_on_an_idle_connection(cp.url, "/readyz", 6)
