@@ -10,8 +10,11 @@ runs one executor (`LocalExecutor`, the serving worker's one-rank executor) on t
 shape at ``--layers`` layers (`bench serve`'s fixture; ``--model`` for another checkpoint)
 and times, with and without LoRA (2 adapters over the rows):
 
-- ``mixed_ms``: 48 decode rows and one 256-token prompt chunk, eager;
-- ``decode_ms``: the 48 decode rows alone (from their CUDA graph on a GPU).
+- ``mixed_ms``: 48 decode rows and ``--prompts`` 256-token prompt chunks (3: what a mixed
+  step of that serving run held on average), eager;
+- ``decode_ms``: the 48 decode rows alone (from their CUDA graph on a GPU);
+- ``*_launch_ms``: the host's time to launch the same step (forward and sampling, not read
+  back): where it is close to the whole step's time, the host sets the pace.
 
 Then it profiles five LoRA mixed steps (``torch.profiler``, CPU and CUDA) and prints the ops
 with the most host time: a ``cudaStreamSynchronize`` or ``cudaMemcpy`` per layer, or many
@@ -42,14 +45,16 @@ def _pages(row: int, positions: int) -> tuple[int, ...]:
     return tuple(range(row * 64, row * 64 + -(-positions // 16)))
 
 
-def work(mixed: bool, lora: bool) -> list[list[SeqWork]]:
+def work(mixed: bool, lora: bool, prompts: int = 1) -> list[list[SeqWork]]:
     rows = [
         SeqWork(r, CONTEXT, (5,), r % 2 if lora else -1, index=1, pages=_pages(r, CONTEXT + 1))
         for r in range(DECODE_ROWS)
     ]
     if mixed:
         prompt = tuple(3 + i % 200 for i in range(PROMPT))
-        rows.append(SeqWork(DECODE_ROWS, 0, prompt, -1, pages=_pages(DECODE_ROWS, PROMPT)))
+        for j in range(prompts):
+            row = DECODE_ROWS + j
+            rows.append(SeqWork(row, 0, prompt, -1, pages=_pages(row, PROMPT)))
     return [rows]
 
 
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapters", type=Path, nargs=2, help="two adapters of --model")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/loraplane-mixed-step"))
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=3, help="256-token prompt chunks a mixed step")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model is None:
@@ -83,15 +89,24 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def step_ms(mixed: bool, lora: bool) -> float:
+    def step_ms(mixed: bool, lora: bool) -> tuple[float, float]:
+        """(the whole step, its launch on the host), ms."""
+        rows = work(mixed, lora, args.prompts)
         for _ in range(3):  # compiles, graph captures
-            executor.step(work(mixed, lora))
+            executor.step(rows)
         sync()
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            executor.step(work(mixed, lora))
+            executor.step(rows)
         sync()
-        return round((time.perf_counter() - t0) / args.steps * 1e3, 3)
+        whole = (time.perf_counter() - t0) / args.steps
+        launch = 0.0
+        for _ in range(args.steps):
+            t1 = time.perf_counter()
+            executor.launch(rows, None)
+            launch += time.perf_counter() - t1
+            sync()
+        return round(whole * 1e3, 3), round(launch / args.steps * 1e3, 3)
 
     out: dict[str, Any] = {
         "probe": "mixed_step",
@@ -99,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         "layers": executor.model_config.num_layers,
         "decode_rows": DECODE_ROWS,
         "prompt_tokens": PROMPT,
+        "prompts": args.prompts,
     }
     for lora in (False, True):
         suffix = "_lora" if lora else ""
-        out[f"mixed_ms{suffix}"] = step_ms(True, lora)
-        out[f"decode_ms{suffix}"] = step_ms(False, lora)
+        out[f"mixed_ms{suffix}"], out[f"mixed_launch_ms{suffix}"] = step_ms(True, lora)
+        out[f"decode_ms{suffix}"], out[f"decode_launch_ms{suffix}"] = step_ms(False, lora)
     text = json.dumps(out)
     print(text, flush=True)
     if args.out:
@@ -116,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
         for _ in range(5):
-            executor.step(work(True, True))
+            executor.step(work(True, True, args.prompts))
         sync()
     table = prof.key_averages().table(
         sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60
