@@ -116,10 +116,22 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": PROMPT,
         "prompts": args.prompts,
     }
+
+    def allocator() -> dict[str, int]:
+        """The caching allocator's device allocations and retries over the probe (a retry frees cached
+        blocks, which waits for the device)."""
+        if device != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats()
+        return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
+
+    before = allocator()
     for lora in (False, True):
         suffix = "_lora" if lora else ""
         out[f"mixed_ms{suffix}"], out[f"mixed_launch_ms{suffix}"] = step_ms(True, lora)
         out[f"decode_ms{suffix}"], out[f"decode_launch_ms{suffix}"] = step_ms(False, lora)
+    after = allocator()
+    out["allocator"] = {k: after[k] - before[k] for k in after}
     text = json.dumps(out)
     print(text, flush=True)
     if args.out:
