@@ -95,11 +95,11 @@ class StepLogprobs:
             rows.extend(range(last[i] - e, last[i]))
             prompt_targets.extend(work[i].tokens[len(work[i].tokens) - e :])
             tops.extend([work[i].params.prompt_logprobs or 0] * e)
-        index = torch.tensor(self.sampled, dtype=torch.int64, device=ids.device)
+        index = upload(torch.tensor(self.sampled, dtype=torch.int64), ids.device)
         targets = torch.cat(
             [
                 ids.index_select(0, index),
-                torch.tensor(prompt_targets, dtype=torch.int64).to(ids.device),
+                upload(torch.tensor(prompt_targets, dtype=torch.int64), ids.device),
             ]
         )
         self.values = DeviceLogprobs(logits, LogprobRows(rows, targets, tops))
@@ -132,7 +132,7 @@ def sample_step(
     last = logits
     if any(extra):
         ends = [end - 1 for end in accumulate(e + 1 for e in extra)]
-        last = logits.index_select(0, torch.tensor(ends, device=logits.device))
+        last = logits.index_select(0, upload(torch.tensor(ends), logits.device))
     ids = sample_ids(last, params, indices, sampler)
     return ids, StepLogprobs(logits, work, ids) if logprobs else None
 
@@ -316,7 +316,7 @@ def build_batch(work: list[SeqWork], device: torch.device | str) -> tuple[Forwar
             for c, e in zip(chunks, extra, strict=True)
             for r in range(c.token_offset + c.length - 1 - e, c.token_offset + c.length)
         ]
-        batch.logit_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        batch.logit_rows = upload(torch.tensor(rows, dtype=torch.int64), device)
     return batch, slots
 
 

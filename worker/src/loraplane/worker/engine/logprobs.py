@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from loraplane.worker.models.batch import upload
+
 # The most alternatives a request may ask for at each position (OpenAI's limit too).
 MAX_TOP_LOGPROBS = 20
 
@@ -56,9 +58,11 @@ class DeviceLogprobs:
         chosen, top_vals, top_ids = [], [], []
         for start in range(0, len(want.rows), ROWS_PER_PASS):
             rows = want.rows[start : start + ROWS_PER_PASS]
-            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            index = upload(torch.tensor(rows, dtype=torch.int64), logits.device)
             lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [r, vocab]
-            targets = want.targets[start : start + ROWS_PER_PASS].to(logits.device)
+            targets = want.targets[start : start + ROWS_PER_PASS]
+            if targets.device != logits.device:
+                targets = upload(targets, logits.device)
             chosen.append(lp.gather(1, targets[:, None])[:, 0])  # [r]
             if width:
                 vals, ids = torch.topk(lp, min(width, lp.shape[-1]), dim=-1)  # [r, width]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS
+from loraplane.worker.models.batch import upload
 
 
 class SamplingError(ValueError):
@@ -119,7 +120,7 @@ def seeded_exponential(keys: Sequence[int], ids: torch.Tensor) -> torch.Tensor:
     ``i``'s value for a token is a hash of ``keys[i]`` (``draw_seed``) and the token id alone,
     so a seeded row draws the same whatever tokens are in play beside it (its candidates or
     the whole vocabulary) and whatever rows are batched with it, with no generator per row."""
-    key = torch.tensor(keys, dtype=torch.int64, device=ids.device)[:, None]
+    key = upload(torch.tensor(keys, dtype=torch.int64), ids.device)[:, None]
     x = _mix32((ids.long() * 0x9E3779B1 + (key & _M32)) & _M32)
     x = _mix32(x ^ ((key >> 32) & _M32))
     return -torch.log(_uniform(x))
@@ -239,7 +240,7 @@ def _sample_fused(
     vocab = logits.shape[-1]
     top_ks = [k if 0 < k < vocab else 0 for k in (params[i].top_k for i in rows)]
     table = _fused_table(params, rows, indices, top_ks)
-    sample_table(logits, table.to(logits.device), tokens, top_ks)
+    sample_table(logits, upload(table, logits.device), tokens, top_ks)
     return tokens
 
 
@@ -254,9 +255,12 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[in
     count = min(vocab, CANDIDATES)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     # the rows' settings in one host-to-device copy: temperature, top_k (0: none), top_p
-    table = torch.tensor(
-        [[p.temperature, k, max(p.top_p, TOP_P_MIN)] for p, k in zip(params, ks, strict=True)]
-    ).to(dev)
+    table = upload(
+        torch.tensor(
+            [[p.temperature, k, max(p.top_p, TOP_P_MIN)] for p, k in zip(params, ks, strict=True)]
+        ),
+        dev,
+    )
     big = torch.finfo(torch.float32).max
     scores = (logits.float() / table[:, 0:1]).nan_to_num(-math.inf, big, -math.inf)
     # rows drawn among the best `count` tokens: a top_k below it, or a top_p and no top_k
@@ -271,7 +275,7 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[in
         )  # fmt: skip
         if len(narrow) < len(params):
             tokens = tokens.new_empty(len(params)).index_copy_(
-                0, torch.tensor(narrow, device=dev), tokens
+                0, upload(torch.tensor(narrow), dev), tokens
             )
         whole = sorted(whole + [narrow[j] for j in short])
     if whole:
