@@ -469,6 +469,34 @@ def test_token_listing_hides_secrets_and_revocation(client: TestClient) -> None:
     assert client.get("/v1/pools", headers=token).status_code == 401
 
 
+@pytest.mark.parametrize("cache_s", [5.0, 0.0])
+def test_a_known_token_is_not_looked_up_per_request(settings: Settings, cache_s: float) -> None:
+    """A bearer token is looked up once and then accepted from memory (``token_cache_s``), so
+    a request does not wait for the database to learn who sent it; with 0, once per request.
+    A revocation is refused at once either way."""
+    import sqlalchemy as sa
+
+    settings.token_cache_s = cache_s
+    with TestClient(create_app(settings)) as client:
+        token = make_token(client, ["read"], "default")
+        lookups: list[str] = []
+
+        def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            if "FROM tokens" in statement:
+                lookups.append(statement)
+
+        engine = client.app.state.services.db.engine  # type: ignore[attr-defined]
+        sa.event.listen(engine, "after_cursor_execute", count)
+        for _ in range(5):
+            assert client.get("/v1/pools", headers=token).status_code == 200
+        assert len(lookups) == (1 if cache_s else 5), lookups
+        token_id = client.get("/v1/tokens", headers=ADMIN).json()["items"][0]["id"]
+        assert client.delete(f"/v1/tokens/{token_id}", headers=ADMIN).status_code == 204
+        refused = client.get("/v1/pools", headers=token)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["field"] == "header.Authorization"
+
+
 def test_router_errors_are_clear(
     client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path]
 ) -> None:

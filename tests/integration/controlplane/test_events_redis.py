@@ -258,3 +258,35 @@ def test_without_redis_every_replica_leads(tmp_path: Path) -> None:
             await bus.close()
 
     assert asyncio.run(run()) is True
+
+
+def test_a_token_revoked_on_one_replica_is_refused_by_another_that_knew_it(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Replica B accepts a token from memory after its first request (``token_cache_s``, here
+    far longer than the test); revoked through replica A, B refuses it as soon as A's
+    ``token.revoked`` event arrives, not when its memory expires."""
+    db_url = f"sqlite:///{tmp_path}/shared.db"
+
+    def replica(name: str) -> Settings:
+        settings = Settings(
+            db_url=db_url, admin_token="admin-token", redis_url=redis_url, replica_id=name
+        )
+        settings.token_cache_s = 600.0
+        return settings
+
+    admin = {"Authorization": "Bearer admin-token"}
+    with (
+        TestClient(create_app(replica("a"))) as a,
+        TestClient(create_app(replica("b"))) as b,
+    ):
+        made = a.post("/v1/tokens", json={"name": "reader", "scopes": ["read"]}, headers=admin)
+        assert made.status_code == 201, made.text
+        token = {"Authorization": f"Bearer {made.json()['token']}"}
+        assert b.get("/v1/pools", headers=token).status_code == 200  # (b keeps it now)
+        assert a.delete(f"/v1/tokens/{made.json()['id']}", headers=admin).status_code == 204
+        wait_for(
+            lambda: b.get("/v1/pools", headers=token).status_code == 401,
+            10,
+            what="replica b to refuse the token revoked on replica a",
+        )

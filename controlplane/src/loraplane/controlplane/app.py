@@ -31,6 +31,7 @@ from loraplane.controlplane.api import (
     tokens,
     workers,
 )
+from loraplane.controlplane.auth import TokenCache
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.deps import Services
 from loraplane.controlplane.errors import (
@@ -41,7 +42,7 @@ from loraplane.controlplane.errors import (
     NotFound,
     Unavailable,
 )
-from loraplane.controlplane.events import close_within, make_bus
+from loraplane.controlplane.events import EventBus, close_within, make_bus, stop_tasks
 from loraplane.controlplane.metrics import Metrics
 from loraplane.controlplane.operations import Inflight, Operations
 from loraplane.controlplane.reconciler import Reconciler
@@ -152,6 +153,23 @@ class ControlPlaneApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
+async def follow_revocations(bus: EventBus, tokens: TokenCache) -> asyncio.Task[None]:
+    """A task that empties ``tokens`` on every ``token.revoked`` event (this replica's or,
+    through Redis, another's), subscribed when this returns."""
+    subscribed = asyncio.Event()
+
+    async def follow() -> None:
+        async with bus.subscribe() as queue:
+            subscribed.set()
+            while True:
+                if (await queue.get()).get("type") == "token.revoked":
+                    tokens.invalidate()
+
+    task = asyncio.create_task(follow(), name="token-revocations")
+    await subscribed.wait()
+    return task
+
+
 def create_app(settings: Settings | None = None) -> ControlPlaneApp:
     settings = settings or Settings()
 
@@ -188,6 +206,8 @@ def create_app(settings: Settings | None = None) -> ControlPlaneApp:
         routes = RouteTable(settings.router.route_ttl_s)
         watch_writes(db.engine, routes.invalidate)
         await routes.start(bus)
+        tokens = TokenCache(settings.token_cache_s)
+        revocations = await follow_revocations(bus, tokens)
         usage = UsageBatch(db, settings.router.usage_flush_s)
         upstream = Upstream(
             probe_timeout_s=settings.workers.probe_timeout_s,
@@ -206,6 +226,7 @@ def create_app(settings: Settings | None = None) -> ControlPlaneApp:
             routes=routes,
             usage=usage,
             upstream=upstream,
+            tokens=tokens,
         )
         settled = await ops.settle_interrupted()
         if settled:
@@ -233,6 +254,7 @@ def create_app(settings: Settings | None = None) -> ControlPlaneApp:
             await ops.close()
             await usage.close()
             await routes.close()
+            await stop_tasks([revocations], "token revocations")
             await bus.close()
             await close_within(http.aclose(), "worker HTTP client")
             await close_within(upstream.close(), "router upstream client")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 
 SCOPES = ("read", "route", "admin")
@@ -49,3 +51,44 @@ class Principal:
 
 
 BOOTSTRAP = Principal("bootstrap-admin", frozenset({"admin"}), ALL_NAMESPACES)
+
+
+class TokenCache:
+    """Principals of bearer tokens looked up lately, by token hash, each kept ``ttl_s`` after
+    its lookup: a request with a known token does not wait for the database (a round trip,
+    and a thread hop, per request otherwise). A revocation empties it (``invalidate``: this
+    replica's own, or another's announced by an event), and a lookup that ran across an
+    invalidation is not kept. Unknown tokens are not kept. ``ttl_s`` 0 keeps nothing."""
+
+    def __init__(self, ttl_s: float, max_entries: int = 10_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[Principal, float]] = {}
+        self._generation = 0
+        self._lock = threading.Lock()  # invalidate() may run on a database thread
+
+    @property
+    def generation(self) -> int:
+        """Take it before a lookup and give it to ``put`` after."""
+        return self._generation
+
+    def get(self, digest: str) -> Principal | None:
+        entry = self._entries.get(digest)
+        if entry is None or time.monotonic() - entry[1] >= self.ttl_s:
+            return None
+        return entry[0]
+
+    def put(self, digest: str, principal: Principal, generation: int) -> None:
+        if self.ttl_s <= 0:
+            return
+        with self._lock:
+            if generation != self._generation:
+                return  # (revoked while it was looked up)
+            if len(self._entries) >= self.max_entries:
+                self._entries.clear()
+            self._entries[digest] = (principal, time.monotonic())
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._generation += 1
+            self._entries.clear()

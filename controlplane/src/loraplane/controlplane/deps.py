@@ -42,7 +42,7 @@ async def get_principal(
 
 async def authenticate(services: Services, authorization: str | None) -> Principal:
     """The caller of a request with this ``Authorization`` header; a bearer token other than
-    the admin's is looked up off the event loop."""
+    the admin's is looked up off the event loop, unless looked up lately (``TokenCache``)."""
     if not services.settings.auth:
         return BOOTSTRAP
     if not authorization:
@@ -64,7 +64,13 @@ async def authenticate(services: Services, authorization: str | None) -> Princip
     admin = services.settings.admin_token
     if admin is not None and same_hash(digest, hash_token(admin.get_secret_value())):
         return BOOTSTRAP
+    principal = services.tokens.get(digest)
+    if principal is not None:
+        return principal
+    generation = services.tokens.generation
     principal = await asyncio.to_thread(_token_principal, services, digest)
+    if principal is not None:
+        services.tokens.put(digest, principal, generation)
     if principal is None:
         raise ApiError(
             401,

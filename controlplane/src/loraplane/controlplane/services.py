@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from loraplane.controlplane.auth import TokenCache
 from loraplane.controlplane.db import Database
 from loraplane.controlplane.events import EventBus
 from loraplane.controlplane.metrics import Metrics
@@ -33,5 +34,6 @@ class Services:
     routes: RouteTable  # (namespace, model) -> the ready workers holding it, from memory
     usage: UsageBatch  # adapters' last use, written once a flush
     upstream: Upstream  # the inference proxy's HTTP client
+    tokens: TokenCache  # bearer tokens' principals, from memory
     # the on-demand load running per adapter id (concurrent requests join it)
     on_demand: dict[int, asyncio.Task[str]] = field(default_factory=dict)

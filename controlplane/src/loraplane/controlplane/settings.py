@@ -103,6 +103,15 @@ class Settings(BaseSettings):
     redis_url: str | None = None
     admin_token: SecretStr | None = None
     auth: bool = True
+    token_cache_s: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "longest a bearer token is accepted from memory after its lookup: a revocation "
+            "on this replica, or announced by another's event, takes effect at once; without "
+            "Redis, another replica's takes up to this long. 0: look up every request"
+        ),
+    )
     max_request_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1024, description="a larger request body is refused (413)"
     )

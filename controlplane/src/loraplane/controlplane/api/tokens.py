@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any, Literal
 
@@ -10,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from loraplane.controlplane.auth import ALL_NAMESPACES, hash_token, new_token
-from loraplane.controlplane.deps import ClusterAdmin, SessionDep
+from loraplane.controlplane.deps import ClusterAdmin, Services, ServicesDep, SessionDep
 from loraplane.controlplane.errors import not_found
 from loraplane.controlplane.models import Token
 from loraplane.controlplane.registry import check_label, iso
@@ -63,10 +64,20 @@ def list_tokens(session: SessionDep, _: ClusterAdmin) -> dict[str, Any]:
 
 
 @router.delete("/{token_id}", status_code=204)
-def delete_token(token_id: str, session: SessionDep, _: ClusterAdmin) -> Response:
-    token = session.get(Token, token_id)
-    if token is None:
-        raise not_found("token", token_id, field="path.token_id")
-    session.delete(token)
-    session.commit()
+async def delete_token(token_id: str, services: ServicesDep, _: ClusterAdmin) -> Response:
+    """Revoke a token: refused from the next request on, on this replica and (through the
+    ``token.revoked`` event) on the others, which otherwise accept it from memory for at most
+    ``token_cache_s``."""
+    await asyncio.to_thread(_delete, services, token_id)
+    services.tokens.invalidate()
+    await services.bus.publish("token.revoked", namespace=None, token=token_id)
     return Response(status_code=204)
+
+
+def _delete(services: Services, token_id: str) -> None:
+    with services.db.session() as session:
+        token = session.get(Token, token_id)
+        if token is None:
+            raise not_found("token", token_id, field="path.token_id")
+        session.delete(token)
+        session.commit()
