@@ -308,7 +308,8 @@ class Connection:
     """One kept-alive HTTP/1.1 connection, the client's side: requests written and chunked
     answers read by hand, so the client costs little next to what it measures."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str = ADMIN_TOKEN) -> None:
+        self.token = token
         host, _, port = url.removeprefix("http://").partition(":")
         self.host, self.port = host, int(port)
         self.reader: asyncio.StreamReader | None = None
@@ -322,7 +323,7 @@ class Connection:
         raw = json.dumps(body).encode()
         self.writer.write(
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\n"
-            f"Authorization: Bearer {ADMIN_TOKEN}\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {self.token}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(raw)}\r\n\r\n".encode()
             + raw
         )
@@ -367,7 +368,13 @@ async def one_stream(connection: Connection, model: str, side: Side) -> None:
 
 
 async def phase(
-    url: str, model: str, side: Side, streams: int, seconds: float, stream_s: float
+    url: str,
+    model: str,
+    side: Side,
+    streams: int,
+    seconds: float,
+    stream_s: float,
+    token: str = ADMIN_TOKEN,
 ) -> int:
     """``streams`` clients, each on its own kept-alive connection, one stream after another.
     Their starts are spread over one stream's length (``stream_s``), so requests arrive evenly
@@ -379,7 +386,7 @@ async def phase(
 
     async def loop(index: int) -> None:
         await asyncio.sleep(index / streams * stream_s)
-        connection = Connection(url)
+        connection = Connection(url, token)
         try:
             while (now := time.monotonic()) < stop:
                 await one_stream(connection, model, side if now >= ramp_end else ramp)
@@ -410,6 +417,15 @@ async def measure(args: argparse.Namespace, cp: str, stub: str, cp_pid: int) -> 
 
             adapter_dir = write_adapter(Path(tmp).resolve() / "a0")
             await set_up(client, cp, stub, adapter_dir)
+        token = ADMIN_TOKEN
+        if args.token == "scoped":  # what a client of the router holds: a token of its own
+            made = await client.post(
+                cp + "/v1/tokens",
+                json={"name": "bench", "scopes": ["route"], "namespace": "default"},
+                headers=ADMIN,
+            )
+            made.raise_for_status()
+            token = made.json()["token"]
     # the client's own heap out of the collector: a full pass over it (200 ms here) would
     # show up as latency on whichever side was running
     gc.collect()
@@ -423,7 +439,7 @@ async def measure(args: argparse.Namespace, cp: str, stub: str, cp_pid: int) -> 
             await phase(stub, "a0", direct, args.concurrency, args.phase_s, stream_s)
             before = cpu_seconds(cp_pid)
             routed_all += await phase(
-                cp, "bench:a0", routed, args.concurrency, args.phase_s, stream_s
+                cp, "bench:a0", routed, args.concurrency, args.phase_s, stream_s, token
             )
             router_cpu_s += cpu_seconds(cp_pid) - before
     finally:
@@ -461,6 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="direct/routed phase pairs")
     parser.add_argument(
         "--db-url", default=None, help="the control plane's database (default: a new SQLite file)"
+    )
+    parser.add_argument(
+        "--token",
+        choices=("admin", "scoped"),
+        default="admin",
+        help="routed requests carry the bootstrap admin token, or a route-scoped token made "
+        "through the API (looked up in the database, then kept in memory: token_cache_s)",
     )
     parser.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--serve-controlplane", type=int, default=None, help=argparse.SUPPRESS)
@@ -525,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             "phase_s": args.phase_s,
             "rounds": args.rounds,
             "database": "sqlite" if args.db_url is None else args.db_url.split(":", 1)[0],
+            "token": args.token,
         },
         **result,
         "machine": {
