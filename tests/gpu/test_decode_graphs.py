@@ -223,8 +223,7 @@ def _busy(stream: torch.cuda.Stream, ms: float) -> None:
 def test_slot_loads_copy_beside_the_steps_in_order(suite, graphs: bool) -> None:  # type: ignore[no-untyped-def]
     """Slot loads go on a copy stream of their own (ADR 0011), ordered both ways:
     - a load into a slot that a queued step still reads copies after that step (the step
-      sees the old adapter; graphs only: an eager step copies its inputs from pageable
-      memory, so the host waits for the stream before it is queued);
+      sees the old adapter; checked on the graph path);
     - a step that uses a slot whose copy is late waits for it on the device (it sees the new
       adapter), while a step without it does not wait."""
     from loraplane.worker.engine.runner import decode_batch
