@@ -75,3 +75,32 @@ def test_settings_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings()
     assert settings.db_url == "sqlite:///./loraplane.db"
     assert settings.redis_url is None and settings.auth is True
+
+
+def test_the_token_cache_forgets_after_its_ttl_and_on_revocation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A token's principal is served from memory until ``ttl_s`` after its lookup; a
+    revocation empties the cache, and a lookup that ran across it is not kept (it may have
+    read the token before the revocation's commit)."""
+    from loraplane.controlplane import auth
+
+    now = [100.0]
+    monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
+    cache = auth.TokenCache(ttl_s=5.0)
+    reader = Principal("r", frozenset({"read"}), "default")
+    cache.put("h1", reader, cache.generation)
+    now[0] += 4.9
+    assert cache.get("h1") == reader
+    now[0] += 0.2
+    assert cache.get("h1") is None  # (looked up again)
+
+    started = cache.generation  # a lookup begins...
+    cache.put("h1", reader, cache.generation)
+    cache.invalidate()  # ...a revocation lands...
+    assert cache.get("h1") is None
+    cache.put("h2", reader, started)  # ...and what it read is not kept
+    assert cache.get("h2") is None
+    off = auth.TokenCache(ttl_s=0.0)
+    off.put("h1", reader, off.generation)
+    assert off.get("h1") is None
