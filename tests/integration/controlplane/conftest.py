@@ -23,6 +23,7 @@ from loraplane.controlplane.settings import Settings
 sys.path.insert(0, str(Path(__file__).parent))
 from cp_kit import ADMIN, ADMIN_TOKEN, POOL, START_HINT, required_env
 from tests.peft_files import write_adapter
+from tests.procs import redis_of_this_process
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +33,7 @@ def pg_server_url() -> str:
 
 @pytest.fixture(scope="session")
 def redis_url() -> str:
-    return required_env("LORAPLANE_TEST_REDIS_URL")
+    return redis_of_this_process(required_env("LORAPLANE_TEST_REDIS_URL"))
 
 
 @pytest.fixture(scope="session")

@@ -412,6 +412,30 @@ def test_on_demand_loads_evict_the_least_recently_used_and_pins_are_limited(
     assert worker.models() == {"a0", "a2", "a3", "a4"}
 
 
+def test_evicting_an_adapter_the_worker_lost_already_frees_its_slot(
+    settings: Settings, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """An adapter unloaded behind the registry's back (drift not repaired yet: the
+    reconciler's passes 10 minutes apart, pokes aside) chosen as an eviction's victim: the
+    worker's "not loaded" answer means the slot is free, so the load that wanted it goes
+    ahead and the victim's placement is dropped (the load failed with the eviction's error,
+    as the observability workload once met it)."""
+    settings.reconciler.interval_s = 600
+    settings.sources.allowed_roots = [tiny[1]]
+    with TestClient(create_app(settings)) as cp:
+        join(cp, tiny, workers[:1])  # one worker, M = 4
+        for name in ("a0", "a1", "a2", "a3"):
+            assert register(cp, tiny, name).status_code == 201, name
+        worker = workers[0]
+        gone = httpx.post(worker.url + "/unload_lora_adapter", json={"lora_name": "a0"}, timeout=30)
+        assert gone.status_code == 200, gone.text
+        loaded = register(cp, tiny, "a4")  # the least recently used, a0, is the victim
+        assert loaded.status_code == 201, loaded.text
+        assert worker.models() == {"a1", "a2", "a3", "a4"}
+        assert adapter(cp, "a0")["placements"] == []
+        assert adapter(cp, "a4")["routable"] is True
+
+
 def test_a_request_that_stops_waiting_for_a_cold_start_leaves_the_load_running(
     cp: TestClient, settings: Settings, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

@@ -41,6 +41,7 @@ from obskit import (
     variable_queries,
     wait_for,
 )
+from tests.procs import redis_of_this_process
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +59,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             '`eval "$(scripts/services.sh start)"` or `make test-integration`',
             pytrace=False,
         )
+    redis_url = redis_of_this_process(redis_url)
     from loraplane.worker.fixtures.adapters import make_adapter
     from loraplane.worker.fixtures.models import make_model
 

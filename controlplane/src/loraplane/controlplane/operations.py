@@ -684,6 +684,8 @@ class Operations:
                 self._mark_rows, "unloading", Placement.worker_id == target.id, victim
             )
             result = await self.client.unload(target.name, target.endpoint, victim)
+            if not result.success and await self._gone(target, victim):
+                result = UpdateResult(True)  # (what the eviction wanted)
             pool_labels = await asyncio.to_thread(self._after_evict, target, victim, result)
             if not result.success:
                 return UpdateResult(
@@ -699,6 +701,19 @@ class Operations:
                 lora_name=victim,
             )
         return UpdateResult(True)
+
+    async def _gone(self, target: WorkerRef, victim: str) -> bool:
+        """Whether the worker, asked now, holds ``victim`` on none of its DP groups: an unload
+        that failed because the adapter was gone already (unloaded behind the registry's back,
+        drift the reconciler has not repaired yet) leaves the slot free, as an eviction
+        wants. False when the worker does not answer."""
+        try:
+            seen = await self.client.observe(target.name, target.endpoint, target.dp_size)
+        except WorkerUnreachable:
+            return False
+        return not (
+            seen.present_on(victim) or victim in seen.adapters or victim in seen.inconsistent
+        )
 
     def _after_evict(self, target: WorkerRef, victim: str, result: UpdateResult) -> tuple[str, str]:
         """The victim's rows on ``target`` dropped (or ``inconsistent`` if it would not go);
