@@ -261,12 +261,11 @@ def test_without_redis_every_replica_leads(tmp_path: Path) -> None:
 
 
 def test_a_token_revoked_on_one_replica_is_refused_by_another_that_knew_it(
-    redis_url: str, tmp_path: Path
+    redis_url: str, db_url: str
 ) -> None:
     """Replica B accepts a token from memory after its first request (``token_cache_s``, here
     far longer than the test); revoked through replica A, B refuses it as soon as A's
     ``token.revoked`` event arrives, not when its memory expires."""
-    db_url = f"sqlite:///{tmp_path}/shared.db"
 
     def replica(name: str) -> Settings:
         settings = Settings(
