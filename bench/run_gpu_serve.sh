@@ -61,8 +61,8 @@ PY
 # warm-up (what a client waited for)
 for f in "$WORK"/worker-k*.log; do
   [ -f "$f" ] || continue
-  echo "--- $(basename "$f"): graphs captured after the warm-up: $(sed -n '/warm-up done/,$p' "$f" | grep -c 'captured a decode graph'), Triton kernels compiled or loaded after it: $(grep -c 'compiled or loaded after the warm-up' "$f"), full garbage collections of 50 ms or more: $(grep -c 'full garbage collection paused' "$f")"
-  sed -n '/warm-up done/,$p' "$f" | grep 'captured a decode graph\|compiled or loaded after the warm-up\|full garbage collection paused' | head -40
+  echo "--- $(basename "$f"): graphs captured after the warm-up: $(sed -n '/warm-up done/,$p' "$f" | grep -c 'captured a \(decode\|prompt-step\) graph'), Triton kernels compiled or loaded after it: $(grep -c 'compiled or loaded after the warm-up' "$f"), full garbage collections of 50 ms or more: $(grep -c 'full garbage collection paused' "$f")"
+  sed -n '/warm-up done/,$p' "$f" | grep 'captured a decode graph\|captured a prompt-step graph\|compiled or loaded after the warm-up\|full garbage collection paused' | head -40
 done | tee "$OUT/captures.txt"
 # the workers' logs without the access lines, last lines (a failed start says why there)
 for f in "$WORK"*/worker*.log; do [ -f "$f" ] && grep -v uvicorn.access "$f" | tail -n 400 >"$OUT/$(basename "$f")"; done

@@ -1,4 +1,4 @@
-"""Probe: where an eager mixed step's time goes (a prompt chunk beside running decodes).
+"""Probe: where a mixed step's time goes (prompt chunks beside running decodes), eager and from its graph.
 
     python bench/probes/mixed_step.py [OUT.json] [--layers 4] [--model DIR]
 
@@ -12,6 +12,8 @@ and times, with and without LoRA (2 adapters over the rows):
 
 - ``mixed_ms``: 48 decode rows and ``--prompts`` 256-token prompt chunks (3: what a mixed
   step of that serving run held on average), eager;
+- ``mixed_graph_ms``: the same step replayed from its prompt-step graph
+  (``engine/prompt_graphs.py``; absent where the step is past ``--graph-max-tokens``);
 - ``decode_ms``: the 48 decode rows alone (from their CUDA graph on a GPU);
 - ``*_launch_ms``: the host's time to launch the same step (forward and sampling, not read
   back): where it is close to the whole step's time, the host sets the pace.
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/loraplane-mixed-step"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=3, help="256-token prompt chunks a mixed step")
+    p.add_argument(
+        "--graph-max-tokens", type=int, default=1024, help="the largest prompt step with a graph"
+    )
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.model is None:
@@ -78,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--model needs --adapters A B")
         model, adapters = args.model, list(args.adapters)
     executor = LocalExecutor(
-        RunnerConfig(str(model), device=device, max_seqs=64, max_len=1024),
+        RunnerConfig(
+            str(model),
+            device=device,
+            max_seqs=64,
+            max_len=1024,
+            graph_max_tokens=args.graph_max_tokens,
+        ),
         LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=16),
     )
     for slot, path in enumerate(adapters):
@@ -126,9 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         return {k: stats.get(k, 0) for k in ("num_device_alloc", "num_alloc_retries")}
 
     before = allocator()
+    out["prompt_graph_buckets"] = list(executor.prompt_graph_buckets)
     for lora in (False, True):
         suffix = "_lora" if lora else ""
+        executor.use_prompt_graphs(False)
         out[f"mixed_ms{suffix}"], out[f"mixed_launch_ms{suffix}"] = step_ms(True, lora)
+        if executor.prompt_graph_buckets:
+            executor.use_prompt_graphs(True)
+            graph = step_ms(True, lora)
+            out[f"mixed_graph_ms{suffix}"], out[f"mixed_graph_launch_ms{suffix}"] = graph
         out[f"decode_ms{suffix}"], out[f"decode_launch_ms{suffix}"] = step_ms(False, lora)
     after = allocator()
     out["allocator"] = {k: after[k] - before[k] for k in after}
@@ -142,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    executor.use_prompt_graphs(False)  # (the eager step's host time)
     with profile(activities=activities) as prof:
         for _ in range(5):
             executor.step(work(True, True, args.prompts))

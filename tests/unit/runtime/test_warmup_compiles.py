@@ -31,6 +31,7 @@ MAX_RUNNING = 8
 CHUNK = 40  # --chunked-prefill-size
 SLOTS = 2  # --max-loras-per-batch: fewer than the adapters in use
 STAGE = 1  # --stage-slots: batches of 2 adapters run the shrink and expand kernels
+GRAPH_TOKENS = 32  # --graph-max-tokens: prompt steps of fewer tokens replay the static path
 
 
 @pytest.fixture
@@ -44,8 +45,12 @@ def gpu_shaped(monkeypatch: pytest.MonkeyPatch) -> None:
     from loraplane.worker.engine import warmup
     from loraplane.worker.kernels import _triton_utils, attention
     from loraplane.worker.lora import manager
+    from loraplane.worker.models.model import Attention
 
     monkeypatch.setenv("LORAPLANE_CPU_STATIC_DECODE", "1")  # decode steps as a GPU's graphs
+    # prompt chunks through the Triton kernel, so short prompt steps take the static path of
+    # the prompt graphs (engine/prompt_graphs.py) as on a GPU
+    monkeypatch.setattr(Attention, "prompt_kernel", True)
     monkeypatch.setattr(manager, "stages_eager_batches", lambda _device, _dtype: True)
     # prefill sizes as the warm-up's own (in and past each row block, multiples of 16 and
     # not), at the scale of this worker's steps (at most CHUNK + MAX_RUNNING tokens)
@@ -152,12 +157,16 @@ def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # ty
         max_lora_rank=16,
         max_model_len=160,
         chunked_prefill_size=CHUNK,
+        graph_max_tokens=GRAPH_TOKENS,
         engine_process=False,
     )
     with record_keys() as recorder:
         decode_attention_on_cpu.append(recorder)
         recorder.phase = "warm-up"
         engine = build_engine(config)
+        runner = engine.executor.runner
+        warmed_graphs = (set(runner.graphs._graphs), runner.prompt_graphs.keys)
+        replays = runner.prompt_graphs.replays
         try:
             recorder.phase = "serving"
             engine.start()
@@ -176,6 +185,10 @@ def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # ty
         f"{len(missing)} Triton kernel variants would compile after the warm-up:\n"
         + "\n".join(missing)
     )
+    # nothing is captured after the warm-up either: every decode and prompt step the
+    # workload ran had its graph already (and prompt steps did replay them)
+    assert runner.prompt_graphs.replays > replays
+    assert (set(runner.graphs._graphs), runner.prompt_graphs.keys) == warmed_graphs
 
 
 @pytest.mark.parametrize(("hidden", "block_k"), [(4096, 128), (14336, 128), (2048, 64), (64, 16)])

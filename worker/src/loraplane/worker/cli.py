@@ -263,6 +263,15 @@ def serve_cmd(
             help="Replay decode steps from CUDA graphs (CUDA, every rank its own; else ignored)"
         ),
     ] = True,
+    graph_max_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Replay prompt steps (prefills, prompt chunks beside running decodes) of up "
+            "to this many tokens from CUDA graphs, one per token bucket, captured in the "
+            "warm-up (one rank, with --cuda-graphs); longer steps run eagerly, where the "
+            "GPU's time covers their launches. 0: every prompt step eagerly"
+        ),
+    ] = 1024,
     overlap: Annotated[
         bool,
         typer.Option(
@@ -385,6 +394,7 @@ def serve_cmd(
             stage_slots=stage_slots,
             lora_backend=lora_backend,
             cuda_graphs=cuda_graphs,
+            graph_max_tokens=graph_max_tokens,
             warmup=warmup,
             sampler=sampler,
             max_running=max_running,

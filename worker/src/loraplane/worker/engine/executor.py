@@ -247,6 +247,9 @@ class Executor(Protocol):
     page_size: int  # positions per KV page
     # Stage positions of the stacked shrinks (lora/stage.py); 0 where nothing is staged.
     stage_positions: int
+    # Token buckets of the prompt steps replayed from graphs (engine/prompt_graphs.py); ()
+    # where every prompt step runs eagerly (multi-rank executors, a CPU).
+    prompt_graph_buckets: tuple[int, ...]
     # Whether ``launch(work, after) -> LaunchedStep`` is there (overlapped steps, ADR 0014):
     # it starts a step without reading its tokens, and rows with a ``carry`` take their
     # input token from ``after``, the step launched just before, on the device.
@@ -279,6 +282,11 @@ class Executor(Protocol):
     def hold_blank(self, name: str, rank: int) -> None:
         """Hold a zero adapter of ``rank`` over every LoRA target, as if read on every group
         (``lora.adapter.blank_adapter``; the warm-up loads it into slots)."""
+        ...
+
+    def use_prompt_graphs(self, on: bool) -> None:
+        """Whether prompt steps that fit a bucket of ``prompt_graph_buckets`` replay graphs
+        (on by default; the warm-up runs its eager steps with it off)."""
         ...
 
     def after_warmup(self) -> bool:
@@ -339,6 +347,8 @@ class LocalExecutor:
         self.stage_positions = (
             lora_manager.stage.positions if lora_manager and lora_manager.stage.enabled else 0
         )
+        prompt_graphs = self.runner.prompt_graphs
+        self.prompt_graph_buckets = tuple(prompt_graphs.buckets) if prompt_graphs else ()
         self.host: dict[str, AdapterWeights] = {}
 
     def step(self, work: list[list[SeqWork]]) -> list[StepResult]:
@@ -387,6 +397,10 @@ class LocalExecutor:
 
     def hold_blank(self, name: str, rank: int) -> None:
         self.host[name] = self.runner.blank_adapter(name, rank)
+
+    def use_prompt_graphs(self, on: bool) -> None:
+        if self.runner.prompt_graphs is not None:
+            self.runner.prompt_graphs.enabled = on
 
     def after_warmup(self) -> bool:
         return after_warmup()

@@ -147,7 +147,7 @@ class DecodeGraphs:
         self.dp_size = ps.dp_size if ps.dp_attention else 1
         self.multi_rank = not ps.is_single
         self._graphs: dict[tuple[int, Shape | None], _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._last_slots: tuple[int, tuple[int, ...], int, int] | None = None  # see _lora_shape
         self._last_shape: Shape | None = None
         self._last_adapters: list[int] = []
@@ -328,19 +328,6 @@ class DecodeGraphs:
             )
         return static
 
-    @contextmanager
-    def _as_captured(self) -> Iterator[None]:
-        """Overlap the LoRA as a capture would ("auto" overlaps only while capturing)."""
-        backend = self.runner.lora.ctx.backend if self.runner.lora is not None else None
-        if backend is None or backend.overlap != "auto":
-            yield
-            return
-        backend.overlap = "on"
-        try:
-            yield
-        finally:
-            backend.overlap = "auto"
-
     def _static_batch(self, bucket: int) -> ForwardBatch:
         ids, positions, rows = self._inputs[:, :bucket]
         return ForwardBatch(
@@ -365,42 +352,12 @@ class DecodeGraphs:
             if shape is not None and self.dp_size > 1
             else None
         )
-
         out = self._logits[:bucket]
-
-        def forward() -> torch.Tensor:
-            if runner.lora is not None:
-                runner.lora.reset_batch_state()  # a LoRA-off graph must capture no LoRA work
-            if static is not None:
-                assert runner.lora is not None
-                info = static.info()
-                runner.lora.ctx.local = info
-                runner.lora.ctx.global_ = gathered.info() if gathered is not None else info
-            try:
-                out.copy_(runner.model(batch, runner.kv))
-                return out
-            finally:
-                if runner.lora is not None:
-                    runner.lora.reset_batch_state()
-
+        forward = static_forward(runner, batch, out, static, gathered)
         if not self.capture:
             log.info("a decode graph's static step (not captured): %d rows, LoRA %s", bucket, shape)
             return _Graph(graph=None, forward=forward, logits=out)
-        # The buffers hold this step's values: the warm-up runs and the capture compute this
-        # step (KV writes included) and the first replay recomputes it with the same inputs.
-        # Warm-ups take the overlapped LoRA path the capture takes, so every kernel variant
-        # is compiled and loaded before the capture starts.
-        side = self._stream
-        assert side is not None
-        side.wait_stream(torch.cuda.current_stream(runner.device))
-        with torch.cuda.stream(side), self._as_captured():
-            for _ in range(2):  # compile kernels and settle the allocator outside the capture
-                forward()
-        torch.cuda.current_stream(runner.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # (no adapter is page-locked on another thread meanwhile: CUDA_CAPTURE_LOCK)
-        with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool):
-            logits = forward()
+        graph = capture_graph(runner, forward, self._stream, self.pool)
         log.info(
             "captured a decode graph: %d rows, LoRA %s",
             bucket,
@@ -408,4 +365,73 @@ class DecodeGraphs:
             if shape
             else "off",
         )
-        return _Graph(graph=graph, forward=forward, logits=logits)
+        return graph
+
+
+def static_forward(
+    runner: ModelRunner,
+    batch: ForwardBatch,
+    out: torch.Tensor,
+    static: StaticLoRABatch | None,
+    gathered: StaticLoRABatch | None = None,
+) -> Callable[[], torch.Tensor]:
+    """The step a graph captures: ``runner``'s model over ``batch`` (static buffers), with the
+    LoRA metadata of ``static`` (and under DP attention ``gathered``, the TP-global rows'),
+    or no LoRA work at all (None), its logits copied into ``out``."""
+
+    def forward() -> torch.Tensor:
+        if runner.lora is not None:
+            runner.lora.reset_batch_state()  # a LoRA-off graph must capture no LoRA work
+        if static is not None:
+            assert runner.lora is not None
+            info = static.info()
+            runner.lora.ctx.local = info
+            runner.lora.ctx.global_ = gathered.info() if gathered is not None else info
+        try:
+            out.copy_(runner.model(batch, runner.kv))
+            return out
+        finally:
+            if runner.lora is not None:
+                runner.lora.reset_batch_state()
+
+    return forward
+
+
+@contextmanager
+def _as_captured(runner: ModelRunner) -> Iterator[None]:
+    """Overlap the LoRA as a capture would ("auto" overlaps only while capturing)."""
+    backend = runner.lora.ctx.backend if runner.lora is not None else None
+    if backend is None or backend.overlap != "auto":
+        yield
+        return
+    backend.overlap = "on"
+    try:
+        yield
+    finally:
+        backend.overlap = "auto"
+
+
+def capture_graph(
+    runner: ModelRunner,
+    forward: Callable[[], torch.Tensor],
+    side: torch.cuda.Stream | None,
+    pool: object,
+) -> _Graph:
+    """``forward`` (a step over static buffers that returns its logits buffer) captured in a
+    CUDA graph in ``pool``, after two warm-up runs on the ``side`` stream.
+
+    The buffers hold this step's values: the warm-up runs and the capture compute this step
+    (KV writes included) and the first replay recomputes it with the same inputs. Warm-ups
+    take the overlapped LoRA path the capture takes, so every kernel variant is compiled and
+    loaded before the capture starts."""
+    assert side is not None
+    side.wait_stream(torch.cuda.current_stream(runner.device))
+    with torch.cuda.stream(side), _as_captured(runner):
+        for _ in range(2):  # compile kernels and settle the allocator outside the capture
+            forward()
+    torch.cuda.current_stream(runner.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # (no adapter is page-locked on another thread meanwhile: CUDA_CAPTURE_LOCK)
+    with CUDA_CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool):
+        logits = forward()
+    return _Graph(graph=graph, forward=forward, logits=logits)

@@ -14,6 +14,7 @@ import torch
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graphs_enabled
 from loraplane.worker.engine.pages import pages_for
+from loraplane.worker.engine.prompt_graphs import DEFAULT_MAX_TOKENS, PromptGraphs
 from loraplane.worker.lora.adapter import (
     AdapterWeights,
     blank_adapter,
@@ -25,6 +26,7 @@ from loraplane.worker.lora.manager import LoRAManager, stages_eager_batches
 from loraplane.worker.models.batch import ForwardBatch, SeqChunk
 from loraplane.worker.models.kv_cache import DEFAULT_PAGE_SIZE, KVCache
 from loraplane.worker.models.loader import load_model, resolve_dtype
+from loraplane.worker.models.model import Attention
 from loraplane.worker.parallel.state import ParallelState
 
 
@@ -47,12 +49,19 @@ class RunnerConfig:
     # Replay decode steps from CUDA graphs (engine/graphs.py): CUDA, each rank its own.
     cuda_graphs: bool = True
     graph_max_batch: int | None = None  # the largest decode batch with a graph; None: max_seqs
+    # The largest prompt step (prefill or mixed) replayed from a graph (engine/prompt_graphs.py),
+    # in tokens; 0: every prompt step runs eagerly. Single-rank runners with decode graphs.
+    graph_max_tokens: int = DEFAULT_MAX_TOKENS
     # How a step's tokens are picked from its logits: engine.sampling.SAMPLERS.
     sampler: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.graph_max_tokens < 0:
+            raise ValueError(
+                f"graph_max_tokens must be >= 0 (0: no prompt-step graphs), got {self.graph_max_tokens}"
+            )
         if self.kv_pages is not None and self.kv_pages < 1:
             raise ValueError(f"kv_pages must be >= 1 (or None: max_seqs rows), got {self.kv_pages}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
@@ -154,6 +163,23 @@ class ModelRunner:
             if graphs
             else None
         )
+        # Prompt steps from graphs too, where their attention runs the Triton kernels (CUDA;
+        # a CPU test selects them with ``Attention.prompt_kernel``) on one rank.
+        prompt_kernel = Attention.prompt_kernel
+        self.prompt_graphs = (
+            PromptGraphs(
+                self,
+                config.graph_max_tokens,
+                config.max_seqs,
+                capture=self.device.type == "cuda",
+                pool=self.graphs.pool,
+            )
+            if self.graphs is not None
+            and config.graph_max_tokens
+            and self.ps.is_single
+            and (self.device.type == "cuda" if prompt_kernel is None else prompt_kernel)
+            else None
+        )
 
     def read_adapter(self, name: str, path: str | Path) -> AdapterWeights:
         """Validate an adapter against this model (host memory only; no slot is touched)."""
@@ -213,6 +239,10 @@ class ModelRunner:
                     return logits
         elif graphs is not None and graphs.supports(batch):
             logits = graphs.run(batch, slots, carry)
+            if logits is not None:
+                return logits
+        elif self.prompt_graphs is not None and self.prompt_graphs.supports(batch):
+            logits = self.prompt_graphs.run(batch, slots, carry)
             if logits is not None:
                 return logits
         batch = batch.to(self.device)

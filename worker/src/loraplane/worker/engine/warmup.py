@@ -19,6 +19,11 @@ pod's readiness waits for it instead of a client:
   decode attention kernel's split count is a constexpr chosen by the count of one-token
   rows, so one step per split count a count up to ``max_seqs - 1`` gives
   (``single_row_counts``; every count where the executor's ranks run elsewhere);
+* prompt-step graphs (``engine/prompt_graphs.py``, where the executor has them): a prompt
+  step in every token bucket, without an adapter and with 1, 2, 4, ... up to K distinct
+  adapters (a graph per bucket and power of two of adapters, the same at every rank). Every
+  other step of the warm-up runs with them off, eagerly, so the kernel variants of prompt
+  steps too long for a graph are compiled too;
 * LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
   rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
   stage width, and the kernels past the stage): the same prefill steps with the adapters
@@ -92,6 +97,9 @@ class WarmupPlan:
     stage_positions: int = 0  # the executor's stage positions (0: nothing is staged)
     # eager LoRA steps, (longest segment, segments) each: every shrink variant they can meet
     lora_shapes: tuple[tuple[int, int], ...] = ()
+    # token buckets of the executor's prompt-step graphs (engine/prompt_graphs.py); ()
+    # where every prompt step runs eagerly
+    prompt_buckets: tuple[int, ...] = ()
 
 
 def plan_for(
@@ -103,13 +111,15 @@ def plan_for(
     stage_positions: int = 0,
     dp: int = 1,
     chunked_prefill_size: int = 0,
+    prompt_buckets: tuple[int, ...] = (),
 ) -> WarmupPlan:
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
     cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA), on a
     model with ``experts`` (routed experts, experts per token) or without (None), on an
     executor with ``stage_positions`` (``Executor.stage_positions``) and ``dp`` DP-attention
     groups, for an engine that feeds at most ``chunked_prefill_size`` prompt tokens a step
-    (0: whole prompts)."""
+    (0: whole prompts), whose prompt steps of fewer tokens than a bucket of
+    ``prompt_buckets`` replay graphs."""
     sizes = tuple(graph_buckets(max_seqs))
     capacity = max_seqs * (max_len - 1)  # prompt tokens one step can hold
     wanted = set(PREFILL_TOKENS)
@@ -119,7 +129,14 @@ def plan_for(
             t = 16 * -(-pairs * num_experts // (16 * topk))
             wanted |= {t, t + 13}
     tokens = tuple(sorted({min(n, capacity) for n in wanted}))
-    plan = WarmupPlan(sizes, tuple(sorted({sizes[0], sizes[-1]})), tokens, max_len, max_seqs)
+    plan = WarmupPlan(
+        sizes,
+        tuple(sorted({sizes[0], sizes[-1]})),
+        tokens,
+        max_len,
+        max_seqs,
+        prompt_buckets=tuple(prompt_buckets),
+    )
     if not max_loras_per_batch:
         return plan
     # a step holds at most max_seqs sequences per group, so at most that many adapters each
@@ -354,6 +371,43 @@ class _Runner:
         ]
         self.step(work)
 
+    def prompt_graphs(self, adapters: int, plan: WarmupPlan) -> None:
+        """A prompt step of every bucket of the plan's prompt graphs, with ``adapters``
+        distinct adapters (0: none), with the executor's prompt graphs on: their captures."""
+        self.executor.use_prompt_graphs(True)
+        try:
+            last = 0
+            for bucket in plan.prompt_buckets:
+                # a step of n tokens replays the first bucket past n
+                for tokens in (bucket - 1, max(last, adapters + 1)):
+                    if last <= tokens < bucket and self.prompt_step(tokens, adapters, plan):
+                        break
+                last = bucket
+        finally:
+            self.executor.use_prompt_graphs(False)
+
+    def prompt_step(self, tokens: int, adapters: int, plan: WarmupPlan) -> bool:
+        """One step of ``tokens`` tokens: a prompt (rows of at most the plan's ``max_len - 1``)
+        with slot 0, or none for ``adapters`` 0, beside one-token rows of slots 1 to
+        ``adapters - 1``. False (and nothing run) where it needs more rows than the plan's
+        ``max_seqs`` or leaves the prompt fewer than two tokens."""
+        per_row = plan.max_len - 1
+        singles = max(0, adapters - 1)
+        length = tokens - singles
+        rows = cdiv(length, per_row)
+        if length < 2 or per_row < 2 or rows + singles > plan.max_seqs:
+            return False
+        slot = 0 if adapters else -1
+        work = [
+            SeqWork(r, 0, _tokens(min(per_row, length - r * per_row), self.vocab, r), slot)
+            for r in range(rows)
+        ]
+        work += [
+            SeqWork(rows + i, 0, _tokens(1, self.vocab, rows + i), 1 + i) for i in range(singles)
+        ]
+        self.step(work)
+        return True
+
     def decode(self, slots: list[int], params: list[SamplingParams] | None = None) -> None:
         """One decode step: row ``i`` at position 0, with ``slots[i]`` and ``params[i]``."""
         params = params or [GREEDY] * len(slots)
@@ -371,6 +425,10 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
     t0 = time.perf_counter()
     run = _Runner(executor)
     none = -1
+    # The eager steps first, with the prompt graphs off: they compile the kernel variants
+    # of the prompt steps too long for a graph. Each graph is captured in its own phase.
+    if plan.prompt_buckets:
+        executor.use_prompt_graphs(False)
     for tokens in plan.prefill_tokens:
         run.phase(f"prefill {tokens} tokens", run.prefill, tokens, 0, plan)
     for size in plan.decode_sizes:
@@ -382,8 +440,12 @@ def warm_up(executor: Executor, plan: WarmupPlan) -> WarmupReport:
     # a mixed step's one-token rows attend at their own count (no graph pads them)
     for singles in single_row_counts(plan.max_seqs - 1, attention_splits(executor)):
         run.phase(f"mixed, {singles} one-token row(s)", run.mixed, singles)
+    if plan.prompt_buckets:
+        run.phase("prompt graphs, no adapter", run.prompt_graphs, 0, plan)
     if plan.ranks:
         _warm_lora(run, plan)
+    if plan.prompt_buckets:
+        executor.use_prompt_graphs(True)
     run.report.seconds = time.perf_counter() - t0
     log.info(
         "warm-up done in %.1f s (%d steps): the first requests compile and capture nothing "
@@ -440,6 +502,10 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
                 unstaged_decoded.add(count)
             label = f"LoRA rank {rank}, {count} adapter(s)"
             run.phase(label, _lora_steps, run, plan, count, decode)
+            if plan.prompt_buckets and rank == plan.ranks[0]:
+                # (prompt graphs run the shrink and expand kernels, the same at every rank)
+                label = f"prompt graphs, {count} adapter(s)"
+                run.phase(label, run.prompt_graphs, count, plan)
         if plan.stage_positions:
             run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan)
         for length, segments in plan.lora_shapes:

@@ -464,7 +464,8 @@ def _extend_attention_kernel(
             DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    # (a tile of no query, a captured prompt step's padding, has l 0 and stores nothing)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_ptrs = (
         out_ptr + (token + offs_m)[:, None] * out_stride_t + head * out_stride_h + offs_d[None, :]
     )

@@ -59,6 +59,9 @@ class ForwardBatch:
     # DP-attention layout: local token and logit-row counts of every DP group, in group order.
     dp_token_counts: list[int] = field(default_factory=list)
     dp_logit_counts: list[int] = field(default_factory=list)
+    # Rows past the batch's tokens that no chunk covers (a captured mixed step's padding,
+    # engine/prompt_graphs.py): their attention output is zeroed, not left unwritten.
+    padded: bool = False
     # the chunks of one token, on the device the attention asked for (``single_tokens``)
     _singles: SingleTokens | None = field(default=None, init=False, repr=False)
     # the prompt chunks' tiles and causal masks, per (device, block_m) and device

@@ -131,7 +131,7 @@ class Attention(nn.Module):
         # token (a running sequence's decode) attends in one call, and on CUDA every longer
         # chunk in one more (kernels/attention.py, ``extend_attention``): from position 0 or
         # past a cached prefix, the step's own keys are in the cache already.
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q) if batch.padded else torch.empty_like(q)
         singles = batch.single_tokens(q.device)
         if singles.rows.numel():
             out[singles.rows] = self._attend_one_each(

@@ -291,6 +291,7 @@ class MultiRankExecutor:
     # the engine's adapter thread sends reads while its engine thread sends steps.
     reads_adapters_concurrently = True
     stage_positions = 0  # ranks of a multi-rank worker do not stage (lora/manager.py)
+    prompt_graph_buckets: tuple[int, ...] = ()  # (their prompt steps run eagerly)
     supports_launch = True
 
     def __init__(
@@ -485,6 +486,9 @@ class MultiRankExecutor:
 
     def hold_blank(self, name: str, rank: int) -> None:
         self._send("blank", (name, rank))
+
+    def use_prompt_graphs(self, on: bool) -> None:
+        pass  # (no prompt graphs on a multi-rank worker)
 
     def after_warmup(self) -> bool:
         return all(payload for _, payload in self._send("after_warmup"))

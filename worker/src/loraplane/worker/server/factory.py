@@ -30,6 +30,7 @@ class ServeConfig:
     lora_backend: str = "triton"
     sampler: str = "auto"  # engine.sampling.SAMPLERS
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA; every rank its own)
+    graph_max_tokens: int = 1024  # prompt steps of up to this many tokens from graphs; 0: none
     warmup: bool | None = None  # engine.warmup before serving; None: on CUDA only
     max_running: int = 32  # a cap on running requests per DP group (page-table rows)
     max_model_len: int | None = None  # None: min(config max_position_embeddings, 4096)
@@ -85,6 +86,11 @@ class ServeConfig:
             raise ConfigError(
                 f"--chunked-prefill-size must be >= 0 (0 feeds whole prompts), "
                 f"got {self.chunked_prefill_size}"
+            )
+        if self.graph_max_tokens < 0:
+            raise ConfigError(
+                f"--graph-max-tokens must be >= 0 (0 runs every prompt step eagerly), "
+                f"got {self.graph_max_tokens}"
             )
         if self.max_running < 1:
             raise ConfigError(f"--max-running must be >= 1, got {self.max_running}")
@@ -176,6 +182,7 @@ def make_executor(config: ServeConfig, max_len: int) -> Executor:
         mem_fraction=config.mem_fraction,
         lora_backend=config.lora_backend,
         cuda_graphs=config.cuda_graphs,
+        graph_max_tokens=config.graph_max_tokens,
         sampler=config.sampler,
     )
     if config.tp == 1 and config.dp == 1:
@@ -212,6 +219,7 @@ def build_engine(
                 stage_positions=executor.stage_positions,
                 dp=executor.dp_size,
                 chunked_prefill_size=config.chunked_prefill_size,
+                prompt_buckets=executor.prompt_graph_buckets,
             )
             report = warm_up(executor, plan)
             executor.after_warmup()  # (a kernel the warm-up missed then logs a line, any rank)
