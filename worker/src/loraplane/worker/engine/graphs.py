@@ -27,8 +27,8 @@ LoRA). A graph replays the whole forward in one launch. What makes the forward c
   A batch of more adapters runs the shrink + expand kernels.
 
 A batch with no adapter replays the bucket's LoRA-off graph, which has no LoRA work at all.
-Graphs run only for pure decode batches of at most the largest bucket; everything else runs
-eagerly, unchanged. Adapter loads copy into the slot buffers in place, so captured graphs see
+Graphs run only for pure decode batches of at most the largest bucket; prompt steps replay
+graphs of their own (``engine/prompt_graphs.py``, ADR 0019) or run eagerly. Adapter loads copy into the slot buffers in place, so captured graphs see
 new adapters without a recapture.
 
 Each rank of a multi-rank worker (``--tp``, ``--dp --dp-attention``) holds graphs of its own,
