@@ -200,7 +200,16 @@ def free_port() -> int:
 def serve_stub(port: int, tokens: int, gap_s: float) -> None:
     import uvicorn
 
-    uvicorn.run(StubWorker(tokens, gap_s), host="127.0.0.1", port=port, log_level="warning")
+    # (idle connections kept as long as `loraplane worker serve` keeps them, 75 s: longer
+    # than the router's pool keeps them, so the router's connections are reused across the
+    # bench's phases as they are in front of a worker)
+    uvicorn.run(
+        StubWorker(tokens, gap_s),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_keep_alive=75,
+    )
 
 
 def serve_controlplane(port: int, db_url: str) -> None:
@@ -212,7 +221,13 @@ def serve_controlplane(port: int, db_url: str) -> None:
     settings = Settings(db_url=db_url, admin_token=ADMIN_TOKEN, redis_url=None)
     settings.sources.allowed_roots = [Path(tempfile.gettempdir()).resolve()]
     settings.reconciler.interval_s = 5.0
-    uvicorn.run(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(
+        create_app(settings),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_keep_alive=settings.keep_alive_s,  # (as `loraplane controlplane serve` runs it)
+    )
 
 
 def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
