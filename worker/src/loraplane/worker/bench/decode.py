@@ -235,6 +235,7 @@ def _make_runner(model: nn.Module, device: str, max_seqs: int, max_len: int) -> 
             self.lora_config = None
             self.lora = None
             self.graphs = None  # set per measured variant (run_decode_bench)
+            self.prompt_graphs = None  # (the decode bench times decode steps)
 
     del ParallelState
     return _InMemoryRunner()
