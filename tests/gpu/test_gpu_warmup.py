@@ -1,5 +1,6 @@
 """GPU tier: a worker warmed up before it serves (``engine.warmup``, on by default with CUDA)
-captured every decode bucket's graph and the LoRA graphs its first requests need, and serves
+captured every decode bucket's graph, every prompt-step graph and the LoRA graphs its first
+requests need, and serves
 the tokens a worker without the warm-up serves."""
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def test_the_first_requests_capture_no_graph_and_get_the_same_tokens(suite) -> N
         captured = set(graphs._graphs)
         assert {(b, None) for b in graphs.buckets} <= captured  # every LoRA-off bucket
         assert not graphs._failed  # (a failed capture would run eagerly, keyed nowhere)
+        prompt = servers[True].engine.executor.runner.prompt_graphs
+        assert prompt is not None and not prompt._failed
+        prompt_captured = prompt.keys
+        # every prompt bucket a step of 8 rows of 63 tokens reaches (<= 504 tokens: up to
+        # 512), without an adapter and with 1, 2 and 3 (the class of 4) adapters
+        want = {(b, c) for b in prompt.buckets if b <= 512 for c in (None, 1, 2, 4)}
+        assert want <= prompt_captured, want - prompt_captured
         assert servers[True].engine.lora_state()["slots"] == [None, None, None]
         outputs = {}
         for warmup, server in servers.items():
@@ -60,6 +68,7 @@ def test_the_first_requests_capture_no_graph_and_get_the_same_tokens(suite) -> N
             ]
         # the warmed worker's first requests replayed graphs it had captured before
         assert set(graphs._graphs) == captured
+        assert prompt.keys == prompt_captured and prompt.replays > 0
         cold = servers[False].engine.executor.runner.graphs
         assert cold is not None and len(cold._graphs) > 0  # the cold one captured them now
         assert outputs[True] == outputs[False]

@@ -298,3 +298,50 @@ def test_the_warm_up_captures_the_lora_graphs_of_buckets_with_fewer_rows_than_sl
                     rows = [-1] * (n - m) + [s for s, size in enumerate(sizes) for _ in range(size)]
                     reachable.add((bucket, static_shape(segments_of(rows), bucket), 0, 0))
     assert reachable - executor.graphs == set()
+
+
+class _PromptKeys(_StageOnly):
+    """``_StageOnly`` with prompt-step graphs: records the graph key (bucket, adapters' class)
+    of every prompt step it runs while they are on (``PromptGraphs.supports`` and ``run``)."""
+
+    def __init__(self, max_seqs: int, buckets: tuple[int, ...]) -> None:
+        super().__init__(max_seqs, 0, 32)
+        self.prompt_graph_buckets = buckets
+        self.on = True
+        self.prompt_keys: set[tuple[int, int | None]] = set()
+
+    def use_prompt_graphs(self, on: bool) -> None:
+        self.on = on
+
+    def step(self, work: list[list[Any]]) -> list[Any]:
+        from loraplane.worker.lora.batch_info import segments_of, static_shape
+
+        rows = work[0]
+        tokens = sum(len(w.tokens) for w in rows)
+        prompt = any(len(w.tokens) > 1 for w in rows)
+        if self.on and prompt and tokens < self.prompt_graph_buckets[-1]:
+            bucket = next(b for b in self.prompt_graph_buckets if b > tokens)
+            segments = segments_of([w.slot for w in rows for _ in w.tokens])
+            count = static_shape(segments, bucket)[0] if segments[2] else None
+            self.prompt_keys.add((bucket, count))
+        return super().step(work)
+
+
+@pytest.mark.parametrize(("max_seqs", "slots"), [(8, 3), (64, 32), (4, 4)])
+def test_the_warm_up_captures_every_prompt_graph_a_step_can_reach(
+    max_seqs: int, slots: int
+) -> None:
+    """Every bucket a step of at most ``max_seqs`` rows of 63 tokens reaches, without an
+    adapter and with each power of two of adapters up to K's; and the warm-up's other steps
+    (with the graphs off) capture none."""
+    from loraplane.worker.engine.prompt_graphs import prompt_buckets
+
+    buckets = tuple(prompt_buckets(1024))
+    plan = plan_for(max_seqs, 64, slots, 32, prompt_buckets=buckets)
+    executor = _PromptKeys(max_seqs, buckets)
+    warm_up(executor, plan)  # type: ignore[arg-type]
+    most = max_seqs * 63
+    reachable = [b for last, b in zip((0, *buckets), buckets) if last <= most]
+    classes = {None} | {1 << (c - 1).bit_length() for c in range(1, slots + 1)}
+    assert executor.prompt_keys == {(b, c) for b in reachable for c in classes}
+    assert executor.on  # (on again for serving)

@@ -372,14 +372,17 @@ class _Runner:
         self.step(work)
 
     def prompt_graphs(self, adapters: int, plan: WarmupPlan) -> None:
-        """A prompt step of every bucket of the plan's prompt graphs, with ``adapters``
-        distinct adapters (0: none), with the executor's prompt graphs on: their captures."""
+        """A prompt step in every bucket of the plan's prompt graphs that a step can reach,
+        with ``adapters`` distinct adapters (0: none), with the executor's prompt graphs on:
+        their captures."""
         self.executor.use_prompt_graphs(True)
         try:
+            most = plan.max_seqs * (plan.max_len - 1)  # prompt tokens one step can hold
             last = 0
             for bucket in plan.prompt_buckets:
-                # a step of n tokens replays the first bucket past n
-                for tokens in (bucket - 1, max(last, adapters + 1)):
+                # a step of n tokens replays the first bucket past n: the most this bucket
+                # takes, else the fewest
+                for tokens in (min(bucket - 1, most), max(last, adapters + 1)):
                     if last <= tokens < bucket and self.prompt_step(tokens, adapters, plan):
                         break
                 last = bucket
@@ -387,25 +390,13 @@ class _Runner:
             self.executor.use_prompt_graphs(False)
 
     def prompt_step(self, tokens: int, adapters: int, plan: WarmupPlan) -> bool:
-        """One step of ``tokens`` tokens: a prompt (rows of at most the plan's ``max_len - 1``)
-        with slot 0, or none for ``adapters`` 0, beside one-token rows of slots 1 to
-        ``adapters - 1``. False (and nothing run) where it needs more rows than the plan's
-        ``max_seqs`` or leaves the prompt fewer than two tokens."""
-        per_row = plan.max_len - 1
-        singles = max(0, adapters - 1)
-        length = tokens - singles
-        rows = cdiv(length, per_row)
-        if length < 2 or per_row < 2 or rows + singles > plan.max_seqs:
+        """``prefill``'s step of ``tokens`` prompt tokens over its rows, the adapters taking
+        turns by row, if one of its rows has two tokens or more (else it is a decode step)
+        and the plan's ``max_seqs`` rows hold it; False (and nothing run) otherwise."""
+        rows = max(adapters, 1, cdiv(tokens, plan.max_len - 1))
+        if rows > plan.max_seqs or tokens < rows + 1:
             return False
-        slot = 0 if adapters else -1
-        work = [
-            SeqWork(r, 0, _tokens(min(per_row, length - r * per_row), self.vocab, r), slot)
-            for r in range(rows)
-        ]
-        work += [
-            SeqWork(rows + i, 0, _tokens(1, self.vocab, rows + i), 1 + i) for i in range(singles)
-        ]
-        self.step(work)
+        self.prefill(tokens, adapters, plan)
         return True
 
     def decode(self, slots: list[int], params: list[SamplingParams] | None = None) -> None:
