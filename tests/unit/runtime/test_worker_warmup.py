@@ -341,7 +341,7 @@ def test_the_warm_up_captures_every_prompt_graph_a_step_can_reach(
     executor = _PromptKeys(max_seqs, buckets)
     warm_up(executor, plan)  # type: ignore[arg-type]
     most = max_seqs * 63
-    reachable = [b for last, b in zip((0, *buckets), buckets) if last <= most]
+    reachable = [b for last, b in zip((0, *buckets[:-1]), buckets, strict=True) if last <= most]
     classes = {None} | {1 << (c - 1).bit_length() for c in range(1, slots + 1)}
     assert executor.prompt_keys == {(b, c) for b in reachable for c in classes}
     assert executor.on  # (on again for serving)
