@@ -11,6 +11,7 @@ gone), a connected worker that does not answer within the request timeout is
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -25,6 +26,7 @@ READ_BUFSIZE = 1 << 20
 # keep-alive (`loraplane worker serve --keep-alive-timeout`, 75 s), so the router closes
 # first and never sends a request on a connection the worker is closing.
 KEEPALIVE_S = 30
+_JSON = {"Content-Type": "application/json"}
 
 
 class Upstream:
@@ -39,20 +41,26 @@ class Upstream:
             cookie_jar=aiohttp.DummyCookieJar(),  # workers set none: nothing to store or send
         )
         self._urls: dict[tuple[str, str], URL] = {}  # parsed once per worker and path
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}  # one per request timeout
 
     async def open(
         self, worker: str, endpoint: str, path: str, body: dict[str, Any], timeout_s: float
     ) -> aiohttp.ClientResponse:
         """Send a proxied request; the caller reads and must ``close``/``release`` the answer.
         Connecting has the probe timeout; answering, and each read after it, ``timeout_s``."""
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=min(timeout_s, self.probe_timeout_s), sock_read=timeout_s
-        )
+        timeout = self._timeouts.get(timeout_s)
+        if timeout is None:
+            timeout = self._timeouts[timeout_s] = aiohttp.ClientTimeout(
+                total=None, connect=min(timeout_s, self.probe_timeout_s), sock_read=timeout_s
+            )
         url = self._urls.get((endpoint, path))
         if url is None:
             url = self._urls[(endpoint, path)] = URL(f"{endpoint}{path}")
         try:
-            return await self.session.post(url, json=body, timeout=timeout)
+            # (the body as bytes: aiohttp's JSON payload object costs more than the encoding)
+            return await self.session.post(
+                url, data=json.dumps(body).encode(), headers=_JSON, timeout=timeout
+            )
         except aiohttp.ConnectionTimeoutError as exc:
             raise WorkerUnreachable(f"worker {worker}: ConnectTimeout: {exc}") from exc
         except TimeoutError as exc:
