@@ -294,7 +294,7 @@ class PromptGraphs:
             self._part(5)[: size.singles],
         )
         tiles = self._part(7).view(torch.int32).view(-1, 4)[: size.tiles]
-        batch._tiles = (self.runner.device, PROMPT_TILE, tiles)
+        batch._tiles = (tiles.device, PROMPT_TILE, tiles)  # (cuda:0, as the step's q: not "cuda")
         return batch
 
     def _capture(self, bucket: int, count: int | None) -> _Graph:
