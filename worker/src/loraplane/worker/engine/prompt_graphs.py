@@ -41,7 +41,13 @@ import torch
 from loraplane.worker.engine.graphs import _Graph, capture_graph, static_forward
 from loraplane.worker.kernels._triton_utils import cdiv
 from loraplane.worker.lora.batch_info import StaticLoRABatch, segments_of, static_shape
-from loraplane.worker.models.batch import PROMPT_TILE, ForwardBatch, SeqChunk, SingleTokens
+from loraplane.worker.models.batch import (
+    PROMPT_TILE,
+    ForwardBatch,
+    SeqChunk,
+    SingleTokens,
+    prompt_tiles,
+)
 
 if TYPE_CHECKING:
     from loraplane.worker.engine.runner import ModelRunner
@@ -241,12 +247,7 @@ class PromptGraphs:
         n, size, top = batch.num_tokens, self._sizes[bucket], self._top
         chunks = batch.chunks
         singles = [c for c in chunks if c.length == 1]
-        tiles = [
-            (c.token_offset + i, c.cache_row, c.start + i, min(PROMPT_TILE, c.length - i))
-            for c in chunks
-            if c.length > 1
-            for i in range(0, c.length, PROMPT_TILE)
-        ]
+        tiles = prompt_tiles(chunks, PROMPT_TILE)
         if len(singles) > size.singles or len(tiles) > size.tiles or len(chunks) > size.logits:
             raise ValueError(
                 f"a step of {n} tokens ({len(singles)} one-token rows, {len(tiles)} prompt "

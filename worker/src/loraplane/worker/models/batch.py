@@ -40,6 +40,19 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.to(device)
 
 
+def prompt_tiles(chunks: list[SeqChunk], block_m: int) -> list[tuple[int, int, int, int]]:
+    """The chunks of two or more tokens cut into tiles of at most ``block_m`` consecutive
+    queries, each ``(first local row, page-table row, first position, queries)``: the work
+    list of ``kernels.extend_attention`` (``ForwardBatch.prompt_tiles`` uploads it; a prompt
+    graph copies it into its static buffer)."""
+    return [
+        (c.token_offset + i, c.cache_row, c.start + i, min(block_m, c.length - i))
+        for c in chunks
+        if c.length > 1
+        for i in range(0, c.length, block_m)
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class SingleTokens:
     """A batch's chunks of one token, on one device: local rows, int64 [S] each."""
@@ -106,12 +119,7 @@ class ForwardBatch:
             return cached[2]
         if block_m < 1:
             raise ValueError(f"prompt_tiles: block_m must be >= 1, got {block_m}")
-        tiles = [
-            (c.token_offset + i, c.cache_row, c.start + i, min(block_m, c.length - i))
-            for c in self.chunks
-            if c.length > 1
-            for i in range(0, c.length, block_m)
-        ]
+        tiles = prompt_tiles(self.chunks, block_m)
         rows = upload(torch.tensor(tiles, dtype=torch.int32).reshape(len(tiles), 4), device)
         self._tiles = (device, block_m, rows)
         return rows
