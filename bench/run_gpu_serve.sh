@@ -13,6 +13,9 @@ ONLY="${ONLY:-k8 k32}"
 WORK=/tmp/loraplane-bench-serve
 COMMON=(--fixture dense --layers 16 --num-adapters 32 --workdir "$WORK" --device cuda
         --max-running 64 --prompt-len 256 --output-len 128 --worker-log-level info)
+# SERVE_ARGS: more `bench serve` flags for every step, e.g. SERVE_ARGS=--worker-arg=--stage-slots=32
+read -r -a EXTRA <<<"${SERVE_ARGS:-}"
+COMMON+=("${EXTRA[@]}")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
 step k8 200 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
   --adapters 0,16 --warmup 5 --duration 15 --transports http --out "$OUT/serve_k8.json"
