@@ -436,6 +436,37 @@ def test_evicting_an_adapter_the_worker_lost_already_frees_its_slot(
         assert adapter(cp, "a4")["routable"] is True
 
 
+def test_a_load_that_fails_on_a_full_worker_evicts_nothing(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """The worker evicts the planned victim only once it has read the new adapter: a load
+    that fails there (a file it cannot read, here an injected read failure on one DP group)
+    leaves the least recently used adapter loaded and routable, its placements loaded."""
+    join(cp, tiny, workers[:1])  # one worker, M = 4
+    for name in ("a0", "a1", "a2", "a3"):
+        assert register(cp, tiny, name).status_code == 201, name
+    worker = workers[0]
+    worker.fault("load", worker.dp - 1, "unreadable weights (injected)")
+    failed = register(cp, tiny, "a4")  # a0, the least recently used, is the planned victim
+    assert failed.status_code == 502, failed.text
+    assert failed.json()["operation"]["state"] == "rolled_back"
+    assert worker.models() == {"a0", "a1", "a2", "a3"}
+    kept = adapter(cp, "a0")
+    assert kept["routable"] is True
+    assert {(p["dp_group"], p["state"]) for p in kept["placements"]} == {
+        (g, "loaded") for g in range(worker.dp)
+    }
+    body = {"model": "a0", "prompt": "hi", "max_tokens": 1}
+    assert cp.post("/v1/completions", json=body, headers=ADMIN).status_code == 200
+    assert metric(cp, "loraplane_evictions_total") == 0.0
+
+    loaded = cp.post("/v1/adapters/default/a4/load", headers=ADMIN)  # now a1 goes
+    assert loaded.status_code == 200, loaded.text
+    assert worker.models() == {"a0", "a2", "a3", "a4"}
+    assert adapter(cp, "a1")["placements"] == []
+    assert metric(cp, "loraplane_evictions_total", namespace="default", pool="tiny") == 1.0
+
+
 def test_a_request_that_stops_waiting_for_a_cold_start_leaves_the_load_running(
     cp: TestClient, settings: Settings, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

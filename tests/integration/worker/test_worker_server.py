@@ -265,6 +265,52 @@ def test_pin_limit_and_host_capacity(
     assert sorted(r.json()["loaded_adapters"]) == ["cap0", "cap1"]
 
 
+def test_a_load_evicts_its_victims_only_once_it_has_read_the_new_adapter(
+    worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
+) -> None:
+    """A full worker told to evict for a load: an adapter it cannot read (a rank above
+    max_lora_rank, found only by reading it) costs no victim; a pinned victim, or the
+    adapter itself, is refused by field; a victim not loaded is skipped."""
+    worker = worker_factory(
+        "--max-loras-per-batch", "2", "--max-loaded-loras", "2", "--max-lora-rank", "8"
+    )
+
+    def load(name: str, path: Path, **extra: object) -> dict:
+        r = worker.client.post(
+            "/load_lora_adapter", json={"lora_name": name, "lora_path": str(path), **extra}
+        )
+        return {"status": r.status_code, **r.json()}
+
+    old, keep = make_adapter_dir("old", seed=1), make_adapter_dir("keep", seed=2)
+    assert load("old", old)["success"] and load("keep", keep, pinned=True)["success"]
+    before = gen_ids(worker, PROMPTS[0], "old")
+    held = {"old": str(old.resolve()), "keep": str(keep.resolve())}
+
+    unreadable = load("new", make_adapter_dir("new16", rank=16), evict=["old"])
+    assert unreadable["status"] == 400
+    assert "r: 16 is above max_lora_rank 8" in unreadable["error_message"]
+    assert unreadable["loaded_adapters"] == held
+    assert gen_ids(worker, PROMPTS[0], "old") == before  # still served, same weights
+
+    new = make_adapter_dir("new", seed=3)
+    pinned = load("new", new, evict=["keep"])
+    assert pinned["status"] == 400 and pinned["loaded_adapters"] == held
+    assert pinned["error_message"].startswith("evict: adapter 'keep' is pinned")
+    itself = load("new", new, evict=["new", "old"])
+    assert itself["status"] == 400
+    assert itself["error_message"] == "evict: 'new' is the adapter being loaded"
+    full = load("new", new)
+    assert full["status"] == 400 and "max_loaded_loras (2)" in full["error_message"]
+    assert worker.client.get("/lora_state").json()["loaded"] == 2
+
+    loaded = load("new", new, evict=["never-loaded", "old"])
+    assert loaded["status"] == 200, loaded
+    assert loaded["loaded_adapters"] == {"keep": held["keep"], "new": str(new.resolve())}
+    r = worker.client.post("/generate", json={"text": "hi", "lora_path": "old"})
+    assert r.status_code == 404 and "not loaded" in r.json()["error"]["message"]
+    assert gen_ids(worker, PROMPTS[0], "new") != before
+
+
 def test_new_version_swaps_atomically(
     worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]
 ) -> None:

@@ -238,6 +238,7 @@ async def register(services: Services, command: Register) -> OperationDone:
         return OperationDone(replay, command.namespace, command.name)
     pool_id, pool = await asyncio.to_thread(_check_registrable, services, command)
     facts = await _preflight(services, pool, command.source)
+    await services.usage.flush()  # the evictions its load may plan read the LRU order
     op_id = await asyncio.to_thread(_journal_register, services, command, pool_id, facts)
     return await _run(services, op_id, command.namespace, command.name)
 
@@ -307,6 +308,7 @@ async def load(services: Services, command: Load) -> OperationDone:
     a smaller count than it holds unloads the extra copies once the load succeeded."""
     replay = await asyncio.to_thread(_replayed, services, command.idempotency)
     if replay is None:
+        await services.usage.flush()  # the evictions it may plan read the LRU order
         replay = await asyncio.to_thread(_journal_load, services, command)
         return await _run(services, replay, command.namespace, command.name)
     return OperationDone(replay, command.namespace, command.name)
@@ -347,6 +349,7 @@ async def ensure_loaded(services: Services, command: EnsureLoaded) -> Loaded:
 
 
 async def _load_one_more(services: Services, adapter_id: int) -> str:
+    await services.usage.flush()  # the eviction it may plan reads the LRU order
     while True:
         step = await asyncio.to_thread(_journal_on_demand, services, adapter_id)
         if step is not None:
@@ -493,6 +496,7 @@ async def update_version(services: Services, command: UpdateVersion) -> Operatio
         return OperationDone(replay, command.namespace, command.name)
     pool = await asyncio.to_thread(_version_pool, services, command)
     facts = await _preflight(services, pool, command.source)
+    await services.usage.flush()  # the evictions it may plan read the LRU order
     op_id = await asyncio.to_thread(_journal_version, services, command, facts)
     return await _run(services, op_id, command.namespace, command.name)
 

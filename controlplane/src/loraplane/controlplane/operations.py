@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import ColumnElement, and_, delete, or_, select, update
 from sqlalchemy.orm import Session
@@ -90,6 +90,25 @@ def _pool_of(session: Session, op: Operation) -> str:
             )
         ).first()
     return adapter.pool.name if adapter is not None else ""
+
+
+VictimOutcome = Literal["evicted", "kept", "unknown"]
+
+
+def _victim_outcome(
+    victim: str, loaded: bool, seen: Observation | None, dp_size: int
+) -> VictimOutcome:
+    """What became of an eviction's victim: a worker that loaded the new adapter evicted it
+    (or found it gone); after a failed load, what the worker reports (``seen``; None: it did
+    not answer)."""
+    if loaded:
+        return "evicted"
+    if seen is None or victim in seen.inconsistent:
+        return "unknown"
+    present = seen.present_on(victim)
+    if len(present) == dp_size:
+        return "kept"
+    return "evicted" if not present and victim not in seen.adapters else "unknown"
 
 
 def _registered(session: Session, adapter_id: int, target: WorkerRef) -> bool:
@@ -677,22 +696,30 @@ class Operations:
                 )
             )
 
-    async def _evict(self, target: WorkerRef, names: Sequence[str]) -> UpdateResult:
-        for victim in names:
-            # not routed there while it goes away
+    async def _load_evicting(
+        self, target: WorkerRef, name: str, path: str, pinned: bool, victims: Sequence[str]
+    ) -> UpdateResult:
+        """Load ``name`` on ``target``, which unloads ``victims`` to make room once it has
+        read ``name`` on every DP group: a load that fails there (a bad file, a shape the
+        base model does not have) leaves them loaded and routable."""
+        for victim in victims:  # not routed there while it may go away
             await asyncio.to_thread(
                 self._mark_rows, "unloading", Placement.worker_id == target.id, victim
             )
-            result = await self.client.unload(target.name, target.endpoint, victim)
-            if not result.success and await self._gone(target, victim):
-                result = UpdateResult(True)  # (what the eviction wanted)
-            pool_labels = await asyncio.to_thread(self._after_evict, target, victim, result)
-            if not result.success:
-                return UpdateResult(
-                    False,
-                    f"worker {target.name}: evicting {victim} failed: {result.error_message}",
-                    result.loaded_adapters,
-                )
+        result = await self.client.load(target.name, target.endpoint, name, path, pinned, victims)
+        seen: Observation | None = None
+        if not result.success:  # which victims went: ask the worker
+            try:
+                seen = await self.client.observe(target.name, target.endpoint, target.dp_size)
+            except WorkerUnreachable:
+                seen = None
+        for victim in victims:
+            outcome = _victim_outcome(victim, result.success, seen, target.dp_size)
+            pool_labels = await asyncio.to_thread(
+                self._after_evict, target, victim, outcome, result.error_message
+            )
+            if outcome != "evicted":
+                continue
             self.metrics.evictions.labels(*pool_labels, target.name).inc()
             await self.bus.publish(
                 "adapter.evicted",
@@ -700,23 +727,13 @@ class Operations:
                 worker=target.name,
                 lora_name=victim,
             )
-        return UpdateResult(True)
+        return result
 
-    async def _gone(self, target: WorkerRef, victim: str) -> bool:
-        """Whether the worker, asked now, holds ``victim`` on none of its DP groups: an unload
-        that failed because the adapter was gone already (unloaded behind the registry's back,
-        drift the reconciler has not repaired yet) leaves the slot free, as an eviction
-        wants. False when the worker does not answer."""
-        try:
-            seen = await self.client.observe(target.name, target.endpoint, target.dp_size)
-        except WorkerUnreachable:
-            return False
-        return not (
-            seen.present_on(victim) or victim in seen.adapters or victim in seen.inconsistent
-        )
-
-    def _after_evict(self, target: WorkerRef, victim: str, result: UpdateResult) -> tuple[str, str]:
-        """The victim's rows on ``target`` dropped (or ``inconsistent`` if it would not go);
+    def _after_evict(
+        self, target: WorkerRef, victim: str, outcome: VictimOutcome, error: str
+    ) -> tuple[str, str]:
+        """The victim's rows on ``target``: dropped (evicted), loaded again (the load failed
+        before evicting it) or ``inconsistent`` (unknown, or half gone: the reconciler looks);
         the (namespace, pool) of the worker, for the eviction's metric and event."""
         with self.db.session() as session:
             worker = session.get(Worker, target.id)
@@ -726,10 +743,12 @@ class Operations:
                 )
             ).all()
             for row in rows:
-                if result.success:
+                if outcome == "evicted":
                     session.delete(row)
+                elif outcome == "kept":
+                    mark(row, "loaded", observed=True)
                 else:
-                    mark(row, "inconsistent", error=result.error_message)
+                    mark(row, "inconsistent", error=f"evicting it for a load that failed: {error}")
             return (worker.pool.namespace, worker.pool.name) if worker is not None else ("", "")
 
     async def _load_everywhere(
@@ -747,9 +766,7 @@ class Operations:
             if target.name in already:
                 return UpdateResult(True, "", {name: path})
             if evictions.get(target.name):
-                evicted = await self._evict(target, evictions[target.name])
-                if not evicted.success:
-                    return evicted
+                return await self._load_evicting(target, name, path, pinned, evictions[target.name])
             return await self.client.load(target.name, target.endpoint, name, path, pinned)
 
         results, per_target = await self._fanout(op_label, targets, load_one)

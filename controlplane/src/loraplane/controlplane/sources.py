@@ -373,7 +373,7 @@ class ModelShapes:
     @classmethod
     def read(cls, model: str) -> ModelShapes | None:
         """None when the control plane cannot read the model's config (a path only workers
-        see, a hub id): the workers check shapes then, after any eviction the load planned."""
+        see, a hub id): the workers check shapes then, before any eviction the load planned."""
         try:
             cfg = json.loads((Path(model) / "config.json").read_text())
             hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])

@@ -2,9 +2,9 @@
 request and written to the database in one UPDATE per flush.
 
 A routed request only records the time in a dict; a background task flushes every
-``interval_s`` (off the event loop), ``flush`` runs before an on-demand load plans an eviction,
-and ``close`` flushes what is left at shutdown. A flush the database refuses keeps its times
-for the next one.
+``interval_s`` (off the event loop), ``flush`` runs before a load (explicit or on demand) plans
+its evictions, and ``close`` flushes what is left at shutdown. A flush the database refuses
+keeps its times for the next one.
 """
 
 from __future__ import annotations

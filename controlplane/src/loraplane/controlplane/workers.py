@@ -7,7 +7,7 @@ Every call answers; transport errors and malformed answers become failed results
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,13 +76,20 @@ class WorkerClient:
         return result
 
     async def load(
-        self, worker: str, endpoint: str, lora_name: str, lora_path: str, pinned: bool
+        self,
+        worker: str,
+        endpoint: str,
+        lora_name: str,
+        lora_path: str,
+        pinned: bool,
+        evict: Sequence[str] = (),
     ) -> UpdateResult:
-        return await self._update(
-            worker,
-            f"{endpoint}/load_lora_adapter",
-            {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned},
-        )
+        """Load an adapter; ``evict``: adapters the worker unloads to make room once it has
+        read the new one (a load that fails there evicts none)."""
+        body: dict[str, Any] = {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+        if evict:
+            body["evict"] = list(evict)
+        return await self._update(worker, f"{endpoint}/load_lora_adapter", body)
 
     async def unload(self, worker: str, endpoint: str, lora_name: str) -> UpdateResult:
         return await self._update(

@@ -169,7 +169,6 @@ async def resolve(services: Services, principal: Principal, namespace: str, mode
             f"(POST /v1/adapters/{namespace}/{key}/load), never by routing",
             field="body.model",
         )
-    await services.usage.flush()  # the eviction it may plan reads the LRU order
     started = time.perf_counter()
     timeout = services.settings.router.on_demand_timeout_s
     try:

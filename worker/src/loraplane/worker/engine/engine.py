@@ -387,8 +387,14 @@ class Engine:
             return fn()
         return self._command(fn).result()
 
-    def load_adapter(self, name: str, path: str, pinned: bool = False) -> Future[LoRAUpdateResult]:
-        return self._adapter_command(lambda: self._load(name, path, pinned))
+    def load_adapter(
+        self, name: str, path: str, pinned: bool = False, evict: Seq[str] = ()
+    ) -> Future[LoRAUpdateResult]:
+        """Load ``name`` from ``path`` on every DP group. ``evict`` names adapters to unload
+        to make room, once the new one has been read on every group: a load that fails
+        leaves them loaded."""
+        victims = tuple(evict)
+        return self._adapter_command(lambda: self._load(name, path, pinned, victims))
 
     def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]:
         return self._adapter_command(lambda: self._on_engine(lambda: self._unload(name)))
@@ -406,9 +412,12 @@ class Engine:
             for g, err in enumerate(errors)
         ]
 
-    def _load(self, name: str, path: str, pinned: bool) -> LoRAUpdateResult:
+    def _load(
+        self, name: str, path: str, pinned: bool, evict: tuple[str, ...] = ()
+    ) -> LoRAUpdateResult:
         """Check, read on every group (on the adapter thread if there is one: the engine keeps
-        stepping), then commit or roll back on the engine's thread."""
+        stepping), then commit (evicting ``evict`` first) or roll back on the engine's
+        thread."""
         t0 = time.perf_counter()
         path = str(Path(path).resolve())
         fingerprint = _fingerprint(path)  # (a stat; not under the lock the steps take)
@@ -431,7 +440,9 @@ class Engine:
                 self._publish_residency()
                 return merge_lora_update_results(self._results([None] * self.dp_size))
             try:
-                self.residency.check_add(name, pinned)
+                victims = self._victims(name, evict)
+                freeing = sum(self.residency.current(v) is not None for v in victims)
+                self.residency.check_add(name, pinned, freeing)
             except ResidencyError as exc:
                 return self._failed(str(exc))
             version = self.versions.get(name, 0) + 1
@@ -461,7 +472,7 @@ class Engine:
         return cast(
             LoRAUpdateResult,
             self._on_engine(lambda: self._commit_load(name, path, pinned, key, version,
-                                                      fingerprint, errors, t0)),
+                                                      fingerprint, errors, t0, victims)),
         )  # fmt: skip
 
     def _commit_load(
@@ -474,9 +485,19 @@ class Engine:
         fingerprint: tuple[Any, ...],
         errors: list[str | None],
         t0: float,
+        victims: tuple[str, ...] = (),
     ) -> LoRAUpdateResult:
-        """The end of ``_load`` (engine thread): the adapter on every group, or on none."""
+        """The end of ``_load`` (engine thread): the adapter on every group, or on none; its
+        victims unloaded only once it has been read everywhere."""
         with self._lock:
+            if all(e is None for e in errors):
+                for victim in victims:
+                    evicted = self._unload(victim)
+                    if not evicted.success:
+                        errors = [f"evict: unloading {victim!r} to make room failed: "
+                                  f"{evicted.error_message}"] * self.dp_size  # fmt: skip
+                        break
+                    log.info("evicted adapter %s to make room for %s", victim, name)
             if any(e is not None for e in errors):
                 # roll back wherever it was read: the adapter is on every group or on none
                 self.executor.drop_adapter(key)
@@ -504,6 +525,24 @@ class Engine:
                 path,
             )
             return merge_lora_update_results(self._results([None] * self.dp_size))
+
+    def _victims(self, name: str, evict: tuple[str, ...]) -> tuple[str, ...]:
+        """The adapters of ``evict`` to unload for ``name``'s room: those loaded (or left
+        inconsistent); one not loaded is gone already. Raises ResidencyError for a pinned
+        one or ``name`` itself."""
+        victims: list[str] = []
+        for victim in dict.fromkeys(evict):
+            adapter = self.residency.current(victim)
+            if victim == name:
+                raise ResidencyError(f"evict: {name!r} is the adapter being loaded")
+            if adapter is not None and adapter.pinned:
+                raise ResidencyError(
+                    f"evict: adapter {victim!r} is pinned and pinned adapters are never "
+                    "evicted; unpin it first"
+                )
+            if adapter is not None or victim in self.inconsistent:
+                victims.append(victim)
+        return tuple(victims)
 
     def _unload(self, name: str) -> LoRAUpdateResult:
         t0 = time.perf_counter()

@@ -76,10 +76,11 @@ class Residency:
                 return a
         return None
 
-    def check_add(self, name: str, pinned: bool) -> None:
-        """Raise ResidencyError if adding (or replacing) `name` would break M or the pin limit."""
+    def check_add(self, name: str, pinned: bool, freeing: int = 0) -> None:
+        """Raise ResidencyError if adding (or replacing) `name` would break M or the pin limit,
+        once ``freeing`` loaded adapters (unpinned, not `name`) have been unloaded."""
         replacing = self.current(name)
-        if replacing is None and len(self.loaded_names) >= self.max_loaded:
+        if replacing is None and len(self.loaded_names) - freeing >= self.max_loaded:
             raise ResidencyError(
                 f"max_loaded_loras ({self.max_loaded}) adapters are already loaded "
                 f"({sorted(self.loaded_names)}); unload one first or start the worker with a larger --max-loaded-loras"

@@ -192,7 +192,7 @@ class WorkerServer:
                 LoRAUpdateResult(False, message, self._first_group_adapters())
             )
         result = await asyncio.wrap_future(
-            self.engine.load_adapter(body.lora_name, body.lora_path, body.pinned)
+            self.engine.load_adapter(body.lora_name, body.lora_path, body.pinned, body.evict)
         )
         return self._update_response(result)
 

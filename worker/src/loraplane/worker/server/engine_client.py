@@ -12,7 +12,7 @@ request in the engine when one matches.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -59,7 +59,7 @@ class EngineClient(Protocol):
     ) -> object: ...
     def abort(self, handle: object) -> None: ...
     def load_adapter(
-        self, name: str, path: str, pinned: bool = False
+        self, name: str, path: str, pinned: bool = False, evict: Sequence[str] = ()
     ) -> Future[LoRAUpdateResult]: ...
     def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]: ...
     def lora_state(self) -> dict[str, Any]: ...
@@ -155,8 +155,10 @@ class InThreadEngineClient:
     def abort(self, handle: object) -> None:
         self.engine.abort(handle)  # type: ignore[arg-type]
 
-    def load_adapter(self, name: str, path: str, pinned: bool = False) -> Future[LoRAUpdateResult]:
-        return self.engine.load_adapter(name, path, pinned)
+    def load_adapter(
+        self, name: str, path: str, pinned: bool = False, evict: Sequence[str] = ()
+    ) -> Future[LoRAUpdateResult]:
+        return self.engine.load_adapter(name, path, pinned, evict)
 
     def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]:
         return self.engine.unload_adapter(name)

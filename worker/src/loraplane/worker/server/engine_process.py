@@ -30,6 +30,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -260,24 +261,35 @@ class ProcessEngineClient:
             future.set_exception(RuntimeError(f"the engine is not running: {self._error}"))
         return future
 
-    def load_adapter(self, name: str, path: str, pinned: bool = False) -> Future[LoRAUpdateResult]:
-        return self.call("load", name, path, pinned)
+    def load_adapter(
+        self, name: str, path: str, pinned: bool = False, evict: Sequence[str] = ()
+    ) -> Future[LoRAUpdateResult]:
+        """Load ``name``; the adapters it may evict are refused as ``unload_adapter``'s is
+        until the core answers (whether or not the load evicted them)."""
+        victims = tuple(evict)
+        return self._refusing(victims, lambda: self.call("load", name, path, pinned, victims))
 
     def unload_adapter(self, name: str) -> Future[LoRAUpdateResult]:
         """Unload ``name``; new requests for it are refused (404) from now until the core
         answers, with the routes as they are then. A request routed before is in the pipe
         ahead of the unload, so the core admits it first (it keeps its adapter version to
         its end): no request reaches the core for an adapter it no longer holds."""
+        return self._refusing((name,), lambda: self.call("unload", name))
+
+    def _refusing(self, names: tuple[str, ...], call: Callable[[], Future[Any]]) -> Future[Any]:
+        """Requests for ``names`` refused from now until ``call()`` (to the core) is done."""
         with self._lock:
-            self._unloading[name] = self._unloading.get(name, 0) + 1
+            for name in names:
+                self._unloading[name] = self._unloading.get(name, 0) + 1
+        future = call()
 
-        def answered(_future: Future[LoRAUpdateResult]) -> None:
+        def answered(_future: Future[Any]) -> None:
             with self._lock:
-                self._unloading[name] -= 1
-                if not self._unloading[name]:
-                    del self._unloading[name]
+                for name in names:
+                    self._unloading[name] -= 1
+                    if not self._unloading[name]:
+                        del self._unloading[name]
 
-        future: Future[LoRAUpdateResult] = self.call("unload", name)
         future.add_done_callback(answered)
         return future
 

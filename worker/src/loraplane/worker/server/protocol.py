@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -307,6 +307,12 @@ class LoadLoRAAdapterRequest(_Body):
     lora_name: str = Field(min_length=1, max_length=200, pattern=LORA_NAME_PATTERN)
     lora_path: str = Field(min_length=1, max_length=4096)
     pinned: bool = False
+    evict: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="adapters to unload to make room, once the new one has been read on every "
+        "DP group: a load that fails evicts none (one not loaded is skipped, a pinned one refused)",
+    )
 
 
 class UnloadLoRAAdapterRequest(_Body):
