@@ -70,6 +70,9 @@ def test_host_capacity_m_is_enforced() -> None:
     r = loaded(1, 2, ["a", "b"])
     with pytest.raises(ResidencyError, match="max_loaded_loras \\(2\\)"):
         r.add("c", "c", "/c", 1)
+    r.check_add("c", False, freeing=1)  # room once a victim goes (a load with evict)
+    with pytest.raises(ResidencyError, match="max_loaded_loras \\(2\\)"):
+        r.check_add("c", False, freeing=0)
 
 
 def test_new_version_replaces_current_and_old_one_stays_while_held() -> None:
