@@ -96,13 +96,13 @@ VictimOutcome = Literal["evicted", "kept", "unknown"]
 
 
 def _victim_outcome(
-    victim: str, loaded: bool, seen: Observation | None, dp_size: int
+    victim: str, result: UpdateResult, seen: Observation | None, dp_size: int
 ) -> VictimOutcome:
-    """What became of an eviction's victim: a worker that loaded the new adapter evicted it
-    (or found it gone); after a failed load, what the worker reports (``seen``; None: it did
-    not answer)."""
-    if loaded:
-        return "evicted"
+    """What became of an eviction's victim: after a load that succeeded, what its answer
+    lists (a worker that held the new adapter already evicts nothing); after a failed one,
+    what the worker reports (``seen``; None: it did not answer)."""
+    if result.success:
+        return "kept" if victim in result.loaded_adapters else "evicted"
     if seen is None or victim in seen.inconsistent:
         return "unknown"
     present = seen.present_on(victim)
@@ -714,7 +714,7 @@ class Operations:
             except WorkerUnreachable:
                 seen = None
         for victim in victims:
-            outcome = _victim_outcome(victim, result.success, seen, target.dp_size)
+            outcome = _victim_outcome(victim, result, seen, target.dp_size)
             pool_labels = await asyncio.to_thread(
                 self._after_evict, target, victim, outcome, result.error_message
             )
