@@ -515,3 +515,43 @@ def test_the_runtime_apply_skips_only_checks() -> None:
     x_t = case.x.t().contiguous().t()  # the same values, column stride != 1
     with pytest.raises(ValueError, match="x must be 2-D with unit column stride"):
         expand.runtime_apply_shrink(x_t, *operands, got)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("graph_bound", [False, True])
+def test_segment_tiles_give_the_full_grids_bits(graph_bound: bool) -> None:
+    """Short segments (decodes) beside long ones (prompt chunks), one of a rank-0 slot, run
+    over the (segment, block) pairs that hold rows: the same bits as the full grid of every
+    segment times the longest one's blocks, and the dense delta. ``graph_bound``: as a
+    graph's static batch launches it, the longest segment bounded by every row and the
+    tiles padded to the capacity the batch's rows can need."""
+    from loraplane.worker.lora.batch_info import segment_tiles, tile_capacity
+
+    case = make_case(
+        seg_lens=[3, 150, 2, 70, 1, 65],
+        seg_slots=[1, 0, 3, 2, 4, 1],
+        slot_ranks=[16, 7, 0, 12, 9],
+        offsets=SLICES["qkv_gqa"],
+        permute=True,
+    )
+    rows = case.x.shape[0]
+    bound = rows if graph_bound else case.max_seg_len
+    segments = case.seg_slots.shape[0]
+    indptr = case.seg_indptr.tolist()
+    capacity = tile_capacity(rows, segments, 64) if graph_bound else None
+    pairs = segment_tiles(indptr, 64, capacity)
+    tiles = torch.tensor(pairs, dtype=torch.int32).view(2, -1).to(DEVICE)
+    assert tiles.shape[1] == (capacity or 1 + 3 + 1 + 2 + 1 + 2)
+    seg_ranks = case.slot_ranks.index_select(0, case.seg_slots)
+    seg_scalings = case.slot_scalings.index_select(0, case.seg_slots)
+    operands = (case.lora_a, case.lora_b, case.seg_indptr, case.seg_slots, seg_ranks)
+    operands += (seg_scalings, case.row_order, case.slice_offsets, bound)
+    want = base_output(case)
+    got = want.clone()
+    expand.runtime_apply_shrink(case.x, *operands, want).expand_into(want)  # type: ignore[arg-type]
+    pending = expand.runtime_apply_shrink(case.x, *operands, got, None, tiles)  # type: ignore[arg-type]
+    pending.expand_into(got)
+    assert torch.equal(got, want)
+    delta = dense_delta(case)
+    torch.testing.assert_close(
+        got.double() - base_output(case).double(), delta, atol=1e-4, rtol=1e-4
+    )

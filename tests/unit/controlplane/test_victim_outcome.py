@@ -3,9 +3,13 @@ evict it (``operations._victim_outcome``): what the worker answered, or reports 
 
 from __future__ import annotations
 
+import pytest
+
 from loraplane.controlplane.operations import _victim_outcome
 from loraplane.controlplane.workers import Observation
 from loraplane.rules.merge import UpdateResult
+
+pytestmark = pytest.mark.unit
 
 
 def seen(*groups: set[str], inconsistent: frozenset[str] = frozenset()) -> Observation:

@@ -4,6 +4,8 @@ Grid ``(segment blocks, segments, column blocks of N_total)``: one launch covers
 of a stacked projection (qkv with GQA widths, gate_up). A column block visits each slice whose
 column range ``slice_offsets[i]:slice_offsets[i+1]`` it overlaps and multiplies that slice's
 part of ``y`` with that slice's rows of B, so slice widths never have to be known on the host.
+With segment tiles (``seg_tiles``) the first axis lists the ``(segment, block)`` pairs that
+hold rows, as in the shrink; a program without rows loads no B.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -103,6 +105,7 @@ def _lora_expand_kernel(
     tile_rows_ptr,  # int64 [tiles * BLOCK_S]
     tile_rank_ptr,  # int32 [tiles] (read only when TILE_RANK)
     y_seg_col_ptr,  # int32 [S]: first column of each segment's y (read only when Y_SEG_COL)
+    seg_tiles_ptr,  # int32 [2, programs]: each program's segment, then block (SEG_TILES)
     n_total,
     rank_max,
     y_stride_row,
@@ -122,6 +125,7 @@ def _lora_expand_kernel(
     Y_SEG_COL: tl.constexpr = False,  # y columns start per segment (y from a stacked base GEMM)
     RANK_ALIGN: tl.constexpr = 1,  # loads round the rank up to this (rank_max a multiple of it)
     TILE_RANK: tl.constexpr = False,  # the tile map gives each tile's rank
+    SEG_TILES: tl.constexpr = False,  # programs over listed (segment, block) pairs
 ):
     # Every load that only needs the program's segment is issued first, and nothing returns
     # on a loaded value after it, so the y, B and out loads leave together once the segment's
@@ -148,8 +152,12 @@ def _lora_expand_kernel(
         y_rows = rows
         y_base = y_ptr
     else:
-        blk = tl.program_id(0)
-        seg = tl.program_id(1)
+        if SEG_TILES:  # (one round trip more: the pair, then the segment)
+            seg = tl.load(seg_tiles_ptr + tl.program_id(0))
+            blk = tl.load(seg_tiles_ptr + tl.num_programs(0) + tl.program_id(0))
+        else:
+            blk = tl.program_id(0)
+            seg = tl.program_id(1)
         seg_start = tl.load(seg_indptr_ptr + seg)
         seg_end = tl.load(seg_indptr_ptr + seg + 1)
         weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
@@ -160,6 +168,8 @@ def _lora_expand_kernel(
             slot = weight_slot // weights_per_slot
             rank = tl.minimum(tl.load(slot_ranks_ptr + slot), rank_max)
             scaling = tl.load(slot_scalings_ptr + slot)
+        # a program past its segment's rows reads no B: rank 0 masks every load
+        rank = tl.where(seg_start + blk * BLOCK_S < seg_end, rank, 0)
         y_base = y_ptr
         if Y_SEG_COL:
             y_base = y_ptr + tl.load(y_seg_col_ptr + seg)
@@ -255,14 +265,17 @@ def launch_expand(
     y_by_row: bool = False,
     rank_by_seg: bool = False,
     y_seg_cols: torch.Tensor | None = None,
+    seg_tiles: torch.Tensor | None = None,
 ) -> None:
     """Launch without checks (callers validated). ``weights [weight_slots, N_total, R]``,
     ``y [positions, slices*R]`` (with ``y_seg_cols``: segment ``s`` reads its columns from
-    ``y_seg_cols[s]`` on)."""
+    ``y_seg_cols[s]`` on). ``seg_tiles``: the programs' (segment, block) pairs in place of
+    the ``grid_blocks x grid_segments`` grid (``launch_shrink``)."""
     n_total = weights.shape[1]
     if grid_blocks == 0 or grid_segments == 0 or n_total == 0:
         return
-    grid = (grid_blocks, grid_segments, cdiv(n_total, config.block_n))
+    rows = (grid_blocks, grid_segments) if seg_tiles is None else (seg_tiles.shape[1], 1)
+    grid = (*rows, cdiv(n_total, config.block_n))
     _lora_expand_kernel[grid](
         y,
         weights,
@@ -275,6 +288,7 @@ def launch_expand(
         slice_offsets,
         *tile_map_args(tile_map, seg_indptr),
         y_seg_cols if y_seg_cols is not None else seg_indptr,
+        seg_tiles if seg_tiles is not None else seg_indptr,
         n_total,
         weights.shape[2],
         y.stride(0),
@@ -294,6 +308,7 @@ def launch_expand(
         Y_SEG_COL=y_seg_cols is not None,
         RANK_ALIGN=rank_align(weights.shape[2]),
         TILE_RANK=tile_map is not None and tile_map.ranks is not None,
+        SEG_TILES=seg_tiles is not None,
         **launch_options(config.num_warps),
     )
 
@@ -418,8 +433,10 @@ def expand_segments(
     *,
     rank_by_seg: bool = False,
     y_seg_cols: torch.Tensor | None = None,
+    seg_tiles: torch.Tensor | None = None,
 ) -> None:
-    """``launch_expand`` over the ``(segment blocks, segments, column blocks)`` grid (checked args)."""
+    """``launch_expand`` over the ``(segment blocks, segments, column blocks)`` grid, or over
+    ``seg_tiles``' pairs (checked args)."""
     config = expand_config(max_seg_len, lora_b.shape[2], lora_b.shape[1])
     launch_expand(
         y,
@@ -436,6 +453,7 @@ def expand_segments(
         grid_segments=seg_slots.shape[0],
         rank_by_seg=rank_by_seg,
         y_seg_cols=y_seg_cols,
+        seg_tiles=seg_tiles,
     )
 
 
@@ -503,6 +521,7 @@ class PendingLoRA:
     rank_by_seg: bool
     checked_out: torch.Tensor | None = None
     y_seg_cols: torch.Tensor | None = None
+    seg_tiles: torch.Tensor | None = None
 
     def expand_into(self, out: torch.Tensor) -> None:
         """``out [rows, N_total] += s * y B`` per segment (checks ``out``, then one launch)."""
@@ -521,6 +540,7 @@ class PendingLoRA:
             self.max_seg_len,
             rank_by_seg=self.rank_by_seg,
             y_seg_cols=self.y_seg_cols,
+            seg_tiles=self.seg_tiles,
         )
 
 
@@ -606,8 +626,11 @@ def runtime_apply_shrink(
     max_seg_len: int,
     out: torch.Tensor | None = None,
     max_split_k: int | None = None,
+    seg_tiles: torch.Tensor | None = None,
 ) -> PendingLoRA:
     """``lora_apply_shrink`` without its operand checks, for the runtime (``LoRABackend``).
+    ``seg_tiles``: the batch's (segment, block) pairs (``LoRABatchInfo.seg_tiles``), which
+    both launches then run over.
 
     Every operand comes from the runtime's own buffers: a wrapper's slot weights and
     ``slice_offsets``, which it built and checked once, and a ``LoRABatchInfo``, whose
@@ -640,6 +663,7 @@ def runtime_apply_shrink(
         True,
         out,
         max_split_k,
+        seg_tiles,
     )
 
 
@@ -660,6 +684,7 @@ def _start_apply(
     by_seg: bool,
     out: torch.Tensor | None,
     max_split_k: int | None,
+    seg_tiles: torch.Tensor | None = None,
 ) -> PendingLoRA:
     """The shrink launched over checked operands; the expand pending (``expand_into``).
     ``ranks``/``scalings`` are per segment when ``by_seg``, else per slot."""
@@ -678,6 +703,7 @@ def _start_apply(
         zeroed=False,
         rank_by_seg=by_seg,
         split_cap=max_split_k,
+        seg_tiles=seg_tiles,
     )
     return PendingLoRA(
         fn=fn,
@@ -693,6 +719,7 @@ def _start_apply(
         max_seg_len=max_seg_len,
         rank_by_seg=by_seg,
         checked_out=out,
+        seg_tiles=seg_tiles,
     )
 
 

@@ -2,8 +2,12 @@
 
 Grid ``(segment blocks, segments, slices)``: program ``(b, s, i)`` computes rows
 ``b*BLOCK_S ...`` of segment ``s`` for slice ``i`` of that segment's own slot, looping over the
-hidden dimension in ``BLOCK_K`` steps. The MoE form (``moe.py``) reuses the same kernel with a
-tile map instead of the ``(b, s)`` grid axes.
+hidden dimension in ``BLOCK_K`` steps. With segment tiles (``seg_tiles``, built on the host by
+``lora.batch_info.segment_tiles``) the first axis lists the ``(s, b)`` pairs that hold rows,
+so a step of many short segments beside a few long ones (decodes beside prompt chunks) does
+not launch every segment as many blocks as the longest one. A program without rows loads
+nothing. The MoE form (``moe.py``) reuses the same kernel with a tile map instead of the
+``(b, s)`` grid axes.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -79,6 +83,7 @@ def _lora_shrink_kernel(
     tile_len_ptr,  # int32 [tiles]
     tile_rows_ptr,  # int64 [tiles * BLOCK_S]
     tile_rank_ptr,  # int32 [tiles] (read only when TILE_RANK)
+    seg_tiles_ptr,  # int32 [2, programs]: each program's segment, then block (SEG_TILES)
     rank_max,
     x_stride_row,
     y_stride_row,
@@ -101,9 +106,11 @@ def _lora_shrink_kernel(
     K_PER_SPLIT: tl.constexpr,
     RANK_BY_SEG: tl.constexpr = False,  # ranks given per segment: no load waits on the slot
     TILE_RANK: tl.constexpr = False,  # the tile map gives each tile's rank
+    SEG_TILES: tl.constexpr = False,  # programs over listed (segment, block) pairs
 ):
     # As in the expand: the segment's loads first and no early return after them, so the
-    # first x and A tiles leave one memory round trip after the program starts.
+    # first x and A tiles leave one memory round trip after the program starts (two with
+    # segment tiles: the pair, then the segment).
     slice_id = tl.program_id(2) // SPLIT_K
     split = tl.program_id(2) % SPLIT_K
     if USE_TILE_MAP:
@@ -122,8 +129,12 @@ def _lora_shrink_kernel(
             return
         y_rows = rows
     else:
-        blk = tl.program_id(0)
-        seg = tl.program_id(1)
+        if SEG_TILES:
+            seg = tl.load(seg_tiles_ptr + tl.program_id(0))
+            blk = tl.load(seg_tiles_ptr + tl.num_programs(0) + tl.program_id(0))
+        else:
+            blk = tl.program_id(0)
+            seg = tl.program_id(1)
         seg_start = tl.load(seg_indptr_ptr + seg)
         seg_end = tl.load(seg_indptr_ptr + seg + 1)
         weight_slot = tl.load(seg_slots_ptr + seg).to(tl.int64)
@@ -131,6 +142,8 @@ def _lora_shrink_kernel(
             rank = tl.minimum(tl.load(slot_ranks_ptr + seg), rank_max)
         else:
             rank = tl.minimum(tl.load(slot_ranks_ptr + weight_slot // weights_per_slot), rank_max)
+        # a program past its segment's rows reads no A: rank 0 masks every load
+        rank = tl.where(seg_start + blk * BLOCK_S < seg_end, rank, 0)
 
         offs_s = seg_start + blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] segment positions
         s_mask = (offs_s < seg_end) & (rank > 0)
@@ -261,8 +274,13 @@ def launch_shrink(
     zeroed: bool = True,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
+    seg_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch without checks (callers validated); returns ``y [positions, slices*R]``.
+
+    ``seg_tiles`` (int32 ``[2, n]``, ``segment_tiles``'s): the programs' (segment, block)
+    pairs, in place of the ``grid_blocks x grid_segments`` grid, which still picks the K
+    splits (so a step compiles the variants it did without tiles).
 
     ``weights [weight_slots, slices*R, K]``. When the grid is too small to fill the GPU
     (decode), K is split over ``split_k`` programs per tile writing fp32 partials; the last
@@ -291,7 +309,8 @@ def launch_shrink(
     else:
         parts = counts = y  # never read
     tiles_args = tile_map_args(tile_map, seg_indptr)
-    _lora_shrink_kernel[(grid_blocks, grid_segments, num_slices * split_k)](
+    grid = (grid_blocks, grid_segments) if seg_tiles is None else (seg_tiles.shape[1], 1)
+    _lora_shrink_kernel[(*grid, num_slices * split_k)](
         x,
         weights,
         y,
@@ -302,6 +321,7 @@ def launch_shrink(
         slot_ranks,
         row_order if row_order is not None else seg_indptr,
         *tiles_args,
+        seg_tiles if seg_tiles is not None else seg_indptr,
         rank_max,
         x.stride(0),
         width,
@@ -322,6 +342,7 @@ def launch_shrink(
         K_PER_SPLIT=k_per_split,
         RANK_BY_SEG=rank_by_seg,
         TILE_RANK=tile_map is not None and tile_map.ranks is not None,
+        SEG_TILES=seg_tiles is not None,
         **launch_options(config.num_warps, config.num_stages),
     )
     return y
@@ -422,8 +443,10 @@ def shrink_segments(
     zeroed: bool = True,
     rank_by_seg: bool = False,
     split_cap: int | None = None,
+    seg_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``launch_shrink`` over the ``(segment blocks, segments, slices)`` grid (checked args)."""
+    """``launch_shrink`` over the ``(segment blocks, segments, slices)`` grid, or over
+    ``seg_tiles``' pairs (checked args)."""
     return launch_shrink(
         x,
         lora_a,
@@ -439,6 +462,7 @@ def shrink_segments(
         zeroed=zeroed,
         rank_by_seg=rank_by_seg,
         split_cap=split_cap,
+        seg_tiles=seg_tiles,
     )
 
 

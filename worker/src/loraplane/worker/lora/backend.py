@@ -197,6 +197,7 @@ class LoRABackend:
             info.max_seg_len,
             out,
             max_split_k,
+            info.seg_tiles,
         )
 
     # --- staged batches: the shrink came out of the base GEMM (lora/stage.py) -----------

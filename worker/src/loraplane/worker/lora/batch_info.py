@@ -14,10 +14,16 @@ from itertools import pairwise
 
 import torch
 
-from loraplane.worker.kernels._triton_utils import StageInfo
+from loraplane.worker.kernels._triton_utils import StageInfo, cdiv, segment_block
 from loraplane.worker.models.batch import upload
 
 NO_ADAPTER = -1
+# Segments longer than this run in row blocks of 64 (``segment_block``): a grid of every
+# segment times the longest one's blocks is then mostly empty programs when short segments
+# (decodes) sit beside long ones (prompt chunks), so the kernels run over ``segment_tiles``.
+TILED_SEG_LEN = 32
+# The block of a padding tile: past any segment's rows, so its programs have none.
+PAD_BLOCK = 1 << 20
 # int32 entries of 16 bytes: where each part of ``StaticLoRABatch``'s packed buffer starts
 _ALIGN = 4
 
@@ -46,6 +52,30 @@ def segments_of(token_slots: Sequence[int]) -> Segments:
     return order, indptr, slots
 
 
+def segment_tiles(indptr: Sequence[int], block: int, capacity: int | None = None) -> list[int]:
+    """The (segment, row block) pairs that hold rows, segments first then blocks (the int32
+    ``[2, n]`` layout the kernels read), for segments ``indptr`` in blocks of ``block`` rows;
+    padded to ``capacity`` pairs with (0, ``PAD_BLOCK``)."""
+    segs: list[int] = []
+    blocks: list[int] = []
+    for seg, (start, end) in enumerate(pairwise(indptr)):
+        for blk in range(cdiv(end - start, block)):
+            segs.append(seg)
+            blocks.append(blk)
+    if capacity is not None:
+        if len(segs) > capacity:
+            raise ValueError(f"{len(segs)} segment tiles do not fit a capacity of {capacity}")
+        pad = capacity - len(segs)
+        segs += [0] * pad
+        blocks += [PAD_BLOCK] * pad
+    return segs + blocks
+
+
+def tile_capacity(rows: int, segments: int, block: int) -> int:
+    """The most (segment, block) pairs ``segments`` segments of ``rows`` rows in all need."""
+    return cdiv(rows, block) + segments
+
+
 @dataclass(slots=True)
 class LoRABatchInfo:
     token_slots: torch.Tensor  # int32 [T]: slot per row, -1 = no adapter
@@ -65,6 +95,9 @@ class LoRABatchInfo:
     # A staged batch's GEMM runs as the base GEMM and the stage rows' GEMM apart, so rows
     # without an adapter get the LoRA-off step's bits (eager steps; graphs run one GEMM).
     exact_base: bool = False
+    # int32 [2, n]: the shrink's and expand's programs as (segment, row block) pairs
+    # (``segment_tiles``), when segments past TILED_SEG_LEN rows sit beside others
+    seg_tiles: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -82,6 +115,11 @@ class LoRABatchInfo:
             return None
         lens = [b - a for a, b in pairwise(indptr)]
         seg_slots = upload(torch.tensor(slots, dtype=torch.int32), device)
+        longest = max(lens)
+        seg_tiles = None
+        if longest > TILED_SEG_LEN and len(slots) > 1:
+            tiles = segment_tiles(indptr, segment_block(longest))
+            seg_tiles = upload(torch.tensor(tiles, dtype=torch.int32).view(2, -1), device)
         return cls(
             token_slots=upload(torch.tensor(list(token_slots), dtype=torch.int32), device),
             seg_indptr=upload(torch.tensor(indptr, dtype=torch.int32), device),
@@ -94,9 +132,10 @@ class LoRABatchInfo:
             slot_scalings=slot_scalings,
             seg_ranks=slot_ranks.index_select(0, seg_slots),
             seg_scalings=slot_scalings.index_select(0, seg_slots),
-            max_seg_len=max(lens),
+            max_seg_len=longest,
             num_rows=len(token_slots),
             num_lora_rows=len(order),
+            seg_tiles=seg_tiles,
         )
 
     @property
@@ -169,7 +208,12 @@ class StaticLoRABatch:
         # for a pointer that is not 16-byte aligned, and an eager staged batch's ``rows`` is
         # its own row count, so packed back to back the parts' alignment would follow it.
         staged_rows = rows if w else 0
-        sizes = [rows, s + 1, s, s, s, staged_rows, w, w]
+        # segments past TILED_SEG_LEN rows beside others: the kernels run over segment tiles
+        # (``segment_tiles``), as many as the most this batch's rows can need
+        tiled = self.max_seg_len > TILED_SEG_LEN and s > 1
+        self.tile_block = segment_block(self.max_seg_len)
+        self.tile_cap = tile_capacity(rows, s, self.tile_block) if tiled else 0
+        sizes = [rows, s + 1, s, s, s, staged_rows, w, w, 2 * self.tile_cap]
         spans = [_aligned(n) for n in sizes]
         self._ints = torch.zeros(sum(spans), dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(sum(spans), dtype=torch.int32, pin_memory=pin)
@@ -181,6 +225,7 @@ class StaticLoRABatch:
         self.seg_scalings = views[4].view(torch.float32)
         self.row_pos, self.pos_slots = views[5], views[6]
         self.pos_scalings = views[7].view(torch.float32)
+        self.seg_tiles = views[8].view(2, self.tile_cap) if tiled else None
 
     def fill(
         self,
@@ -248,6 +293,10 @@ class StaticLoRABatch:
                 pos_slots,
                 _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots]),
             ]
+        else:
+            parts += [[], [], []]
+        if self.tile_cap:
+            parts.append(segment_tiles(indptr, self.tile_block, self.tile_cap))
         ints = [v for part in parts for v in (*part, *[0] * (_aligned(len(part)) - len(part)))]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
         self._order_host.copy_(torch.tensor(order + [0] * (self.rows - len(order))))
@@ -270,6 +319,7 @@ class StaticLoRABatch:
             num_lora_rows=self.rows,  # an upper bound: the count lives on the device
             stage=self._stage_info() if self.stage_width else None,
             exact_base=self.exact_base,
+            seg_tiles=self.seg_tiles,
         )
 
     def _stage_info(self) -> StageInfo:
