@@ -553,5 +553,5 @@ def test_segment_tiles_give_the_full_grids_bits(graph_bound: bool) -> None:
     assert torch.equal(got, want)
     delta = dense_delta(case)
     torch.testing.assert_close(
-        got.double() - base_output(case).double(), delta, atol=1e-4, rtol=1e-4
+        got.cpu().double() - base_output(case).cpu().double(), delta, atol=1e-4, rtol=1e-4
     )

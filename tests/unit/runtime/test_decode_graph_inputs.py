@@ -32,7 +32,7 @@ def runner(request, suite) -> ModelRunner:  # type: ignore[no-untyped-def]
     r = ModelRunner(
         cfg, LoRARuntimeConfig(max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32)
     )
-    for slot, (name, path) in enumerate(adapters[:3]):
+    for slot, (name, path) in enumerate(adapters[1:]):  # ranks 8, 16, 32
         r.lora.load_slot(slot, r.read_adapter(name, path))  # type: ignore[union-attr]
     return r
 
@@ -99,8 +99,9 @@ def test_carried_tokens_are_the_host_tokens_eagerly_and_in_the_static_step(
 
 
 def test_more_adapters_than_stage_positions_run_the_shrink_kernels(suite) -> None:  # type: ignore[no-untyped-def]
-    """With 2 stage positions, a 3-adapter batch is not staged (width 0) and a 2-adapter batch
-    is; both give the eager step's logits, and staging the second evicts nothing it needs."""
+    """With 2 stage positions (of rank 32, the slots' and the batches' stage rank: a rank-32
+    adapter in each), a 3-adapter batch is not staged (width 0) and a 2-adapter batch is;
+    both give the eager step's logits, and staging the second evicts nothing it needs."""
     model_dir, adapters = suite["llama"]
     cfg = RunnerConfig(str(model_dir), lora_backend="triton", max_seqs=6, max_len=32)
     r = ModelRunner(
@@ -109,7 +110,7 @@ def test_more_adapters_than_stage_positions_run_the_shrink_kernels(suite) -> Non
             max_loras_per_batch=4, max_loaded_loras=4, max_lora_rank=32, stage_slots=2
         ),
     )
-    for slot, (name, path) in enumerate(adapters[:3]):
+    for slot, (name, path) in enumerate(adapters[1:]):  # ranks 8, 16, 32
         r.lora.load_slot(slot, r.read_adapter(name, path))  # type: ignore[union-attr]
     tokens = [11, 12, 13, 14]
     three, two = [2, 1, 0, 1], [NO_ADAPTER, 2, 0, 0]
@@ -367,6 +368,7 @@ def test_a_slot_change_outside_the_batch_refills_the_metadata(
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(StaticLoRABatch, "fill", counting_fill)
+    manager.stage.forget(2)  # (an earlier test's batch may have staged it)
     slots = [0, 0, NO_ADAPTER, 1]
     graphs._lora_shape(slots, 4)
     graphs._lora_shape(slots, 4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplane.worker.lora import extents
-from loraplane.worker.lora.stage import Stage, stage_width
+from loraplane.worker.lora.stage import Stage, positions_at, stage_width
 
 pytestmark = pytest.mark.unit
 
@@ -23,8 +23,8 @@ class Recorder:
 RANKS = {0: 16, 1: 8, 2: 16, 3: 4, 4: 16, 5: 16, 6: 16, 7: 16, 9: 33}
 
 
-def make(positions: int, *wrappers: Recorder) -> Stage:
-    return Stage(positions, wrappers, RANKS.__getitem__, max_rank=64)
+def make(positions: int, *wrappers: Recorder, max_rank: int = 16) -> Stage:
+    return Stage(positions, wrappers, RANKS.__getitem__, max_rank=max_rank)
 
 
 def test_a_staged_slot_keeps_its_position_and_is_not_copied_again() -> None:
@@ -85,8 +85,9 @@ def test_positions_are_laid_out_for_the_staged_adapters_rank_not_the_buffers() -
     floor that keeps the stacked output 16-element aligned); a rank-33 adapter restages
     everything at 64; once the stage empties, the rank can fall."""
     w = Recorder()
-    stage = make(4, w)
+    stage = make(4, w, max_rank=64)
     assert stage.assign([3, 1]) == {3: 0, 1: 1} and stage.rank == 16
+    assert stage.positions == 16  # memory for 4 positions of rank 64 holds 16 of rank 16
     assert w.ranks == [16, 16]
     assert stage.assign([9]) == {9: 0}  # rank 33: the old copies are laid out for 16
     assert stage.rank == 64 and stage.slot_at == [9, None, None, None]
@@ -97,6 +98,44 @@ def test_positions_are_laid_out_for_the_staged_adapters_rank_not_the_buffers() -
     # Slot buffers of rank 8 cap the floor: a rank-4 adapter stages at 8.
     small = Stage(4, [Recorder()], RANKS.__getitem__, max_rank=8)
     assert small.assign([3]) == {3: 0} and small.rank == 8
+
+
+def test_a_lower_stage_rank_lays_out_more_positions_up_to_the_gpu_slots() -> None:
+    """Memory for 2 positions of rank 64: 8 of rank 16, 4 of rank 32, never more than the
+    slots; a batch that fits only the lower rank's positions is not staged at the higher
+    one, and nothing staged is dropped for it."""
+    assert positions_at(2, 64, 16) == 8 and positions_at(2, 64, 32) == 4
+    assert positions_at(2, 64, 16, limit=6) == 6 and positions_at(2, 64, 64) == 2
+    ranks = dict.fromkeys(range(8), 16) | {20: 32}
+    stage = Stage(2, [Recorder()], ranks.__getitem__, max_rank=64, limit=6)
+    assert stage.positions == 6
+    six = stage.assign(list(range(6)))
+    assert six is not None and sorted(six.values()) == list(range(6))
+    assert stage.assign(list(range(7))) is None  # past the slots' cap
+    before = list(stage.slot_at)
+    assert stage.assign([20, 0, 1, 2, 3]) is None  # rank 32: 4 positions, 5 adapters
+    assert stage.slot_at == before and stage.rank == 16
+    assert stage.assign([20, 0]) is not None and stage.rank == 32 and stage.positions == 4
+
+
+def test_a_batch_of_few_adapters_stays_within_four_positions() -> None:
+    """With 16 positions, a batch of up to 4 adapters computes at most 4 (its adapters are
+    copied down when staged higher up), and 8 adapters at most 8: the GEMM's width follows
+    the batch, not the history of the stage."""
+    w = Recorder()
+    stage = make(16, w)
+    wide = stage.assign(list(range(8)))  # slots 0..7 at positions 0..7
+    assert wide is not None and max(wide.values()) == 7
+    w.copies.clear()
+    late = stage.assign([6, 7])  # staged at 6 and 7: past a 2-adapter batch's window of 4
+    assert late is not None and all(p < 4 for p in late.values())
+    assert stage_width(late.values(), stage.positions) <= 4
+    assert sorted(slot for _, slot in w.copies) == [6, 7]  # copied down, once each
+    assert stage.slot_at.count(6) == 1 and stage.slot_at.count(7) == 1
+    again = stage.assign([6, 7])
+    assert again == late and len(w.copies) == 2  # now in place: no copies
+    eight = stage.assign([0, 1, 2, 3, 4, 5, 6, 7])
+    assert eight is not None and max(eight.values()) < 8
 
 
 def test_the_gemm_width_is_a_power_of_two_past_the_highest_position() -> None:

@@ -27,8 +27,11 @@ def test_the_plan_covers_every_bucket_stage_width_and_rank() -> None:
     assert plan.sampler_sizes == (1, 64)  # chunked and one program a row
     assert plan.ranks == (16, 32, 64)  # every stage rank
     assert plan.adapter_counts == (1, 2, 4, 6)  # stage widths 1, 2, 4 and K
-    assert plan.stage_positions == 0  # (the executor's: plan_for's caller passes it)
-    assert plan_for(64, 4096, 6, 64, stage_positions=16).stage_positions == 6  # at most K
+    assert plan.stage_positions == ()  # (the executor's: plan_for's caller passes it)
+    assert plan_for(64, 4096, 6, 64, stage_positions=16).stage_positions == (6, 6, 6)  # <= K
+    # 2 positions of rank 64 hold 8 of rank 16 and 4 of rank 32 (lora.stage.positions_at)
+    staged = plan_for(64, 4096, 16, 64, stage_positions=2)
+    assert staged.stage_positions == (8, 4, 2) and staged.positions_at(32) == 4
     # staged or not, row blocks of 16, 32 and 64, multiple of 16 or not
     assert plan.prefill_tokens == (16, 29, 192, 205, 320, 333)
     moe = plan_for(64, 4096, 4, 64, experts=(128, 8))  # Qwen3-30B-A3B: 24 and 48 pairs an expert
@@ -131,7 +134,7 @@ class _StageOnly:
 
     dp_size = 1
 
-    def __init__(self, max_seqs: int, positions: int, max_rank: int) -> None:
+    def __init__(self, max_seqs: int, positions: int, max_rank: int, slots: int = 0) -> None:
         from types import SimpleNamespace
 
         from loraplane.worker.lora.stage import Stage
@@ -143,7 +146,9 @@ class _StageOnly:
         self.model_config = SimpleNamespace(vocab_size=100)
         self.max_seqs, self.max_len, self.stage_positions = max_seqs, 64, positions
         self.rank = 0
-        self.stage = Stage(positions, [_Wrapper()], lambda _slot: self.rank, max_rank)
+        self.stage = Stage(
+            positions, [_Wrapper()], lambda _slot: self.rank, max_rank, limit=slots or None
+        )
         self.graphs: set[tuple[Any, ...]] = set()
 
     def step(self, work: list[list[Any]]) -> list[Any]:
@@ -181,12 +186,14 @@ def _reachable_graphs(
 ) -> set[tuple[Any, ...]]:
     """Every LoRA decode graph key a batch of at most ``max_seqs`` rows over ``slots`` slots
     can meet: each multiset of rows (a slot or none per row), at each stage width its
-    adapters' positions can give and each stage rank, or unstaged past the positions."""
+    adapters' positions can give and each stage rank (``positions`` of the largest rank,
+    more of a smaller one), or unstaged past the positions."""
     from itertools import combinations_with_replacement
 
     from loraplane.worker.engine.graphs import graph_buckets
     from loraplane.worker.engine.warmup import stage_widths
     from loraplane.worker.lora.batch_info import segments_of, static_shape
+    from loraplane.worker.lora.stage import positions_at
 
     keys = set()
     for n in range(1, max_seqs + 1):
@@ -197,21 +204,25 @@ def _reachable_graphs(
             if not count:
                 continue
             shape = static_shape(segments, bucket)
-            if count > positions:
-                keys.add((bucket, shape, 0, 0))
-            for width in stage_widths(count, positions):
-                keys |= {(bucket, shape, width, rank) for rank in ranks}
+            for rank in ranks:
+                room = positions_at(positions, ranks[-1], rank, slots)
+                if count > room:
+                    keys.add((bucket, shape, 0, 0))
+                keys |= {(bucket, shape, width, rank) for width in stage_widths(count, room)}
     return keys
 
 
 @pytest.mark.parametrize(
-    ("max_seqs", "slots", "positions"), [(8, 4, 2), (6, 3, 3), (5, 2, 0), (40, 3, 2)]
+    ("max_seqs", "slots", "positions"),
+    [(8, 4, 2), (6, 3, 3), (5, 2, 0), (40, 3, 2), (8, 8, 1), (8, 6, 4)],
 )
 def test_the_warm_up_captures_every_lora_decode_graph_a_batch_can_need(
     max_seqs: int, slots: int, positions: int
 ) -> None:
+    """Stage positions of rank 32 (so twice as many at 16), with the window that keeps a
+    batch of 4 or fewer adapters at most 4 positions wide."""
     plan = plan_for(max_seqs, 64, slots, 32, stage_positions=positions)
-    executor = _StageOnly(max_seqs, positions, 32)
+    executor = _StageOnly(max_seqs, positions, 32, slots)
     warm_up(executor, plan)  # type: ignore[arg-type]
     reachable = _reachable_graphs(max_seqs, slots, positions, plan.ranks)
     assert reachable - executor.graphs == set()

@@ -335,10 +335,11 @@ class LoRARuntimeConfig:
     max_loras_per_batch (K): GPU slots per LoRA'd module; a batch holds at most K adapters.
     max_loaded_loras (M): adapters kept ready in host memory.
     max_lora_rank (R): every slot buffer is sized for this rank.
-    stage_slots (P): stage positions under each attention/MLP weight (lora/stage.py): a
-        batch of at most P adapters (a decode graph's, or on CUDA an eager one of up to 256
-        rows) gets its shrink from one GEMM and its expand fused into the next kernel. 0 turns
-        stacking off; at most K are used. None (the default): 4 on a dense model, 16 on one
+    stage_slots (P): stage positions of rank R under each attention/MLP weight
+        (lora/stage.py): a batch of at most P adapters (a decode graph's, or on CUDA an eager
+        one of up to 256 rows) gets its shrink from one GEMM and its expand fused into the
+        next kernel; adapters of a lower stage rank r get P * R / r positions, at most K.
+        0 turns stacking off. None (the default): 4 on a dense model, 16 on one
         with routed experts, whose expert layers do not stack (``lora.stage.default_positions``).
     """
 

@@ -245,7 +245,8 @@ class Executor(Protocol):
     max_len: int  # positions per sequence
     kv_pages: int  # KV pages per DP group (models/kv_cache.py)
     page_size: int  # positions per KV page
-    # Stage positions of the stacked shrinks (lora/stage.py); 0 where nothing is staged.
+    # Stage positions of the stacked shrinks at the slot buffers' rank (lora/stage.py; a lower
+    # stage rank has more); 0 where nothing is staged.
     stage_positions: int
     # Token buckets of the prompt steps replayed from graphs (engine/prompt_graphs.py); ()
     # where every prompt step runs eagerly (multi-rank executors, a CPU).
@@ -345,7 +346,7 @@ class LocalExecutor:
         self.page_size = self.runner.kv.page_size
         lora_manager = self.runner.lora
         self.stage_positions = (
-            lora_manager.stage.positions if lora_manager and lora_manager.stage.enabled else 0
+            lora_manager.stage.full_positions if lora_manager and lora_manager.stage.enabled else 0
         )
         prompt_graphs = self.runner.prompt_graphs
         self.prompt_graph_buckets = tuple(prompt_graphs.buckets) if prompt_graphs else ()

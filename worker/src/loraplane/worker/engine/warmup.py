@@ -63,7 +63,7 @@ from loraplane.worker.engine.sampling import GREEDY, SamplingParams
 from loraplane.worker.kernels import _triton_utils
 from loraplane.worker.kernels._triton_utils import cdiv, split_class
 from loraplane.worker.lora.manager import EAGER_STAGE_MAX_ROWS
-from loraplane.worker.lora.stage import MIN_STAGE_RANK
+from loraplane.worker.lora.stage import MIN_STAGE_RANK, positions_at, stage_window
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +94,17 @@ class WarmupPlan:
     max_seqs: int  # KV-cache rows per DP group: a step uses at most these
     ranks: tuple[int, ...] = ()  # blank adapters' ranks; () without LoRA
     adapter_counts: tuple[int, ...] = ()  # distinct adapters in a LoRA step
-    stage_positions: int = 0  # the executor's stage positions (0: nothing is staged)
+    # stage positions at each of ``ranks`` (lora.stage.positions_at); () where nothing stages
+    stage_positions: tuple[int, ...] = ()
     # eager LoRA steps, (longest segment, segments) each: every shrink variant they can meet
     lora_shapes: tuple[tuple[int, int], ...] = ()
     # token buckets of the executor's prompt-step graphs (engine/prompt_graphs.py); ()
     # where every prompt step runs eagerly
     prompt_buckets: tuple[int, ...] = ()
+
+    def positions_at(self, rank: int) -> int:
+        """Stage positions of a stage of ``rank`` (0: nothing stages)."""
+        return self.stage_positions[self.ranks.index(rank)] if self.stage_positions else 0
 
 
 def plan_for(
@@ -116,7 +121,8 @@ def plan_for(
     """What ``warm_up`` runs for a worker of ``max_seqs`` KV rows per DP group (its running
     cap) of ``max_len`` positions, with ``max_loras_per_batch`` slots (None: no LoRA), on a
     model with ``experts`` (routed experts, experts per token) or without (None), on an
-    executor with ``stage_positions`` (``Executor.stage_positions``) and ``dp`` DP-attention
+    executor with ``stage_positions`` of the slot buffers' rank (``Executor.stage_positions``;
+    a lower stage rank has more: ``lora.stage.positions_at``) and ``dp`` DP-attention
     groups, for an engine that feeds at most ``chunked_prefill_size`` prompt tokens a step
     (0: whole prompts), whose prompt steps of fewer tokens than a bucket of
     ``prompt_buckets`` replay graphs."""
@@ -149,11 +155,14 @@ def plan_for(
     # the longest segment (one adapter's rows) an eager step can hold: a step's prompt
     # tokens beside a decode row per running sequence
     longest = min(capacity, chunked_prefill_size + max_seqs) if chunked_prefill_size else capacity
+    ranks = stage_ranks(max_lora_rank)
     return replace(
         plan,
-        ranks=stage_ranks(max_lora_rank),
+        ranks=ranks,
         adapter_counts=tuple(counts),
-        stage_positions=min(stage_positions, most),
+        stage_positions=tuple(positions_at(stage_positions, max_lora_rank, r, most) for r in ranks)
+        if stage_positions
+        else (),
         lora_shapes=tuple(lora_shapes(max_seqs, max_len, min(most, max_seqs), longest)),
     )
 
@@ -274,16 +283,18 @@ def dp_lora_decode_steps(
 
 def stage_widths(count: int, positions: int) -> list[int]:
     """The stage widths a staged batch of ``count`` adapters can compute (``stage_width``:
-    its highest position + 1 rounded up to a power of two, at most ``positions``)."""
+    its highest position + 1 rounded up to a power of two, and its positions lie below
+    ``stage_window``), smallest first."""
     if not 0 < count <= positions:
         return []
-    widths, w = set(), 1
+    top = stage_window(count, positions)
+    widths, w = [], 1
     while w < count:
         w *= 2
     while True:
-        widths.add(min(w, positions))
-        if w >= positions:
-            return sorted(widths)
+        widths.append(min(w, top))
+        if w >= top:
+            return widths
         w *= 2
 
 
@@ -461,14 +472,14 @@ def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, decode: bool) -> Non
         run.decode(slots)
 
 
-def _wider_stage_steps(run: _Runner, plan: WarmupPlan) -> None:
+def _wider_stage_steps(run: _Runner, plan: WarmupPlan, rank: int) -> None:
     """Staged batches at every width above their own, decode graphs and eager prefills (an
     eager batch of up to ``EAGER_STAGE_MAX_ROWS`` rows stages on a GPU too). The stage now
     holds slot ``p`` at position ``p`` (each count's steps staged slots 0..count-1 in turn
     into the lowest free positions), so the slots ``width - count .. width - 1`` compute
-    ``width``."""
+    ``width``. ``rank``: the stage rank of the blank adapter loaded."""
     for count in plan.adapter_counts:
-        for width in stage_widths(count, plan.stage_positions)[1:]:
+        for width in stage_widths(count, plan.positions_at(rank))[1:]:
             slots = list(range(width - count, width))
             for batch in lora_decode_batches(plan.decode_sizes, slots):
                 run.decode(batch)
@@ -488,8 +499,9 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
             for slot in range(loaded, count):
                 executor.load_slot(slot, BLANK_NAME)
             loaded = count
-            decode = count <= plan.stage_positions or count not in unstaged_decoded
-            if count > plan.stage_positions:
+            positions = plan.positions_at(rank)
+            decode = count <= positions or count not in unstaged_decoded
+            if count > positions:
                 unstaged_decoded.add(count)
             label = f"LoRA rank {rank}, {count} adapter(s)"
             run.phase(label, _lora_steps, run, plan, count, decode)
@@ -497,12 +509,12 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
                 # (prompt graphs run the shrink and expand kernels, the same at every rank)
                 label = f"prompt graphs, {count} adapter(s)"
                 run.phase(label, run.prompt_graphs, count, plan)
-        if plan.stage_positions:
-            run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan)
+        if plan.positions_at(rank):
+            run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan, rank)
         for length, segments in plan.lora_shapes:
             # (past the stage the shrink and expand read the slots' largest rank: the same
             # variants at every stage rank)
-            if segments <= plan.stage_positions or rank == plan.ranks[0]:
+            if segments <= plan.positions_at(rank) or rank == plan.ranks[0]:
                 label = f"LoRA rank {rank}, eager: {segments} segment(s), the longest {length}"
                 run.phase(label, run.lora_shape, length, segments, plan)
     # (after a failure the worker does not start: the executor is shut down, and a clean-up

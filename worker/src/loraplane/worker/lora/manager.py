@@ -114,6 +114,7 @@ class LoRAManager:
             [w for wrappers in self.layers for w in wrappers if w.stacked is not None],
             rank_of=self._rank_of,
             max_rank=r,
+            limit=k,
         )
         # Eager batches of up to this many rows are staged (stages_eager_batches).
         eager = stages_eager_batches(device, model.embed_tokens.weight.dtype)

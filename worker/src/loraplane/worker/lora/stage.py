@@ -26,6 +26,16 @@ step: never inside a graph capture). A batch with more adapters than positions i
 stage rank empties the stage and restages at the larger rank (the rank never shrinks while
 anything is staged). Loading or clearing a slot unstages it (``forget``), so a position never
 serves another adapter's old A.
+
+The memory is sized in positions of the slot buffers' rank (``P * n * R_max`` rows), and a
+stage of a lower rank lays out more positions in it: ``P * R_max / r``, at most the GPU
+slots (``Stage.positions_at``). Rank-16 adapters in a rank-64 pool with ``P = 4`` get 16
+positions, so a batch of 16 distinct adapters still shrinks in one GEMM, at no more memory.
+
+A batch of few adapters keeps a narrow GEMM however many positions there are: its adapters
+take positions below ``stage_window(count)`` (the batch's count rounded up to a power of two,
+at least ``MIN_STAGE_WIDTH``), and one staged higher up is copied down into that window. So a
+batch of 4 or fewer adapters computes at most 4 positions, as when the stage had 4.
 """
 
 from __future__ import annotations
@@ -43,11 +53,14 @@ class Stacking(Protocol):
 # The smallest stage rank (capped at the slot buffers' rank); see the module docstring.
 MIN_STAGE_RANK = 16
 
-# Stage positions when the worker is not told (``--stage-slots``), capped at the GPU slots.
-# A dense model stacks every projection, and its stage rows cost 0.1-0.8% of a projection's
-# bytes per position at rank 16 (and P * n * R_max * K elements of memory per projection), so
-# it stages 4; at 16, 16-adapter decode steps of a Llama-3-8B shape were 3-4% faster for 4x
-# that memory (docs/performance.md). A model with routed experts stacks only its
+# The widest stage a batch of 1 to 4 adapters may compute (``stage_window``).
+MIN_STAGE_WIDTH = 4
+
+# Stage positions of the slot buffers' rank when the worker is not told (``--stage-slots``),
+# capped at the GPU slots; a lower stage rank lays out more (``Stage.positions_at``). A dense
+# model stacks every projection, and its stage rows cost 0.1-0.8% of a projection's bytes per
+# position at rank 16 (and P * n * R_max * K elements of memory per projection), so it stages
+# 4: in the default rank-64 buffers, 16 positions for rank-16 adapters. A model with routed experts stacks only its
 # attention projections: 16 positions at rank 16 are 252 MB over Qwen3-30B-A3B's 48 layers,
 # less than a sixth of one expert LoRA slot, and took its 16-adapter decode steps from
 # 0.915 / 0.912 / 0.892 / 0.853 of LoRA-off to 0.950 / 0.940 / 0.914 / 0.872 at bs 16-128
@@ -65,10 +78,25 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-class Stage:
-    """``positions`` stage positions shared by every stacking wrapper of one model.
+def stage_window(count: int, positions: int) -> int:
+    """The positions a staged batch of ``count`` distinct adapters may use, out of
+    ``positions``: ``count`` rounded up to a power of two, at least ``MIN_STAGE_WIDTH``."""
+    return min(positions, max(MIN_STAGE_WIDTH, _pow2(count)))
 
-    ``rank_of(slot)`` is the rank of the adapter in ``slot``; ``max_rank`` the slot buffers'."""
+
+def positions_at(positions: int, max_rank: int, rank: int, limit: int | None = None) -> int:
+    """Stage positions of ``rank`` in memory sized for ``positions`` of ``max_rank`` (the slot
+    buffers' rank), at most ``limit`` (the GPU slots)."""
+    room = positions * max_rank // rank if rank else positions
+    return room if limit is None else min(room, limit)
+
+
+class Stage:
+    """The stage shared by every stacking wrapper of one model: memory for ``positions``
+    positions of ``max_rank`` (the slot buffers' rank), laid out for the current stage rank
+    (``positions_at``), at most ``limit`` positions (the GPU slots; None: no cap).
+
+    ``rank_of(slot)`` is the rank of the adapter in ``slot``."""
 
     def __init__(
         self,
@@ -76,15 +104,19 @@ class Stage:
         wrappers: Iterable[Stacking],
         rank_of: Callable[[int], int],
         max_rank: int,
+        limit: int | None = None,
     ) -> None:
         if positions < 0:
             raise ValueError(f"stage positions must be >= 0, got {positions}")
         self.wrappers = list(wrappers)
         self.rank_of = rank_of
         self.max_rank = max_rank
+        self.full_positions = positions
+        self.limit = limit
         self.rank = 0  # rows per slice of a position (0: nothing staged yet)
-        self.slot_at: list[int | None] = [None] * positions  # position -> staged slot
-        self._last_use = [0] * positions
+        first = positions_at(positions, max_rank, min(max_rank, MIN_STAGE_RANK), limit)
+        self.slot_at: list[int | None] = [None] * first  # position -> staged slot
+        self._last_use = [0] * first
         self._clock = 0
         self.epoch = 0  # bumped whenever a position changes what it holds
         self.copies = 0  # stage copies made (one per position filled)
@@ -97,24 +129,33 @@ class Stage:
     def enabled(self) -> bool:
         return self.positions > 0 and bool(self.wrappers)
 
+    def positions_at(self, rank: int) -> int:
+        """The positions a stage of ``rank`` lays out in this stage's memory."""
+        return positions_at(self.full_positions, self.max_rank, rank, self.limit)
+
     def assign(self, slots: Sequence[int]) -> dict[int, int] | None:
         """Stage positions for the distinct ``slots`` of a batch (copying A where needed),
         or None when they do not all fit."""
         wanted = list(dict.fromkeys(slots))
-        if not self.enabled or len(wanted) > self.positions:
+        if not self.enabled or not wanted:
             return None
         need = min(self.max_rank, max(MIN_STAGE_RANK, _pow2(max(self.rank_of(s) for s in wanted))))
         empty = all(s is None for s in self.slot_at)
-        if need > self.rank or (empty and need != self.rank):
+        restart = need > self.rank or (empty and need != self.rank)
+        if len(wanted) > (self.positions_at(need) if restart else self.positions):
+            return None  # (and nothing staged is dropped for it)
+        if restart:
             # every staged copy is laid out for the old rank: start over at the new one
-            self.slot_at = [None] * self.positions
+            room = self.positions_at(need)
+            self.slot_at, self._last_use = [None] * room, [0] * room
             self.rank = need
             self.epoch += 1
         self._clock += 1
-        where = {s: p for p, s in enumerate(self.slot_at) if s in wanted}
+        window = stage_window(len(wanted), self.positions)
+        where = {s: p for p, s in enumerate(self.slot_at) if s in wanted and p < window}
         for slot in wanted:
             if slot not in where:
-                where[slot] = self._fill(slot, busy=set(where.values()))
+                where[slot] = self._fill(slot, set(where.values()), window)
         for p in where.values():
             self._last_use[p] = self._clock
         return where
@@ -128,14 +169,18 @@ class Stage:
             if s is not None and s in slots:
                 self._last_use[p] = self._clock
 
-    def _fill(self, slot: int, busy: set[int]) -> int:
-        free = [p for p, s in enumerate(self.slot_at) if s is None and p not in busy]
+    def _fill(self, slot: int, busy: set[int], window: int) -> int:
+        """Stage ``slot`` at a position below ``window`` that the batch does not use (a free
+        one, the lowest, else the least recently used), leaving any position above."""
+        for p, s in enumerate(self.slot_at):
+            if s == slot:  # staged past the batch's window: copied down
+                self.slot_at[p] = None
+        candidates = [p for p in range(window) if p not in busy]
+        free = [p for p in candidates if self.slot_at[p] is None]
         if free:
             position = free[0]  # the lowest: a batch of few adapters keeps a narrow GEMM
         else:
-            position = min(
-                (p for p in range(self.positions) if p not in busy), key=self._last_use.__getitem__
-            )
+            position = min(candidates, key=self._last_use.__getitem__)
         for w in self.wrappers:
             w.stage_copy(position, slot, self.rank)
         self.slot_at[position] = slot
