@@ -8,7 +8,7 @@ What a client sees is the FastAPI app's: the same authentication (``deps.authent
 error answered by the app's own exception handlers, so error bodies and statuses are one code.
 
 Per request the handler reads the body, resolves the route (``openai.resolve``: from memory,
-else the database off the loop), opens the worker's request (aiohttp) and answers. One task
+else the database off the loop), opens the worker's request (``upstream.Upstream``) and answers. One task
 per request watches for the client leaving (``_Watch``): from the worker request's start to the
 end of the answer, a hang-up cancels the request's task, so the worker's request is closed and
 the request stops counting on the worker, whatever the handler was waiting on. A stream is
@@ -25,7 +25,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
@@ -44,6 +43,8 @@ from loraplane.controlplane.auth import Principal
 from loraplane.controlplane.deps import RouteCaller, ServicesDep, authenticate, check_scope
 from loraplane.controlplane.errors import ApiError, bad_value
 from loraplane.controlplane.services import Services
+from loraplane.controlplane.upstream import Response as UpstreamResponse
+from loraplane.controlplane.upstream import UpstreamError
 from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
 
 router = APIRouter(tags=["router"])
@@ -304,7 +305,7 @@ async def _proxy(
 async def _answer_whole(
     exchange: _Exchange,
     watch: _Watch,
-    response: aiohttp.ClientResponse,
+    response: UpstreamResponse,
     route: Route,
     model: str,
     lease: _Lease,
@@ -313,7 +314,7 @@ async def _answer_whole(
     watch.armed = True
     try:
         content = await response.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (UpstreamError, TimeoutError) as exc:
         response.close()
         raise ApiError(
             502, "upstream_error", f"worker {route.worker.name} stopped answering: {exc!r}"
@@ -337,7 +338,7 @@ async def _relay(
     services: Services,
     exchange: _Exchange,
     watch: _Watch,
-    response: aiohttp.ClientResponse,
+    response: UpstreamResponse,
     route: Route,
     swap: ModelSwap,
     lease: _Lease,
@@ -347,7 +348,7 @@ async def _relay(
     on the worker: read to the end, the client leaving, the worker failing, or shutdown. A
     worker that goes away mid-stream ends it with an error event (not a stream that just stops,
     which reads as complete)."""
-    send, content = exchange.send, response.content
+    send, content = exchange.send, response
     exchange.started = True
     pending = b""  # a line not yet ended by its newline
     watch.armed = True
@@ -356,7 +357,7 @@ async def _relay(
         while True:
             try:
                 chunk = await content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (UpstreamError, TimeoutError) as exc:
                 services.reconciler.poke()
                 await send(_last(_error_event(route, exc)))
                 return
