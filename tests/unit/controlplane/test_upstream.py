@@ -58,6 +58,24 @@ class Server:
         self.server.close()
 
 
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def ask_each(handler: Handler, bodies: list[dict[str, Any]], pause_s: float = 0) -> Server:
+    """Each body sent in turn through one ``Upstream`` to a server running ``handler``, each
+    answer read whole (it must be ``ok``) and released, ``pause_s`` apart; the server, after."""
+    server = Server(handler)
+    upstream = Upstream(probe_timeout_s=2, worker_token=None)
+    async with server as url:
+        for body in bodies:
+            r = await upstream.open("w0", url, "/v1/completions", body, 5)
+            assert await r.read() == b"ok"
+            r.release()
+            await asyncio.sleep(pause_s)
+    await upstream.close()
+    return server
+
+
 def chunked(*parts: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
 
@@ -136,19 +154,11 @@ def test_a_kept_connection_the_worker_closed_is_replaced_without_an_error() -> N
 
     async def handler(reader, writer, state) -> None:  # type: ignore[no-untyped-def]
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        writer.write(OK)
         await writer.drain()
 
     async def main() -> None:
-        server = Server(handler)
-        upstream = Upstream(probe_timeout_s=2, worker_token=None)
-        async with server as url:
-            for _ in range(3):
-                r = await upstream.open("w0", url, "/v1/completions", {}, 5)
-                assert await r.read() == b"ok"
-                r.release()
-                await asyncio.sleep(0.05)  # the worker's close arrives
-        await upstream.close()
+        server = await ask_each(handler, [{}, {}, {}], pause_s=0.05)  # (the close arrives)
         assert server.state["connections"] == 3
 
     asyncio.run(main())
@@ -165,18 +175,11 @@ def test_a_request_on_a_kept_connection_that_the_worker_drops_unanswered_goes_ou
             state["requests"].append(await read_request(reader))
             if first and len(state["requests"]) == 2:
                 return  # closes unanswered
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            writer.write(OK)
             await writer.drain()
 
     async def main() -> None:
-        server = Server(handler)
-        upstream = Upstream(probe_timeout_s=2, worker_token=None)
-        async with server as url:
-            for n in range(2):
-                r = await upstream.open("w0", url, "/v1/completions", {"n": n}, 5)
-                assert await r.read() == b"ok"
-                r.release()
-        await upstream.close()
+        server = await ask_each(handler, [{"n": 0}, {"n": 1}])
         assert server.state["connections"] == 2
         assert [r["body"]["n"] for r in server.state["requests"]] == [0, 1, 1]
 
