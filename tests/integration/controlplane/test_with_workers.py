@@ -467,6 +467,35 @@ def test_a_load_that_fails_on_a_full_worker_evicts_nothing(
     assert metric(cp, "loraplane_evictions_total", namespace="default", pool="tiny") == 1.0
 
 
+def test_a_load_rolled_back_after_it_evicted_on_one_worker_gives_the_victim_back(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """Two full workers: the new adapter loads on w0, which evicts the least recently used
+    one there, and fails on w1; the rollback unloads it from w0 and loads the victim there
+    again, so both workers hold what they held before and the victim stays routable on both."""
+    join(cp, tiny, workers)  # two workers, M = 4 each
+    for name in ("a0", "a1", "a2", "a3"):
+        assert register(cp, tiny, name).status_code == 201, name
+    before = {(p["worker"], p["dp_group"], p["state"]) for p in adapter(cp, "a0")["placements"]}
+    assert {w for w, _, _ in before} == {"w0", "w1"}
+    workers[1].fault("load", workers[1].dp - 1, "unreadable weights (injected)")
+    failed = register(cp, tiny, "a4")  # a0, the least recently used, is the planned victim
+    assert failed.status_code == 502, failed.text
+    op = failed.json()["operation"]
+    assert op["state"] == "rolled_back" and [t["success"] for t in op["per_target"]] == [
+        True,
+        False,
+    ]
+    for worker in workers:
+        assert worker.models() == {"a0", "a1", "a2", "a3"}, worker
+    kept = adapter(cp, "a0")
+    assert kept["routable"] is True
+    assert {(p["worker"], p["dp_group"], p["state"]) for p in kept["placements"]} == before
+    body = {"model": "a0", "prompt": "hi", "max_tokens": 1}
+    for _ in range(4):  # (either worker may serve it)
+        assert cp.post("/v1/completions", json=body, headers=ADMIN).status_code == 200
+
+
 def test_a_request_that_stops_waiting_for_a_cold_start_leaves_the_load_running(
     cp: TestClient, settings: Settings, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

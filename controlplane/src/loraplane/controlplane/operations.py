@@ -697,11 +697,18 @@ class Operations:
             )
 
     async def _load_evicting(
-        self, target: WorkerRef, name: str, path: str, pinned: bool, victims: Sequence[str]
+        self,
+        target: WorkerRef,
+        name: str,
+        path: str,
+        pinned: bool,
+        victims: Sequence[str],
+        evicted: list[tuple[int, str]],
     ) -> UpdateResult:
         """Load ``name`` on ``target``, which unloads ``victims`` to make room once it has
         read ``name`` on every DP group: a load that fails there (a bad file, a shape the
-        base model does not have) leaves them loaded and routable."""
+        base model does not have) leaves them loaded and routable. The victims that went
+        are added to ``evicted`` as (adapter id, lora name), for a rollback to restore."""
         for victim in victims:  # not routed there while it may go away
             await asyncio.to_thread(
                 self._mark_rows, "unloading", Placement.worker_id == target.id, victim
@@ -715,11 +722,12 @@ class Operations:
                 seen = None
         for victim in victims:
             outcome = _victim_outcome(victim, result, seen, target.dp_size)
-            pool_labels = await asyncio.to_thread(
+            pool_labels, adapter_ids = await asyncio.to_thread(
                 self._after_evict, target, victim, outcome, result.error_message
             )
             if outcome != "evicted":
                 continue
+            evicted += [(adapter_id, victim) for adapter_id in adapter_ids]
             self.metrics.evictions.labels(*pool_labels, target.name).inc()
             await self.bus.publish(
                 "adapter.evicted",
@@ -731,10 +739,11 @@ class Operations:
 
     def _after_evict(
         self, target: WorkerRef, victim: str, outcome: VictimOutcome, error: str
-    ) -> tuple[str, str]:
+    ) -> tuple[tuple[str, str], set[int]]:
         """The victim's rows on ``target``: dropped (evicted), loaded again (the load failed
         before evicting it) or ``inconsistent`` (unknown, or half gone: the reconciler looks);
-        the (namespace, pool) of the worker, for the eviction's metric and event."""
+        the (namespace, pool) of the worker, for the eviction's metric and event, and the
+        ids of the adapters the rows were of."""
         with self.db.session() as session:
             worker = session.get(Worker, target.id)
             rows = session.scalars(
@@ -749,7 +758,47 @@ class Operations:
                     mark(row, "loaded", observed=True)
                 else:
                     mark(row, "inconsistent", error=f"evicting it for a load that failed: {error}")
-            return (worker.pool.namespace, worker.pool.name) if worker is not None else ("", "")
+            pool = (worker.pool.namespace, worker.pool.name) if worker is not None else ("", "")
+            return pool, {row.adapter_id for row in rows}
+
+    async def _restore(self, target: WorkerRef, evicted: Sequence[tuple[int, str]]) -> None:
+        """Load again on ``target`` the victims a rolled-back load evicted there (it succeeded
+        on ``target`` and failed elsewhere), so the failed load leaves every worker as it
+        found it. A victim whose adapter is gone or names another version now stays out; one
+        that fails to load stays out, as evicted (the registry says so)."""
+        for adapter_id, victim in evicted:
+            source = await asyncio.to_thread(self._source_of, adapter_id, victim)
+            if source is None:
+                continue
+            path, pinned = source
+            result = await self.client.load(target.name, target.endpoint, victim, path, pinned)
+            if not result.success:
+                log.warning(
+                    "could not load %s again on %s after a rolled-back load: %s",
+                    victim,
+                    target.name,
+                    result.error_message,
+                )
+                continue
+            await asyncio.to_thread(self._set_rows, adapter_id, victim, [target], "loaded")
+            await self.bus.publish(
+                "adapter.loaded",
+                namespace=await asyncio.to_thread(self._namespace_of, adapter_id),
+                adapter_id=adapter_id,
+                lora_name=victim,
+                workers=[target.name],
+            )
+
+    def _source_of(self, adapter_id: int, name: str) -> tuple[str, bool] | None:
+        """(path, pinned) of the adapter whose current version is ``name``, or None."""
+        with self.db.session() as session:
+            adapter = session.get(Adapter, adapter_id)
+            if (
+                adapter is None
+                or lora_name(adapter.namespace, adapter.name, adapter.version) != name
+            ):
+                return None
+            return adapter.path, adapter.pinned
 
     async def _load_everywhere(
         self, op_label: str, plan: LoadPlan
@@ -761,12 +810,15 @@ class Operations:
             return "succeeded", UpdateResult(True), []
         evictions = {t.worker.name: list(t.evict) for t in plan.targets}
         already = plan.already_loaded
+        evicted: dict[str, list[tuple[int, str]]] = {}  # per target: the victims that went
 
         async def load_one(target: WorkerRef) -> UpdateResult:
             if target.name in already:
                 return UpdateResult(True, "", {name: path})
             if evictions.get(target.name):
-                return await self._load_evicting(target, name, path, pinned, evictions[target.name])
+                gone = evicted.setdefault(target.name, [])
+                victims = evictions[target.name]
+                return await self._load_evicting(target, name, path, pinned, victims, gone)
             return await self.client.load(target.name, target.endpoint, name, path, pinned)
 
         results, per_target = await self._fanout(op_label, targets, load_one)
@@ -788,6 +840,9 @@ class Operations:
             "rollback", touched, lambda t: self.client.unload(t.name, t.endpoint, name)
         )
         leftover = await self._record_observed(adapter_id, name, touched, merged.error_message)
+        for target in touched:
+            if evicted.get(target.name):
+                await self._restore(target, evicted[target.name])
         if leftover:
             await asyncio.to_thread(self._mark_inconsistent, adapter_id)
         await self.bus.publish(
