@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from loraplane.controlplane.upstream import Upstream, UpstreamError
+from loraplane.controlplane.upstream import HIGH_WATER, Upstream, UpstreamError
 from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
 
 pytestmark = pytest.mark.unit
@@ -143,6 +143,35 @@ def test_a_whole_answer_of_known_length_and_its_status_pass_through() -> None:
             assert r.status == 404
             assert json.loads(await r.read()) == {"error": {"message": "no adapter"}}
             r.close()
+        await upstream.close()
+
+    asyncio.run(main())
+
+
+def test_an_answer_larger_than_the_read_buffer_arrives_whole_to_a_slow_reader() -> None:
+    """3 MB, read a piece at a time with pauses: the connection stops reading past 1 MB held
+    and goes on as the reader drains, and every byte arrives, in order."""
+    body = bytes(range(256)) * (3 * 4096)
+
+    async def handler(reader, writer, state) -> None:  # type: ignore[no-untyped-def]
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        server = Server(handler)
+        upstream = Upstream(probe_timeout_s=2, worker_token=None)
+        async with server as url:
+            r = await upstream.open("w0", url, "/v1/completions", {}, 5)
+            await asyncio.sleep(0.3)  # (the worker's whole answer could have arrived by now)
+            assert HIGH_WATER < r._buffered < len(body)  # but the connection stopped reading
+            got = b""
+            while chunk := await r.readany():
+                got += chunk
+                await asyncio.sleep(0.001)
+            assert got == body and r.at_eof()
+            r.release()
         await upstream.close()
 
     asyncio.run(main())
