@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -61,18 +62,30 @@ class Server:
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
+@asynccontextmanager
+async def connected(
+    handler: Handler, token: str | None = None
+) -> AsyncIterator[tuple[Server, Upstream, str]]:
+    """A server running ``handler``, an ``Upstream`` for it and its URL; the client's kept
+    connections are closed after."""
+    server = Server(handler)
+    upstream = Upstream(probe_timeout_s=2, worker_token=token)
+    try:
+        async with server as url:
+            yield server, upstream, url
+    finally:
+        await upstream.close()
+
+
 async def ask_each(handler: Handler, bodies: list[dict[str, Any]], pause_s: float = 0) -> Server:
     """Each body sent in turn through one ``Upstream`` to a server running ``handler``, each
     answer read whole (it must be ``ok``) and released, ``pause_s`` apart; the server, after."""
-    server = Server(handler)
-    upstream = Upstream(probe_timeout_s=2, worker_token=None)
-    async with server as url:
+    async with connected(handler) as (server, upstream, url):
         for body in bodies:
             r = await upstream.open("w0", url, "/v1/completions", body, 5)
             assert await r.read() == b"ok"
             r.release()
             await asyncio.sleep(pause_s)
-    await upstream.close()
     return server
 
 
@@ -95,10 +108,8 @@ def test_a_stream_is_read_as_it_arrives_and_its_connection_serves_the_next_reque
             await writer.drain()
 
     async def main() -> None:
-        server = Server(handler)
-        server.state["go"] = asyncio.Event()
-        upstream = Upstream(probe_timeout_s=2, worker_token="secret")
-        async with server as url:
+        async with connected(handler, "secret") as (server, upstream, url):
+            server.state["go"] = asyncio.Event()
             for n in range(2):
                 r = await upstream.open("w0", url, "/v1/completions", {"prompt": "hi", "n": n}, 5)
                 assert r.status == 200 and r.headers["content-type"] == "text/event-stream"
@@ -109,7 +120,6 @@ def test_a_stream_is_read_as_it_arrives_and_its_connection_serves_the_next_reque
                     rest += chunk
                 assert rest == b"data: 2\n\ndata: [DONE]\n\n" and r.at_eof()
                 r.release()
-        await upstream.close()
         assert server.state["connections"] == 1  # the second request reused the first's
         first = server.state["requests"][0]
         assert first["line"] == "POST /v1/completions HTTP/1.1"
@@ -137,13 +147,11 @@ def test_a_whole_answer_of_known_length_and_its_status_pass_through() -> None:
         await reader.read()  # until the client closes
 
     async def main() -> None:
-        upstream = Upstream(probe_timeout_s=2, worker_token=None)
-        async with Server(handler) as url:
+        async with connected(handler) as (_, upstream, url):
             r = await upstream.open("w0", url, "/v1/completions", {}, 5)
             assert r.status == 404
             assert json.loads(await r.read()) == {"error": {"message": "no adapter"}}
             r.close()
-        await upstream.close()
 
     asyncio.run(main())
 
@@ -160,9 +168,7 @@ def test_an_answer_larger_than_the_read_buffer_arrives_whole_to_a_slow_reader() 
         await reader.read()
 
     async def main() -> None:
-        server = Server(handler)
-        upstream = Upstream(probe_timeout_s=2, worker_token=None)
-        async with server as url:
+        async with connected(handler) as (_, upstream, url):
             r = await upstream.open("w0", url, "/v1/completions", {}, 5)
             await asyncio.sleep(0.3)  # (the worker's whole answer could have arrived by now)
             assert HIGH_WATER < r._buffered < len(body)  # but the connection stopped reading
@@ -172,7 +178,6 @@ def test_an_answer_larger_than_the_read_buffer_arrives_whole_to_a_slow_reader() 
                 await asyncio.sleep(0.001)
             assert got == body and r.at_eof()
             r.release()
-        await upstream.close()
 
     asyncio.run(main())
 
@@ -244,9 +249,7 @@ def test_a_worker_that_stops_mid_answer_fails_the_read_and_its_connection_is_not
         await writer.drain()
 
     async def main() -> None:
-        server = Server(handler)
-        upstream = Upstream(probe_timeout_s=2, worker_token=None)
-        async with server as url:
+        async with connected(handler) as (server, upstream, url):
             r = await upstream.open("w0", url, "/v1/completions", {}, 5)
             assert await r.readany() == b"data: 1\n\n"
             with pytest.raises(UpstreamError, match="closed the connection"):
@@ -256,7 +259,6 @@ def test_a_worker_that_stops_mid_answer_fails_the_read_and_its_connection_is_not
             r = await upstream.open("w0", url, "/v1/completions", {}, 5)
             assert r.status == 200 and await r.read() == b""
             r.release()
-        await upstream.close()
         assert server.state["connections"] == 2
 
     asyncio.run(main())
@@ -270,11 +272,9 @@ def test_what_is_not_http_reads_as_a_worker_gone() -> None:
         await asyncio.sleep(1)
 
     async def main() -> None:
-        upstream = Upstream(probe_timeout_s=2, worker_token=None)
-        async with Server(handler) as url:
+        async with connected(handler) as (_, upstream, url):
             with pytest.raises(WorkerUnreachable, match="not an HTTP answer"):
                 await upstream.open("w0", url, "/v1/completions", {}, 5)
-        await upstream.close()
 
     asyncio.run(main())
 

@@ -348,7 +348,7 @@ async def _relay(
     on the worker: read to the end, the client leaving, the worker failing, or shutdown. A
     worker that goes away mid-stream ends it with an error event (not a stream that just stops,
     which reads as complete)."""
-    send, content = exchange.send, response
+    send = exchange.send
     exchange.started = True
     pending = b""  # a line not yet ended by its newline
     watch.armed = True
@@ -356,7 +356,7 @@ async def _relay(
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         while True:
             try:
-                chunk = await content.readany()
+                chunk = await response.readany()
             except (UpstreamError, TimeoutError) as exc:
                 services.reconciler.poke()
                 await send(_last(_error_event(route, exc)))
@@ -367,7 +367,7 @@ async def _relay(
             data = pending + chunk if pending else chunk
             cut = data.rfind(b"\n") + 1
             pending = data[cut:]
-            end = content.at_eof()
+            end = response.at_eof()
             if end:
                 out = swap.lines(data[:cut] + pending + b"\n" if pending else data)
                 await send(_last(out))
@@ -382,7 +382,7 @@ async def _relay(
         pass
     finally:
         watch.armed = False
-        if content.at_eof():  # a connection read to the end is kept for the next request
+        if response.at_eof():  # a connection read to the end is kept for the next request
             response.release()
         else:
             response.close()
