@@ -53,9 +53,15 @@ class RecordingEngine(Engine):
         return plan
 
 
-def make_engine(model_dir: Path, *, chunk: int, overlap: bool = False) -> RecordingEngine:
+def make_engine(
+    model_dir: Path, *, chunk: int, overlap: bool = False, step_tokens: int = 0
+) -> RecordingEngine:
     engine = overlapped_engine(
-        model_dir, overlap, engine_cls=RecordingEngine, chunked_prefill_size=chunk
+        model_dir,
+        overlap,
+        engine_cls=RecordingEngine,
+        chunked_prefill_size=chunk,
+        step_tokens=step_tokens,
     )
     assert isinstance(engine, RecordingEngine)
     return engine
@@ -68,8 +74,9 @@ def serve(
     chunk: int,
     overlap: bool = False,
     eos: int | None = None,
+    step_tokens: int = 0,
 ) -> RecordingEngine:
-    engine = make_engine(model[0], chunk=chunk, overlap=overlap)
+    engine = make_engine(model[0], chunk=chunk, overlap=overlap, step_tokens=step_tokens)
     serve_on(engine, model, requests, eos)
     return engine
 
@@ -151,12 +158,46 @@ def test_running_requests_decode_while_a_long_prompt_is_fed(
     assert len(beside) == 8, engine.plans
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_a_step_cap_keeps_decode_rows_and_chunks_under_it(
+    model: Model, whole: list[list[int]], overlap: bool
+) -> None:
+    """With ``step_tokens`` (a step fits the largest prompt graph), the prompt chunks get
+    what the decode rows leave of the cap, and at least half of it however many rows
+    decode: the same tokens as whole prompts."""
+    cap = 7
+    requests = [Request(p, a, greedy(10)) for p, a in zip(PROMPTS, ADAPTERS, strict=True)]
+    requests.append(Request(LONG, "a8", greedy(10)))
+    engine = serve(model, requests, chunk=0, overlap=overlap, step_tokens=cap)
+    assert [r.tokens for r in requests] == whole
+    for plan in engine.plans:
+        decodes = sum(take is None for _, take in plan)
+        fed = sum(take or 0 for _, take in plan)
+        assert fed <= max(cap - decodes, cap // 2), plan
+    # LONG (29 tokens) needed chunks: some step fed it exactly what the decodes left
+    assert any(
+        take == cap - sum(t is None for _, t in plan)
+        for plan in engine.plans
+        for rid, take in plan
+        if take and rid == f"r{len(requests) - 1}"
+    ), engine.plans
+    assert engine.prompt_budget(0) == cap
+    assert engine.prompt_budget(2) == cap - 2
+    assert engine.prompt_budget(6) == cap // 2
+
+
 def test_serve_config_chunked_prefill_reaches_the_engine(model: Model) -> None:
     from loraplane.worker.config import ConfigError
-    from loraplane.worker.server.factory import ServeConfig, build_engine
+    from loraplane.worker.server.factory import DEFAULT_CHUNK, ServeConfig, build_engine
 
     config = ServeConfig(model=str(model[0]), lora_backend="torch", max_running=2)
-    assert config.chunked_prefill_size == 4096
+    # by default a step fits the largest prompt graph where there are any, else 4096 tokens
+    assert config.chunked_prefill_size is None
+    assert config.step_budget((64, 512, 1024)) == (0, 1023)
+    assert config.step_budget(()) == (DEFAULT_CHUNK, 0) == (4096, 0)
+    assert replace(config, chunked_prefill_size=960).step_budget((64, 1024)) == (960, 0)
+    default = build_engine(config)  # (no prompt graphs on a CPU)
+    assert (default.chunked_prefill_size, default.step_tokens) == (4096, 0)
     engine = build_engine(replace(config, chunked_prefill_size=3))
     engine.start()
     try:

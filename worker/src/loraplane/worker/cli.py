@@ -283,13 +283,17 @@ def serve_cmd(
         ),
     ] = True,
     chunked_prefill_size: Annotated[
-        int,
+        int | None,
         typer.Option(
             help="Prompt tokens fed per step at most, across the requests being prefilled: a "
             "long prompt goes in chunks between the running requests' decode steps instead "
-            "of stalling them for its whole prefill (ADR 0017). 0 feeds whole prompts",
+            "of stalling them for its whole prefill (ADR 0017). 0 feeds whole prompts. "
+            "Default: a step's tokens, its decode rows included, stay under --graph-max-tokens "
+            "where prompt steps replay graphs (one rank, CUDA graphs on), so every step "
+            "replays one; 4096 prompt tokens a step elsewhere",
+            show_default=False,
         ),
-    ] = 4096,
+    ] = None,
     warmup: Annotated[
         bool | None,
         typer.Option(

@@ -199,6 +199,7 @@ class Engine:
         on_step: Callable[[], None] | None = None,
         overlap: bool = False,
         chunked_prefill_size: int = 0,
+        step_tokens: int = 0,
     ) -> None:
         self.executor = executor
         # Prompt tokens fed per step at most (0: whole prompts), across the sequences being
@@ -208,6 +209,12 @@ class Engine:
                 f"chunked_prefill_size {chunked_prefill_size} must be >= 0 (0 turns chunking off)"
             )
         self.chunked_prefill_size = chunked_prefill_size
+        # A step's tokens (its decode rows and prompt chunks) at most, so that it fits the
+        # largest prompt-step graph (0: no such cap); the prompt chunks still get at least
+        # half of it however many rows decode (ADR 0017, "the budget follows the graphs").
+        if step_tokens < 0:
+            raise ValueError(f"step_tokens {step_tokens} must be >= 0 (0: no cap)")
+        self.step_tokens = step_tokens
         # Overlapped steps (ADR 0014), where the executor can launch a step ahead of reading
         # the last one's tokens (one rank or several); the others step in turn.
         self.overlap = overlap and bool(getattr(executor, "supports_launch", False))
@@ -980,12 +987,12 @@ class Engine:
     def _plan(self, running: list[Sequence]) -> list[tuple[Sequence, int | None]]:
         """The running sequences that step now, each with how many prompt tokens it is fed
         (None: a decoding sequence, fed its last token). Prompts go in chunks, oldest first,
-        while the step's prompt-token budget (``chunked_prefill_size``; 0: no limit) lasts;
-        a sequence the budget does not reach sits this step out, and the oldest always
-        gets a chunk. A prompt whose log probabilities were asked for goes whole (they are
-        read from one prefill's logits), spending the budget as much as it has."""
+        while the step's prompt-token budget (``prompt_budget``) lasts; a sequence the
+        budget does not reach sits this step out, and the oldest always gets a chunk. A
+        prompt whose log probabilities were asked for goes whole (they are read from one
+        prefill's logits), spending the budget as much as it has."""
         plan: list[tuple[Sequence, int | None]] = [(s, None) for s in running if not s.prefilling]
-        budget = self.chunked_prefill_size or None
+        budget = self.prompt_budget(len(plan))
         for seq in sorted((s for s in running if s.prefilling), key=lambda s: s.seq_id):
             if budget is not None and budget <= 0:
                 break
@@ -996,6 +1003,16 @@ class Engine:
                 budget -= take
             plan.append((seq, take))
         return plan
+
+    def prompt_budget(self, decodes: int) -> int | None:
+        """The prompt tokens a step beside ``decodes`` decoding rows may feed (None: no
+        limit): ``chunked_prefill_size``, and with ``step_tokens`` what the decode rows leave
+        of it, at least half of it."""
+        budget = self.chunked_prefill_size or None
+        if self.step_tokens:
+            fits = max(self.step_tokens - decodes, self.step_tokens // 2)
+            budget = fits if budget is None else min(budget, fits)
+        return budget
 
     def _end(self, seq: Sequence) -> None:
         """A finished sequence leaves the running set: its KV row and adapter are free."""

@@ -14,6 +14,9 @@ from loraplane.worker.engine.sampling import SAMPLERS
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.engine.warmup import plan_for, warm_up
 
+# Prompt tokens a step at most by default where no prompt-step graph bounds a step (ADR 0017).
+DEFAULT_CHUNK = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
@@ -46,7 +49,9 @@ class ServeConfig:
     served_model_name: str | None = None
     engine_process: bool = True  # the engine core in a process of its own (ADR 0012)
     overlap: bool = True  # overlapped steps, one rank or several (ADR 0014)
-    chunked_prefill_size: int = 4096  # prompt tokens a step at most; 0: whole prompts (ADR 0017)
+    # Prompt tokens a step at most; 0: whole prompts; None: a step fits the largest prompt-step
+    # graph, else DEFAULT_CHUNK (``step_budget``, ADR 0017).
+    chunked_prefill_size: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
     log_level: str = "info"
@@ -82,7 +87,7 @@ class ServeConfig:
             )
         if self.max_request_bytes < 1024:
             raise ConfigError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
-        if self.chunked_prefill_size < 0:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
             raise ConfigError(
                 f"--chunked-prefill-size must be >= 0 (0 feeds whole prompts), "
                 f"got {self.chunked_prefill_size}"
@@ -129,6 +134,19 @@ class ServeConfig:
     @property
     def rows_per_group(self) -> int:
         return self.max_running
+
+    def step_budget(self, prompt_buckets: tuple[int, ...]) -> tuple[int, int]:
+        """``(chunked_prefill_size, step_tokens)`` of the engine (``Engine``) on an executor
+        whose prompt steps of fewer tokens than a bucket of ``prompt_buckets`` replay graphs.
+        ``--chunked-prefill-size`` given: that budget and no step cap. By default, where
+        there are prompt graphs, a step's tokens (decode rows and prompt chunks) stay under
+        the largest bucket, so every step replays a graph; where there are none,
+        ``DEFAULT_CHUNK`` prompt tokens a step."""
+        if self.chunked_prefill_size is not None:
+            return self.chunked_prefill_size, 0
+        if prompt_buckets:
+            return 0, prompt_buckets[-1] - 1
+        return DEFAULT_CHUNK, 0
 
 
 def unsupported_reason(config: ServeConfig) -> str | None:
@@ -207,6 +225,7 @@ def build_engine(
     max_len = config.max_model_len or min(model_config.max_position_embeddings, 4096)
     tokenizer = TextTokenizer(config.model)
     executor = make_executor(config, max_len)
+    chunk, step_tokens = config.step_budget(executor.prompt_graph_buckets)
     try:
         if config.warms_up:
             moe = model_config.is_moe
@@ -218,7 +237,7 @@ def build_engine(
                 (model_config.num_experts, model_config.num_experts_per_tok) if moe else None,
                 stage_positions=executor.stage_positions,
                 dp=executor.dp_size,
-                chunked_prefill_size=config.chunked_prefill_size,
+                chunked_prefill_size=chunk or step_tokens,
                 prompt_buckets=executor.prompt_graph_buckets,
             )
             report = warm_up(executor, plan)
@@ -236,7 +255,8 @@ def build_engine(
             observer=observer,
             fault_hook=fault_hook,
             overlap=config.overlap,
-            chunked_prefill_size=config.chunked_prefill_size,
+            chunked_prefill_size=chunk,
+            step_tokens=step_tokens,
         )
     except BaseException:
         executor.shutdown()
