@@ -140,6 +140,11 @@ def stacked_cases() -> dict[str, int]:
             kernel = stacked._stacked_lora_kernel
             key = f"stacked_{name}_stage_rank_{rank}"
             out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
+            if rank == 16:  # the prompt steps' kernel (ROWS_KERNEL_MIN), as launched
+                consts |= {"BLOCK_S": 32, "BLOCK_N": 128 if mode == 2 else 64}
+                kernel = stacked._stacked_rows_kernel
+                key = f"stacked_rows_{name}_stage_rank_{rank}"
+                out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
     return out
 
 
@@ -171,6 +176,10 @@ def rope_cases() -> dict[str, int]:
         div16 = (set(ptrs) | set(ints)) - odd - {"n_tokens"}
         kernel = rope._rope_qkv_kernel
         out[f"rope_stage_rank_{rank}"] = scalar_loads(kernel, types, consts, div16)
+        if rank == 16:  # the prompt steps' variant
+            out["rope_by_rows_stage_rank_16"] = scalar_loads(
+                kernel, types, consts | {"BY_ROWS": True}, div16
+            )
     return out
 
 

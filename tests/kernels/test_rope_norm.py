@@ -10,7 +10,7 @@ from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
 from tests.kernels.test_stacked import R, _batch, _rows
 
 from loraplane.worker.config import RopeScaling
-from loraplane.worker.kernels import norm, reference, rope
+from loraplane.worker.kernels import norm, reference, rope, stacked
 from loraplane.worker.models.layers import RMSNorm, RotaryEmbedding
 
 pytestmark = pytest.mark.kernels
@@ -160,13 +160,18 @@ def test_rope_qkv_applies_qwen3s_per_head_norms_first(dtype: torch.dtype) -> Non
     )
 
 
+@pytest.mark.parametrize("by_rows", [False, True], ids=["by-position", "by-rows"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1, 2, 8])
 def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(
-    dtype: torch.dtype, width: int
+    dtype: torch.dtype, width: int, by_rows: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``qkv`` is a stacked GEMM's ``full``: the LoRA of each row's stage position goes in
-    first; rows without an adapter come out exactly as the base path's."""
+    first; rows without an adapter come out exactly as the base path's. Both kernels: a
+    program per (row block, position, head) as decode steps run it, and per (row block,
+    head) visiting its rows' positions as prompt steps do (``stacked.ROWS_KERNEL_MIN``)."""
+    if by_rows:
+        monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", 1)
     rows = 40
     full, b, stage = _batch(rows, N_QKV, 3, dtype, width)
     inp = _rope_inputs(rows, dtype)

@@ -24,6 +24,15 @@ R = 16  # the stage rank: y columns per slice of a position
 R_MAX = 32  # the slot buffers' rank (B's last dimension): columns past R are never read
 
 
+@pytest.fixture(autouse=True, params=["by-position", "by-rows"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on both kernels: programs per (row block, position) as decode steps run
+    them, and per row block visiting its positions as prompt steps do (``ROWS_KERNEL_MIN``)."""
+    if request.param == "by-rows":
+        monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", 1)
+    return str(request.param)
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     tol = TOL[dtype]
     torch.testing.assert_close(got.cpu().float(), want.cpu().float(), rtol=tol, atol=tol)

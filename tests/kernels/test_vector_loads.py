@@ -56,6 +56,7 @@ def test_the_stacked_epilogues_load_whole_vectors_at_the_smallest_stage_rank(
     """Stage ranks are at least 16 (``stage.MIN_STAGE_RANK``): at 8 the same kernel splits."""
     assert loads[f"stacked_{mode}_stage_rank_16"] == 0, loads
     assert loads[f"stacked_{mode}_stage_rank_8"] > 0, loads
+    assert loads[f"stacked_rows_{mode}_stage_rank_16"] == 0, loads  # (prompt steps' kernel)
 
 
 def test_the_rotation_with_lora_loads_whole_vectors_at_the_smallest_stage_rank(
@@ -63,6 +64,7 @@ def test_the_rotation_with_lora_loads_whole_vectors_at_the_smallest_stage_rank(
 ) -> None:
     assert loads["rope_stage_rank_16"] == 0, loads
     assert loads["rope_stage_rank_8"] > 0, loads
+    assert loads["rope_by_rows_stage_rank_16"] == 0, loads
 
 
 def test_the_fused_sampler_compiles_without_spills(loads: dict[str, int]) -> None:

@@ -77,14 +77,21 @@ def token_slots(per_chunk: list[int]) -> list[int]:
     return [s for s, n in zip(per_chunk, (1, 5, 1, 7), strict=True) for _ in range(n)]
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "past-the-stage"])
 @pytest.mark.parametrize(
     "per_chunk",
     [[NO_ADAPTER, 1, 0, 1], [2, 2, 2, 2], [NO_ADAPTER] * 4, [0, 1, 2, NO_ADAPTER]],
     ids=["interleaved", "one", "none", "three"],
 )
 def test_a_static_prompt_step_gives_the_eager_steps_logits(
-    runner: ModelRunner, per_chunk: list[int]
+    runner: ModelRunner, per_chunk: list[int], staged: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Staged (the stacked GEMMs and fused epilogues, as a batch whose adapters fit the stage
+    runs) or past the stage (the shrink and expand kernels, as a batch of more adapters), the
+    static step gives the eager step's logits (which run the kernels)."""
+    assert runner.lora is not None
+    if not staged:  # (as when the batch's adapters do not fit the stage)
+        monkeypatch.setattr(runner.lora, "assign_stage", lambda _slots: (None, 0, 0))
     slots = token_slots(per_chunk)
     want = runner.forward(mixed_step(runner), slots).clone()
     graphs = runner.prompt_graphs = PromptGraphs(runner, 64, SPARE, capture=False)
@@ -96,8 +103,16 @@ def test_a_static_prompt_step_gives_the_eager_steps_logits(
     assert got.shape == want.shape == (4, runner.model_config.vocab_size)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
     adapters = {s for s in per_chunk if s != NO_ADAPTER}
-    count = None if not adapters else 1 << (len(adapters) - 1).bit_length()
-    assert graphs.keys == {(64, count)}
+    if not adapters:
+        assert graphs.keys == {(64, None)}
+        return
+    count = 1 << (len(adapters) - 1).bit_length()
+    ((bucket, shape),) = graphs.keys
+    assert shape is not None and (bucket, shape[0]) == (64, count)
+    if staged:  # the stage's width covers the adapters' positions, at the stage's rank
+        assert shape[1] >= len(adapters) and shape[2] == runner.lora.stage.rank > 0
+    else:
+        assert shape[1:] == (0, 0)
 
 
 def test_carried_tokens_reach_a_static_prompt_steps_decode_rows(runner: ModelRunner) -> None:

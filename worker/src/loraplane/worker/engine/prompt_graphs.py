@@ -20,8 +20,12 @@ for decode steps. What makes a prompt step capturable:
 * The logit rows (each chunk's last token) are a fixed count too; padding rows read row 0.
 * LoRA metadata sits in a ``StaticLoRABatch`` of the bucket's rows whose segments hold up to
   the bucket's tokens. A graph is keyed by the distinct adapters rounded up to a power of two
-  (``static_shape``); nothing is staged (the stage serves decode batches), so a prompt graph
-  runs the shrink and expand kernels, the same at every rank of adapter.
+  (``static_shape``) and, as a decode graph is, by the stage: a step whose adapters fit the
+  stage (``LoRAManager.assign_stage``, which copies their A rows in where needed) runs the
+  stacked GEMMs and fused epilogues at the stage's width and rank (``Shape``; past
+  ``kernels.stacked.ROWS_KERNEL_MIN`` rows the epilogues run a program per row block, not
+  per (row block, position)); one with more adapters runs the shrink and expand kernels, the
+  same at every rank of adapter (width and rank 0).
 
 All the step's integers go to the device in one copy from page-locked memory. Steps of more
 tokens than the largest bucket (long prompts: the GPU's time covers their launches), steps
@@ -92,6 +96,11 @@ class _Sizes:
         )
 
 
+# A LoRA prompt graph's (adapters' power-of-two class, stage width, stage rank); width 0: the
+# step is not staged (it runs the shrink and expand kernels).
+Shape = tuple[int, int, int]
+
+
 def _even(n: int) -> int:
     return n + (n & 1)  # int64 entries: an even count keeps the next part 16-byte aligned
 
@@ -140,14 +149,14 @@ class PromptGraphs:
         self._copied: torch.cuda.Event | None = None  # the last host-to-device copy
         self._stream = torch.cuda.Stream(device) if capture else None  # warm-ups
         self._pool = (pool or torch.cuda.graph_pool_handle()) if capture else None
-        self._graphs: dict[tuple[int, int | None], _Graph] = {}
-        self._failed: set[tuple[int, int | None]] = set()
-        self._lora: dict[tuple[int, int], StaticLoRABatch] = {}
+        self._graphs: dict[tuple[int, Shape | None], _Graph] = {}
+        self._failed: set[tuple[int, Shape | None]] = set()
+        self._lora: dict[tuple[int, Shape], StaticLoRABatch] = {}
         self.replays = 0
 
     @property
-    def keys(self) -> set[tuple[int, int | None]]:
-        """The graphs made so far: (bucket, adapters' power-of-two class or None)."""
+    def keys(self) -> set[tuple[int, Shape | None]]:
+        """The graphs made so far: (bucket, LoRA ``Shape`` or None)."""
         return set(self._graphs)
 
     def bucket_for(self, tokens: int) -> int:
@@ -183,8 +192,8 @@ class PromptGraphs:
         if self._copied is not None:  # (the host buffer is rewritten below)
             self._copied.synchronize()
             self._copied = None
-        count = self._lora_shape(slots, bucket)
-        key = (bucket, count)
+        shape = self._lora_shape(slots, bucket)
+        key = (bucket, shape)
         if key in self._failed:
             return None
         self._fill(batch, bucket)
@@ -195,13 +204,13 @@ class PromptGraphs:
         graph = self._graphs.get(key)
         if graph is None:
             try:
-                graph = self._graphs[key] = self._capture(bucket, count)
+                graph = self._graphs[key] = self._capture(bucket, shape)
             except Exception:
                 log.exception(
                     "could not capture a prompt-step graph of %d tokens (LoRA %s); "
                     "these steps run eagerly",
                     bucket,
-                    count,
+                    shape,
                 )
                 self._failed.add(key)
                 return None
@@ -209,9 +218,9 @@ class PromptGraphs:
         self.replays += 1
         return graph.logits[: len(batch.chunks)]
 
-    def _lora_shape(self, slots: Sequence[int], bucket: int) -> int | None:
-        """The power-of-two class of the step's distinct adapters, their metadata filled in
-        (None: no adapter)."""
+    def _lora_shape(self, slots: Sequence[int], bucket: int) -> Shape | None:
+        """The step's LoRA ``Shape``, its metadata filled in (None: no adapter). Staged
+        when its adapters fit the stage (their A rows copied in where needed)."""
         manager = self.runner.lora
         if manager is None:
             return None
@@ -219,23 +228,26 @@ class PromptGraphs:
         manager.check_slots(segments[2])
         if not segments[2]:
             return None
-        count = static_shape(segments, bucket)[0]
-        static = self._lora_batch(bucket, count)
-        static.fill(slots, segments, None, manager.slot_values())
-        return count
+        positions, width, rank = manager.assign_stage(segments[2])
+        shape = (static_shape(segments, bucket)[0], width, rank)
+        static = self._lora_batch(bucket, shape)
+        static.fill(slots, segments, positions, manager.slot_values())
+        return shape
 
-    def _lora_batch(self, bucket: int, count: int) -> StaticLoRABatch:
-        static = self._lora.get((bucket, count))
+    def _lora_batch(self, bucket: int, shape: Shape) -> StaticLoRABatch:
+        static = self._lora.get((bucket, shape))
         if static is None:
             manager = self.runner.lora
             assert manager is not None
-            static = self._lora[(bucket, count)] = StaticLoRABatch(
+            static = self._lora[(bucket, shape)] = StaticLoRABatch(
                 bucket,
-                count,
+                shape[0],
                 manager.slot_ranks,
                 manager.slot_scalings,
                 self.runner.device,
                 max_seg_len=bucket,
+                stage_width=shape[1],
+                stage_rank=shape[2],
             )
         return static
 
@@ -298,21 +310,21 @@ class PromptGraphs:
         batch._tiles = (tiles.device, PROMPT_TILE, tiles)  # (cuda:0, as the step's q: not "cuda")
         return batch
 
-    def _capture(self, bucket: int, count: int | None) -> _Graph:
+    def _capture(self, bucket: int, shape: Shape | None) -> _Graph:
         runner = self.runner
         size = self._sizes[bucket]
-        static = self._lora_batch(bucket, count) if count is not None else None
+        static = self._lora_batch(bucket, shape) if shape is not None else None
         out = self._logits[: size.logits]
         forward = static_forward(runner, self._static_batch(bucket), out, static)
         if not self.capture:
             log.info(
-                "a prompt step's static step (not captured): %d tokens, LoRA %s", bucket, count
+                "a prompt step's static step (not captured): %d tokens, LoRA %s", bucket, shape
             )
             return _Graph(graph=None, forward=forward, logits=out)
         graph = capture_graph(runner, forward, self._stream, self._pool)
-        log.info(
-            "captured a prompt-step graph: %d tokens, LoRA %s",
-            bucket,
-            f"on (<= {count} adapters)" if count is not None else "off",
-        )
+        lora = "off"
+        if shape is not None:
+            staged = f", stage {shape[1]} x r{shape[2]}" if shape[1] else ""
+            lora = f"on (<= {shape[0]} adapters{staged})"
+        log.info("captured a prompt-step graph: %d tokens, LoRA %s", bucket, lora)
         return graph

@@ -21,9 +21,11 @@ pod's readiness waits for it instead of a client:
   (``single_row_counts``; every count where the executor's ranks run elsewhere);
 * prompt-step graphs (``engine/prompt_graphs.py``, where the executor has them): a prompt
   step in every token bucket, without an adapter and with 1, 2, 4, ... up to K distinct
-  adapters (a graph per bucket and power of two of adapters, the same at every rank). Every
-  other step of the warm-up runs with them off, eagerly, so the kernel variants of prompt
-  steps too long for a graph are compiled too;
+  adapters (a graph per bucket, power of two of adapters and stage width and rank: at each
+  stage rank for the counts its stage holds, at every width above their own too, as for
+  decode graphs; once for the counts past it, whose graphs are the same at every rank).
+  Every other step of the warm-up runs with them off, eagerly, so the kernel variants of
+  prompt steps too long for a graph are compiled too;
 * LoRA: a blank adapter (every weight zero, ``lora.adapter.blank_adapter``) at every stage
   rank (16, 32, ... up to the worker's largest) in 1, 2, 4, ... up to K slots at once (every
   stage width, and the kernels past the stage): the same prefill steps with the adapters
@@ -382,10 +384,10 @@ class _Runner:
         ]
         self.step(work)
 
-    def prompt_graphs(self, adapters: int, plan: WarmupPlan) -> None:
+    def prompt_graphs(self, adapters: int, plan: WarmupPlan, first: int = 0) -> None:
         """A prompt step in every bucket of the plan's prompt graphs that a step can reach,
-        with ``adapters`` distinct adapters (0: none), with the executor's prompt graphs on:
-        their captures."""
+        with ``adapters`` distinct adapters (0: none; slots from ``first`` on), with the
+        executor's prompt graphs on: their captures."""
         self.executor.use_prompt_graphs(True)
         try:
             most = plan.max_seqs * (plan.max_len - 1)  # prompt tokens one step can hold
@@ -394,20 +396,21 @@ class _Runner:
                 # a step of n tokens replays the first bucket past n: the most this bucket
                 # takes, else the fewest
                 for tokens in (min(bucket - 1, most), max(last, adapters + 1)):
-                    if last <= tokens < bucket and self.prompt_step(tokens, adapters, plan):
+                    if last <= tokens < bucket and self.prompt_step(tokens, adapters, plan, first):
                         break
                 last = bucket
         finally:
             self.executor.use_prompt_graphs(False)
 
-    def prompt_step(self, tokens: int, adapters: int, plan: WarmupPlan) -> bool:
-        """``prefill``'s step of ``tokens`` prompt tokens over its rows, the adapters taking
-        turns by row, if one of its rows has two tokens or more (else it is a decode step)
-        and the plan's ``max_seqs`` rows hold it; False (and nothing run) otherwise."""
+    def prompt_step(self, tokens: int, adapters: int, plan: WarmupPlan, first: int = 0) -> bool:
+        """``prefill``'s step of ``tokens`` prompt tokens over its rows, the adapters (slots
+        from ``first`` on) taking turns by row, if one of its rows has two tokens or more
+        (else it is a decode step) and the plan's ``max_seqs`` rows hold it; False (and
+        nothing run) otherwise."""
         rows = max(adapters, 1, cdiv(tokens, plan.max_len - 1))
         if rows > plan.max_seqs or tokens < rows + 1:
             return False
-        self.prefill(tokens, adapters, plan)
+        self.prefill(tokens, adapters, plan, first)
         return True
 
     def decode(self, slots: list[int], params: list[SamplingParams] | None = None) -> None:
@@ -473,11 +476,11 @@ def _lora_steps(run: _Runner, plan: WarmupPlan, count: int, decode: bool) -> Non
 
 
 def _wider_stage_steps(run: _Runner, plan: WarmupPlan, rank: int) -> None:
-    """Staged batches at every width above their own, decode graphs and eager prefills (an
-    eager batch of up to ``EAGER_STAGE_MAX_ROWS`` rows stages on a GPU too). The stage now
-    holds slot ``p`` at position ``p`` (each count's steps staged slots 0..count-1 in turn
-    into the lowest free positions), so the slots ``width - count .. width - 1`` compute
-    ``width``. ``rank``: the stage rank of the blank adapter loaded."""
+    """Staged batches at every width above their own, decode graphs, prompt graphs and eager
+    prefills (an eager batch of up to ``EAGER_STAGE_MAX_ROWS`` rows stages on a GPU too). The
+    stage now holds slot ``p`` at position ``p`` (each count's steps staged slots 0..count-1
+    in turn into the lowest free positions), so the slots ``width - count .. width - 1``
+    compute ``width``. ``rank``: the stage rank of the blank adapter loaded."""
     for count in plan.adapter_counts:
         for width in stage_widths(count, plan.positions_at(rank))[1:]:
             slots = list(range(width - count, width))
@@ -486,11 +489,13 @@ def _wider_stage_steps(run: _Runner, plan: WarmupPlan, rank: int) -> None:
             for tokens in plan.prefill_tokens:
                 if tokens <= EAGER_STAGE_MAX_ROWS:
                     run.prefill(tokens, count, plan, first=width - count)
+            if plan.prompt_buckets:
+                run.prompt_graphs(count, plan, first=width - count)
 
 
 def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
     executor = run.executor
-    # decode graphs of batches past the stage are the same at every stage rank
+    # decode and prompt graphs of batches past the stage are the same at every stage rank
     unstaged_decoded: set[int] = set()
     for rank in plan.ranks:
         executor.hold_blank(BLANK_NAME, rank)
@@ -505,9 +510,8 @@ def _warm_lora(run: _Runner, plan: WarmupPlan) -> None:
                 unstaged_decoded.add(count)
             label = f"LoRA rank {rank}, {count} adapter(s)"
             run.phase(label, _lora_steps, run, plan, count, decode)
-            if plan.prompt_buckets and rank == plan.ranks[0]:
-                # (prompt graphs run the shrink and expand kernels, the same at every rank)
-                label = f"prompt graphs, {count} adapter(s)"
+            if plan.prompt_buckets and decode:
+                label = f"prompt graphs, LoRA rank {rank}, {count} adapter(s)"
                 run.phase(label, run.prompt_graphs, count, plan)
         if plan.positions_at(rank):
             run.phase(f"LoRA rank {rank}, wider stages", _wider_stage_steps, run, plan, rank)

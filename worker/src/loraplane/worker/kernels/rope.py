@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplane.worker.kernels import stacked
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
@@ -94,6 +95,7 @@ def _rope_qkv_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BY_ROWS: tl.constexpr = False,  # (HAS_LORA) program (block, 0, head) visits its rows' positions
 ):
     head = tl.program_id(2)
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -109,7 +111,12 @@ def _rope_qkv_kernel(
     # B). With one stage position, or none, the values leave in the first round trip too.
     positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
     kv_slots = tl.load(slots_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
-    if HAS_LORA:  # program (block, p, head): the block's rows at stage position p (see stacked)
+    if HAS_LORA and BY_ROWS:  # (see stacked._stacked_rows_kernel)
+        qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank_max
+        row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
+    if HAS_LORA and not BY_ROWS:  # program (block, p, head): its rows at stage position p
         p = tl.program_id(1)
         qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
         offs_r = tl.arange(0, BLOCK_R)
@@ -131,7 +138,24 @@ def _rope_qkv_kernel(
     cs = cos_sin_ptr + positions[:, None] * cs_stride + offs_d[None, :]
     cos = tl.load(cs, mask=rotate, other=0.0).to(tl.float32)
     sin = tl.load(cs + half, mask=rotate, other=0.0).to(tl.float32)
-    if HAS_LORA:
+    if HAS_LORA and BY_ROWS:
+        b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
+        for p in tl.static_range(WIDTH):
+            if tl.max((s_mask & (row_pos == p)).to(tl.int32), axis=0) > 0:  # a row is at p
+                slot = tl.load(pos_slots_ptr + p).to(tl.int64)
+                scaling = tl.load(pos_scal_ptr + p)
+                hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]
+                y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
+                y = tl.load(src_row + y_cols, mask=hit & r_mask[None, :], other=0.0)
+                b_tile = b_ptr + slot * b_stride_slot + b_cols  # [BLOCK_R, BLOCK_D]
+                b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
+                b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
+                b_hi = tl.load(b_tile + half * b_stride_row, mask=b_mask, other=0.0)
+                t_lo = scaling * tl.dot(y, b_lo, input_precision=DOT_PRECISION)
+                t_hi = scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION)
+                lo = tl.where(hit, lo + t_lo, lo)
+                hi = tl.where(hit, hi + t_hi, hi)
+    if HAS_LORA and not BY_ROWS:
         b_tile = b_ptr + slot * b_stride_slot + offs_r[:, None]
         b_tile += (col + offs_d[None, :]).to(tl.int64) * b_stride_row  # [BLOCK_R, BLOCK_D]
         b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
@@ -254,7 +278,8 @@ def rope_qkv(
         return q
     heads = num_heads + 2 * kv_heads
     half = d // 2
-    grid = (cdiv(t, BLOCK_S), stage.width if stage is not None else 1, heads)
+    by_rows = stage is not None and t >= stacked.ROWS_KERNEL_MIN
+    grid = (cdiv(t, BLOCK_S), stage.width if stage is not None and not by_rows else 1, heads)
     if b is not None and stage is not None:
         lora_args = (b, stage.row_pos, stage.pos_slots, stage.pos_scalings)
         rank, block_r, b_strides = stage.rank, rank_block(stage.rank), (b.stride(0), b.stride(1))
@@ -297,5 +322,6 @@ def rope_qkv(
         BLOCK_S=BLOCK_S,
         BLOCK_D=max(MIN_DOT_BLOCK, next_power_of_2(half)),
         BLOCK_R=block_r,
+        BY_ROWS=by_rows,
     )
     return q
