@@ -243,8 +243,9 @@ def serve_cmd(
         typer.Option(
             help="P: adapters of rank R whose A rows sit under the base weights, so a batch "
             "of that many adapters shrinks in one GEMM and expands inside the next kernel "
-            "(CUDA, one rank: decode graphs, and eager batches of up to 256 rows); adapters "
-            "of a lower rank r get P*R/r positions in the same memory, at most K. 0: off. "
+            "(CUDA, one rank: decode and prompt-step graphs, eager batches of up to 256 rows); "
+            "adapters of a lower rank r get P*R/r positions in the same memory, at most K. "
+            "0: off. "
             "Default: 4, or 16 on a model with routed experts (only its attention stacks)",
             show_default=False,
         ),
