@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from loraplane.worker.config import ConfigError, LoRARuntimeConfig, ModelConfig
@@ -13,6 +14,8 @@ from loraplane.worker.engine.pages import pages_for
 from loraplane.worker.engine.sampling import SAMPLERS
 from loraplane.worker.engine.tokenizer import TextTokenizer
 from loraplane.worker.engine.warmup import plan_for, warm_up
+
+log = logging.getLogger(__name__)
 
 # Prompt tokens a step at most by default where no prompt-step graph bounds a step (ADR 0017).
 DEFAULT_CHUNK = 4096
@@ -226,6 +229,14 @@ def build_engine(
     tokenizer = TextTokenizer(config.model)
     executor = make_executor(config, max_len)
     chunk, step_tokens = config.step_budget(executor.prompt_graph_buckets)
+    if step_tokens:
+        log.info(
+            "a step's decode rows and prompt chunks stay under %d tokens (the largest "
+            "prompt-step graph; --chunked-prefill-size N sets a budget instead)",
+            step_tokens + 1,
+        )
+    else:
+        log.info("a step feeds at most %s prompt tokens", chunk or "all its")
     try:
         if config.warms_up:
             moe = model_config.is_moe
