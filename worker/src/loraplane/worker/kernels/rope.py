@@ -111,7 +111,7 @@ def _rope_qkv_kernel(
     # B). With one stage position, or none, the values leave in the first round trip too.
     positions = tl.load(positions_ptr + rows, mask=s_mask, other=0)
     kv_slots = tl.load(slots_ptr + rows, mask=s_mask & (head >= num_heads), other=0)
-    if HAS_LORA and BY_ROWS:  # (see stacked._stacked_rows_kernel)
+    if HAS_LORA and BY_ROWS:  # (see the stacked epilogues' BY_ROWS)
         qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank_max

@@ -22,11 +22,12 @@ the base value exactly. A program with no rows of its own returns after its firs
 No load waits on a segment's bounds or a gathered row index: the rows' positions and the
 position's slot and scaling leave first, then B and the program's rows' base (residual, up),
 so an epilogue costs two round trips to memory where the segment-by-segment version (sessions
-7 to 14) cost three. Steps of ``ROWS_KERNEL_MIN`` rows or more (prompt steps: a thousand rows
-hold one or two positions per block, so most ``(block, p)`` programs would hold no row) run
-``_stacked_rows_kernel`` instead: a program per (row block, column block) loads its rows'
-base values with their positions, then each position its rows hold, in turn. With one stage position (one adapter) the program owns every row of its
-block and loads the base in the first round trip. Every sum is in fp32 and
+7 to 14) cost three. With one stage position (one adapter) the program owns every row of its
+block and loads the base in the first round trip. Steps of ``ROWS_KERNEL_MIN`` rows or more
+(prompt steps: a thousand rows hold one or two positions per block, so most ``(block, p)``
+programs would hold no row) run the kernel's ``BY_ROWS`` variant: a program per (row block,
+column block) loads its rows' base values with their positions, then each position its rows
+hold, in turn. Every sum is in fp32 and
 rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
@@ -70,7 +71,7 @@ _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 # (block_s, block_n, num_warps) for every launch instead of the rule in ``_launch`` when set
 # (bench/probes/stacked_tune.py).
 STACKED_OVERRIDE: tuple[int, int, int] | None = None
-# Steps of at least this many rows (prompt steps) run ``_stacked_rows_kernel``: programs
+# Steps of at least this many rows (prompt steps) run the epilogue ``BY_ROWS``: programs
 # over (row block, column block) that visit the positions their rows hold. Below it (decode
 # batches) a position is a grid axis, so every (block, position) pair of rows is a program.
 ROWS_KERNEL_MIN = 257
@@ -82,6 +83,36 @@ def rows_at(row_pos, s_mask, p, WIDTH: tl.constexpr):
     ``p == 0`` also those at none (-1, or a position past ``WIDTH``, which ``StaticLoRABatch``
     never gives), which get the base value only: every row is written once."""
     return s_mask & ((row_pos == p) | (((row_pos < 0) | (row_pos >= WIDTH)) & (p == 0)))
+
+
+@triton.jit
+def slices_term(
+    base,
+    hit,
+    y_row,
+    y_mask,
+    b_tile,
+    b_rows,
+    offs_n,
+    n_mask,
+    offs_r,
+    scaling,
+    slice_offsets_ptr,
+    n_cols,
+    rank_max,
+    NUM_SLICES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``base`` plus ``s * y_i B_i`` of each slice over its columns, on the rows ``hit``
+    (``[BLOCK_S, 1]``) only: the other rows keep their bits."""
+    for i in tl.static_range(NUM_SLICES):
+        col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
+        in_slice = n_mask & (offs_n >= col_lo) & (offs_n < col_hi)
+        y = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+        b = tl.load(b_tile, mask=b_rows[:, None] & in_slice[None, :], other=0.0)
+        term = scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
+        base = tl.where(hit, base + term, base)
+    return base
 
 
 @triton.jit
@@ -111,6 +142,7 @@ def _stacked_lora_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BY_ROWS: tl.constexpr = False,  # steps of ROWS_KERNEL_MIN rows or more (prompt steps)
 ):
     # Program (row block, p, column block) writes the block's rows at stage position p (and
     # for p == 0 the rows with no adapter). First round trip: the rows' positions, p's slot
@@ -118,140 +150,102 @@ def _stacked_lora_kernel(
     # base (up, residual). With one position the one program owns every row, so the base
     # leaves in the first round trip. The LoRA term goes to the rows at p only (tl.where:
     # nothing from B reaches another row).
+    # BY_ROWS: program (row block, 0, column block) writes every row of its block: the base
+    # values of all of them leave with the rows' positions, then, for each position its rows
+    # hold (one or two in a prompt step, whose rows come grouped by adapter), that position's
+    # slot, y and B, and its term goes to its rows only (tl.where). The grid has no position
+    # axis, so a long step launches no program per (block, position) pair that holds no row.
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = offs_s < n_rows
     rows = offs_s.to(tl.int64)
-    p = tl.program_id(1)
-    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_mask = offs_n < n_cols
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank_max
-    row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
-    y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
-    y_mask = s_mask[:, None] & r_mask[None, :]
-
-    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-    slot = tl.load(pos_slots_ptr + p).to(tl.int64)
-    scaling = tl.load(pos_scal_ptr + p)
-    if MODE == 2:  # gate | up: y of gate in the position's first rank_max columns, then up's
-        y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
-        y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-    if WIDTH == 1:
-        mine = s_mask
-    else:
-        mine = rows_at(row_pos, s_mask, p, WIDTH)
-        if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
-            return
-    mask = mine[:, None] & n_mask[None, :]
-    base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-        up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if MODE == 1:
-        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
-    hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]  # (a position with no slot: none)
-    b_rows = r_mask & (slot >= 0)
-    b_tile = b_ptr + slot * b_stride_slot
-    b_tile += offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
-    if MODE == 2:
-        b_mask = b_rows[:, None] & n_mask[None, :]
-        b_g = tl.load(b_tile, mask=b_mask, other=0.0)
-        b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
-        t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-        t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
-        base = tl.where(hit, base + t_g, base)  # the other rows keep their bits
-        up = tl.where(hit, up + t_u, up)
-        val = base / (1.0 + tl.exp(-base)) * up
-    else:
-        for i in tl.static_range(NUM_SLICES):
-            col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
-            in_slice = n_mask & (offs_n >= col_lo) & (offs_n < col_hi)
-            y = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-            b = tl.load(b_tile, mask=b_rows[:, None] & in_slice[None, :], other=0.0)
-            term = scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
-            base = tl.where(hit, base + term, base)
-        val = base
+    if BY_ROWS:
+        offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_cols
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank_max
+        row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
+        mask = s_mask[:, None] & n_mask[None, :]
+        row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
+        base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
+            up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         if MODE == 1:
-            val = res.to(tl.float32) + val
-    out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
-    tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
+            res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
+        b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
+        for p in tl.static_range(WIDTH):
+            if (
+                tl.max((s_mask & (row_pos == p)).to(tl.int32), axis=0) > 0
+            ):  # a row of the block is at p
+                slot = tl.load(pos_slots_ptr + p).to(tl.int64)
+                scaling = tl.load(pos_scal_ptr + p)
+                hit = s_mask & (row_pos == p) & (slot >= 0)
+                y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
+                y_mask = hit[:, None] & r_mask[None, :]
+                b_rows = r_mask & (slot >= 0)
+                b_tile = b_ptr + slot * b_stride_slot + b_cols
+                if MODE == 2:
+                    b_mask = b_rows[:, None] & n_mask[None, :]
+                    y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
+                    y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+                    b_g = tl.load(b_tile, mask=b_mask, other=0.0)
+                    b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
+                    t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+                    t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+                    base = tl.where(hit[:, None], base + t_g, base)
+                    up = tl.where(hit[:, None], up + t_u, up)
+                else:
+                    base = slices_term(
+                        base, hit[:, None], y_row, y_mask, b_tile, b_rows, offs_n, n_mask,
+                        offs_r, scaling, slice_offsets_ptr, n_cols, rank_max, NUM_SLICES,
+                        DOT_PRECISION,
+                    )  # fmt: skip
+    else:
+        p = tl.program_id(1)
+        offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        n_mask = offs_n < n_cols
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank_max
+        row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
+        y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
+        y_mask = s_mask[:, None] & r_mask[None, :]
 
-
-@triton.jit
-def _stacked_rows_kernel(
-    full_ptr,  # as _stacked_lora_kernel's arguments
-    b_ptr,
-    res_ptr,
-    out_ptr,
-    row_pos_ptr,
-    pos_slots_ptr,
-    pos_scal_ptr,
-    slice_offsets_ptr,
-    n_rows,
-    n_cols,
-    n_base,
-    n_r,
-    rank_max,
-    full_stride,
-    res_stride,
-    out_stride,
-    b_stride_slot,
-    b_stride_row,
-    MODE: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    WIDTH: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    # Program (row block, column block) writes every row of its block: the base values of all
-    # of them leave with the rows' positions, then, for each position its rows hold (one or
-    # two in a prompt step, whose rows come grouped by adapter), that position's slot, y and
-    # B, and its term goes to its rows only (tl.where). The grid has no position axis, so a
-    # long step launches no program per (block, position) pair that holds no row.
-    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = offs_s < n_rows
-    rows = offs_s.to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_cols
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank_max
-    row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
-    mask = s_mask[:, None] & n_mask[None, :]
-    row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-    base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-        up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if MODE == 1:
-        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
-    b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
-    for p in tl.static_range(WIDTH):
-        if tl.max((s_mask & (row_pos == p)).to(tl.int32), axis=0) > 0:  # a row of the block is at p
-            slot = tl.load(pos_slots_ptr + p).to(tl.int64)
-            scaling = tl.load(pos_scal_ptr + p)
-            hit = s_mask & (row_pos == p) & (slot >= 0)
-            y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
-            y_mask = hit[:, None] & r_mask[None, :]
-            b_rows = r_mask & (slot >= 0)
-            b_tile = b_ptr + slot * b_stride_slot + b_cols
-            if MODE == 2:
-                b_mask = b_rows[:, None] & n_mask[None, :]
-                y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
-                y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-                b_g = tl.load(b_tile, mask=b_mask, other=0.0)
-                b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
-                t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-                t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
-                base = tl.where(hit[:, None], base + t_g, base)
-                up = tl.where(hit[:, None], up + t_u, up)
-            else:
-                for i in tl.static_range(NUM_SLICES):
-                    col_lo, col_hi = slice_bounds(slice_offsets_ptr, i, n_cols, NUM_SLICES)
-                    in_slice = n_mask & (offs_n >= col_lo) & (offs_n < col_hi)
-                    y = tl.load(y_row + i * rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-                    b = tl.load(b_tile, mask=b_rows[:, None] & in_slice[None, :], other=0.0)
-                    term = scaling * tl.dot(y, b, input_precision=DOT_PRECISION)
-                    base = tl.where(hit[:, None], base + term, base)
+        row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
+        slot = tl.load(pos_slots_ptr + p).to(tl.int64)
+        scaling = tl.load(pos_scal_ptr + p)
+        if MODE == 2:  # gate | up: y of gate in the position's first rank_max columns, then up's
+            y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
+            y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+        if WIDTH == 1:
+            mine = s_mask
+        else:
+            mine = rows_at(row_pos, s_mask, p, WIDTH)
+            if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
+                return
+        mask = mine[:, None] & n_mask[None, :]
+        base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
+            up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if MODE == 1:
+            res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
+        hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]  # (a position with no slot: none)
+        b_rows = r_mask & (slot >= 0)
+        b_tile = b_ptr + slot * b_stride_slot
+        b_tile += (
+            offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
+        )  # [BLOCK_R, BLOCK_N]
+        if MODE == 2:
+            b_mask = b_rows[:, None] & n_mask[None, :]
+            b_g = tl.load(b_tile, mask=b_mask, other=0.0)
+            b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
+            t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+            t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+            base = tl.where(hit, base + t_g, base)  # the other rows keep their bits
+            up = tl.where(hit, up + t_u, up)
+        else:
+            base = slices_term(
+                base, hit, y_row, y_mask, b_tile, b_rows, offs_n, n_mask, offs_r, scaling,
+                slice_offsets_ptr, n_cols, rank_max, NUM_SLICES, DOT_PRECISION,
+            )  # fmt: skip
     if MODE == 2:
         val = base / (1.0 + tl.exp(-base)) * up
     else:
@@ -353,15 +347,8 @@ def _launch(
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    grid: tuple[int, ...]
-    if by_rows:
-        kernel, grid = _stacked_rows_kernel, (cdiv(rows, block_s), cdiv(n_cols, block_n))
-    else:
-        kernel, grid = (
-            _stacked_lora_kernel,
-            (cdiv(rows, block_s), stage.width, cdiv(n_cols, block_n)),
-        )
-    kernel[grid](
+    grid = (cdiv(rows, block_s), 1 if by_rows else stage.width, cdiv(n_cols, block_n))
+    _stacked_lora_kernel[grid](
         full,
         b,
         res,
@@ -387,6 +374,7 @@ def _launch(
         BLOCK_S=block_s,
         BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
+        BY_ROWS=by_rows,
         num_warps=num_warps,
     )
 
