@@ -18,7 +18,7 @@ their CUDA graphs, with the rows spread round-robin over ``--counts`` distinct a
 - ``mixed_ms``: the 48 rows and 3 prompt chunks of 256 tokens (a prompt-step graph; each
   chunk under an adapter of its own when there are adapters).
 
-Then it profiles the decode and the mixed step of the largest count at each stage width
+Then it profiles the decode and the mixed step of the largest count (``--profile``: these) at each stage width
 (CUDA kernels by total device time). One JSON object on stdout (``--out`` too), the tables on stderr. Runs on
 the CPU too (slowly, the Triton kernels under the interpreter), to check it.
 """
@@ -76,9 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage-slots", default="4,32", help="stage positions to compare, a list")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/loraplane-lora-step"))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="the counts whose decode and mixed steps to profile, a list (default: the largest)",
+    )
     args = p.parse_args(argv)
     counts = [int(c) for c in args.counts.split(",")]
     stages = [int(s) for s in args.stage_slots.split(",")]
+    profiled = [int(c) for c in args.profile.split(",")] if args.profile else [max(counts)]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     from loraplane.worker.bench.serve import make_fixtures
 
@@ -133,15 +139,15 @@ def main(argv: list[str] | None = None) -> int:
         if device == "cuda":
             from torch.profiler import ProfilerActivity, profile
 
-            for mixed in (False, True):
-                rows = work(max(counts), mixed)
+            for count, mixed in [(c, m) for c in profiled for m in (False, True)]:
+                rows = work(count, mixed)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
                         executor.step(rows)
                     sync()
                 kind = "mixed" if mixed else "decode"
                 print(
-                    f"--- stage_slots {positions}, {max(counts)} adapters, {kind} x 5",
+                    f"--- stage_slots {positions}, {count} adapters, {kind} x 5",
                     file=sys.stderr,
                 )
                 print(

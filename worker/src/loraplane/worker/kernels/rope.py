@@ -48,7 +48,7 @@ from loraplane.worker.kernels._triton_utils import (
     next_power_of_2,
     rank_block,
 )
-from loraplane.worker.kernels.stacked import check_stacked, rows_at
+from loraplane.worker.kernels.stacked import block_holds, check_stacked, positions_held, rows_at
 
 __all__ = ["rope_qkv"]
 
@@ -141,7 +141,9 @@ def _rope_qkv_kernel(
     if HAS_LORA and BY_ROWS:
         b_cols = (col + offs_d[None, :]).to(tl.int64) * b_stride_row + offs_r[:, None]
         for p in tl.static_range(WIDTH):
-            if tl.max((s_mask & (row_pos == p)).to(tl.int32), axis=0) > 0:  # a row is at p
+            if p % 64 == 0:  # the positions of the block's rows, 64 at a time
+                bits = positions_held(row_pos, s_mask, p)
+            if block_holds(bits, p):  # a row of the block is at p
                 slot = tl.load(pos_slots_ptr + p).to(tl.int64)
                 scaling = tl.load(pos_scal_ptr + p)
                 hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]

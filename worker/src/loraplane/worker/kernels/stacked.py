@@ -26,8 +26,9 @@ so an epilogue costs two round trips to memory where the segment-by-segment vers
 block and loads the base in the first round trip. Steps of ``ROWS_KERNEL_MIN`` rows or more
 (prompt steps: a thousand rows hold one or two positions per block, so most ``(block, p)``
 programs would hold no row) run the kernel's ``BY_ROWS`` variant: a program per (row block,
-column block) loads its rows' base values with their positions, then each position its rows
-hold, in turn. Every sum is in fp32 and
+column block) loads its rows' base values with their positions, finds which positions they
+hold (a bit each, one reduction over the block), then takes each of those in turn. Every sum
+is in fp32 and
 rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
@@ -75,6 +76,28 @@ STACKED_OVERRIDE: tuple[int, int, int] | None = None
 # over (row block, column block) that visit the positions their rows hold. Below it (decode
 # batches) a position is a grid axis, so every (block, position) pair of rows is a program.
 ROWS_KERNEL_MIN = 257
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def positions_held(row_pos, s_mask, first: tl.constexpr):
+    """A bit ``p - first`` for each stage position ``p`` in ``first .. first + 63`` that a row
+    of the block is at (int64; one reduction over the block)."""
+    rel = row_pos - first
+    held = s_mask & (rel >= 0) & (rel < 64)
+    bits = tl.full(rel.shape, 1, tl.int64) << tl.where(held, rel, 0).to(tl.int64)
+    return tl.reduce(tl.where(held, bits, 0), 0, _bit_or)
+
+
+@triton.jit
+def block_holds(bits, p: tl.constexpr):
+    """Whether a row of the block is at position ``p``, from ``bits``: ``positions_held`` of
+    the 64 positions from ``p - p % 64``."""
+    return ((bits >> (p % 64)) & 1) != 0
 
 
 @triton.jit
@@ -152,7 +175,9 @@ def _stacked_lora_kernel(
     # nothing from B reaches another row).
     # BY_ROWS: program (row block, 0, column block) writes every row of its block: the base
     # values of all of them leave with the rows' positions, then, for each position its rows
-    # hold (one or two in a prompt step, whose rows come grouped by adapter), that position's
+    # hold (one or two in a prompt step, whose rows come grouped by adapter; one bitwise-or
+    # reduction finds them, where a reduction per position cost rope_qkv 31 us against 25 at
+    # 816 rows over 16 positions on an H100, bench/probes/stacked_width.py), that position's
     # slot, y and B, and its term goes to its rows only (tl.where). The grid has no position
     # axis, so a long step launches no program per (block, position) pair that holds no row.
     offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -173,9 +198,9 @@ def _stacked_lora_kernel(
             res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
         b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
         for p in tl.static_range(WIDTH):
-            if (
-                tl.max((s_mask & (row_pos == p)).to(tl.int32), axis=0) > 0
-            ):  # a row of the block is at p
+            if p % 64 == 0:  # the positions of the block's rows, 64 at a time
+                bits = positions_held(row_pos, s_mask, p)
+            if block_holds(bits, p):  # a row of the block is at p
                 slot = tl.load(pos_slots_ptr + p).to(tl.int64)
                 scaling = tl.load(pos_scal_ptr + p)
                 hit = s_mask & (row_pos == p) & (slot >= 0)
@@ -338,9 +363,12 @@ def _launch(
     # tile and does better with fewer, larger ones from 128 rows on. Measured on an H200
     # (bench/probes/stacked_tune.py): against segment-sized row blocks and 128 columns,
     # 0.4-3.1 us less per launch at 32-128 rows, within 0.2 us at 16.
+    # Row-block programs take 16 x 128 tiles: at 816 rows over 16 positions (a mixed step),
+    # H100, bench/probes/stacked_width.py: the residual add 15.2 us against 18.2 at 32 x 64,
+    # the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops 8.5 and 26.4 us).
     by_rows = rows >= ROWS_KERNEL_MIN
     if by_rows:
-        block_s, block_n = (32, 128) if mode == _SILU_MUL else (32, 64)
+        block_s, block_n = 16, 128
     else:
         block_s, block_n = (32, 128) if mode == _SILU_MUL and rows >= 128 else (16, 64)
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
