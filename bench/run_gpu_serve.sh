@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The serving benchmark on one H200, in one call (well under 9 minutes):
+# The serving benchmark on one H200 or H100, a step or two per device call:
 #   OUT=/some/dir bash bench/run_gpu_serve.sh     (the device tool sets $OUT)
 # The worker's HTTP stack (FastAPI, pydantic, uvicorn) is not in the device image: install
-# the wheels first (docs/performance.md, "How to run"). ONLY picks steps (default "k8 k32").
-# Steps k8 and k32 fit one call; p512, poisson, overlap and chunk0 (below) need a second.
+# the wheels first (docs/performance.md, "How to run"). ONLY picks steps (default "k8 k32": two calls on a fresh machine).
+# On a fresh machine (compiles and a 2-3 minute warm-up per worker) steps k8 + poisson or
+# k32 alone fit one call of 10 minutes; p512, overlap and chunk0 (below) need calls of their own.
 # Writes $OUT/serve_k8.json (16 adapters on 8 slots, 32 clients) and $OUT/serve_k32.json
 # (0/4/16/32 adapters on 32 slots, 48 clients; two 15 s windows per row, the first one
 # starting when the worker is ready; TRANSPORTS=http,in-process adds the engine driven in
@@ -17,7 +18,7 @@ COMMON=(--fixture dense --layers 16 --num-adapters 32 --workdir "$WORK" --device
 read -r -a EXTRA <<<"${SERVE_ARGS:-}"
 COMMON+=("${EXTRA[@]}")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
-step k8 200 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
+step k8 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
   --adapters 0,16 --warmup 5 --duration 15 --transports http --out "$OUT/serve_k8.json"
 step k32 380 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
   --adapters 0,4,16,32 --warmup 0 --windows 2 --duration 15 --transports ${TRANSPORTS:-http} \
