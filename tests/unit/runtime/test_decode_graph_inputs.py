@@ -125,19 +125,31 @@ def test_more_adapters_than_stage_positions_run_the_shrink_kernels(suite) -> Non
 
 
 @pytest.mark.parametrize(
-    ("arch", "stage_slots", "positions"),
-    [("llama", None, 4), ("qwen3-moe", None, 8), ("qwen3-moe", 16, 8), ("qwen3-moe", 2, 2)],
+    ("arch", "slots", "rank", "stage_slots", "positions"),
+    [
+        ("llama", 8, 16, None, 8),
+        ("llama", 32, 64, None, 32),
+        ("llama", 16, 64, None, 16),
+        ("llama", 32, 64, 4, 16),
+        ("qwen3-moe", 8, 16, None, 8),
+        ("qwen3-moe", 8, 16, 16, 8),
+        ("qwen3-moe", 8, 16, 2, 2),
+    ],
 )
 def test_the_stage_positions_default_by_model(  # type: ignore[no-untyped-def]
-    suite, arch: str, stage_slots: int | None, positions: int
+    suite, arch: str, slots: int, rank: int, stage_slots: int | None, positions: int
 ) -> None:
-    """Unset, a dense model stages batches of up to 4 adapters and one with routed experts
-    (only its attention projections stack) up to 16, never more than the GPU slots (8 here);
-    a value given wins."""
+    """Unset, a dense model stages every GPU slot's adapter at rank 16 (K * 16 / R positions
+    of the buffers' rank, from 4 to 8: 32 rank-16 positions at K = 32, R = 64; 16 at K = 16),
+    and one with routed experts (only its attention projections stack) 16 positions, never
+    more than the GPU slots; a value given wins. (Positions are counted at rank 16 here.)"""
     model_dir, _ = suite[arch]
     cfg = RunnerConfig(str(model_dir), lora_backend="triton", max_seqs=4, max_len=16)
     lora = LoRARuntimeConfig(
-        max_loras_per_batch=8, max_loaded_loras=8, max_lora_rank=16, stage_slots=stage_slots
+        max_loras_per_batch=slots,
+        max_loaded_loras=slots,
+        max_lora_rank=rank,
+        stage_slots=stage_slots,
     )
     assert ModelRunner(cfg, lora).lora.stage.positions == positions  # type: ignore[union-attr]
 

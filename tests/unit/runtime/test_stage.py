@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplane.worker.lora import extents
-from loraplane.worker.lora.stage import Stage, positions_at, stage_width
+from loraplane.worker.lora.stage import Stage, default_positions, positions_at, stage_width
 
 pytestmark = pytest.mark.unit
 
@@ -172,3 +172,22 @@ def test_a_stacked_weight_is_padded_for_the_widest_extent_of_its_own_needs() -> 
     assert extents.pad_rows(h200, 14336, 4096, stage_rows=256) == 0
     assert extents.pad_rows(h200, 4096, 6144, stage_rows=192) == 0  # qkv: no entry
     assert extents.pad_rows("", 4096, 4096, stage_rows=64) == 0
+
+
+@pytest.mark.parametrize(
+    ("experts", "slots", "rank", "want"),
+    [
+        (False, 32, 64, 8),  # every slot at rank 16: 32 positions
+        (False, 64, 64, 8),  # at most 8 of the buffers' rank
+        (False, 16, 64, 4),  # at least 4
+        (False, 4, 64, 4),
+        (False, 6, 16, 6),  # rank-16 buffers: a position per slot
+        (False, 32, 8, 8),  # buffers below rank 16: a position per slot, at most 8
+        (True, 32, 64, 16),  # routed experts: only attention stacks
+        (True, 4, 16, 16),
+    ],
+)
+def test_a_dense_models_default_stage_covers_its_slots_at_rank_16(
+    experts: bool, slots: int, rank: int, want: int
+) -> None:
+    assert default_positions(experts, slots, rank) == want

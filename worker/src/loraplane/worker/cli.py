@@ -246,7 +246,8 @@ def serve_cmd(
             "(CUDA, one rank: decode and prompt-step graphs, eager batches of up to 256 rows); "
             "adapters of a lower rank r get P*R/r positions in the same memory, at most K. "
             "0: off. "
-            "Default: 4, or 16 on a model with routed experts (only its attention stacks)",
+            "Default: enough for every slot's adapter at rank 16 (K*16/R), from 4 to 8; "
+            "16 on a model with routed experts (only its attention stacks)",
             show_default=False,
         ),
     ] = None,

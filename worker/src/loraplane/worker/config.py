@@ -339,8 +339,9 @@ class LoRARuntimeConfig:
         (lora/stage.py): a batch of at most P adapters (a decode graph's, or on CUDA an eager
         one of up to 256 rows) gets its shrink from one GEMM and its expand fused into the
         next kernel; adapters of a lower stage rank r get P * R / r positions, at most K.
-        0 turns stacking off. None (the default): 4 on a dense model, 16 on one
-        with routed experts, whose expert layers do not stack (``lora.stage.default_positions``).
+        0 turns stacking off. None (the default): on a dense model enough for every slot's
+        adapter at rank 16 (K * 16 / R), at least 4 and at most 8; 16 on one with routed
+        experts, whose expert layers do not stack (``lora.stage.default_positions``).
     """
 
     max_loras_per_batch: int = 4

@@ -76,8 +76,8 @@ What runs (the same engine and settings on both sides of every ratio, all in one
   (``kernels/experts.py``), so MoE steps are captured too. A graph step of at most
   ``--stage-slots`` adapters is staged (ADR 0007: the shrink inside the base GEMM, the expand
   fused into the next kernel; ``--stage-slots 0`` keeps the shrink and expand kernels), so
-  its ``4s`` row equals ``4``. Unset, the worker's default: 4 positions on a dense model, 16
-  on a MoE one (``lora.stage.default_positions``; the JSON's ``stage_positions``). ``--max-lora-rank`` sizes the slot buffers above ``--rank``,
+  its ``4s`` row equals ``4``. Unset, the worker's default: on a dense model K * 16 / R
+  positions from 4 to 8, 16 on a MoE one (``lora.stage.default_positions``; the JSON's ``stage_positions``). ``--max-lora-rank`` sizes the slot buffers above ``--rank``,
   as a pool that also serves larger adapters.
 * ``--tp N`` (``--dp D --dp-attention``): the same bench on every rank of an N-rank worker,
   one process each (``run_decode_bench_ranks``; NCCL on N GPUs, gloo on the CPU), each rank
@@ -994,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="adapters staged under the base weights (graph steps of at most this many "
         "adapters shrink inside the base GEMM); 0: the shrink and expand kernels always; "
-        "default: the worker's (4 on a dense model, 16 on a MoE one)",
+        "default: the worker's (on a dense model K*16/R from 4 to 8, 16 on a MoE one)",
     )
     p.add_argument(
         "--max-lora-rank",

@@ -79,7 +79,8 @@ class LoRAManager:
         backend_name = self.ctx.backend.name
         slots = config.stage_slots
         if slots is None:
-            slots = default_positions(any(isinstance(ly.mlp, SparseMoE) for ly in model.layers))
+            has_experts = any(isinstance(ly.mlp, SparseMoE) for ly in model.layers)
+            slots = default_positions(has_experts, k, r)
         p = min(slots, k) if backend_name == "triton" and ps.is_single else 0
         for layer in model.layers:
             wrappers: list[LoRALayer] = []

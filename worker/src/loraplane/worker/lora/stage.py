@@ -60,18 +60,28 @@ MIN_STAGE_WIDTH = 4
 # capped at the GPU slots; a lower stage rank lays out more (``Stage.positions_at``). A dense
 # model stacks every projection, and its stage rows cost 0.1-0.8% of a projection's bytes per
 # position at rank 16 (and P * n * R_max * K elements of memory per projection), so it stages
-# 4: in the default rank-64 buffers, 16 positions for rank-16 adapters. A model with routed experts stacks only its
+# enough positions for every GPU slot's adapter at rank 16, at least 4 and at most 8: a pool
+# of 32 slots in rank-64 buffers gets 8 (32 positions at rank 16, 1.28 GB over a 32-layer
+# Llama-3-8B), one of 16 or fewer gets 4. At 8 against 4, 32 rank-16 adapters on 32 slots
+# served 0.83 of the base's tokens per second against 0.72 (16 of 32 layers, 48 clients,
+# H100, bench/results/2026-12-06-h100-wide-stage/), and the worker's warm-up took 76 s
+# against 47 (compiled kernels cached). A model with routed experts stacks only its
 # attention projections: 16 positions at rank 16 are 252 MB over Qwen3-30B-A3B's 48 layers,
 # less than a sixth of one expert LoRA slot, and took its 16-adapter decode steps from
 # 0.915 / 0.912 / 0.892 / 0.853 of LoRA-off to 0.950 / 0.940 / 0.914 / 0.872 at bs 16-128
 # with one adapter's unchanged.
 DENSE_STAGE_POSITIONS = 4
+DENSE_STAGE_POSITIONS_MAX = 8
 MOE_STAGE_POSITIONS = 16
 
 
-def default_positions(has_experts: bool) -> int:
-    """Stage positions for a model when ``--stage-slots`` is not given."""
-    return MOE_STAGE_POSITIONS if has_experts else DENSE_STAGE_POSITIONS
+def default_positions(has_experts: bool, slots: int, max_rank: int) -> int:
+    """Stage positions (of rank ``max_rank``, the slot buffers') for a model when
+    ``--stage-slots`` is not given, with ``slots`` GPU slots."""
+    if has_experts:
+        return MOE_STAGE_POSITIONS
+    every_slot = -(-slots * min(max_rank, MIN_STAGE_RANK) // max_rank)
+    return max(DENSE_STAGE_POSITIONS, min(DENSE_STAGE_POSITIONS_MAX, every_slot))
 
 
 def _pow2(n: int) -> int:
