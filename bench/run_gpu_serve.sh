@@ -20,7 +20,7 @@ COMMON+=("${EXTRA[@]}")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv >>"$LOG" 2>&1
 step k8 300 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 8 --clients 32 \
   --adapters 0,16 --warmup 5 --duration 15 --transports http --out "$OUT/serve_k8.json"
-step k32 380 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
+step k32 560 "$PY" -m loraplane.worker.bench.serve "${COMMON[@]}" --slots 32 --clients 48 \
   --adapters 0,4,16,32 --warmup 0 --windows 2 --duration 15 --transports ${TRANSPORTS:-http} \
   --out "$OUT/serve_k32.json"
 # The issue-36 targets at other loads (each its own worker; run them in a later call with
