@@ -1,6 +1,6 @@
 """Probe: which extent of a stacked weight the staged GEMM should read (CUDA only).
 
-    python bench/probes/gemm_extents.py OUT.json [MAX_SECONDS]
+    python bench/probes/gemm_extents.py OUT.json [MAX_SECONDS] [--wide]
 
 A staged decode step computes ``x [W; A_staged]^T`` over the first ``N + need`` rows of the
 stacked weight (``need = width * slices * rank``). cuBLAS picks its kernel by shape, and a few
@@ -9,7 +9,10 @@ more rows than needed is free of meaning (the columns past ``N + need`` are neve
 sometimes faster. For each Llama-3-8B projection, each ``need`` of 1/2/4 stage positions at
 ranks 16/32/64 and each decode graph bucket up to 256 rows, every candidate extent is
 graph-timed from cold L2 (``bench.common.time_graph``). ``table`` lists the cases where the
-fastest candidate beats ``need`` by at least ``MIN_GAIN``.
+fastest candidate beats ``need`` by at least ``MIN_GAIN``. ``--wide``: the stages a serving
+pool of many slots computes instead, 8 / 16 / 32 positions at rank 16, at the buckets of 32-64
+rows (a 16-adapter staged decode step's down_proj ran another cuBLAS kernel than the base's,
+6 us slower a layer on an H100: ``bench/results/2026-12-06-h100-wide-stage/``).
 
 A full table of such extents in the runtime (264b424) read bs 16 at 0.94 against 0.96 without
 it in the decode bench, bs 32 0.96-0.98 against 0.95-0.96: a GEMM that is faster alone is not
@@ -42,28 +45,32 @@ MIN_GAIN = 0.02  # the fastest extent must beat `need` by this fraction to enter
 MAX_PAD = 512  # rows past `need` a candidate may read
 
 
-def candidates(need: int) -> list[int]:
+def candidates(need: int, wide: bool = False) -> list[int]:
     up = [-(-need // m) * m for m in (64, 128, 256)]
-    return sorted({need, *up, up[1] + 128, 384, 512} & set(range(need, need + MAX_PAD + 1)))
+    more = {need + d for d in (64, 128, 256, 384, 512)} if wide else {384, 512}
+    return sorted({need, *up, up[1] + 128, *more} & set(range(need, need + MAX_PAD + 1)))
 
 
-def main(out_path: str, max_seconds: float) -> None:
+def main(out_path: str, max_seconds: float, wide: bool = False) -> None:
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     t0 = time.monotonic()
     rows_out: list[dict[str, Any]] = []
     table: list[dict[str, Any]] = []
     for name, (k, n, slices) in PROJ.items():
-        needs = sorted({w * slices * r for w in (1, 2, 4) for r in (16, 32, 64)})
+        if wide:
+            needs = sorted({w * slices * 16 for w in (8, 16, 32)})
+        else:
+            needs = sorted({w * slices * r for w in (1, 2, 4) for r in (16, 32, 64)})
         buf = torch.randn(n + max(needs) + MAX_PAD, k, device=dev, dtype=dt) * k**-0.5
-        for m in ROWS:
+        for m in (32, 48, 64) if wide else ROWS:
             x = torch.randn(m, k, device=dev, dtype=dt)
             for need in needs:
                 if time.monotonic() - t0 > max_seconds:
                     break
                 times = {
                     e: round(time_graph(partial(F.linear, x, buf[: n + e]), dev) or 0.0, 2)
-                    for e in candidates(need)
+                    for e in candidates(need, wide)
                 }
                 best = min(times, key=lambda e: times[e])
                 row = {"proj": name, "K": k, "N": n, "rows": m, "need": need, "us": times}
@@ -89,4 +96,5 @@ def main(out_path: str, max_seconds: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 240.0)
+    args = [a for a in sys.argv[1:] if a != "--wide"]
+    main(args[0], float(args[1]) if len(args) > 1 else 240.0, wide="--wide" in sys.argv[1:])
