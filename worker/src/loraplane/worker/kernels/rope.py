@@ -24,7 +24,10 @@ program adds its LoRA: one per (row block, stage position, head), the one of pos
 taking the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows'
 positions, slots, stage positions and ``y`` first, then their values, ``cos | sin`` and
 B: two round trips, as without LoRA (a program per adapter segment would wait on the
-segment's bounds, then its row indices, then the positions, then the table).
+segment's bounds, then its row indices, then the positions, then the table). From
+``stacked.ROWS_KERNEL_MIN`` rows (prompt steps) a program per (row block, head) takes every
+row of its block and visits the positions they hold, found by one bitwise reduction, as the
+stacked epilogues' ``BY_ROWS`` variant does.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"

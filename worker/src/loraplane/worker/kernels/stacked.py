@@ -28,8 +28,7 @@ block and loads the base in the first round trip. Steps of ``ROWS_KERNEL_MIN`` r
 programs would hold no row) run the kernel's ``BY_ROWS`` variant: a program per (row block,
 column block) loads its rows' base values with their positions, finds which positions they
 hold (a bit each, one reduction over the block), then takes each of those in turn. Every sum
-is in fp32 and
-rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
+is in fp32 and rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
 7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
 adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
 ``reference.stacked_plain`` / ``stacked_residual`` / ``stacked_silu_mul``.
