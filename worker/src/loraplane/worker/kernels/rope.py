@@ -51,7 +51,13 @@ from loraplane.worker.kernels._triton_utils import (
     next_power_of_2,
     rank_block,
 )
-from loraplane.worker.kernels.stacked import block_holds, check_stacked, positions_held, rows_at
+from loraplane.worker.kernels.stacked import (
+    block_holds,
+    check_stacked,
+    position_slot,
+    positions_held,
+    rows_at,
+)
 
 __all__ = ["rope_qkv"]
 
@@ -127,8 +133,7 @@ def _rope_qkv_kernel(
         y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
         y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-        slot = tl.load(pos_slots_ptr + p).to(tl.int64)
-        scaling = tl.load(pos_scal_ptr + p)
+        slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
         hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]
         if WIDTH > 1:  # (with one position its program owns every row)
             s_mask = rows_at(row_pos, s_mask, p, WIDTH)  # the rows this program rotates and stores
@@ -147,8 +152,7 @@ def _rope_qkv_kernel(
             if p % 64 == 0:  # the positions of the block's rows, 64 at a time
                 bits = positions_held(row_pos, s_mask, p)
             if block_holds(bits, p):  # a row of the block is at p
-                slot = tl.load(pos_slots_ptr + p).to(tl.int64)
-                scaling = tl.load(pos_scal_ptr + p)
+                slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
                 hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]
                 y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
                 y = tl.load(src_row + y_cols, mask=hit & r_mask[None, :], other=0.0)

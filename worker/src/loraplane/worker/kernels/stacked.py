@@ -93,6 +93,12 @@ def positions_held(row_pos, s_mask, first: tl.constexpr):
 
 
 @triton.jit
+def position_slot(pos_slots_ptr, pos_scal_ptr, p):
+    """Stage position ``p``'s weight slot (int64; -1: none) and scaling."""
+    return tl.load(pos_slots_ptr + p).to(tl.int64), tl.load(pos_scal_ptr + p)
+
+
+@triton.jit
 def block_holds(bits, p: tl.constexpr):
     """Whether a row of the block is at position ``p``, from ``bits``: ``positions_held`` of
     the 64 positions from ``p - p % 64``."""
@@ -200,8 +206,7 @@ def _stacked_lora_kernel(
             if p % 64 == 0:  # the positions of the block's rows, 64 at a time
                 bits = positions_held(row_pos, s_mask, p)
             if block_holds(bits, p):  # a row of the block is at p
-                slot = tl.load(pos_slots_ptr + p).to(tl.int64)
-                scaling = tl.load(pos_scal_ptr + p)
+                slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
                 hit = s_mask & (row_pos == p) & (slot >= 0)
                 y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
                 y_mask = hit[:, None] & r_mask[None, :]
@@ -234,8 +239,7 @@ def _stacked_lora_kernel(
         y_mask = s_mask[:, None] & r_mask[None, :]
 
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-        slot = tl.load(pos_slots_ptr + p).to(tl.int64)
-        scaling = tl.load(pos_scal_ptr + p)
+        slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
         if MODE == 2:  # gate | up: y of gate in the position's first rank_max columns, then up's
             y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
             y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
