@@ -141,7 +141,7 @@ def stacked_cases() -> dict[str, int]:
             key = f"stacked_{name}_stage_rank_{rank}"
             out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
             if rank == 16:  # the prompt steps' kernel (ROWS_KERNEL_MIN), as launched
-                consts |= {"BLOCK_S": 32, "BLOCK_N": 128 if mode == 2 else 64, "BY_ROWS": True}
+                consts |= {"BLOCK_S": 16, "BLOCK_N": 128, "BY_ROWS": True}
                 key = f"stacked_rows_{name}_stage_rank_{rank}"
                 out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
     return out
