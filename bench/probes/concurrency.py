@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from loraplane.worker import kernels
-from loraplane.worker.kernels._triton_utils import StageInfo
+from loraplane.worker.kernels._triton_utils import StageInfo, with_tiles
 
 H, INTER, HEADS, KV, D, LAYERS, CTX, R = 4096, 14336, 32, 8, 128, 8, 512, 16
 
@@ -138,6 +138,7 @@ def build_step(layers: list[Layer], side: torch.cuda.Stream, slots: int, bs: int
         width=n_ad,
         rank=R,
     )
+    stage = with_tiles(stage)  # (the decode programs' tiles, as StaticLoRABatch writes them)
 
     def shrink(layer: Layer, name: str, x: torch.Tensor, cap: int | None = None):
         a, b, offs = layer.lora[name]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from loraplane.worker.bench.common import time_graph
 from loraplane.worker.kernels import stacked
-from loraplane.worker.kernels._triton_utils import StageInfo
+from loraplane.worker.kernels._triton_utils import StageInfo, with_tiles
 from loraplane.worker.kernels.swiglu import silu_and_mul
 
 R = 16
@@ -59,14 +59,16 @@ STACKED_CONFIGS = [
 def _stage(rows: int, adapters: int, dev: str) -> StageInfo:
     """Rows sorted by adapter (as the engine orders a batch), every row with one."""
     width = 1 << (adapters - 1).bit_length()
-    return StageInfo(
-        row_pos=torch.arange(rows, dtype=torch.int32, device=dev) * adapters // rows,
-        pos_slots=torch.tensor(
-            [*range(adapters), *[-1] * (width - adapters)], dtype=torch.int32, device=dev
-        ),
-        pos_scalings=torch.full((width,), 2.0, dtype=torch.float32, device=dev),
-        width=width,
-        rank=R,
+    return with_tiles(
+        StageInfo(
+            row_pos=torch.arange(rows, dtype=torch.int32, device=dev) * adapters // rows,
+            pos_slots=torch.tensor(
+                [*range(adapters), *[-1] * (width - adapters)], dtype=torch.int32, device=dev
+            ),
+            pos_scalings=torch.full((width,), 2.0, dtype=torch.float32, device=dev),
+            width=width,
+            rank=R,
+        )
     )
 
 

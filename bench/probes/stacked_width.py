@@ -9,12 +9,16 @@ gate_up's SwiGLU) at 2-4 x their base op's time: ~0.35 ms of a 4.1 ms decode ste
 ~1.7 ms of a 13 ms mixed step. This times each of them at the Llama-3-8B shape, rank 16,
 against the op it replaces (the residual add, the SwiGLU, the plain rotation), for
 
-- ``decode``: 48 rows grouped by adapter over ``width`` positions (3 rows each at 16);
-- ``mixed``: those 48 rows and three 256-row prompt chunks under the first three adapters
+- ``decode``: ``--decode-rows`` rows (48) grouped by adapter over ``width`` positions (3
+  rows each at 16);
+- ``mixed``: 48 such rows and three 256-row prompt chunks under the first three adapters
   (816 rows, as the engine orders them: by adapter), at 16 positions;
 
-and each launch variant: the position grid (a program per (row block, position, columns))
-and the row-block programs (``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. Every variant's output is
+and each launch variant: the tiles (a program per (tile of a position's rows, columns),
+``StageInfo.tiles``, the default below ``ROWS_KERNEL_MIN`` rows) and the row-block programs
+(``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. (The position grid the tiles
+replaced, a program per (row block, position, columns), is in
+``bench/results/2026-12-06-h100-stage-tiles/``.) Every variant's output is
 checked against the default's. Graph-timed from cold L2 (``bench.common.time_graph``),
 microseconds. JSON lines on stdout as it goes, one object at the end (``OUT`` too).
 """
@@ -35,22 +39,25 @@ import torch
 
 from loraplane.worker.bench.common import time_graph
 from loraplane.worker.kernels import rope, stacked
-from loraplane.worker.kernels._triton_utils import StageInfo
+from loraplane.worker.kernels._triton_utils import StageInfo, with_tiles
 from loraplane.worker.kernels.swiglu import silu_and_mul
 
 DEV, DTYPE = "cuda", torch.bfloat16
 R, HEADS, KV_HEADS, D, HIDDEN, INTER = 16, 32, 8, 128, 4096, 14336
 QKV = (HEADS + 2 * KV_HEADS) * D
 DECODE_ROWS, CHUNK, CHUNKS, PAGE = 48, 256, 3, 16
+DECODE_ROWS_NOW = [DECODE_ROWS]  # the decode case being timed (``--decode-rows``)
+ONLY: list[str] = []  # label prefixes of the variants to time (``--variants``); empty: all
 # (block_s, block_n, num_warps) per launch variant; None: the launcher's own rule
-GRID_CONFIGS = [None, (32, 64, 4), (64, 64, 4), (64, 128, 4)]
+TILE_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8)]
 ROWS_CONFIGS = [None, (16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4)]
 ROPE_BLOCKS = [16, 32, 64]
 
 
 def layout(kind: str, width: int) -> list[int]:
     """Each row's stage position, rows grouped by adapter as the engine orders a batch."""
-    per = [DECODE_ROWS // width + (p < DECODE_ROWS % width) for p in range(width)]
+    rows = DECODE_ROWS if kind == "mixed" else DECODE_ROWS_NOW[0]
+    per = [rows // width + (p < rows % width) for p in range(width)]
     if kind == "mixed":
         for p in range(CHUNKS):
             per[p] += CHUNK
@@ -59,13 +66,14 @@ def layout(kind: str, width: int) -> list[int]:
 
 def make_stage(kind: str, width: int, dev: str) -> StageInfo:
     """Position ``p`` reads slot ``p`` at scaling 2; rows as ``layout`` gives them."""
-    return StageInfo(
+    stage = StageInfo(
         row_pos=torch.tensor(layout(kind, width), dtype=torch.int32, device=dev),
         pos_slots=torch.arange(width, dtype=torch.int32, device=dev),
         pos_scalings=torch.full((width,), 2.0, dtype=torch.float32, device=dev),
         width=width,
         rank=R,
     )
+    return with_tiles(stage)
 
 
 @contextmanager
@@ -81,10 +89,13 @@ def variant(by_rows: bool, config: tuple[int, int, int] | None) -> Iterator[None
 
 def variants(default_by_rows: bool) -> Iterator[tuple[str, bool, Any]]:
     yield "default", default_by_rows, None
-    for c in GRID_CONFIGS:
-        yield f"grid_{c or 'rule'}", False, c
-    for c in ROWS_CONFIGS:
-        yield f"rows_{c or 'rule'}", True, c
+    every: list[tuple[str, bool, Any]] = []
+    if not default_by_rows:
+        every += [(f"tiles_{c}", False, c) for c in TILE_CONFIGS]
+    every += [(f"rows_{c or 'rule'}", True, c) for c in ROWS_CONFIGS]
+    for v in every:
+        if not ONLY or any(v[0].startswith(o) for o in ONLY):
+            yield v
 
 
 def _time(fn: Callable[[], object]) -> float:
@@ -153,18 +164,19 @@ def rope_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None]) -> 
     want = call().clone()
     saved = rope.BLOCK_S
     default_by_rows = rows >= stacked.ROWS_KERNEL_MIN
-    for by_rows in (False, True):
-        for block in ROPE_BLOCKS:
-            label = f"{'rows' if by_rows else 'grid'}_s{block}"
-            rope.BLOCK_S = block
-            try:
-                with variant(by_rows, None):
-                    got = call()
-                    if not torch.equal(got, want):
-                        row[f"{label}_diff"] = float((got.float() - want.float()).abs().max())
-                    row[label] = _time(call)
-            finally:
-                rope.BLOCK_S = saved
+    for block in ROPE_BLOCKS:  # (the tiles have TILE_ROWS rows: the default alone)
+        label = f"rows_s{block}"
+        if ONLY and not any(label.startswith(o) for o in ONLY):
+            continue
+        rope.BLOCK_S = block
+        try:
+            with variant(True, None):
+                got = call()
+                if not torch.equal(got, want):
+                    row[f"{label}_diff"] = float((got.float() - want.float()).abs().max())
+                row[label] = _time(call)
+        finally:
+            rope.BLOCK_S = saved
     with variant(default_by_rows, None):
         row["default"] = _time(call)
     emit(row)
@@ -174,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", help="also write the JSON here")
     p.add_argument("--widths", default="16,32", help="stage widths of the decode rows, a list")
+    p.add_argument("--decode-rows", default="48", help="rows of the decode cases, a list")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="time only the launch variants whose label starts with one of these, a list "
+        "(tiles,rows_rule: the tiles' configs against the row blocks); default every variant",
+    )
+    p.add_argument("--no-mixed", action="store_true", help="skip the 816-row mixed case")
     p.add_argument("--max-seconds", type=float, default=240.0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -193,8 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(out) + "\n")
 
-    cases = [("mixed", 16)] + [("decode", int(w)) for w in args.widths.split(",")]
-    for kind, width in cases:
+    if args.variants:
+        ONLY[:] = args.variants.split(",")
+    cases = [] if args.no_mixed else [("mixed", 16, DECODE_ROWS)]
+    cases += [
+        ("decode", int(w), int(r))
+        for r in args.decode_rows.split(",")
+        for w in args.widths.split(",")
+    ]
+    for kind, width, rows in cases:
+        DECODE_ROWS_NOW[0] = rows
         for fn in (epilogue_rows, rope_rows):
             if time.monotonic() > deadline:
                 print("stacked_width: --max-seconds spent", file=sys.stderr)

@@ -117,7 +117,7 @@ def expand_cases() -> dict[str, int]:
 def stacked_cases() -> dict[str, int]:
     ptrs = {n: "*bf16" for n in ("full_ptr", "b_ptr", "res_ptr", "out_ptr")}
     ptrs |= {n: "*i32" for n in ("row_pos_ptr", "pos_slots_ptr", "slice_offsets_ptr")}
-    ptrs |= {"pos_scal_ptr": "*fp32"}
+    ptrs |= {"pos_scal_ptr": "*fp32", "tiles_ptr": "*i32"}
     ints = ("n_rows", "n_cols", "n_base", "n_r", "rank_max", "full_stride", "res_stride")
     ints += ("out_stride",)
     ints += ("b_stride_slot", "b_stride_row")
@@ -127,14 +127,15 @@ def stacked_cases() -> dict[str, int]:
     out = {}
     for mode, name in ((1, "residual"), (2, "silu_mul")):
         for rank, odd in layouts.items():
-            consts = dict(
+            consts = dict(  # the decode steps' tiles (StageInfo.tiles), as launched
                 MODE=mode,
                 NUM_SLICES=1,
                 WIDTH=4,
                 DOT_PRECISION="tf32",
                 BLOCK_S=16,
                 BLOCK_R=16,
-                BLOCK_N=64,
+                BLOCK_N=64 if mode == 1 else 128,
+                TILE_WORDS=20,
             )
             div16 = (set(ptrs) | set(ints)) - odd - {"n_rows"}
             kernel = stacked._stacked_lora_kernel
@@ -155,7 +156,7 @@ def rope_cases() -> dict[str, int]:
     ptrs |= {n: "*bf16" for n in ("q_norm_ptr", "k_norm_ptr")}
     ptrs |= {n: "*i32" for n in ("row_pos_ptr", "pos_slots_ptr")}
     ptrs |= {n: "*i64" for n in ("slots_ptr", "positions_ptr")}
-    ptrs |= {"pos_scal_ptr": "*fp32"}
+    ptrs |= {"pos_scal_ptr": "*fp32", "tiles_ptr": "*i32"}
     ints = ("n_tokens", "num_heads", "num_kv_heads", "half", "n_base", "n_r", "rank_max")
     ints += ("src_stride", "q_stride_t", "q_stride_h", "c_stride_page", "c_stride_pos")
     ints += ("c_stride_head", "cs_stride", "b_stride_slot", "b_stride_row")
@@ -163,7 +164,7 @@ def rope_cases() -> dict[str, int]:
     layouts = {16: set(), 8: {"rank_max", "n_r", "src_stride"}}  # as for the epilogues
     out = {}
     for rank, odd in layouts.items():
-        consts = dict(
+        consts = dict(  # the decode steps' tiles
             HAS_LORA=True,
             WIDTH=4,
             QK_NORM=False,
@@ -171,6 +172,7 @@ def rope_cases() -> dict[str, int]:
             BLOCK_S=16,
             BLOCK_D=64,
             BLOCK_R=16,
+            TILE_WORDS=20,
         )
         div16 = (set(ptrs) | set(ints)) - odd - {"n_tokens"}
         kernel = rope._rope_qkv_kernel

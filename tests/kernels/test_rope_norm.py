@@ -4,6 +4,8 @@ index writes), which is what the GPU path replaces."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
@@ -160,20 +162,24 @@ def test_rope_qkv_applies_qwen3s_per_head_norms_first(dtype: torch.dtype) -> Non
     )
 
 
-@pytest.mark.parametrize("by_rows", [False, True], ids=["by-position", "by-rows"])
+@pytest.mark.parametrize("kernel", ["by-tile", "by-rows", "no-tiles"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("width", [1, 2, 8])
 def test_rope_qkv_adds_a_staged_lora_per_head_before_rotating(
-    dtype: torch.dtype, width: int, by_rows: bool, monkeypatch: pytest.MonkeyPatch
+    dtype: torch.dtype, width: int, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``qkv`` is a stacked GEMM's ``full``: the LoRA of each row's stage position goes in
-    first; rows without an adapter come out exactly as the base path's. Both kernels: a
-    program per (row block, position, head) as decode steps run it, and per (row block,
-    head) visiting its rows' positions as prompt steps do (``stacked.ROWS_KERNEL_MIN``)."""
-    if by_rows:
+    first; rows without an adapter come out exactly as the base path's. Each kernel: a
+    program per (tile of a position's rows, head) as decode steps run it
+    (``StageInfo.tiles``), and per (row block, head) visiting its rows' positions as prompt
+    steps do (``stacked.ROWS_KERNEL_MIN``), which a ``StageInfo`` without tiles gets at any
+    size."""
+    if kernel == "by-rows":
         monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", 1)
     rows = 40
     full, b, stage = _batch(rows, N_QKV, 3, dtype, width)
+    if kernel == "no-tiles":
+        stage = dataclasses.replace(stage, tiles=None)
     inp = _rope_inputs(rows, dtype)
     inp["qkv"] = full
     ref = _rope_inputs(rows, dtype)

@@ -16,7 +16,7 @@ import torch
 from tests.kernels.test_lora_kernels_segmented import DEVICE, DTYPES, TOL
 
 from loraplane.worker.kernels import reference, stacked
-from loraplane.worker.kernels._triton_utils import StageInfo
+from loraplane.worker.kernels._triton_utils import TILE_ROWS, TILE_WORDS, StageInfo, with_tiles
 
 pytestmark = pytest.mark.kernels
 
@@ -24,10 +24,11 @@ R = 16  # the stage rank: y columns per slice of a position
 R_MAX = 32  # the slot buffers' rank (B's last dimension): columns past R are never read
 
 
-@pytest.fixture(autouse=True, params=["by-position", "by-rows"])
+@pytest.fixture(autouse=True, params=["by-tile", "by-rows"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test on both kernels: programs per (row block, position) as decode steps run
-    them, and per row block visiting its positions as prompt steps do (``ROWS_KERNEL_MIN``)."""
+    """Every test on both kernel variants: programs per (tile of a position's rows, columns)
+    as decode steps run them (``StageInfo.tiles``), and per row block visiting its positions
+    as prompt steps do (``ROWS_KERNEL_MIN``)."""
     if request.param == "by-rows":
         monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", 1)
     return str(request.param)
@@ -76,7 +77,7 @@ def _batch(
         width=width,
         rank=R,
     )
-    return full.to(DEVICE), b.to(dtype).to(DEVICE), stage
+    return full.to(DEVICE), b.to(dtype).to(DEVICE), with_tiles(stage)
 
 
 def _rows(stage: StageInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +211,7 @@ def test_rows_at_no_readable_position_get_the_base_value_bit_for_bit(width: int)
     stage.row_pos[odd[:3]] = width + 3  # past the width
     if width == 4:
         stage.row_pos[odd[3:]] = 2  # position 2 names no slot
+    stage = with_tiles(stage)  # the tiles of the rows as they are now
     full[base_rows, 0] = -0.0
     offsets = torch.tensor([0, n_base], dtype=torch.int32, device=DEVICE)
     got = stacked.stacked_plain(full, n_base, R, b, stage, offsets)
@@ -266,3 +268,24 @@ def test_the_runtime_entry_gives_the_checked_wrappers_bits() -> None:
     assert torch.equal(stacked.runtime_stacked("plain", full, 176, 3 * R, b, stage, offsets), want)
     with pytest.raises(ValueError, match="op must be plain, residual or silu_mul"):
         stacked.runtime_stacked("gelu", full, 176, 3 * R, b, stage)
+
+
+def test_a_stage_without_tiles_runs_by_rows_at_any_size() -> None:
+    """A ``StageInfo`` built without tiles (a caller other than ``StaticLoRABatch``) gets the
+    row-block programs however few rows it has: the same sums as the tiles, and tiles that
+    name a wrong slot change the result (they are what the decode programs read)."""
+    rows, n_base = 40, 72
+    full, b, stage = _batch(rows, n_base, 1, torch.float32, 4)
+    residual = torch.randn(rows, n_base, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    tiled = stacked.stacked_residual(full, n_base, R, b, stage, residual.clone())
+    bare = dataclasses.replace(stage, tiles=None)
+    untiled = stacked.stacked_residual(full, n_base, R, b, bare, residual.clone())
+    _close(untiled, tiled, torch.float32)
+    assert stage.tiles is not None
+    wrong = stage.tiles.clone().view(-1, TILE_WORDS)
+    wrong[0, TILE_ROWS + 1] = 1  # the first tile's rows read slot 1's B
+    got = stacked.stacked_residual(
+        full, n_base, R, b, dataclasses.replace(stage, tiles=wrong.view(-1)), residual.clone()
+    )
+    if rows < stacked.ROWS_KERNEL_MIN:  # (the by-rows run reads no tiles)
+        assert not torch.equal(got, tiled)

@@ -135,7 +135,9 @@ def test_running_requests_decode_while_a_long_prompt_is_fed(
     engine = make_engine(model[0], chunk=4)
     for name in ("a8", "a16"):
         assert engine.load_adapter(name, str(model[1][name])).result(60).success
-    first = Request(PROMPTS[0], None, greedy(20))
+    # (64 tokens: it must still be decoding through LONG's 8 chunks however late the test's
+    # thread submits LONG on a loaded machine)
+    first = Request(PROMPTS[0], None, greedy(64))
     try:
         first.seq = engine.submit(
             "first", first.prompt, first.params, None, partial(_sink, engine, first)

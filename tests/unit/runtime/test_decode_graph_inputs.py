@@ -13,6 +13,12 @@ import torch
 from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graph_buckets, graphs_enabled
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, decode_batch, prefill_batch
+from loraplane.worker.kernels._triton_utils import (
+    TILE_ROWS,
+    TILE_WORDS,
+    stage_tile_capacity,
+    stage_tiles,
+)
 from loraplane.worker.lora.batch_info import (
     NO_ADAPTER,
     StaticLoRABatch,
@@ -224,15 +230,62 @@ def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
     assert stage.pos_slots.tolist() == [2, -1, -1, 0]  # slot 1 sits at 1, unread here
     assert stage.pos_scalings.tolist() == [0.5, 0.0, 0.0, 1.0]
     assert static.seg_scalings.tolist() == [1.0, 0.5]  # the segments' view beside it
+    # the rows by position in tiles of 16: position 0 (slot 2), 3 (slot 0), then the rows
+    # with no adapter, the graph's padding rows among them; then padding tiles
+    assert stage.tiles is not None
+    tiles = stage.tiles.view(-1, TILE_WORDS).tolist()
+    assert len(tiles) == stage_tile_capacity(6, 4) == 6
+    half = torch.tensor([0.5, 1.0]).view(torch.int32).tolist()
+    assert [(t[:TILE_ROWS], t[TILE_ROWS:]) for t in tiles[:3]] == [
+        ([0, 3, *[-1] * 14], [0, 2, half[0], 0]),
+        ([2, *[-1] * 15], [3, 0, half[1], 0]),
+        ([1, 4, 5, *[-1] * 13], [-1, -1, 0, 0]),
+    ]
+    assert all(t == [-1] * (TILE_ROWS + 2) + [0, 0] for t in tiles[3:])
     static.fill([1, 1], positions={1: 2}, slot_values=values)  # refilled in place
     assert stage.row_pos.tolist() == [2, 2, -1, -1, -1, -1]
     assert stage.pos_slots.tolist() == [-1, -1, 1, -1]
+    assert [t[: TILE_ROWS + 2] for t in stage.tiles.view(-1, TILE_WORDS).tolist()[:2]] == [
+        [0, 1, *[-1] * 14, 2, 1],
+        [2, 3, 4, 5, *[-1] * 12, -1, -1],
+    ]
     with pytest.raises(ValueError, match="positions must give a stage position for every slot"):
         static.fill([0, 1], positions={1: 2})
     with pytest.raises(ValueError, match=r"positions must lie in 0..3"):
         static.fill([0], positions={0: 4})
     with pytest.raises(ValueError, match=r"its own stage position, got \{0: 1, 2: 1\}"):
         static.fill([0, 2], positions={0: 1, 2: 1})
+
+
+def test_stage_tiles_split_each_positions_rows_and_fit_their_capacity() -> None:
+    """A position's rows past 16 go on in another tile; rows at a position with no slot or
+    past the width get the base's tile; the capacity is the most any layout needs, and a
+    layout past it is refused. A prompt-sized staged batch has no tiles (its epilogues run
+    by row blocks)."""
+    bits = [11, 22]
+    rows = [0] * 17 + [1] * 3 + [5, -1] + [1]  # position 5 is past the width of 2
+    tiles = stage_tiles(rows, [7, 8], bits, stage_tile_capacity(len(rows), 2))
+    got = [
+        (t[:TILE_ROWS], t[TILE_ROWS:]) for t in torch.tensor(tiles).view(-1, TILE_WORDS).tolist()
+    ]
+    assert got[0] == (list(range(16)), [0, 7, 11, 0])
+    assert got[1] == ([16, *[-1] * 15], [0, 7, 11, 0])
+    assert got[2] == ([17, 18, 19, 22, *[-1] * 12], [1, 8, 22, 0])
+    assert got[3] == ([20, 21, *[-1] * 14], [-1, -1, 0, 0])
+    assert len(got) == stage_tile_capacity(len(rows), 2) == 5
+    no_slot = stage_tiles([0, 1], [7, -1], bits, 3)  # position 1 names no slot: base rows
+    assert no_slot[TILE_WORDS : TILE_WORDS + 2] == [1, -1]
+    assert no_slot[TILE_WORDS + TILE_ROWS : TILE_WORDS + TILE_ROWS + 2] == [-1, -1]
+    worst = [p for p in range(4) for _ in range(17)] + [-1]  # every group one row past a tile
+    assert len(stage_tiles(worst, [0, 1, 2, 3], [0] * 4, stage_tile_capacity(69, 4))) > 0
+    with pytest.raises(ValueError, match="9 stage tiles do not fit a capacity of 8"):
+        stage_tiles(worst, [0, 1, 2, 3], [0] * 4, 8)
+    ranks = torch.tensor([16], dtype=torch.int32)
+    prompt = StaticLoRABatch(
+        300, 1, ranks, torch.ones(1), torch.device("cpu"), stage_width=4, stage_rank=16
+    )
+    prompt.fill([0] * 300, positions={0: 0}, slot_values=([16], [1.0]))
+    assert prompt.info().stage is not None and prompt.info().stage.tiles is None
 
 
 def test_lora_graphs_are_keyed_by_adapter_count_and_longest_segment() -> None:

@@ -6,6 +6,7 @@ syncs, so they can run inside CUDA-graph capture.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,10 +134,12 @@ class StageInfo:
     stage's positions, 4 by default); ``rank``: y columns per slice of a position (the stage
     rank, at most B's last dimension).
 
-    The epilogues read rows in place, one block of consecutive rows and one stage position per
-    program, and each row's position picks its own ``y`` columns of the stacked GEMM's
-    output: no load waits on a segment's bounds or a row index (ADR 0007). A row at -1, at a
-    position past ``width`` or at one with no slot gets the base value.
+    The epilogues read rows in place, and each row's position picks its own ``y`` columns of
+    the stacked GEMM's output (ADR 0007). Below ``stacked.ROWS_KERNEL_MIN`` rows a program
+    takes one of ``tiles`` (a position's rows, listed with the position's slot and scaling:
+    one round trip for the tile, one for the rows' values); without tiles, one block of
+    consecutive rows and one stage position. A row at -1, at a position past ``width`` or at
+    one with no slot gets the base value.
     """
 
     row_pos: torch.Tensor
@@ -144,6 +147,71 @@ class StageInfo:
     pos_scalings: torch.Tensor
     width: int
     rank: int
+    # int32 [capacity * TILE_WORDS] (``stage_tiles``): the rows grouped by stage position in
+    # tiles of TILE_ROWS, for steps below ``stacked.ROWS_KERNEL_MIN`` rows; None: those steps
+    # run a program per (row block, position) instead.
+    tiles: torch.Tensor | None = None
+
+
+# Rows per tile of a staged step's epilogues (``stage_tiles``; tl.dot needs 16).
+TILE_ROWS = 16
+# int32 words per tile: its rows (-1: none), then its stage position, its slot, its scaling's
+# float32 bits and one word of padding (16-byte aligned tiles).
+TILE_WORDS = TILE_ROWS + 4
+
+
+def stage_tile_capacity(rows: int, width: int) -> int:
+    """The most tiles ``stage_tiles`` makes of ``rows`` rows over ``width`` positions: each
+    position's rows and the rows with no adapter leave at most one partial tile."""
+    return cdiv(rows, TILE_ROWS) + width + 1
+
+
+def stage_tiles(
+    row_pos: Sequence[int],
+    pos_slots: Sequence[int],
+    scaling_bits: Sequence[int],
+    capacity: int,
+) -> list[int]:
+    """A staged step's rows grouped by stage position in tiles of ``TILE_ROWS`` rows, each
+    tile with its position, slot and scaling (``scaling_bits``: the positions' float32
+    scalings as int32 words), padded to ``capacity`` tiles: ``capacity * TILE_WORDS`` int32.
+
+    The epilogues below ``stacked.ROWS_KERNEL_MIN`` rows run a program per (tile, columns):
+    its first round trip loads the tile's rows, position, slot and scaling from the tile
+    alone, the second the rows' values, their ``y`` and the position's B, and no program is
+    launched for a (row block, position) pair that holds no row. Rows at -1, past the width or
+    at a position with no slot form tiles of their own (position and slot -1): the base value
+    only. A padding tile has no rows (its programs return after the first round trip)."""
+    width = len(pos_slots)
+    groups: dict[int, list[int]] = {}
+    for row, p in enumerate(row_pos):
+        key = p if 0 <= p < width and pos_slots[p] >= 0 else -1
+        groups.setdefault(key, []).append(row)
+    words: list[int] = []
+    for p, rows in sorted(groups.items(), key=lambda kv: (kv[0] < 0, kv[0])):
+        slot, bits = (pos_slots[p], scaling_bits[p]) if p >= 0 else (-1, 0)
+        for lo in range(0, len(rows), TILE_ROWS):
+            chunk = rows[lo : lo + TILE_ROWS]
+            words += [*chunk, *[-1] * (TILE_ROWS - len(chunk)), p, slot, bits, 0]
+    tiles = len(words) // TILE_WORDS
+    if tiles > capacity:
+        raise ValueError(f"{tiles} stage tiles do not fit a capacity of {capacity}")
+    pad = [*[-1] * TILE_ROWS, -1, -1, 0, 0]
+    return words + pad * (capacity - tiles)
+
+
+def with_tiles(stage: StageInfo) -> StageInfo:
+    """``stage`` with the tiles of its rows as they are now, built on the host from its
+    tensors read back (tests, probes; the runtime's ``StaticLoRABatch`` writes the same tiles
+    into its packed buffer, with no read back)."""
+    tiles = stage_tiles(
+        stage.row_pos.tolist(),
+        stage.pos_slots.tolist(),
+        stage.pos_scalings.float().cpu().view(torch.int32).tolist(),
+        stage_tile_capacity(stage.row_pos.shape[0], stage.width),
+    )
+    device = stage.row_pos.device
+    return dataclasses.replace(stage, tiles=torch.tensor(tiles, dtype=torch.int32, device=device))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,15 +19,17 @@ H200 (``bench decode --profile-graphs``).
 in columns ``N + p * nR ..`` (q, k, v slices of ``stage.rank`` columns each). Each head adds
 ``s * y_slice B[head columns]`` to its base value before the norm and rotation, so a staged
 batch's qkv LoRA costs no launch of its own (``stacked_plain`` did it in one). Rows are read in
-place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) says which
-program adds its LoRA: one per (row block, stage position, head), the one of position 0 also
-taking the rows with no adapter (see ``kernels/stacked.py``). A program loads the rows'
-positions, slots, stage positions and ``y`` first, then their values, ``cos | sin`` and
-B: two round trips, as without LoRA (a program per adapter segment would wait on the
-segment's bounds, then its row indices, then the positions, then the table). From
-``stacked.ROWS_KERNEL_MIN`` rows (prompt steps) a program per (row block, head) takes every
-row of its block and visits the positions they hold, found by one bitwise reduction, as the
-stacked epilogues' ``BY_ROWS`` variant does.
+place, as without LoRA, and each row's stage position (``StageInfo.row_pos``) picks its own
+``y`` columns. Below ``stacked.ROWS_KERNEL_MIN`` rows a program per (tile, head) takes one of
+the batch's tiles (``StageInfo.tiles``: a position's rows with its slot and scaling, see
+``kernels/stacked.py``): the tile first, then its rows' positions, KV slots, values, ``y`` and
+B, then ``cos | sin``. That is three round trips against the two of a program per (row block,
+position, head), which it replaced, but no program is launched without rows: 6.0 us against
+6.8 at 48 rows over 16 positions, 6.2 against 9.0 at 128 (H100,
+``bench/probes/stacked_width.py``). From ``stacked.ROWS_KERNEL_MIN`` rows (prompt steps), and
+for a ``StageInfo`` without tiles, a program per (row block, head) takes every row of its
+block and visits the positions they hold, found by one bitwise reduction, as the stacked
+epilogues' ``BY_ROWS`` variant does.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
@@ -42,6 +44,8 @@ from loraplane.worker.kernels import stacked
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
+    TILE_ROWS,
+    TILE_WORDS,
     StageInfo,
     cdiv,
     check_dim,
@@ -56,7 +60,7 @@ from loraplane.worker.kernels.stacked import (
     check_stacked,
     position_slot,
     positions_held,
-    rows_at,
+    stage_tile,
 )
 
 __all__ = ["rope_qkv"]
@@ -105,11 +109,21 @@ def _rope_qkv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BY_ROWS: tl.constexpr = False,  # (HAS_LORA) program (block, 0, head) visits its rows' positions
+    tiles_ptr=None,  # int32 [tiles * TILE_WORDS] (HAS_LORA, not BY_ROWS: ``stage_tiles``)
+    TILE_WORDS: tl.constexpr = 0,
 ):
     head = tl.program_id(2)
-    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = offs_s < n_tokens
-    rows = offs_s.to(tl.int64)
+    TILES: tl.constexpr = HAS_LORA and not BY_ROWS  # program (tile, 0, head)
+    if TILES:  # the tile's rows, position, slot and scaling: a round trip first
+        rows, s_mask, p, slot, scaling = stage_tile(
+            tiles_ptr, tl.program_id(0), BLOCK_S, TILE_WORDS
+        )
+        if tl.max(s_mask.to(tl.int32), axis=0) == 0:  # a padding tile
+            return
+    else:
+        offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < n_tokens
+        rows = offs_s.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < half
     col = head * 2 * half  # the head's first column in q | k | v
@@ -125,20 +139,13 @@ def _rope_qkv_kernel(
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank_max
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-    if HAS_LORA and not BY_ROWS:  # program (block, p, head): its rows at stage position p
-        p = tl.program_id(1)
+    if TILES:
         qkv_slice = (head >= num_heads).to(tl.int32) + (head >= v_start).to(tl.int32)
         offs_r = tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank_max
+        hit = (s_mask & (slot >= 0))[:, None]
         y_cols = n_base + p * n_r + qkv_slice * rank_max + offs_r[None, :]
-        y = tl.load(src_row + y_cols, mask=s_mask[:, None] & r_mask[None, :], other=0.0)
-        row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-        slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
-        hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]
-        if WIDTH > 1:  # (with one position its program owns every row)
-            s_mask = rows_at(row_pos, s_mask, p, WIDTH)  # the rows this program rotates and stores
-            if tl.max(s_mask.to(tl.int32), axis=0) == 0:
-                return
+        y = tl.load(src_row + y_cols, mask=hit & r_mask[None, :], other=0.0)
     mask = s_mask[:, None] & d_mask[None, :]
     lo = tl.load(src_row + col + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     hi = tl.load(src_row + col + half + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -164,8 +171,8 @@ def _rope_qkv_kernel(
                 t_hi = scaling * tl.dot(y, b_hi, input_precision=DOT_PRECISION)
                 lo = tl.where(hit, lo + t_lo, lo)
                 hi = tl.where(hit, hi + t_hi, hi)
-    if HAS_LORA and not BY_ROWS:
-        b_tile = b_ptr + slot * b_stride_slot + offs_r[:, None]
+    if TILES:
+        b_tile = b_ptr + tl.maximum(slot, 0) * b_stride_slot + offs_r[:, None]
         b_tile += (col + offs_d[None, :]).to(tl.int64) * b_stride_row  # [BLOCK_R, BLOCK_D]
         b_mask = (r_mask & (slot >= 0))[:, None] & d_mask[None, :]
         b_lo = tl.load(b_tile, mask=b_mask, other=0.0)
@@ -287,8 +294,13 @@ def rope_qkv(
         return q
     heads = num_heads + 2 * kv_heads
     half = d // 2
-    by_rows = stage is not None and t >= stacked.ROWS_KERNEL_MIN
-    grid = (cdiv(t, BLOCK_S), stage.width if stage is not None and not by_rows else 1, heads)
+    tiles = stage.tiles if stage is not None and t < stacked.ROWS_KERNEL_MIN else None
+    by_rows = stage is not None and tiles is None
+    block_s = TILE_ROWS if tiles is not None else BLOCK_S
+    if tiles is not None:
+        grid = (tiles.shape[0] // TILE_WORDS, 1, heads)
+    else:
+        grid = (cdiv(t, BLOCK_S), 1, heads)
     if b is not None and stage is not None:
         lora_args = (b, stage.row_pos, stage.pos_slots, stage.pos_scalings)
         rank, block_r, b_strides = stage.rank, rank_block(stage.rank), (b.stride(0), b.stride(1))
@@ -328,9 +340,11 @@ def rope_qkv(
         WIDTH=width,
         QK_NORM=bool(norms),
         DOT_PRECISION=dot_precision(x.dtype),
-        BLOCK_S=BLOCK_S,
+        BLOCK_S=block_s,
         BLOCK_D=max(MIN_DOT_BLOCK, next_power_of_2(half)),
         BLOCK_R=block_r,
         BY_ROWS=by_rows,
+        tiles_ptr=tiles,
+        TILE_WORDS=TILE_WORDS,
     )
     return q

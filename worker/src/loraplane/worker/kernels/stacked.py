@@ -14,23 +14,26 @@ take the base value), so it replaces that work instead of adding a launch:
 * ``stacked_silu_mul``: ``act = silu(g + s * y_g B_g) * (u + s * y_u B_u)`` (gate_up and
   the SwiGLU after it).
 
-Rows are read in place, by blocks of consecutive rows, and each row's stage position
-(``StageInfo.row_pos``) says which program writes it: program ``(block, p, columns)`` takes
-the block's rows at position ``p`` and adds ``s_p * y_p B_p`` to them (``tl.where``: nothing
-from B reaches another row); program ``p = 0`` also takes the rows with no adapter, which get
-the base value exactly. A program with no rows of its own returns after its first round trip.
-No load waits on a segment's bounds or a gathered row index: the rows' positions and the
-position's slot and scaling leave first, then B and the program's rows' base (residual, up),
-so an epilogue costs two round trips to memory where the segment-by-segment version (sessions
-7 to 14) cost three. With one stage position (one adapter) the program owns every row of its
-block and loads the base in the first round trip. Steps of ``ROWS_KERNEL_MIN`` rows or more
-(prompt steps: a thousand rows hold one or two positions per block, so most ``(block, p)``
-programs would hold no row) run the kernel's ``BY_ROWS`` variant: a program per (row block,
-column block) loads its rows' base values with their positions, finds which positions they
-hold (a bit each, one reduction over the block), then takes each of those in turn. Every sum
-is in fp32 and rounded once. Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session
-7): an 8-layer Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4
-adapters at 16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
+Rows are read in place, and each row's stage position (``StageInfo.row_pos``) picks its own
+``y`` columns. A decode step's batch (below ``ROWS_KERNEL_MIN`` rows) comes with **tiles**
+(``StageInfo.tiles``, ``_triton_utils.stage_tiles``): its rows grouped by stage position, 16
+to a tile, each tile with its position, slot and scaling, written on the host with the rest
+of the step's metadata. Program ``(tile, columns)`` loads the tile in its first round trip
+and its rows' base values, ``y`` and B in the second, and adds ``s_p * y_p B_p`` to the
+tile's rows (a tile of rows with no adapter has slot -1: the base value, bit for bit). No
+program is launched without rows but a padding tile's. It replaced a program per (row block,
+position, columns), most of which held no row at their position and returned after a round
+trip: at 48 rows over 16 positions on an H100 (``bench/probes/stacked_width.py``) the SwiGLU
+takes 11.7 us against 13.7, the residual add 4.3 against 4.8; at 128 rows 13.7 and 4.9
+against 20.8 and 7.3. Steps of ``ROWS_KERNEL_MIN`` rows or more (prompt steps: a thousand rows
+hold one or two positions per row block), and a ``StageInfo`` without tiles, run the
+kernel's ``BY_ROWS`` variant: a program per (row block, column block) loads its rows' base
+values with their positions, finds which positions they hold (a bit each, one reduction over
+the block), then takes each of those in turn, adding its term to its rows only
+(``tl.where``: nothing from B reaches another row). Every sum is in fp32 and rounded once.
+Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session 7): an 8-layer
+Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4 adapters at
+16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
 ``reference.stacked_plain`` / ``stacked_residual`` / ``stacked_silu_mul``.
 """
 
@@ -45,6 +48,8 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
+    TILE_ROWS,
+    TILE_WORDS,
     StageInfo,
     cdiv,
     check_dim,
@@ -73,8 +78,12 @@ _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 STACKED_OVERRIDE: tuple[int, int, int] | None = None
 # Steps of at least this many rows (prompt steps) run the epilogue ``BY_ROWS``: programs
 # over (row block, column block) that visit the positions their rows hold. Below it (decode
-# batches) a position is a grid axis, so every (block, position) pair of rows is a program.
+# batches) a program takes one of the batch's tiles (``StageInfo.tiles``), when it has them.
 ROWS_KERNEL_MIN = 257
+# The tile programs' output columns: (the residual add and the plain sum, the SwiGLU). H100,
+# 48 rows (bench/probes/stacked_width.py): the SwiGLU at 16 / 32 positions 11.7 / 18.7 us at
+# 128 columns against 12.0 / 20.3 at 64; the residual add at 4 positions 3.4 at 64 against 3.6.
+TILE_BLOCK_N = (64, 128)
 
 
 @triton.jit
@@ -106,11 +115,17 @@ def block_holds(bits, p: tl.constexpr):
 
 
 @triton.jit
-def rows_at(row_pos, s_mask, p, WIDTH: tl.constexpr):
-    """The rows of a block that program ``p`` writes: those at stage position ``p``, and for
-    ``p == 0`` also those at none (-1, or a position past ``WIDTH``, which ``StaticLoRABatch``
-    never gives), which get the base value only: every row is written once."""
-    return s_mask & ((row_pos == p) | (((row_pos < 0) | (row_pos >= WIDTH)) & (p == 0)))
+def stage_tile(tiles_ptr, tile_id, BLOCK_S: tl.constexpr, TILE_WORDS: tl.constexpr):
+    """Tile ``tile_id`` of ``stage_tiles``: its rows (int64, 0 where none), which of them are
+    rows, its stage position (0 for the rows with no adapter, whose slot is -1), its slot
+    (int64) and its scaling. One round trip."""
+    tile = tiles_ptr + tile_id * TILE_WORDS
+    idx = tl.load(tile + tl.arange(0, BLOCK_S))
+    p = tl.maximum(tl.load(tile + BLOCK_S), 0)
+    slot = tl.load(tile + BLOCK_S + 1).to(tl.int64)
+    scaling = tl.load(tile + BLOCK_S + 2).to(tl.float32, bitcast=True)
+    s_mask = idx >= 0
+    return tl.where(s_mask, idx, 0).to(tl.int64), s_mask, p, slot, scaling
 
 
 @triton.jit
@@ -144,6 +159,51 @@ def slices_term(
 
 
 @triton.jit
+def position_term(
+    base,
+    up,
+    hit,
+    y_row,
+    b_tile,
+    slot,
+    offs_n,
+    n_mask,
+    offs_r,
+    r_mask,
+    scaling,
+    slice_offsets_ptr,
+    n_cols,
+    rank_max,
+    b_stride_row,
+    MODE: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """``(base, up)`` with one stage position's term added on the rows ``hit`` (``[BLOCK_S,
+    1]``): ``y_row`` is the rows' first ``y`` column of the position, ``b_tile`` its slot's B
+    at ``[BLOCK_R, BLOCK_N]``. MODE 2 (gate | up): gate's ``y`` in the position's first
+    ``rank_max`` columns, then up's; otherwise ``up`` is returned as given."""
+    y_mask = hit & r_mask[None, :]
+    b_rows = r_mask & (slot >= 0)
+    if MODE == 2:
+        b_mask = b_rows[:, None] & n_mask[None, :]
+        y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
+        y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
+        b_g = tl.load(b_tile, mask=b_mask, other=0.0)
+        b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
+        t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
+        t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
+        base = tl.where(hit, base + t_g, base)  # the other rows keep their bits
+        up = tl.where(hit, up + t_u, up)
+    else:
+        base = slices_term(
+            base, hit, y_row, y_mask, b_tile, b_rows, offs_n, n_mask, offs_r, scaling,
+            slice_offsets_ptr, n_cols, rank_max, NUM_SLICES, DOT_PRECISION,
+        )  # fmt: skip
+    return base, up
+
+
+@triton.jit
 def _stacked_lora_kernel(
     full_ptr,  # [T, N + width * nR]: the stacked GEMM's output (base | y of each position)
     b_ptr,  # [slots, N, R]
@@ -170,14 +230,14 @@ def _stacked_lora_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BY_ROWS: tl.constexpr = False,  # steps of ROWS_KERNEL_MIN rows or more (prompt steps)
+    BY_ROWS: tl.constexpr = False,  # steps of ROWS_KERNEL_MIN rows or more, or no tiles
+    tiles_ptr=None,  # int32 [tiles * TILE_WORDS] (``stage_tiles``; not BY_ROWS)
+    TILE_WORDS: tl.constexpr = 0,
 ):
-    # Program (row block, p, column block) writes the block's rows at stage position p (and
-    # for p == 0 the rows with no adapter). First round trip: the rows' positions, p's slot
-    # and scaling (and gate_up's y); second: p's B and the rest of y, and the program's rows'
-    # base (up, residual). With one position the one program owns every row, so the base
-    # leaves in the first round trip. The LoRA term goes to the rows at p only (tl.where:
-    # nothing from B reaches another row).
+    # Program (tile, 0, column block) writes the tile's rows, which are at one stage position
+    # (or at none: slot -1, the base value). First round trip: the tile (its rows, position,
+    # slot, scaling); second: the rows' base values (up, residual), their y and the
+    # position's B.
     # BY_ROWS: program (row block, 0, column block) writes every row of its block: the base
     # values of all of them leave with the rows' positions, then, for each position its rows
     # hold (one or two in a prompt step, whose rows come grouped by adapter; one bitwise-or
@@ -185,95 +245,52 @@ def _stacked_lora_kernel(
     # 816 rows over 16 positions on an H100, bench/probes/stacked_width.py), that position's
     # slot, y and B, and its term goes to its rows only (tl.where). The grid has no position
     # axis, so a long step launches no program per (block, position) pair that holds no row.
-    offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = offs_s < n_rows
-    rows = offs_s.to(tl.int64)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_cols
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank_max
     if BY_ROWS:
-        offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_cols
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank_max
-        row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
-        mask = s_mask[:, None] & n_mask[None, :]
+        offs_s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < n_rows
+        rows = offs_s.to(tl.int64)
         row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-        base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-            up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MODE == 1:
-            res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
-        b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
+    else:
+        rows, s_mask, p, slot, scaling = stage_tile(
+            tiles_ptr, tl.program_id(0), BLOCK_S, TILE_WORDS
+        )
+        if tl.max(s_mask.to(tl.int32), axis=0) == 0:  # a padding tile
+            return
+    row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
+    mask = s_mask[:, None] & n_mask[None, :]
+    base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
+        up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        up = base  # (not read)
+    if MODE == 1:
+        res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
+    b_cols = offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]  # [BLOCK_R, BLOCK_N]
+    if BY_ROWS:
         for p in tl.static_range(WIDTH):
             if p % 64 == 0:  # the positions of the block's rows, 64 at a time
                 bits = positions_held(row_pos, s_mask, p)
             if block_holds(bits, p):  # a row of the block is at p
                 slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
-                hit = s_mask & (row_pos == p) & (slot >= 0)
-                y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
-                y_mask = hit[:, None] & r_mask[None, :]
-                b_rows = r_mask & (slot >= 0)
-                b_tile = b_ptr + slot * b_stride_slot + b_cols
-                if MODE == 2:
-                    b_mask = b_rows[:, None] & n_mask[None, :]
-                    y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
-                    y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-                    b_g = tl.load(b_tile, mask=b_mask, other=0.0)
-                    b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
-                    t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-                    t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
-                    base = tl.where(hit[:, None], base + t_g, base)
-                    up = tl.where(hit[:, None], up + t_u, up)
-                else:
-                    base = slices_term(
-                        base, hit[:, None], y_row, y_mask, b_tile, b_rows, offs_n, n_mask,
-                        offs_r, scaling, slice_offsets_ptr, n_cols, rank_max, NUM_SLICES,
-                        DOT_PRECISION,
-                    )  # fmt: skip
+                hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]
+                base, up = position_term(
+                    base, up, hit, row_full + n_base + p * n_r,
+                    b_ptr + slot * b_stride_slot + b_cols, slot, offs_n, n_mask, offs_r,
+                    r_mask, scaling, slice_offsets_ptr, n_cols, rank_max, b_stride_row, MODE,
+                    NUM_SLICES, DOT_PRECISION,
+                )  # fmt: skip
     else:
-        p = tl.program_id(1)
-        offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        n_mask = offs_n < n_cols
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank_max
-        row_full = full_ptr + rows[:, None] * full_stride  # [BLOCK_S, 1]
-        y_row = row_full + n_base + p * n_r  # [BLOCK_S, 1]: position p's y
-        y_mask = s_mask[:, None] & r_mask[None, :]
-
-        row_pos = tl.load(row_pos_ptr + offs_s, mask=s_mask, other=-1)
-        slot, scaling = position_slot(pos_slots_ptr, pos_scal_ptr, p)
-        if MODE == 2:  # gate | up: y of gate in the position's first rank_max columns, then up's
-            y_g = tl.load(y_row + offs_r[None, :], mask=y_mask, other=0.0)
-            y_u = tl.load(y_row + rank_max + offs_r[None, :], mask=y_mask, other=0.0)
-        if WIDTH == 1:
-            mine = s_mask
-        else:
-            mine = rows_at(row_pos, s_mask, p, WIDTH)
-            if tl.max(mine.to(tl.int32), axis=0) == 0:  # no row of this block is at p
-                return
-        mask = mine[:, None] & n_mask[None, :]
-        base = tl.load(row_full + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-            up = tl.load(row_full + n_cols + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-        if MODE == 1:
-            res = tl.load(res_ptr + rows[:, None] * res_stride + offs_n[None, :], mask=mask)
-        hit = (s_mask & (row_pos == p) & (slot >= 0))[:, None]  # (a position with no slot: none)
-        b_rows = r_mask & (slot >= 0)
-        b_tile = b_ptr + slot * b_stride_slot
-        b_tile += (
-            offs_n[None, :].to(tl.int64) * b_stride_row + offs_r[:, None]
-        )  # [BLOCK_R, BLOCK_N]
-        if MODE == 2:
-            b_mask = b_rows[:, None] & n_mask[None, :]
-            b_g = tl.load(b_tile, mask=b_mask, other=0.0)
-            b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
-            t_g = scaling * tl.dot(y_g, b_g, input_precision=DOT_PRECISION)
-            t_u = scaling * tl.dot(y_u, b_u, input_precision=DOT_PRECISION)
-            base = tl.where(hit, base + t_g, base)  # the other rows keep their bits
-            up = tl.where(hit, up + t_u, up)
-        else:
-            base = slices_term(
-                base, hit, y_row, y_mask, b_tile, b_rows, offs_n, n_mask, offs_r, scaling,
-                slice_offsets_ptr, n_cols, rank_max, NUM_SLICES, DOT_PRECISION,
-            )  # fmt: skip
+        hit = (s_mask & (slot >= 0))[:, None]
+        base, up = position_term(
+            base, up, hit, row_full + n_base + p * n_r,
+            b_ptr + tl.maximum(slot, 0) * b_stride_slot + b_cols, slot, offs_n, n_mask,
+            offs_r, r_mask, scaling, slice_offsets_ptr, n_cols, rank_max, b_stride_row, MODE,
+            NUM_SLICES, DOT_PRECISION,
+        )  # fmt: skip
     if MODE == 2:
         val = base / (1.0 + tl.exp(-base)) * up
     else:
@@ -330,6 +347,16 @@ def check_stacked(
             fn, f"stage.{field}", t, ndim=1, dtypes=(dtype,), device=f.device, contiguous=True
         )
         check_dim(fn, f"stage.{field}", t, 0, length, what)
+    if stage.tiles is not None:
+        tiles = check_tensor(
+            fn, "stage.tiles", stage.tiles, ndim=1, dtypes=(torch.int32,), device=f.device,
+            contiguous=True,
+        )  # fmt: skip
+        if tiles.shape[0] % TILE_WORDS:
+            raise ValueError(
+                f"{fn}: stage.tiles must hold whole tiles of {TILE_WORDS} int32 words "
+                f"(stage_tiles), got {tiles.shape[0]}"
+            )
     return f, b
 
 
@@ -361,24 +388,23 @@ def _launch(
     rows = full.shape[0]
     if rows == 0 or n_cols == 0:
         return
-    # 16 x 64 tiles: many programs for a decode batch (a [T, 4096] output at 16-128 rows is
-    # 64-512 of them, not 32 of 64 x 128). The SwiGLU epilogue reads two tiles per output
-    # tile and does better with fewer, larger ones from 128 rows on. Measured on an H200
-    # (bench/probes/stacked_tune.py): against segment-sized row blocks and 128 columns,
-    # 0.4-3.1 us less per launch at 32-128 rows, within 0.2 us at 16.
-    # Row-block programs take 16 x 128 tiles: at 816 rows over 16 positions (a mixed step),
+    # Tile programs take TILE_BLOCK_N columns. Row-block programs take 16 x 128 tiles: at 816 rows over 16 positions (a mixed step),
     # H100, bench/probes/stacked_width.py: the residual add 15.2 us against 18.2 at 32 x 64,
     # the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops 8.5 and 26.4 us).
-    by_rows = rows >= ROWS_KERNEL_MIN
-    if by_rows:
+    tiles = stage.tiles if rows < ROWS_KERNEL_MIN else None
+    if tiles is None:  # (by rows)
         block_s, block_n = 16, 128
     else:
-        block_s, block_n = (32, 128) if mode == _SILU_MUL and rows >= 128 else (16, 64)
+        block_s, block_n = TILE_ROWS, TILE_BLOCK_N[mode == _SILU_MUL]
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    grid = (cdiv(rows, block_s), 1 if by_rows else stage.width, cdiv(n_cols, block_n))
+    if tiles is not None:
+        block_s = TILE_ROWS
+        grid = (tiles.shape[0] // TILE_WORDS, 1, cdiv(n_cols, block_n))
+    else:
+        grid = (cdiv(rows, block_s), 1, cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
         b,
@@ -405,7 +431,9 @@ def _launch(
         BLOCK_S=block_s,
         BLOCK_R=rank_block(stage.rank),
         BLOCK_N=block_n,
-        BY_ROWS=by_rows,
+        BY_ROWS=tiles is None,
+        tiles_ptr=tiles,
+        TILE_WORDS=TILE_WORDS,
         num_warps=num_warps,
     )
 

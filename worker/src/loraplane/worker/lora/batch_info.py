@@ -14,7 +14,15 @@ from itertools import pairwise
 
 import torch
 
-from loraplane.worker.kernels._triton_utils import StageInfo, cdiv, segment_block
+from loraplane.worker.kernels import stacked
+from loraplane.worker.kernels._triton_utils import (
+    TILE_WORDS,
+    StageInfo,
+    cdiv,
+    segment_block,
+    stage_tile_capacity,
+    stage_tiles,
+)
 from loraplane.worker.models.batch import upload
 
 NO_ADAPTER = -1
@@ -166,8 +174,10 @@ class StaticLoRABatch:
     ``row_order`` of ``rows`` positions (always given, so the kernels gather rows whatever the
     batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the shrink's
     and expand's grids. A staged graph (``stage_width > 0``) also gets each row's stage
-    position and each position's slot and scaling (``StageInfo``): the epilogues' grids are
-    the rows and the width only. ``fill`` writes one step's values with two host-to-device
+    position and each position's slot and scaling (``StageInfo``), and below
+    ``stacked.ROWS_KERNEL_MIN`` rows the rows grouped by position in tiles
+    (``stage_tiles``, every row of the graph among them): the epilogues' grids are the
+    tile capacity (or the rows and the width) only. ``fill`` writes one step's values with two host-to-device
     copies (pinned memory on CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
     ``index_select`` per value was three launches, ~6 us of a Llama-3-8B-shaped 8-layer step
     on an H200 at 32 rows), so a LoRA graph launches no more kernels than
@@ -213,7 +223,15 @@ class StaticLoRABatch:
         tiled = self.max_seg_len > TILED_SEG_LEN and s > 1
         self.tile_block = segment_block(self.max_seg_len)
         self.tile_cap = tile_capacity(rows, s, self.tile_block) if tiled else 0
-        sizes = [rows, s + 1, s, s, s, staged_rows, w, w, 2 * self.tile_cap]
+        # a staged batch below ``stacked.ROWS_KERNEL_MIN`` rows: its rows by stage position,
+        # in tiles (``stage_tiles``), which the epilogues' programs take one each
+        self.stage_tile_cap = (
+            stage_tile_capacity(rows, w) if w and rows < stacked.ROWS_KERNEL_MIN else 0
+        )
+        sizes = [
+            *(rows, s + 1, s, s, s, staged_rows, w, w, 2 * self.tile_cap),
+            self.stage_tile_cap * TILE_WORDS,
+        ]
         spans = [_aligned(n) for n in sizes]
         self._ints = torch.zeros(sum(spans), dtype=torch.int32, device=device)
         self._ints_host = torch.zeros(sum(spans), dtype=torch.int32, pin_memory=pin)
@@ -226,6 +244,7 @@ class StaticLoRABatch:
         self.row_pos, self.pos_slots = views[5], views[6]
         self.pos_scalings = views[7].view(torch.float32)
         self.seg_tiles = views[8].view(2, self.tile_cap) if tiled else None
+        self.stage_tiles = views[9] if self.stage_tile_cap else None
 
     def fill(
         self,
@@ -287,16 +306,15 @@ class StaticLoRABatch:
                     f"{ {s: positions[s] for s in slots} }"
                 )
             row_pos = [positions[s] if s != NO_ADAPTER else -1 for s in token_slots]
+            row_pos += [-1] * (self.rows - n)
             pos_slots = [at.get(p, -1) for p in range(self.stage_width)]
-            parts += [
-                [*row_pos, *[-1] * (self.rows - n)],
-                pos_slots,
-                _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots]),
-            ]
+            pos_bits = _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots])
+            parts += [row_pos, pos_slots, pos_bits]
         else:
             parts += [[], [], []]
-        if self.tile_cap:
-            parts.append(segment_tiles(indptr, self.tile_block, self.tile_cap))
+        parts.append(segment_tiles(indptr, self.tile_block, self.tile_cap) if self.tile_cap else [])
+        if self.stage_tile_cap:  # (every row of the graph, the padding rows with the base's)
+            parts.append(stage_tiles(row_pos, pos_slots, pos_bits, self.stage_tile_cap))
         ints = [v for part in parts for v in (*part, *[0] * (_aligned(len(part)) - len(part)))]
         self._ints_host.copy_(torch.tensor(ints, dtype=torch.int32))
         self._order_host.copy_(torch.tensor(order + [0] * (self.rows - len(order))))
@@ -329,6 +347,7 @@ class StaticLoRABatch:
             pos_scalings=self.pos_scalings,
             width=self.stage_width,
             rank=self.stage_rank,
+            tiles=self.stage_tiles,
         )
 
 
