@@ -346,5 +346,10 @@ def rope_qkv(
         BY_ROWS=by_rows,
         tiles_ptr=tiles,
         TILE_WORDS=TILE_WORDS,
+        # No fused multiply-adds but tl.dot's: the rotation is then rounded product by
+        # product as the torch path rounds it, and the same instructions with LoRA and
+        # without, so a row with no adapter gets the LoRA-off bits. Contracted, the two
+        # variants compiled ``lo * cos - hi * sin`` differently for fp32 on an H100.
+        enable_fp_fusion=False,
     )
     return q
