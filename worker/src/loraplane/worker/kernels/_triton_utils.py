@@ -153,6 +153,14 @@ class StageInfo:
     tiles: torch.Tensor | None = None
 
 
+# Staged steps of at least this many rows (prompt steps) run the stacked epilogues and the
+# LoRA rotation ``BY_ROWS``: programs over (row block, column block) that visit the positions
+# their rows hold. Below it (decode batches) a program takes one of the batch's tiles
+# (``StageInfo.tiles``), when it has them. Read as ``stacked.ROWS_KERNEL_MIN`` by the kernels
+# (probes and tests set it there); here so that ``StaticLoRABatch`` reads it without
+# importing Triton.
+ROWS_KERNEL_MIN = 257
+
 # Rows per tile of a staged step's epilogues (``stage_tiles``; tl.dot needs 16).
 TILE_ROWS = 16
 # int32 words per tile: its rows (-1: none), then its stage position, its slot, its scaling's

@@ -48,6 +48,7 @@ import triton.language as tl
 from loraplane.worker.kernels._triton_utils import (
     FLOAT_DTYPES,
     MIN_DOT_BLOCK,
+    ROWS_KERNEL_MIN,
     TILE_ROWS,
     TILE_WORDS,
     StageInfo,
@@ -63,6 +64,7 @@ from loraplane.worker.kernels._triton_utils import (
 from loraplane.worker.kernels.expand import slice_bounds
 
 __all__ = [
+    "ROWS_KERNEL_MIN",
     "StageInfo",
     "runtime_stacked",
     "stacked_plain",
@@ -76,10 +78,6 @@ _PLAIN, _RESIDUAL, _SILU_MUL = 0, 1, 2
 # (block_s, block_n, num_warps) for every launch instead of the rule in ``_launch`` when set
 # (bench/probes/stacked_tune.py).
 STACKED_OVERRIDE: tuple[int, int, int] | None = None
-# Steps of at least this many rows (prompt steps) run the epilogue ``BY_ROWS``: programs
-# over (row block, column block) that visit the positions their rows hold. Below it (decode
-# batches) a program takes one of the batch's tiles (``StageInfo.tiles``), when it has them.
-ROWS_KERNEL_MIN = 257
 # The tile programs' output columns: (the residual add and the plain sum, the SwiGLU). H100,
 # 48 rows (bench/probes/stacked_width.py): the SwiGLU at 16 / 32 positions 11.7 / 18.7 us at
 # 128 columns against 12.0 / 20.3 at 64; the residual add at 4 positions 3.4 at 64 against 3.6.

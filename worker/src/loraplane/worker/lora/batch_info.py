@@ -14,8 +14,8 @@ from itertools import pairwise
 
 import torch
 
-from loraplane.worker.kernels import stacked
 from loraplane.worker.kernels._triton_utils import (
+    ROWS_KERNEL_MIN,
     TILE_WORDS,
     StageInfo,
     cdiv,
@@ -175,7 +175,7 @@ class StaticLoRABatch:
     batch order) and ``max_seg_len``, the bound on any segment's rows that sizes the shrink's
     and expand's grids. A staged graph (``stage_width > 0``) also gets each row's stage
     position and each position's slot and scaling (``StageInfo``), and below
-    ``stacked.ROWS_KERNEL_MIN`` rows the rows grouped by position in tiles
+    ``ROWS_KERNEL_MIN`` rows the rows grouped by position in tiles
     (``stage_tiles``, every row of the graph among them): the epilogues' grids are the
     tile capacity (or the rows and the width) only. ``fill`` writes one step's values with two host-to-device
     copies (pinned memory on CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
@@ -223,11 +223,9 @@ class StaticLoRABatch:
         tiled = self.max_seg_len > TILED_SEG_LEN and s > 1
         self.tile_block = segment_block(self.max_seg_len)
         self.tile_cap = tile_capacity(rows, s, self.tile_block) if tiled else 0
-        # a staged batch below ``stacked.ROWS_KERNEL_MIN`` rows: its rows by stage position,
+        # a staged batch below ``ROWS_KERNEL_MIN`` rows: its rows by stage position,
         # in tiles (``stage_tiles``), which the epilogues' programs take one each
-        self.stage_tile_cap = (
-            stage_tile_capacity(rows, w) if w and rows < stacked.ROWS_KERNEL_MIN else 0
-        )
+        self.stage_tile_cap = stage_tile_capacity(rows, w) if w and rows < ROWS_KERNEL_MIN else 0
         sizes = [
             *(rows, s + 1, s, s, s, staged_rows, w, w, 2 * self.tile_cap),
             self.stage_tile_cap * TILE_WORDS,
