@@ -130,16 +130,16 @@ class StageInfo:
     ``row_pos`` int32 [T]: each row's stage position (-1: no LoRA, the base value only);
     ``pos_slots`` int32 [width]: the weight slot whose B a position reads (-1: no row of this
     batch uses it); ``pos_scalings`` float32 [width]: that adapter's scaling. ``width`` is how
-    many stage positions the stacked GEMM computes (the kernels launch programs for each: the
-    stage's positions, 4 by default); ``rank``: y columns per slice of a position (the stage
-    rank, at most B's last dimension).
+    many stage positions the stacked GEMM computes (the row-block programs visit those their
+    rows hold); ``rank``: y columns per slice of a position (the stage rank, at most B's last
+    dimension).
 
     The epilogues read rows in place, and each row's position picks its own ``y`` columns of
     the stacked GEMM's output (ADR 0007). Below ``stacked.ROWS_KERNEL_MIN`` rows a program
     takes one of ``tiles`` (a position's rows, listed with the position's slot and scaling:
-    one round trip for the tile, one for the rows' values); without tiles, one block of
-    consecutive rows and one stage position. A row at -1, at a position past ``width`` or at
-    one with no slot gets the base value.
+    one round trip for the tile, one for the rows' values); from it, or without tiles, one
+    block of consecutive rows, visiting the positions they hold. A row at -1, at a position
+    past ``width`` or at one with no slot gets the base value.
     """
 
     row_pos: torch.Tensor
@@ -149,7 +149,7 @@ class StageInfo:
     rank: int
     # int32 [capacity * TILE_WORDS] (``stage_tiles``): the rows grouped by stage position in
     # tiles of TILE_ROWS, for steps below ``stacked.ROWS_KERNEL_MIN`` rows; None: those steps
-    # run a program per (row block, position) instead.
+    # run by row blocks too.
     tiles: torch.Tensor | None = None
 
 

@@ -337,7 +337,7 @@ def rope_qkv(
         cs.stride(0),
         *b_strides,
         HAS_LORA=b is not None,
-        WIDTH=width,
+        WIDTH=width if tiles is None else 0,  # (tiles: one variant for every width)
         QK_NORM=bool(norms),
         DOT_PRECISION=dot_precision(x.dtype),
         BLOCK_S=block_s,

@@ -386,23 +386,21 @@ def _launch(
     rows = full.shape[0]
     if rows == 0 or n_cols == 0:
         return
-    # Tile programs take TILE_BLOCK_N columns. Row-block programs take 16 x 128 tiles: at 816 rows over 16 positions (a mixed step),
-    # H100, bench/probes/stacked_width.py: the residual add 15.2 us against 18.2 at 32 x 64,
-    # the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops 8.5 and 26.4 us).
+    # Tile programs take TILE_ROWS x TILE_BLOCK_N. Row-block programs take 16 x 128: at 816
+    # rows over 16 positions (a mixed step), H100, bench/probes/stacked_width.py, the residual
+    # add 15.2 us against 18.2 at 32 x 64, the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops
+    # 8.5 and 26.4 us).
     tiles = stage.tiles if rows < ROWS_KERNEL_MIN else None
-    if tiles is None:  # (by rows)
-        block_s, block_n = 16, 128
-    else:
-        block_s, block_n = TILE_ROWS, TILE_BLOCK_N[mode == _SILU_MUL]
+    block_s, block_n = (16, 128) if tiles is None else (0, TILE_BLOCK_N[mode == _SILU_MUL])
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
     num_warps = 4
     if STACKED_OVERRIDE is not None:
         block_s, block_n, num_warps = STACKED_OVERRIDE
-    if tiles is not None:
-        block_s = TILE_ROWS
-        grid = (tiles.shape[0] // TILE_WORDS, 1, cdiv(n_cols, block_n))
+    if tiles is not None:  # (a tile's rows, whatever the override says)
+        block_s, programs = TILE_ROWS, tiles.shape[0] // TILE_WORDS
     else:
-        grid = (cdiv(rows, block_s), 1, cdiv(n_cols, block_n))
+        programs = cdiv(rows, block_s)
+    grid = (programs, 1, cdiv(n_cols, block_n))
     _stacked_lora_kernel[grid](
         full,
         b,
@@ -424,7 +422,7 @@ def _launch(
         b.stride(1),
         MODE=mode,
         NUM_SLICES=slice_offsets.shape[0] - 1 if slice_offsets is not None else 1,
-        WIDTH=stage.width,
+        WIDTH=stage.width if tiles is None else 0,  # (tiles: one variant for every width)
         DOT_PRECISION=dot_precision(b.dtype),
         BLOCK_S=block_s,
         BLOCK_R=rank_block(stage.rank),

@@ -177,7 +177,7 @@ class StaticLoRABatch:
     position and each position's slot and scaling (``StageInfo``), and below
     ``ROWS_KERNEL_MIN`` rows the rows grouped by position in tiles
     (``stage_tiles``, every row of the graph among them): the epilogues' grids are the
-    tile capacity (or the rows and the width) only. ``fill`` writes one step's values with two host-to-device
+    tile capacity (or the row blocks) only. ``fill`` writes one step's values with two host-to-device
     copies (pinned memory on CUDA), each segment's rank and scaling among them: the captured step gathers nothing (an
     ``index_select`` per value was three launches, ~6 us of a Llama-3-8B-shaped 8-layer step
     on an H200 at 32 rows), so a LoRA graph launches no more kernels than
