@@ -47,6 +47,9 @@ R, HEADS, KV_HEADS, D, HIDDEN, INTER = 16, 32, 8, 128, 4096, 14336
 QKV = (HEADS + 2 * KV_HEADS) * D
 DECODE_ROWS, CHUNK, CHUNKS, PAGE = 48, 256, 3, 16
 DECODE_ROWS_NOW = [DECODE_ROWS]  # the decode case being timed (``--decode-rows``)
+# B's last dimension (``--slot-rank``): a worker's slot buffers are of ``--max-lora-rank``,
+# and the kernels read the first ``R`` columns of each B row.
+SLOT_RANK = [R]
 ONLY: list[str] = []  # label prefixes of the variants to time (``--variants``); empty: all
 # (block_s, block_n, num_warps) per launch variant; None: the launcher's own rule
 TILE_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8)]
@@ -114,7 +117,7 @@ def epilogue_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None])
     ):
         n_r = slices * R
         full = torch.randn(rows, n + width * n_r, device=dev, dtype=dt)
-        b = torch.randn(width, n, R, device=dev, dtype=dt) * 0.05
+        b = torch.randn(width, n, SLOT_RANK[0], device=dev, dtype=dt) * 0.05
         plain = full[:, :n].contiguous()
         res = torch.randn(rows, HIDDEN, device=dev, dtype=dt)
         if op == "residual":
@@ -132,6 +135,7 @@ def epilogue_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None])
             base = partial(silu_and_mul, plain)
             check = call
         row: dict[str, Any] = {"kind": kind, "width": width, "rows": rows, "op": name}
+        row["slot_rank"] = SLOT_RANK[0]
         row["base_us"] = _time(base)
         want = check().clone()
         for label, by_rows, config in variants(default_by_rows):
@@ -150,7 +154,7 @@ def rope_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None]) -> 
     rows = stage.row_pos.shape[0]
     full = torch.randn(rows, QKV + width * 3 * R, device=dev, dtype=dt)
     plain = full[:, :QKV].contiguous()
-    b = torch.randn(width, QKV, R, device=dev, dtype=dt) * 0.05
+    b = torch.randn(width, QKV, SLOT_RANK[0], device=dev, dtype=dt) * 0.05
     positions = torch.randint(0, 2048, (rows,), device=dev)
     slots = torch.randperm(rows * 4, device=dev)[:rows]
     cos_sin = torch.randn(4096, D, device=dev, dtype=dt)
@@ -160,6 +164,7 @@ def rope_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None]) -> 
     args = (positions, slots, cos_sin, kc, vc, HEADS)
     call = partial(rope.rope_qkv, full, *args, lora_b=b, stage=stage)
     row: dict[str, Any] = {"kind": kind, "width": width, "rows": rows, "op": "qkv_rope"}
+    row["slot_rank"] = SLOT_RANK[0]
     row["base_us"] = _time(partial(rope.rope_qkv, plain, *args))
     want = call().clone()
     saved = rope.BLOCK_S
@@ -193,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         help="time only the launch variants whose label starts with one of these, a list "
         "(tiles,rows_rule: the tiles' configs against the row blocks); default every variant",
     )
+    p.add_argument(
+        "--slot-rank",
+        default=str(R),
+        help=f"B's rank (the slot buffers'; the kernels read its first {R} columns), a list",
+    )
     p.add_argument("--no-mixed", action="store_true", help="skip the 816-row mixed case")
     p.add_argument("--max-seconds", type=float, default=240.0)
     args = p.parse_args(argv)
@@ -221,8 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.decode_rows.split(",")
         for w in args.widths.split(",")
     ]
-    for kind, width, rows in cases:
+    cases = [(*c, int(s)) for c in cases for s in args.slot_rank.split(",")]
+    for kind, width, rows, slot_rank in cases:
         DECODE_ROWS_NOW[0] = rows
+        SLOT_RANK[0] = slot_rank
         for fn in (epilogue_rows, rope_rows):
             if time.monotonic() > deadline:
                 print("stacked_width: --max-seconds spent", file=sys.stderr)

@@ -216,8 +216,9 @@ def test_static_lora_batch_pads_segments_and_rows() -> None:
 
 
 def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
-    """A staged graph's epilogues read each row's stage position and each position's slot
-    and scaling; a position this batch does not read names no slot."""
+    """A staged graph's epilogues read each row's stage position and each position's B (the
+    stage's, at the position: ``LoRALayer.staged_b``) and scaling; a position this batch does
+    not read names no B."""
     ranks = torch.tensor([8, 16, 4], dtype=torch.int32)
     static = StaticLoRABatch(
         6, 2, ranks, torch.zeros(3), torch.device("cpu"), stage_width=4, stage_rank=16
@@ -227,7 +228,7 @@ def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
     stage = static.info().stage
     assert stage is not None and (stage.width, stage.rank) == (4, 16)
     assert stage.row_pos.tolist() == [0, -1, 3, 0, -1, -1]  # padding rows: no adapter
-    assert stage.pos_slots.tolist() == [2, -1, -1, 0]  # slot 1 sits at 1, unread here
+    assert stage.pos_slots.tolist() == [0, -1, -1, 3]  # slot 1 sits at 1, unread here
     assert stage.pos_scalings.tolist() == [0.5, 0.0, 0.0, 1.0]
     assert static.seg_scalings.tolist() == [1.0, 0.5]  # the segments' view beside it
     # the rows by position in tiles of 16: position 0 (slot 2), 3 (slot 0), then the rows
@@ -237,16 +238,16 @@ def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
     assert len(tiles) == stage_tile_capacity(6, 4) == 6
     half = torch.tensor([0.5, 1.0]).view(torch.int32).tolist()
     assert [(t[:TILE_ROWS], t[TILE_ROWS:]) for t in tiles[:3]] == [
-        ([0, 3, *[-1] * 14], [0, 2, half[0], 0]),
-        ([2, *[-1] * 15], [3, 0, half[1], 0]),
+        ([0, 3, *[-1] * 14], [0, 0, half[0], 0]),
+        ([2, *[-1] * 15], [3, 3, half[1], 0]),
         ([1, 4, 5, *[-1] * 13], [-1, -1, 0, 0]),
     ]
     assert all(t == [-1] * (TILE_ROWS + 2) + [0, 0] for t in tiles[3:])
     static.fill([1, 1], positions={1: 2}, slot_values=values)  # refilled in place
     assert stage.row_pos.tolist() == [2, 2, -1, -1, -1, -1]
-    assert stage.pos_slots.tolist() == [-1, -1, 1, -1]
+    assert stage.pos_slots.tolist() == [-1, -1, 2, -1]
     assert [t[: TILE_ROWS + 2] for t in stage.tiles.view(-1, TILE_WORDS).tolist()[:2]] == [
-        [0, 1, *[-1] * 14, 2, 1],
+        [0, 1, *[-1] * 14, 2, 2],
         [2, 3, 4, 5, *[-1] * 12, -1, -1],
     ]
     with pytest.raises(ValueError, match="positions must give a stage position for every slot"):

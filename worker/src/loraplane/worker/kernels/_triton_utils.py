@@ -128,8 +128,10 @@ class StageInfo:
     """Which rows read which stage position, row by row (no segments, no row order).
 
     ``row_pos`` int32 [T]: each row's stage position (-1: no LoRA, the base value only);
-    ``pos_slots`` int32 [width]: the weight slot whose B a position reads (-1: no row of this
-    batch uses it); ``pos_scalings`` float32 [width]: that adapter's scaling. ``width`` is how
+    ``pos_slots`` int32 [width]: which B a position reads, its index into the kernels'
+    ``lora_b`` (-1: no row of this batch uses the position). A worker passes the stage's own B
+    (``LoRALayer.staged_b``: position ``p``'s at ``p``), tests may pass slot buffers;
+    ``pos_scalings`` float32 [width]: the position's adapter's scaling. ``width`` is how
     many stage positions the stacked GEMM computes (the row-block programs visit those their
     rows hold); ``rank``: y columns per slice of a position (the stage rank, at most B's last
     dimension).

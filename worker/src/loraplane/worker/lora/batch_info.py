@@ -305,8 +305,9 @@ class StaticLoRABatch:
                 )
             row_pos = [positions[s] if s != NO_ADAPTER else -1 for s in token_slots]
             row_pos += [-1] * (self.rows - n)
-            pos_slots = [at.get(p, -1) for p in range(self.stage_width)]
-            pos_bits = _bits([scalings[s] if s >= 0 else 0.0 for s in pos_slots])
+            # the epilogues read position p's B at p of the stage's (``staged_b``)
+            pos_slots = [p if p in at else -1 for p in range(self.stage_width)]
+            pos_bits = _bits([scalings[at[p]] if p in at else 0.0 for p in range(self.stage_width)])
             parts += [row_pos, pos_slots, pos_bits]
         else:
             parts += [[], [], []]

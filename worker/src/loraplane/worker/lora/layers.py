@@ -107,6 +107,8 @@ class LoRALayer(nn.Module):
 
     # [N + P * n_slices * R, K]: the base weight, then P stage positions (None: not stacking)
     stacked: torch.Tensor | None = None
+    # [P * R * N]: the stage positions' B, each [N, r] at the stage rank r (``staged_b``)
+    stage_b: torch.Tensor | None = None
     _device_name = ""  # the GPU model, for the GEMM extent table (lora/extents.py)
     n_base = 0  # N: base output rows of `stacked`
     n_slices = 1  # A slices per position (q | k | v, gate | up)
@@ -125,17 +127,29 @@ class LoRALayer(nn.Module):
         stacked[:n_base].copy_(w)
         base.weight = nn.Parameter(stacked[:n_base], requires_grad=False)
         self.stacked, self.n_base, self.n_slices = stacked, n_base, n_slices
+        self.stage_b = torch.zeros(positions * max_rank * n_base, dtype=w.dtype, device=w.device)
         self._device_name = device_name
 
     def stage_copy(self, position: int, slot: int, rank: int) -> None:
-        """``slot``'s first ``rank`` A rows of each slice into ``position`` (``n * rank`` rows)."""
-        assert self.stacked is not None
+        """``slot``'s first ``rank`` A rows of each slice into ``position`` (``n * rank`` rows)
+        of ``stacked``, and its B's first ``rank`` columns into ``staged_b(rank)[position]``."""
+        assert self.stacked is not None and self.stage_b is not None
         n = self.n_slices
         lo = self.n_base + position * n * rank
         k = self.stacked.shape[1]
         self.stacked[lo : lo + n * rank].view(n, rank, k).copy_(
             self.lora_a[slot].view(n, -1, k)[:, :rank]
         )
+        self.staged_b(rank)[position].copy_(self.lora_b[slot, :, :rank])
+
+    def staged_b(self, rank: int) -> torch.Tensor:
+        """The stage positions' B at stage rank ``rank``: ``[positions, N, rank]``, position
+        ``p``'s at ``[p]``. The epilogues read it whole: a slot buffer's row holds the same
+        ``rank`` values in its first ``rank`` of ``R_max`` columns, and a tile of them spans
+        ``R_max / rank`` times the memory."""
+        assert self.stage_b is not None
+        per = self.n_base * rank
+        return self.stage_b[: self.stage_b.numel() // per * per].view(-1, self.n_base, rank)
 
     def _stacked_gemm(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor | None:
         """``x [W; A_staged]^T`` when this batch is staged and this wrapper stacks, else None."""
@@ -166,7 +180,8 @@ class LoRALayer(nn.Module):
         stage = info.stage
         assert stage is not None
         n_r = self.n_slices * stage.rank
-        return self.ctx.backend.stacked(op, full, self.n_base, n_r, self.lora_b, stage, *extra)
+        b = self.staged_b(stage.rank)
+        return self.ctx.backend.stacked(op, full, self.n_base, n_r, b, stage, *extra)
 
 
 class ColumnLoRA(LoRALayer):
@@ -247,7 +262,7 @@ class ColumnLoRA(LoRALayer):
         if full is None:
             return rope(self(x))
         assert info is not None and info.stage is not None  # (a stacked GEMM ran)
-        return rope(full, self.lora_b, info.stage)
+        return rope(full, self.staged_b(info.stage.rank), info.stage)
 
 
 class RowLoRA(LoRALayer):

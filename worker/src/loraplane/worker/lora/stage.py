@@ -16,19 +16,25 @@ A decode step whose adapters all sit in stage positions runs each projection as 
 GEMM over the first ``N + width * n * r`` rows: the base output and every staged adapter's
 shrink at once, at the cost of those extra weight rows (0.1-0.8% of a Llama-3-8B projection
 per position at rank 16). The expand then runs fused into the work after the projection
-(``kernels/stacked.py``). See ADR 0007.
+(``kernels/stacked.py``), reading each position's B from the stage too
+(``LoRALayer.staged_b``: ``[N, r]`` per position, contiguous). A slot buffer holds the same
+values in the first ``r`` of each B row's ``R_max`` columns, and read from there a rank-16
+adapter's tile in rank-64 buffers spanned 4 x the memory: on an H100 the four epilogues of a
+layer took 40.5 us at 48 rows over 16 positions against 27.0 from the stage, 63.2 against
+41.6 over 32 (``bench/probes/stacked_width.py --slot-rank``). See ADR 0007.
 
 ``Stage`` decides the positions on the host: a slot already staged keeps its position; a new
 one takes a free position, else the least recently used one that this batch does not need,
-and its A rows are copied into every stacking wrapper (on the current stream, before the
-step: never inside a graph capture). A batch with more adapters than positions is not staged
+and its A rows and B are copied into every stacking wrapper (on the current stream, before
+the step: never inside a graph capture). A batch with more adapters than positions is not staged
 (``assign`` returns None) and runs the shrink + expand kernels instead. An adapter above the
 stage rank empties the stage and restages at the larger rank (the rank never shrinks while
 anything is staged). Loading or clearing a slot unstages it (``forget``), so a position never
 serves another adapter's old A.
 
-The memory is sized in positions of the slot buffers' rank (``P * n * R_max`` rows), and a
-stage of a lower rank lays out more positions in it: ``P * R_max / r``, at most the GPU
+The memory is sized in positions of the slot buffers' rank (``P * n * R_max`` rows of A and
+``P * R_max * N`` elements of B per projection), and a stage of a lower rank lays out more
+positions in it: ``P * R_max / r``, at most the GPU
 slots (``Stage.positions_at``). Rank-16 adapters in a rank-64 pool with ``P = 4`` get 16
 positions, so a batch of 16 distinct adapters still shrinks in one GEMM, at no more memory.
 
@@ -59,17 +65,17 @@ MIN_STAGE_WIDTH = 4
 # Stage positions of the slot buffers' rank when the worker is not told (``--stage-slots``),
 # capped at the GPU slots; a lower stage rank lays out more (``Stage.positions_at``). A dense
 # model stacks every projection, and its stage rows cost 0.1-0.8% of a projection's bytes per
-# position at rank 16 (and P * n * R_max * K elements of memory per projection), so it stages
-# enough positions for every GPU slot's adapter at rank 16, at least 4 and at most 8: a pool
-# of 32 slots in rank-64 buffers gets 8 (32 positions at rank 16, 1.28 GB over a 32-layer
-# Llama-3-8B), one of 16 or fewer gets 4. At 8 against 4, 32 rank-16 adapters on 32 slots
-# served 0.83 of the base's tokens per second against 0.72 (16 of 32 layers, 48 clients,
-# H100, bench/results/2026-12-06-h100-wide-stage/), and the worker's warm-up took 76 s
-# against 47 (compiled kernels cached). A model with routed experts stacks only its
-# attention projections: 16 positions at rank 16 are 252 MB over Qwen3-30B-A3B's 48 layers,
-# less than a sixth of one expert LoRA slot, and took its 16-adapter decode steps from
-# 0.915 / 0.912 / 0.892 / 0.853 of LoRA-off to 0.950 / 0.940 / 0.914 / 0.872 at bs 16-128
-# with one adapter's unchanged.
+# position at rank 16 (and P * R_max * (n * K + N) elements of memory per projection, A and
+# B), so it stages enough positions for every GPU slot's adapter at rank 16, at least 4 and at
+# most 8: a pool of 32 slots in rank-64 buffers gets 8 (32 positions at rank 16, 2.7 GB over a
+# 32-layer Llama-3-8B, 1.28 of them A), one of 16 or fewer gets 4. At 8 against 4, 32
+# rank-16 adapters on 32 slots served 0.83 of the base's tokens per second against 0.72 (16
+# of 32 layers, 48 clients, H100, bench/results/2026-12-06-h100-wide-stage/), and the
+# worker's warm-up took 76 s against 47 (compiled kernels cached). A model with routed
+# experts stacks only its attention projections: 16 positions at rank 16 are 428 MB (252 of
+# them A) over Qwen3-30B-A3B's 48 layers, about a quarter of one expert LoRA slot, and took
+# its 16-adapter decode steps from 0.915 / 0.912 / 0.892 / 0.853 of LoRA-off to 0.950 / 0.940
+# / 0.914 / 0.872 at bs 16-128 with one adapter's unchanged (A staged, B read from the slots).
 DENSE_STAGE_POSITIONS = 4
 DENSE_STAGE_POSITIONS_MAX = 8
 MOE_STAGE_POSITIONS = 16
