@@ -5,7 +5,7 @@ A fresh process compiles each Triton kernel variant at its first launch (the LoR
 expand and stacked epilogues, the experts' kernels, attention, the fused sampler: one per
 batch class, stage width and rank, top_k or not, chunked or not) and captures a decode graph
 per batch bucket and LoRA shape at its first step. With an empty Triton cache, which is every
-new pod's, a request that meets them waits seconds (docs/performance.md, "Session 25").
+new pod's, a request that meets them waits seconds (``bench/results/2026-12-02-h200-s25/``).
 ``warm_up`` runs them through the executor, on every rank, before the server listens; the
 pod's readiness waits for it instead of a client:
 

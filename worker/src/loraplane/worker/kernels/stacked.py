@@ -31,9 +31,10 @@ kernel's ``BY_ROWS`` variant: a program per (row block, column block) loads its 
 values with their positions, finds which positions they hold (a bit each, one reduction over
 the block), then takes each of those in turn, adding its term to its rows only
 (``tl.where``: nothing from B reaches another row). Every sum is in fp32 and rounded once.
-Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``, session 7): an 8-layer
-Llama-3-8B-shaped decode stack keeps 0.97-1.00 of its base step with 1 or 4 adapters at
-16-128 rows, against 0.90-0.95 for shrink + expand kernels. References:
+Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``,
+``bench/results/2026-11-30-h200-s7/``): an 8-layer Llama-3-8B-shaped decode stack keeps
+0.97-1.00 of its base step with 1 or 4 adapters at 16-128 rows, against 0.90-0.95 for shrink +
+expand kernels. References:
 ``reference.stacked_plain`` / ``stacked_residual`` / ``stacked_silu_mul``.
 """
 
