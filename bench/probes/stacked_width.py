@@ -15,8 +15,8 @@ against the op it replaces (the residual add, the SwiGLU, the plain rotation), f
   (816 rows, as the engine orders them: by adapter), at 16 positions;
 
 and each launch variant: the tiles (a program per (tile of a position's rows, columns),
-``StageInfo.tiles``, the default below ``ROWS_KERNEL_MIN`` rows) and the row-block programs
-(``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. (The position grid the tiles
+``StageInfo.tiles``, the default below ``ROWS_KERNEL_MIN`` rows; timed on the mixed case too)
+and the row-block programs (``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. (The position grid the tiles
 replaced, a program per (row block, position, columns), is in
 ``bench/results/2026-12-06-h100-stage-tiles/``.) Every variant's output is
 checked against the default's. Graph-timed from cold L2 (``bench.common.time_graph``),
@@ -92,9 +92,7 @@ def variant(by_rows: bool, config: tuple[int, int, int] | None) -> Iterator[None
 
 def variants(default_by_rows: bool) -> Iterator[tuple[str, bool, Any]]:
     yield "default", default_by_rows, None
-    every: list[tuple[str, bool, Any]] = []
-    if not default_by_rows:
-        every += [(f"tiles_{c}", False, c) for c in TILE_CONFIGS]
+    every: list[tuple[str, bool, Any]] = [(f"tiles_{c}", False, c) for c in TILE_CONFIGS]
     every += [(f"rows_{c or 'rule'}", True, c) for c in ROWS_CONFIGS]
     for v in every:
         if not ONLY or any(v[0].startswith(o) for o in ONLY):
@@ -182,6 +180,12 @@ def rope_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None]) -> 
                 row[label] = _time(call)
         finally:
             rope.BLOCK_S = saved
+    if default_by_rows and (not ONLY or any("tiles".startswith(o) for o in ONLY)):
+        with variant(False, None):  # a long step's rows over tiles too
+            got = call()
+            if not torch.equal(got, want):
+                row["tiles_diff"] = float((got.float() - want.float()).abs().max())
+            row["tiles"] = _time(call)
     with variant(default_by_rows, None):
         row["default"] = _time(call)
     emit(row)

@@ -14,6 +14,7 @@ from loraplane.worker.config import LoRARuntimeConfig
 from loraplane.worker.engine.graphs import DecodeGraphs, graph_buckets, graphs_enabled
 from loraplane.worker.engine.runner import ModelRunner, RunnerConfig, decode_batch, prefill_batch
 from loraplane.worker.kernels._triton_utils import (
+    ROWS_KERNEL_MIN,
     TILE_ROWS,
     TILE_WORDS,
     stage_tile_capacity,
@@ -261,8 +262,8 @@ def test_static_lora_batch_gives_each_row_its_stage_position() -> None:
 def test_stage_tiles_split_each_positions_rows_and_fit_their_capacity() -> None:
     """A position's rows past 16 go on in another tile; rows at a position with no slot or
     past the width get the base's tile; the capacity is the most any layout needs, and a
-    layout past it is refused. A prompt-sized staged batch has no tiles (its epilogues run
-    by row blocks)."""
+    layout past it is refused. A prompt-step graph's staged batch has tiles too; one of
+    ``ROWS_KERNEL_MIN`` rows or more has none (its epilogues run by row blocks)."""
     bits = [11, 22]
     rows = [0] * 17 + [1] * 3 + [5, -1] + [1]  # position 5 is past the width of 2
     tiles = stage_tiles(rows, [7, 8], bits, stage_tile_capacity(len(rows), 2))
@@ -282,11 +283,18 @@ def test_stage_tiles_split_each_positions_rows_and_fit_their_capacity() -> None:
     with pytest.raises(ValueError, match="9 stage tiles do not fit a capacity of 8"):
         stage_tiles(worst, [0, 1, 2, 3], [0] * 4, 8)
     ranks = torch.tensor([16], dtype=torch.int32)
-    prompt = StaticLoRABatch(
-        300, 1, ranks, torch.ones(1), torch.device("cpu"), stage_width=4, stage_rank=16
-    )
-    prompt.fill([0] * 300, positions={0: 0}, slot_values=([16], [1.0]))
-    assert prompt.info().stage is not None and prompt.info().stage.tiles is None
+    for rows, tiled in ((1024, True), (ROWS_KERNEL_MIN, False)):
+        prompt = StaticLoRABatch(
+            rows, 1, ranks, torch.ones(1), torch.device("cpu"), stage_width=4, stage_rank=16
+        )
+        prompt.fill([0] * 300, positions={0: 0}, slot_values=([16], [1.0]))
+        stage = prompt.info().stage
+        assert stage is not None and (stage.tiles is not None) == tiled
+        if tiled:  # 300 rows at position 0 in 19 tiles, then the graph's padding rows
+            assert stage.tiles is not None
+            tiles = stage.tiles.view(-1, TILE_WORDS)
+            assert tiles[:20, TILE_ROWS].tolist() == [0] * 19 + [-1]
+            assert tiles[18, :TILE_ROWS].tolist() == [*range(288, 300), *[-1] * 4]
 
 
 def test_lora_graphs_are_keyed_by_adapter_count_and_longest_segment() -> None:
