@@ -39,12 +39,12 @@ def gpu_shaped(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels' launch rules as a small GPU's, scaled to the tiny model, so that its
     steps meet the variety of variants a GPU's do: decode steps through the decode graphs'
     static batches (captured on a GPU), eager batches staged (CUDA's bf16 rule), the
-    shrink's K split over 16-column steps for a GPU of 16 programs in flight, staged prompt
-    steps through the fused epilogues' kernels for long steps,
+    shrink's K split over 16-column steps for a GPU of 16 programs in flight (staged prompt
+    steps take the fused epilogues' tiles, as a GPU's up to 4,096 rows do),
     and the decode attention's split count for a GPU of 8 multiprocessors (the CPU's rule
     gives 8 rows of the tiny model one or two split counts)."""
     from loraplane.worker.engine import warmup
-    from loraplane.worker.kernels import _triton_utils, attention, stacked
+    from loraplane.worker.kernels import _triton_utils, attention
     from loraplane.worker.lora import manager
     from loraplane.worker.models.model import Attention
 
@@ -53,9 +53,6 @@ def gpu_shaped(monkeypatch: pytest.MonkeyPatch) -> None:
     # the prompt graphs (engine/prompt_graphs.py) as on a GPU
     monkeypatch.setattr(Attention, "prompt_kernel", True)
     monkeypatch.setattr(manager, "stages_eager_batches", lambda _device, _dtype: True)
-    # staged prompt steps (the 32-token graphs, eager prefills) through the epilogues'
-    # by-rows kernels, as a GPU's steps of hundreds of rows; decode steps keep the others
-    monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", 24)
     # prefill sizes as the warm-up's own (in and past each row block, multiples of 16 and
     # not), at the scale of this worker's steps (at most CHUNK + MAX_RUNNING tokens)
     monkeypatch.setattr(warmup, "PREFILL_TOKENS", (16, 29, 48, 61))

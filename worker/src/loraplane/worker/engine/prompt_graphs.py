@@ -22,9 +22,9 @@ for decode steps. What makes a prompt step capturable:
   the bucket's tokens. A graph is keyed by the distinct adapters rounded up to a power of two
   (``static_shape``) and, as a decode graph is, by the stage: a step whose adapters fit the
   stage (``LoRAManager.assign_stage``, which copies their A rows in where needed) runs the
-  stacked GEMMs and fused epilogues at the stage's width and rank (``Shape``; past
-  ``kernels.stacked.ROWS_KERNEL_MIN`` rows the epilogues run a program per row block, not
-  per (row block, position)); one with more adapters runs the shrink and expand kernels, the
+  stacked GEMMs and fused epilogues at the stage's width and rank (``Shape``; its rows
+  grouped by position in tiles, as a decode graph's, below ``kernels.stacked.ROWS_KERNEL_MIN``
+  rows, else a program per row block); one with more adapters runs the shrink and expand kernels, the
   same at every rank of adapter (width and rank 0).
 
 All the step's integers go to the device in one copy from page-locked memory. Steps of more

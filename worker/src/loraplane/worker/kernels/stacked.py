@@ -15,7 +15,8 @@ take the base value), so it replaces that work instead of adding a launch:
   the SwiGLU after it).
 
 Rows are read in place, and each row's stage position (``StageInfo.row_pos``) picks its own
-``y`` columns. A decode step's batch (below ``ROWS_KERNEL_MIN`` rows) comes with **tiles**
+``y`` columns. A graph's staged batch (below ``ROWS_KERNEL_MIN`` rows: decode steps and
+prompt-step graphs) comes with **tiles**
 (``StageInfo.tiles``, ``_triton_utils.stage_tiles``): its rows grouped by stage position, 16
 to a tile, each tile with its position, slot and scaling, written on the host with the rest
 of the step's metadata. Program ``(tile, columns)`` loads the tile in its first round trip
@@ -25,9 +26,9 @@ program is launched without rows but a padding tile's. It replaced a program per
 position, columns), most of which held no row at their position and returned after a round
 trip: at 48 rows over 16 positions on an H100 (``bench/probes/stacked_width.py``) the SwiGLU
 takes 11.7 us against 13.7, the residual add 4.3 against 4.8; at 128 rows 13.7 and 4.9
-against 20.8 and 7.3. Steps of ``ROWS_KERNEL_MIN`` rows or more (prompt steps: a thousand rows
-hold one or two positions per row block), and a ``StageInfo`` without tiles, run the
-kernel's ``BY_ROWS`` variant: a program per (row block, column block) loads its rows' base
+against 20.8 and 7.3; at 816 rows (three prompt chunks and 48 decode rows over 16 positions)
+44.3 and 11.2 against 53.5 and 15.3 for the row blocks below. Steps of ``ROWS_KERNEL_MIN``
+rows or more, and a ``StageInfo`` without tiles, run the kernel's ``BY_ROWS`` variant: a program per (row block, column block) loads its rows' base
 values with their positions, finds which positions they hold (a bit each, one reduction over
 the block), then takes each of those in turn, adding its term to its rows only
 (``tl.where``: nothing from B reaches another row). Every sum is in fp32 and rounded once.
@@ -388,9 +389,9 @@ def _launch(
     if rows == 0 or n_cols == 0:
         return
     # Tile programs take TILE_ROWS x TILE_BLOCK_N. Row-block programs take 16 x 128: at 816
-    # rows over 16 positions (a mixed step), H100, bench/probes/stacked_width.py, the residual
-    # add 15.2 us against 18.2 at 32 x 64, the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops
-    # 8.5 and 26.4 us).
+    # rows over 16 positions, H100, bench/probes/stacked_width.py, the residual add 15.2 us
+    # against 18.2 at 32 x 64, the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops 8.5 and
+    # 26.4 us; the tiles: 11.2 and 44.3).
     tiles = stage.tiles if rows < ROWS_KERNEL_MIN else None
     block_s, block_n = (16, 128) if tiles is None else (0, TILE_BLOCK_N[mode == _SILU_MUL])
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
