@@ -133,6 +133,47 @@ def test_silu_mul_adds_gate_and_up_loras_before_the_activation(
     _close(got, reference.stacked_silu_mul(full, 2 * inter, 2 * R, b, stage), dtype)
 
 
+def test_a_prompt_steps_rows_match_the_reference() -> None:
+    """A prompt-step graph's batch (as ``PromptGraphs`` orders it): long runs of rows at one
+    position each (prompt chunks, 37 and 150 rows: tiles of 16 and a partial one), decode
+    rows over every position, then the graph's padding rows with no adapter. Over tiles (a
+    prompt-step graph's, below ``ROWS_KERNEL_MIN``) and by row blocks, the same sums."""
+    g = torch.Generator().manual_seed(11)
+    width, k, n_base, inter = 4, 48, 72, 40
+    layout = [0] * 37 + [2] * 150 + [p % width for p in range(13)] + [-1] * 56
+    rows = len(layout)
+    row_pos = torch.tensor(layout, dtype=torch.int32)
+    stage = with_tiles(
+        StageInfo(
+            row_pos=row_pos.to(DEVICE),
+            pos_slots=torch.tensor([2, 0, 1, -1], dtype=torch.int32, device=DEVICE),
+            pos_scalings=torch.tensor([0.5, 2.0, 1.0, 0.0], device=DEVICE),
+            width=width,
+            rank=R,
+        )
+    )
+    x = torch.randn(rows, k, generator=g)
+    lora = ((row_pos >= 0) & (row_pos < 3)).to(DEVICE)  # rows at a position with a slot
+    for n_slices, n in ((1, n_base), (2, 2 * inter)):
+        w = torch.randn(n, k, generator=g) / k**0.5
+        a = torch.randn(width * n_slices * R, k, generator=g) / k**0.5
+        full = (x @ torch.cat([w, a]).T).to(DEVICE)
+        b = (torch.randn(3, n, R_MAX, generator=g) * 0.5).to(DEVICE)
+        bare = torch.zeros_like(b)  # the same step with every B zero: the base values
+        if n_slices == 1:
+            residual = torch.randn(rows, n, generator=g).to(DEVICE)
+            want = reference.stacked_residual(full, n, R, b, stage, residual.clone())
+            got = stacked.stacked_residual(full, n, R, b, stage, residual.clone())
+            plain = stacked.stacked_residual(full, n, R, bare, stage, residual.clone())
+        else:
+            want = reference.stacked_silu_mul(full, n, 2 * R, b, stage)
+            got = stacked.stacked_silu_mul(full, n, 2 * R, b, stage)
+            plain = stacked.stacked_silu_mul(full, n, 2 * R, bare, stage)
+        _close(got, want, torch.float32)
+        assert torch.equal(got[~lora], plain[~lora])  # no B reaches a row without an adapter
+        assert (got[lora] - plain[lora]).abs().amax(1).min() > 0  # every adapter row has its term
+
+
 def test_columns_past_the_stage_positions_are_never_read() -> None:
     """The staged GEMM may read more weight rows than the positions need (lora/extents.py):
     its extra output columns, NaN here, change nothing."""
