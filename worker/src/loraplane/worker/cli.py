@@ -241,8 +241,9 @@ def serve_cmd(
     stage_slots: Annotated[
         int | None,
         typer.Option(
-            help="P: adapters of rank R whose A rows sit under the base weights, so a batch "
-            "of that many adapters shrinks in one GEMM and expands inside the next kernel "
+            help="P: adapters of rank R whose A rows sit under the base weights (and a copy of "
+            "whose B sits beside them), so a batch of that many adapters shrinks in one GEMM "
+            "and expands inside the next kernel "
             "(CUDA, one rank: decode and prompt-step graphs, eager batches of up to 256 rows); "
             "adapters of a lower rank r get P*R/r positions in the same memory, at most K. "
             "0: off. "
