@@ -79,9 +79,9 @@ def _rope_qkv_kernel(
     cos_sin_ptr,  # [max_pos, d]: cos | sin
     q_norm_ptr,  # [d] (QK_NORM)
     k_norm_ptr,
-    b_ptr,  # [slots, N, R] (HAS_LORA)
+    b_ptr,  # [B, N, R] (HAS_LORA): the Bs that pos_slots / the tiles name
     row_pos_ptr,  # int32 [T]: each row's stage position, -1 for none (HAS_LORA)
-    pos_slots_ptr,  # int32 [WIDTH]: the slot whose B a position reads, -1 for none
+    pos_slots_ptr,  # int32 [WIDTH]: which B (b_ptr's first index) a position reads, -1: none
     pos_scal_ptr,  # float32 [WIDTH]
     n_tokens,
     num_heads,

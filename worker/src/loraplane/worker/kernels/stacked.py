@@ -103,7 +103,8 @@ def positions_held(row_pos, s_mask, first: tl.constexpr):
 
 @triton.jit
 def position_slot(pos_slots_ptr, pos_scal_ptr, p):
-    """Stage position ``p``'s weight slot (int64; -1: none) and scaling."""
+    """Stage position ``p``'s B (its index into the kernel's ``lora_b``, int64; -1: none) and
+    scaling."""
     return tl.load(pos_slots_ptr + p).to(tl.int64), tl.load(pos_scal_ptr + p)
 
 
@@ -118,7 +119,8 @@ def block_holds(bits, p: tl.constexpr):
 def stage_tile(tiles_ptr, tile_id, BLOCK_S: tl.constexpr, TILE_WORDS: tl.constexpr):
     """Tile ``tile_id`` of ``stage_tiles``: its rows (int64, 0 where none), which of them are
     rows, its stage position (0 for the rows with no adapter, whose slot is -1), its slot
-    (int64) and its scaling. One round trip."""
+    (which B it reads: the index into the kernel's ``lora_b``, int64) and its scaling. One
+    round trip."""
     tile = tiles_ptr + tile_id * TILE_WORDS
     idx = tl.load(tile + tl.arange(0, BLOCK_S))
     p = tl.maximum(tl.load(tile + BLOCK_S), 0)
@@ -206,11 +208,11 @@ def position_term(
 @triton.jit
 def _stacked_lora_kernel(
     full_ptr,  # [T, N + width * nR]: the stacked GEMM's output (base | y of each position)
-    b_ptr,  # [slots, N, R]
+    b_ptr,  # [B, N, R]: the Bs that pos_slots / the tiles name (a worker's: one per position)
     res_ptr,  # [T, N]: residual (MODE _RESIDUAL; may be out)
     out_ptr,  # [T, N] (PLAIN, RESIDUAL) or [T, N / 2] (SILU_MUL)
     row_pos_ptr,  # int32 [T]: each row's stage position, -1 for none
-    pos_slots_ptr,  # int32 [WIDTH]: the slot whose B a position reads, -1 for none
+    pos_slots_ptr,  # int32 [WIDTH]: which B (b_ptr's first index) a position reads, -1: none
     pos_scal_ptr,  # float32 [WIDTH]
     slice_offsets_ptr,  # int32 [NUM_SLICES + 1] (MODE _PLAIN with NUM_SLICES > 1)
     n_rows,

@@ -181,6 +181,7 @@ class LoRALayer(nn.Module):
         assert stage is not None
         n_r = self.n_slices * stage.rank
         b = self.staged_b(stage.rank)
+        assert b.shape[0] >= stage.width  # (StaticLoRABatch names each position's B by position)
         return self.ctx.backend.stacked(op, full, self.n_base, n_r, b, stage, *extra)
 
 
@@ -262,7 +263,9 @@ class ColumnLoRA(LoRALayer):
         if full is None:
             return rope(self(x))
         assert info is not None and info.stage is not None  # (a stacked GEMM ran)
-        return rope(full, self.staged_b(info.stage.rank), info.stage)
+        b = self.staged_b(info.stage.rank)
+        assert b.shape[0] >= info.stage.width  # (as in _stacked_op)
+        return rope(full, b, info.stage)
 
 
 class RowLoRA(LoRALayer):

@@ -53,7 +53,7 @@ from typing import Protocol
 class Stacking(Protocol):
     def stage_copy(self, position: int, slot: int, rank: int) -> None:
         """Copy ``slot``'s first ``rank`` A rows of each slice into stage ``position``
-        (positions ``n * rank`` rows apart)."""
+        (positions ``n * rank`` rows apart), and its B's first ``rank`` columns beside them."""
 
 
 # The smallest stage rank (capped at the slot buffers' rank); see the module docstring.
@@ -205,7 +205,7 @@ class Stage:
         return position
 
     def forget(self, slot: int) -> None:
-        """``slot`` is being loaded or cleared: no position may keep serving its old A."""
+        """``slot`` is being loaded or cleared: no position may keep serving its old A or B."""
         for p, s in enumerate(self.slot_at):
             if s == slot:
                 self.slot_at[p] = None
