@@ -52,7 +52,7 @@ DECODE_ROWS_NOW = [DECODE_ROWS]  # the decode case being timed (``--decode-rows`
 SLOT_RANK = [R]
 ONLY: list[str] = []  # label prefixes of the variants to time (``--variants``); empty: all
 # (block_s, block_n, num_warps) per launch variant; None: the launcher's own rule
-TILE_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8)]
+TILE_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8), (16, 256, 8)]
 ROWS_CONFIGS = [None, (16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4)]
 ROPE_BLOCKS = [16, 32, 64]
 
