@@ -16,8 +16,8 @@ against the op it replaces (the residual add, the SwiGLU, the plain rotation), f
 
 and each launch variant: the tiles (a program per (tile of a position's rows, columns),
 ``StageInfo.tiles``, the default below ``ROWS_KERNEL_MIN`` rows; timed on the mixed case too)
-and the row-block programs (``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. (The position grid the tiles
-replaced, a program per (row block, position, columns), is in
+and the row-block programs (``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. (The
+position grid the tiles replaced, a program per (row block, position, columns), is in
 ``bench/results/2026-12-06-h100-stage-tiles/``.) Every variant's output is
 checked against the default's. Graph-timed from cold L2 (``bench.common.time_graph``),
 microseconds. JSON lines on stdout as it goes, one object at the end (``OUT`` too).

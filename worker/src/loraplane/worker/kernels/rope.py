@@ -27,9 +27,9 @@ B, then ``cos | sin``. That is three round trips against the two of a program pe
 position, head), which it replaced, but no program is launched without rows: 6.0 us against
 6.8 at 48 rows over 16 positions, 6.2 against 9.0 at 128, and 16.0 against 25.8 for the row
 blocks at 816 rows (a mixed step's; H100, ``bench/probes/stacked_width.py``). From
-``stacked.ROWS_KERNEL_MIN`` rows, and for a ``StageInfo`` without tiles, a program per (row block, head) takes every row of its
-block and visits the positions they hold, found by one bitwise reduction, as the stacked
-epilogues' ``BY_ROWS`` variant does.
+``stacked.ROWS_KERNEL_MIN`` rows, and for a ``StageInfo`` without tiles, a program per (row
+block, head) takes every row of its block and visits the positions they hold, found by one
+bitwise reduction, as the stacked epilogues' ``BY_ROWS`` variant does.
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"

@@ -109,6 +109,7 @@ class LoRALayer(nn.Module):
     stacked: torch.Tensor | None = None
     # [P * R * N]: the stage positions' B, each [N, r] at the stage rank r (``staged_b``)
     stage_b: torch.Tensor | None = None
+    _staged_b_view: tuple[int, torch.Tensor] | None = None  # (rank, staged_b(rank))
     _device_name = ""  # the GPU model, for the GEMM extent table (lora/extents.py)
     n_base = 0  # N: base output rows of `stacked`
     n_slices = 1  # A slices per position (q | k | v, gate | up)
@@ -147,9 +148,13 @@ class LoRALayer(nn.Module):
         ``p``'s at ``[p]``. The epilogues read it whole: a slot buffer's row holds the same
         ``rank`` values in its first ``rank`` of ``R_max`` columns, and a tile of them spans
         ``R_max / rank`` times the memory."""
-        assert self.stage_b is not None
-        per = self.n_base * rank
-        return self.stage_b[: self.stage_b.numel() // per * per].view(-1, self.n_base, rank)
+        cached = self._staged_b_view
+        if cached is None or cached[0] != rank:  # (every staged step asks, per projection)
+            assert self.stage_b is not None
+            per = self.n_base * rank
+            view = self.stage_b[: self.stage_b.numel() // per * per].view(-1, self.n_base, rank)
+            self._staged_b_view = cached = (rank, view)
+        return cached[1]
 
     def _stacked_gemm(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor | None:
         """``x [W; A_staged]^T`` when this batch is staged and this wrapper stacks, else None."""
