@@ -14,12 +14,9 @@ against the op it replaces (the residual add, the SwiGLU, the plain rotation), f
 - ``mixed``: 48 such rows and three 256-row prompt chunks under the first three adapters
   (816 rows, as the engine orders them: by adapter), at 16 positions;
 
-and each launch variant: the row loop (the residual add and the SwiGLU over tiles a row at a
-time, the default up to ``ROW_LOOP_MAX_ROWS`` rows) at several ``(block_n, num_warps)``, the
-tiles (a program per (tile of a position's rows, columns) with one ``tl.dot``,
-``StageInfo.tiles``, the default up to ``ROWS_KERNEL_MIN`` rows past that) and the row-block
-programs (``BY_ROWS``), at several ``(block_s, block_n, num_warps)``; each timed on the
-mixed case too. (The
+and each launch variant: the tiles (a program per (tile of a position's rows, columns),
+``StageInfo.tiles``, the default below ``ROWS_KERNEL_MIN`` rows; timed on the mixed case too)
+and the row-block programs (``BY_ROWS``), at several ``(block_s, block_n, num_warps)``. (The
 position grid the tiles replaced, a program per (row block, position, columns), is in
 ``bench/results/2026-12-06-h100-stage-tiles/``.) Every variant's output is
 checked against the default's. Graph-timed from cold L2 (``bench.common.time_graph``),
@@ -56,8 +53,6 @@ SLOT_RANK = [R]
 ONLY: list[str] = []  # label prefixes of the variants to time (``--variants``); empty: all
 # (block_s, block_n, num_warps) per launch variant; None: the launcher's own rule
 TILE_CONFIGS = [(16, 32, 4), (16, 64, 4), (16, 128, 4), (16, 64, 2), (16, 128, 8), (16, 256, 8)]
-# (block_n, num_warps) of the row-loop programs (``stacked.ROW_LOOP_MAX_ROWS``)
-LOOP_CONFIGS = [(128, 4), (256, 4), (256, 8), (512, 4), (512, 8)]
 ROWS_CONFIGS = [None, (16, 64, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4)]
 ROPE_BLOCKS = [16, 32, 64]
 
@@ -85,36 +80,20 @@ def make_stage(kind: str, width: int, dev: str) -> StageInfo:
 
 
 @contextmanager
-def variant(kind: str, config: Any) -> Iterator[None]:
-    """``kind``: "rows" (``BY_ROWS``), "tiles" (a ``tl.dot`` a tile), "loop" (a tile's rows one
-    at a time, ``ROW_LOOP_MAX_ROWS``; the residual add and the SwiGLU) or "default" (the
-    launcher's own rule); ``config`` the launch sizes of that kind."""
-    saved = (
-        stacked.ROWS_KERNEL_MIN, stacked.STACKED_OVERRIDE, stacked.ROW_LOOP_MAX_ROWS,
-        stacked.ROW_LOOP_OVERRIDE,
-    )  # fmt: skip
-    if kind != "default":
-        stacked.ROWS_KERNEL_MIN = 0 if kind == "rows" else 1 << 30
-        stacked.ROW_LOOP_MAX_ROWS = 1 << 30 if kind == "loop" else 0
-    if kind == "loop":
-        stacked.ROW_LOOP_OVERRIDE = config
-    else:
-        stacked.STACKED_OVERRIDE = config
+def variant(by_rows: bool, config: tuple[int, int, int] | None) -> Iterator[None]:
+    saved = (stacked.ROWS_KERNEL_MIN, stacked.STACKED_OVERRIDE)
+    stacked.ROWS_KERNEL_MIN = 0 if by_rows else 1 << 30
+    stacked.STACKED_OVERRIDE = config
     try:
         yield
     finally:
-        (
-            stacked.ROWS_KERNEL_MIN, stacked.STACKED_OVERRIDE, stacked.ROW_LOOP_MAX_ROWS,
-            stacked.ROW_LOOP_OVERRIDE,
-        ) = saved  # fmt: skip
+        stacked.ROWS_KERNEL_MIN, stacked.STACKED_OVERRIDE = saved
 
 
-def variants() -> Iterator[tuple[str, str, Any]]:
-    yield "default", "default", None
-    every: list[tuple[str, str, Any]] = [("tiles_rule", "tiles", None)]
-    every += [(f"tiles_{c}", "tiles", c) for c in TILE_CONFIGS]
-    every += [(f"loop_{c}", "loop", c) for c in LOOP_CONFIGS]
-    every += [(f"rows_{c or 'rule'}", "rows", c) for c in ROWS_CONFIGS]
+def variants(default_by_rows: bool) -> Iterator[tuple[str, bool, Any]]:
+    yield "default", default_by_rows, None
+    every: list[tuple[str, bool, Any]] = [(f"tiles_{c}", False, c) for c in TILE_CONFIGS]
+    every += [(f"rows_{c or 'rule'}", True, c) for c in ROWS_CONFIGS]
     for v in every:
         if not ONLY or any(v[0].startswith(o) for o in ONLY):
             yield v
@@ -128,6 +107,7 @@ def epilogue_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None])
     dev, dt = DEV, DTYPE
     stage = make_stage(kind, width, dev)
     rows = stage.row_pos.shape[0]
+    default_by_rows = rows >= stacked.ROWS_KERNEL_MIN
     for name, n, slices, op in (
         ("o", HIDDEN, 1, "residual"),
         ("gate_up", 2 * INTER, 2, "silu_mul"),
@@ -156,8 +136,8 @@ def epilogue_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None])
         row["slot_rank"] = SLOT_RANK[0]
         row["base_us"] = _time(base)
         want = check().clone()
-        for label, kind_, config in variants():
-            with variant(kind_, config):
+        for label, by_rows, config in variants(default_by_rows):
+            with variant(by_rows, config):
                 if label != "default":
                     got = check()
                     if not torch.equal(got, want):
@@ -193,7 +173,7 @@ def rope_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None]) -> 
             continue
         rope.BLOCK_S = block
         try:
-            with variant("rows", None):
+            with variant(True, None):
                 got = call()
                 if not torch.equal(got, want):
                     row[f"{label}_diff"] = float((got.float() - want.float()).abs().max())
@@ -201,12 +181,12 @@ def rope_rows(kind: str, width: int, emit: Callable[[dict[str, Any]], None]) -> 
         finally:
             rope.BLOCK_S = saved
     if default_by_rows and (not ONLY or any("tiles".startswith(o) for o in ONLY)):
-        with variant("tiles", None):  # a long step's rows over tiles too
+        with variant(False, None):  # a long step's rows over tiles too
             got = call()
             if not torch.equal(got, want):
                 row["tiles_diff"] = float((got.float() - want.float()).abs().max())
             row["tiles"] = _time(call)
-    with variant("default", None):
+    with variant(default_by_rows, None):
         row["default"] = _time(call)
     emit(row)
 

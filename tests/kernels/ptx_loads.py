@@ -114,11 +114,6 @@ def expand_cases() -> dict[str, int]:
     return out
 
 
-_LOOP_ARGS = {"full_ptr", "b_ptr", "res_ptr", "out_ptr", "tiles_ptr", "n_cols", "n_base", "n_r"}
-_LOOP_ARGS |= {"rank_max", "full_stride", "res_stride", "out_stride", "b_stride_slot"}
-_LOOP_ARGS |= {"b_stride_row"}
-
-
 def stacked_cases() -> dict[str, int]:
     ptrs = {n: "*bf16" for n in ("full_ptr", "b_ptr", "res_ptr", "out_ptr")}
     ptrs |= {n: "*i32" for n in ("row_pos_ptr", "pos_slots_ptr", "slice_offsets_ptr")}
@@ -146,18 +141,6 @@ def stacked_cases() -> dict[str, int]:
             kernel = stacked._stacked_lora_kernel
             key = f"stacked_{name}_stage_rank_{rank}"
             out[key] = scalar_loads(kernel, _types(ptrs, ints), consts, div16)
-            # the decode steps' row loop (ROW_LOOP_MAX_ROWS), as launched
-            block_n, warps = stacked.ROW_LOOP_BLOCK_N[mode == 2]
-            loop_ptrs = {n: t for n, t in ptrs.items() if n in _LOOP_ARGS}
-            loop_ints = tuple(n for n in ints if n in _LOOP_ARGS)
-            loop_consts = dict(MODE=mode, BLOCK_R=16, BLOCK_N=block_n, TILE_ROWS=16)
-            loop_consts |= {"TILE_WORDS": 20}
-            compiled = compile_sm90(
-                stacked._stacked_row_loop_kernel, _types(loop_ptrs, loop_ints), loop_consts,
-                (set(loop_ptrs) | set(loop_ints)) - odd, num_warps=warps,
-            )  # fmt: skip
-            key = f"stacked_loop_{name}_stage_rank_{rank}"
-            out[key] = len(SCALAR_16BIT.findall(compiled.asm["ptx"]))
             if rank == 16:  # the prompt steps' kernel (ROWS_KERNEL_MIN), as launched
                 consts |= {"BLOCK_S": 16, "BLOCK_N": 128, "BY_ROWS": True}
                 key = f"stacked_rows_{name}_stage_rank_{rank}"

@@ -24,15 +24,11 @@ R = 16  # the stage rank: y columns per slice of a position
 R_MAX = 32  # the slot buffers' rank (B's last dimension): columns past R are never read
 
 
-@pytest.fixture(autouse=True, params=["by-row-loop", "by-tile", "by-rows"])
+@pytest.fixture(autouse=True, params=["by-tile", "by-rows"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test on each kernel variant: the residual add and the SwiGLU over tiles a row at
-    a time, as decode steps run them (``ROW_LOOP_MAX_ROWS``; the plain sum has no such
-    variant); programs per (tile of a position's rows, columns) with one ``tl.dot`` a tile,
-    as prompt-step graphs run them (``StageInfo.tiles``); and per row block visiting its
-    positions, as steps of ``ROWS_KERNEL_MIN`` rows or more do."""
-    if request.param != "by-row-loop":
-        monkeypatch.setattr(stacked, "ROW_LOOP_MAX_ROWS", 0)
+    """Every test on both kernel variants: programs per (tile of a position's rows, columns)
+    as decode steps run them (``StageInfo.tiles``), and per row block visiting its positions
+    as prompt steps do (``ROWS_KERNEL_MIN``)."""
     if request.param == "by-rows":
         monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", 1)
     return str(request.param)

@@ -83,12 +83,6 @@ STACKED_OVERRIDE: tuple[int, int, int] | None = None
 # 48 rows (bench/probes/stacked_width.py): the SwiGLU at 16 / 32 positions 11.7 / 18.7 us at
 # 128 columns against 12.0 / 20.3 at 64; the residual add at 4 positions 3.4 at 64 against 3.6.
 TILE_BLOCK_N = (64, 128)
-# Staged steps of at most this many rows (decode graphs) run the residual add and the SwiGLU
-# over tiles one row at a time (``_stacked_row_loop_kernel``), at (block_n, num_warps) per
-# op: (the residual add, the SwiGLU); ROW_LOOP_OVERRIDE for every launch when set.
-ROW_LOOP_MAX_ROWS = 256
-ROW_LOOP_BLOCK_N = ((256, 4), (256, 4))
-ROW_LOOP_OVERRIDE: tuple[int, int] | None = None
 
 
 @triton.jit
@@ -308,74 +302,6 @@ def _stacked_lora_kernel(
     tl.store(out_ptrs, val.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _stacked_row_loop_kernel(
-    full_ptr,  # [T, N + width * nR]: the stacked GEMM's output (base | y of each position)
-    b_ptr,  # [B, N, R]: the Bs that the tiles name (a worker's: one per position)
-    res_ptr,  # [T, N]: residual (MODE _RESIDUAL; may be out)
-    out_ptr,  # [T, N] (RESIDUAL) or [T, N / 2] (SILU_MUL)
-    tiles_ptr,  # int32 [tiles * TILE_WORDS] (``stage_tiles``)
-    n_cols,  # output columns: N, or N / 2 for SILU_MUL
-    n_base,  # N: where y starts in a row of full
-    n_r,  # nR: y columns per stage position
-    rank_max,  # the stage rank
-    full_stride,
-    res_stride,
-    out_stride,
-    b_stride_slot,
-    b_stride_row,
-    MODE: tl.constexpr,  # 1 (residual add) or 2 (SwiGLU)
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILE_ROWS: tl.constexpr,
-    TILE_WORDS: tl.constexpr,
-):
-    # Program (tile, column block): the tile's position's B over BLOCK_N columns, [BLOCK_N,
-    # BLOCK_R] (a column's rank values contiguous), then the tile's rows one at a time, each
-    # row's term an fp32 multiply-and-sum over the rank (no tl.dot, whose 16-row minimum held
-    # 16 rows of fp32 in registers for the one to three rows a decode step's tile has).
-    tile = tiles_ptr + tl.program_id(0) * TILE_WORDS
-    idx = tl.load(tile + tl.arange(0, TILE_ROWS))
-    n_rows = tl.sum((idx >= 0).to(tl.int32), axis=0)  # a tile's rows come first
-    if n_rows == 0:  # a padding tile
-        return
-    p = tl.maximum(tl.load(tile + TILE_ROWS), 0)
-    slot = tl.load(tile + TILE_ROWS + 1).to(tl.int64)
-    scaling = tl.load(tile + TILE_ROWS + 2).to(tl.float32, bitcast=True)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_cols
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = (offs_r < rank_max) & (slot >= 0)
-    b_tile = (
-        b_ptr
-        + tl.maximum(slot, 0) * b_stride_slot
-        + offs_n[:, None].to(tl.int64) * b_stride_row
-        + offs_r[None, :]
-    )
-    b_mask = n_mask[:, None] & r_mask[None, :]
-    b_g = tl.load(b_tile, mask=b_mask, other=0.0)
-    if MODE == 2:
-        b_u = tl.load(b_tile + n_cols * b_stride_row, mask=b_mask, other=0.0)
-    for i in range(n_rows):
-        row = tl.load(tile + i).to(tl.int64)
-        row_full = full_ptr + row * full_stride
-        y_row = row_full + n_base + p * n_r
-        base = tl.load(row_full + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        y_g = tl.load(y_row + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-        t_g = scaling * tl.sum(b_g.to(tl.float32) * y_g[None, :], axis=1)
-        base = tl.where(slot >= 0, base + t_g, base)  # no adapter: the base value's bits
-        if MODE == 2:  # gate in columns [0, n_cols), up in [n_cols, 2 n_cols)
-            up = tl.load(row_full + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            y_u = tl.load(y_row + rank_max + offs_r, mask=r_mask, other=0.0).to(tl.float32)
-            t_u = scaling * tl.sum(b_u.to(tl.float32) * y_u[None, :], axis=1)
-            up = tl.where(slot >= 0, up + t_u, up)
-            val = base / (1.0 + tl.exp(-base)) * up
-        else:
-            res = tl.load(res_ptr + row * res_stride + offs_n, mask=n_mask)
-            val = res.to(tl.float32) + base
-        tl.store(out_ptr + row * out_stride + offs_n, val.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 def check_stacked(
     fn: str,
     full: object,
@@ -468,17 +394,6 @@ def _launch(
     # against 18.2 at 32 x 64, the SwiGLU 53.2 against 63.1 at 32 x 128 (base ops 8.5 and
     # 26.4 us; the tiles: 11.2 and 44.3).
     tiles = stage.tiles if rows < ROWS_KERNEL_MIN else None
-    if tiles is not None and mode != _PLAIN and rows <= ROW_LOOP_MAX_ROWS:
-        block_n, num_warps = ROW_LOOP_OVERRIDE or ROW_LOOP_BLOCK_N[mode == _SILU_MUL]
-        block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
-        grid_loop = (tiles.shape[0] // TILE_WORDS, cdiv(n_cols, block_n))
-        _stacked_row_loop_kernel[grid_loop](
-            full, b, res, out, tiles, n_cols, n_base, n_r, stage.rank, full.stride(0),
-            res.stride(0), out.stride(0), b.stride(0), b.stride(1), MODE=mode,
-            BLOCK_R=rank_block(stage.rank), BLOCK_N=block_n, TILE_ROWS=TILE_ROWS,
-            TILE_WORDS=TILE_WORDS, num_warps=num_warps,
-        )  # fmt: skip
-        return
     block_s, block_n = (16, 128) if tiles is None else (0, TILE_BLOCK_N[mode == _SILU_MUL])
     block_n = min(block_n, max(MIN_DOT_BLOCK, next_power_of_2(n_cols)))
     num_warps = 4
