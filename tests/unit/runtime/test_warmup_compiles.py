@@ -142,9 +142,23 @@ def _serve(engine: Any, adapters: list[str | None], seed: int) -> int:
     return served
 
 
+@pytest.mark.parametrize("rows_kernel_min", [None, 24], ids=["tiles", "row-blocks-from-24"])
 def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # type: ignore[no-untyped-def]
-    suite, gpu_shaped: None, decode_attention_on_cpu: list[Recorder]
+    suite,
+    gpu_shaped: None,
+    decode_attention_on_cpu: list[Recorder],
+    monkeypatch: pytest.MonkeyPatch,
+    rows_kernel_min: int | None,
 ) -> None:
+    """``row-blocks-from-24``: staged steps of 24 rows or more run the fused epilogues and the
+    rotation by row blocks (``BY_ROWS``), as a GPU's staged steps of ``ROWS_KERNEL_MIN`` rows
+    or more do (prompt-step graphs past 4,096 tokens, ``--graph-max-tokens``)."""
+    if rows_kernel_min is not None:
+        from loraplane.worker.kernels import stacked
+        from loraplane.worker.lora import batch_info
+
+        monkeypatch.setattr(stacked, "ROWS_KERNEL_MIN", rows_kernel_min)
+        monkeypatch.setattr(batch_info, "ROWS_KERNEL_MIN", rows_kernel_min)
     model_dir, adapter_dirs = suite["llama"]
     config = ServeConfig(
         model=str(model_dir),
@@ -181,6 +195,11 @@ def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # ty
     warmed, serving = recorder.seen("warm-up"), recorder.seen("serving")
     assert served > 20 and len(serving) > 10  # (the workload launched kernels)
     assert any(key[0] == "_decode_attention_kernel" for key in serving)
+    by_rows = any(
+        key[0] == "_stacked_lora_kernel" and ("BY_ROWS", "constexpr", True) in key[1]
+        for key in serving
+    )
+    assert by_rows == (rows_kernel_min is not None)  # (the row blocks past the patched size)
     missing = sorted(describe(key) for key in serving - warmed)
     assert missing == [], (
         f"{len(missing)} Triton kernel variants would compile after the warm-up:\n"
