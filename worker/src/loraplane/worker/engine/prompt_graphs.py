@@ -24,8 +24,8 @@ for decode steps. What makes a prompt step capturable:
   stage (``LoRAManager.assign_stage``, which copies their A rows in where needed) runs the
   stacked GEMMs and fused epilogues at the stage's width and rank (``Shape``; its rows
   grouped by position in tiles, as a decode graph's, below ``kernels.stacked.ROWS_KERNEL_MIN``
-  rows, else a program per row block); one with more adapters runs the shrink and expand kernels, the
-  same at every rank of adapter (width and rank 0).
+  rows, else a program per row block); one with more adapters runs the shrink and expand
+  kernels, the same at every rank of adapter (width and rank 0).
 
 All the step's integers go to the device in one copy from page-locked memory. Steps of more
 tokens than the largest bucket (long prompts: the GPU's time covers their launches), steps

@@ -160,8 +160,8 @@ class StageInfo:
 # written by ``StaticLoRABatch``), and a program of the stacked epilogues and the LoRA
 # rotation takes one of them. From it, and for a ``StageInfo`` without tiles, they run
 # ``BY_ROWS``: programs over (row block, column block) that visit the positions their rows
-# hold. At 816 rows over 16 positions (a mixed step's, H100, bench/probes/stacked_width.py) the tiles took the four
-# epilogues of a layer from 109.6 to 82.7 us (base ops 53.7). Read as
+# hold. At 816 rows over 16 positions (a mixed step's, H100, bench/probes/stacked_width.py)
+# the tiles took the four epilogues of a layer from 109.6 to 82.7 us (base ops 53.7). Read as
 # ``stacked.ROWS_KERNEL_MIN`` by the kernels (probes and tests set it there); here so that
 # ``StaticLoRABatch`` reads it without importing Triton.
 ROWS_KERNEL_MIN = 4097

@@ -18,7 +18,8 @@ Rows are read in place, and each row's stage position (``StageInfo.row_pos``) pi
 ``y`` columns. A graph's staged batch (below ``ROWS_KERNEL_MIN`` rows: decode steps and
 prompt-step graphs) comes with **tiles** (``StageInfo.tiles``, ``_triton_utils.stage_tiles``):
 its rows grouped by stage position, 16 to a tile, each tile with its position, slot and
-scaling, written on the host with the rest of the step's metadata. Program ``(tile, columns)`` loads the tile in its first round trip
+scaling, written on the host with the rest of the step's metadata. Program ``(tile,
+columns)`` loads the tile in its first round trip
 and its rows' base values, ``y`` and B in the second, and adds ``s_p * y_p B_p`` to the
 tile's rows (a tile of rows with no adapter has slot -1: the base value, bit for bit). No
 program is launched without rows but a padding tile's. It replaced a program per (row block,
@@ -28,7 +29,8 @@ takes 11.7 us against 13.7, the residual add 4.3 against 4.8; at 128 rows 13.7 a
 against 20.8 and 7.3; at 816 rows (three prompt chunks and 48 decode rows over 16 positions)
 44.3 and 11.2 against 53.5 and 15.3 for the row blocks below. Steps of ``ROWS_KERNEL_MIN``
 rows or more, and a ``StageInfo`` without tiles, run the kernel's ``BY_ROWS`` variant: a
-program per (row block, column block) loads its rows' base values with their positions, finds which positions they hold (a bit each, one reduction over
+program per (row block, column block) loads its rows' base values with their positions,
+finds which positions they hold (a bit each, one reduction over
 the block), then takes each of those in turn, adding its term to its rows only
 (``tl.where``: nothing from B reaches another row). Every sum is in fp32 and rounded once.
 Measured on an H200 (``bench/probes/concurrency.py``, mode ``fused``,

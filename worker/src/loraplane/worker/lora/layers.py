@@ -30,6 +30,7 @@ from loraplane.worker.models.layers import (
 from loraplane.worker.models.model import Experts
 
 if TYPE_CHECKING:
+    from loraplane.worker.kernels._triton_utils import StageInfo
     from loraplane.worker.kernels.experts import ExpertLoRA
     from loraplane.worker.lora.adapter import ExpertStack
 
@@ -156,6 +157,13 @@ class LoRALayer(nn.Module):
             self._staged_b_view = cached = (rank, view)
         return cached[1]
 
+    def staged_b_of(self, stage: StageInfo) -> torch.Tensor:
+        """``staged_b`` at ``stage``'s rank, for the epilogues and the rotation of a batch
+        that ``StaticLoRABatch`` filled (it names each position's B by its position)."""
+        b = self.staged_b(stage.rank)
+        assert b.shape[0] >= stage.width
+        return b
+
     def _stacked_gemm(self, x: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor | None:
         """``x [W; A_staged]^T`` when this batch is staged and this wrapper stacks, else None."""
         stage = info.stage
@@ -185,9 +193,9 @@ class LoRALayer(nn.Module):
         stage = info.stage
         assert stage is not None
         n_r = self.n_slices * stage.rank
-        b = self.staged_b(stage.rank)
-        assert b.shape[0] >= stage.width  # (StaticLoRABatch names each position's B by position)
-        return self.ctx.backend.stacked(op, full, self.n_base, n_r, b, stage, *extra)
+        return self.ctx.backend.stacked(
+            op, full, self.n_base, n_r, self.staged_b_of(stage), stage, *extra
+        )
 
 
 class ColumnLoRA(LoRALayer):
@@ -268,9 +276,7 @@ class ColumnLoRA(LoRALayer):
         if full is None:
             return rope(self(x))
         assert info is not None and info.stage is not None  # (a stacked GEMM ran)
-        b = self.staged_b(info.stage.rank)
-        assert b.shape[0] >= info.stage.width  # (as in _stacked_op)
-        return rope(full, b, info.stage)
+        return rope(full, self.staged_b_of(info.stage), info.stage)
 
 
 class RowLoRA(LoRALayer):

@@ -21,7 +21,7 @@ per position at rank 16). The expand then runs fused into the work after the pro
 values in the first ``r`` of each B row's ``R_max`` columns, and read from there a rank-16
 adapter's tile in rank-64 buffers spanned 4 x the memory: on an H100 the four epilogues of a
 layer took 40.5 us at 48 rows over 16 positions against 27.0 from the stage, 63.2 against
-41.6 over 32 (``bench/probes/stacked_width.py --slot-rank``). See ADR 0007.
+41.0 over 32 (``bench/probes/stacked_width.py --slot-rank``). See ADR 0007.
 
 ``Stage`` decides the positions on the host: a slot already staged keeps its position; a new
 one takes a free position, else the least recently used one that this batch does not need,
