@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in args.decode_rows.split(",")
         for w in args.widths.split(",")
     ]
-    cases = [(*c, int(s)) for c in cases for s in args.slot_rank.split(",")]
-    for kind, width, rows, slot_rank in cases:
+    runs = [(*c, int(s)) for c in cases for s in args.slot_rank.split(",")]
+    for kind, width, rows, slot_rank in runs:
         DECODE_ROWS_NOW[0] = rows
         SLOT_RANK[0] = slot_rank
         for fn in (epilogue_rows, rope_rows):
