@@ -1,6 +1,6 @@
 """Probe: which extent of a stacked weight the staged GEMM should read (CUDA only).
 
-    python bench/probes/gemm_extents.py OUT.json [MAX_SECONDS] [--wide]
+    python bench/probes/gemm_extents.py OUT.json [MAX_SECONDS] [--wide | --prompt]
 
 A staged decode step computes ``x [W; A_staged]^T`` over the first ``N + need`` rows of the
 stacked weight (``need = width * slices * rank``). cuBLAS picks its kernel by shape, and a few
@@ -18,6 +18,12 @@ A full table of such extents in the runtime (264b424) read bs 16 at 0.94 against
 it in the decode bench, bs 32 0.96-0.98 against 0.95-0.96: a GEMM that is faster alone is not
 always faster inside the step, so the runtime keeps only the 32-row bucket's extents
 (``lora/extents.py``; docs/performance.md, "Tried and not kept").
+
+``--prompt``: the prompt steps' sizes instead (48 decode rows plus one to four 256-token
+chunks, 4 / 16 / 32 positions at rank 16), each timed three ways: ``base`` (``x W^T``
+alone, the LoRA-off step's GEMM), ``one`` (one GEMM over ``[W; A_staged]``, what a staged
+graph runs) and ``apart`` (``x W^T`` and ``x A_staged^T`` as two GEMMs, no concatenation): is
+the wider GEMM slower than the base's by more than the stage's own rows cost?
 """
 
 from __future__ import annotations
@@ -49,6 +55,48 @@ def candidates(need: int, wide: bool = False) -> list[int]:
     up = [-(-need // m) * m for m in (64, 128, 256)]
     more = {need + d for d in (64, 128, 256, 384, 512)} if wide else {384, 512}
     return sorted({need, *up, up[1] + 128, *more} & set(range(need, need + MAX_PAD + 1)))
+
+
+PROMPT_ROWS = (304, 560, 816, 1072)
+
+
+def apart(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor) -> None:
+    """The base GEMM and the stage's apart (``--prompt``)."""
+    F.linear(x, w)
+    F.linear(x, a)
+
+
+def prompt_rows(out_path: str, max_seconds: float) -> None:
+    """``--prompt``: base, one wide GEMM and the two GEMMs apart at prompt-step sizes."""
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    t0 = time.monotonic()
+    rows_out: list[dict[str, Any]] = []
+    for name, (k, n, slices) in PROJ.items():
+        needs = [w * slices * 16 for w in (4, 16, 32)]
+        buf = torch.randn(n + max(needs), k, device=dev, dtype=dt) * k**-0.5
+        for m in PROMPT_ROWS:
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            base = time_graph(partial(F.linear, x, buf[:n]), dev) or 0.0
+            for need in needs:
+                if time.monotonic() - t0 > max_seconds:
+                    break
+                one = time_graph(partial(F.linear, x, buf[: n + need]), dev) or 0.0
+                two = time_graph(partial(apart, x, buf[:n], buf[n : n + need]), dev) or 0.0
+                row = {
+                    "proj": name, "K": k, "N": n, "rows": m, "need": need,
+                    "us": {"base": round(base, 2), "one": round(one, 2), "apart": round(two, 2)},
+                    "one_over_base": round(one / base, 4) if base else None,
+                    "apart_over_base": round(two / base, 4) if base else None,
+                }  # fmt: skip
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
+    with open(out_path, "w") as f:
+        json.dump(
+            {"probe": "gemm_extents --prompt", "gpu": torch.cuda.get_device_name(),
+             "torch": torch.__version__, "rows": rows_out},
+            f,
+        )  # fmt: skip
 
 
 def main(out_path: str, max_seconds: float, wide: bool = False) -> None:
@@ -96,5 +144,9 @@ def main(out_path: str, max_seconds: float, wide: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--wide"]
-    main(args[0], float(args[1]) if len(args) > 1 else 240.0, wide="--wide" in sys.argv[1:])
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    seconds = float(args[1]) if len(args) > 1 else 240.0
+    if "--prompt" in sys.argv[1:]:
+        prompt_rows(args[0], seconds)
+    else:
+        main(args[0], seconds, wide="--wide" in sys.argv[1:])
