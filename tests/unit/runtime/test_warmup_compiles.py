@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from tests.triton_keys import Recorder, describe, record_keys
 
+from loraplane.worker.engine.executor import LocalExecutor
 from loraplane.worker.engine.sampling import SamplingParams
 from loraplane.worker.server.factory import ServeConfig, build_engine
 
@@ -179,9 +180,12 @@ def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # ty
         decode_attention_on_cpu.append(recorder)
         recorder.phase = "warm-up"
         engine = build_engine(config)
+        assert isinstance(engine.executor, LocalExecutor)  # (engine_process=False, one rank)
         runner = engine.executor.runner
-        warmed_graphs = (set(runner.graphs._graphs), runner.prompt_graphs.keys)
-        replays = runner.prompt_graphs.replays
+        decode_graphs, prompt_graphs = runner.graphs, runner.prompt_graphs
+        assert decode_graphs is not None and prompt_graphs is not None
+        warmed_graphs = (set(decode_graphs._graphs), prompt_graphs.keys)
+        replays = prompt_graphs.replays
         try:
             recorder.phase = "serving"
             engine.start()
@@ -207,8 +211,8 @@ def test_a_served_workload_launches_no_kernel_variant_the_warm_up_did_not(  # ty
     )
     # nothing is captured after the warm-up either: every decode and prompt step the
     # workload ran had its graph already (and prompt steps did replay them)
-    assert runner.prompt_graphs.replays > replays
-    assert (set(runner.graphs._graphs), runner.prompt_graphs.keys) == warmed_graphs
+    assert prompt_graphs.replays > replays
+    assert (set(decode_graphs._graphs), prompt_graphs.keys) == warmed_graphs
 
 
 @pytest.mark.parametrize(("hidden", "block_k"), [(4096, 128), (14336, 128), (2048, 64), (64, 16)])
