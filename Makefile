@@ -6,12 +6,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-# Tiers this machine can run (gpu runs through the device tool, see docs/gpu.md).
+# Tiers this machine can run (gpu runs through the device tool, see docs/testing.md).
 TIERS ?= unit kernels multirank integration cluster
 PYTEST_ARGS ?=
 
 help: ## List the targets
-	@grep -hE '^[a-z][a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z][a-zA-Z%_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || bash scripts/preflight.sh
@@ -42,7 +42,7 @@ bench: install ## CPU benchmarks (JSON in bench/results/cpu/); GPU ones: bash be
 	$(VENV)/bin/loraplane bench worker-cpu | tee bench/results/cpu/worker_cpu.json
 	@if [ -f bench/controlplane_bench.py ]; then \
 	  bash scripts/services.sh start && eval "$$(bash scripts/services.sh env)" && \
-	  $(PY) bench/controlplane_bench.py | tee bench/results/cpu/controlplane.json; \
+	  $(PY) bench/controlplane_bench.py --pg-url "$$LORAPLANE_TEST_PG_URL" | tee bench/results/cpu/controlplane.json; \
 	fi
 
 .PHONY: help install demo test lint bench

@@ -4,7 +4,8 @@
 #   scripts/services.sh start   install (Debian packages, idempotent) and start both
 #   scripts/services.sh stop    stop both (data stays in the state dir)
 #   scripts/services.sh status  say what is running
-#   scripts/services.sh env     print LORAPLANE_TEST_PG_URL=... and LORAPLANE_TEST_REDIS_URL=...
+#   scripts/services.sh env     print `export LORAPLANE_TEST_PG_URL=...` and `export
+#                               LORAPLANE_TEST_REDIS_URL=...` (eval "$(scripts/services.sh env)")
 #   scripts/services.sh install only install the packages (postgresql, redis-server, prometheus)
 #
 # State lives in ${LORAPLANE_SERVICES_DIR:-$HOME/.cache/loraplane/services}: pg/ (the cluster,
@@ -162,8 +163,8 @@ stop_redis() {
 }
 
 print_env() {
-  echo "LORAPLANE_TEST_PG_URL=postgresql+psycopg://$DB_USER:$DB_PASSWORD@127.0.0.1:$PG_PORT/$DB_NAME"
-  echo "LORAPLANE_TEST_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0"
+  echo "export LORAPLANE_TEST_PG_URL=postgresql+psycopg://$DB_USER:$DB_PASSWORD@127.0.0.1:$PG_PORT/$DB_NAME"
+  echo "export LORAPLANE_TEST_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0"
 }
 
 case "${1:-}" in

@@ -28,8 +28,7 @@ fi
 if needs integration; then
   echo "== starting PostgreSQL and Redis (scripts/services.sh)"
   bash scripts/services.sh start
-  eval "$(bash scripts/services.sh env)"
-  export LORAPLANE_TEST_PG_URL LORAPLANE_TEST_REDIS_URL
+  eval "$(bash scripts/services.sh env)"  # (exports LORAPLANE_TEST_PG_URL, _REDIS_URL)
   trap 'bash scripts/services.sh stop || true' EXIT
 fi
 

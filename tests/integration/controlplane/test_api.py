@@ -287,6 +287,14 @@ def bad_adapter_cases() -> list[Any]:
             id="bad-scheme",
         ),
         pytest.param(
+            lambda d, mk: {"source": {"uri": "file:///" + "u" * 2041}},  # 2049 characters
+            422,
+            "validation_error",
+            "body.source.uri",
+            "at most 2048 characters",
+            id="uri-too-long",
+        ),
+        pytest.param(
             lambda d, mk: {"source": {"uri": "x", "sha256": "nothex"}},
             422,
             "validation_error",

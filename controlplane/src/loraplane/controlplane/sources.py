@@ -55,7 +55,7 @@ DEFAULT_TARGET_MODULES = (
     "gate_up_proj",
 )
 FIELD = "body.source.uri"
-MAX_URI_CHARS = 4096
+MAX_URI_CHARS = 2048  # (the API's and the CRD's limit too: api/adapters.py, crds/)
 CREDENTIALS_FIELD = "body.source.credentials"
 
 

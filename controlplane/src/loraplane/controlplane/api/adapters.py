@@ -31,6 +31,7 @@ from loraplane.controlplane.registry import (
     operation_json,
 )
 from loraplane.controlplane.sources import (
+    MAX_URI_CHARS,
     SourceCredentials,
     check_credentials,
 )
@@ -66,7 +67,7 @@ class CredentialsSpec(BaseModel):
 class SourceSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    uri: str = Field(min_length=1, max_length=2048)
+    uri: str = Field(min_length=1, max_length=MAX_URI_CHARS)
     sha256: str | None = Field(
         None, pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of adapter_model.safetensors"
     )
