@@ -11,6 +11,14 @@ PY="${PYTHON:-python3}"
 LOG="$OUT/run.log"
 : > "$LOG"
 T0=$(date +%s)
+steps() {  # steps NAME...: the script's step names; an ONLY naming another stops it (rc 2)
+  local name
+  for name in ${ONLY:-}; do
+    if [[ " $* " != *" $name "* ]]; then
+      echo "ONLY: unknown step '$name' (steps: $*)" >&2; exit 2
+    fi
+  done
+}
 step() {  # step NAME SECONDS CMD...: time-capped, its output in $LOG; a failure keeps the rest
   local name="$1" secs="$2"; shift 2
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then

@@ -7,12 +7,7 @@
 # prints a short table last. Each step is time-capped and guarded: one failure keeps the rest;
 # every JSON is rewritten after each measured row, so a timeout keeps what was done.
 . "$(dirname "$0")/gpu_env.sh"
-for name in ${ONLY:-}; do
-  case " kernels decode_dense decode_moe " in
-    *" $name "*) ;;
-    *) echo "ONLY: unknown step '$name' (steps: kernels decode_dense decode_moe)" >&2; exit 2 ;;
-  esac
-done
+steps kernels decode_dense decode_moe
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv; "$PY" -c 'import torch,triton;print(torch.__version__,triton.__version__)'; } >>"$LOG" 2>&1
 
 # 1. kernels: decode T=16/64/128 + prefill 2048, ranks 16/64, 1/4/16 adapters, both shapes.

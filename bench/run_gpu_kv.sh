@@ -14,6 +14,7 @@
 # one Triton launch vs one SDPA per chunk), needs a device call of its own, the kv step
 # taking most of one: ONLY=prefill_attention.
 . "$(dirname "$0")/gpu_env.sh"
+steps kv prefill_attention
 WORK=/tmp/loraplane-bench-kv
 COMMON=(--fixture dense --layers 32 --num-adapters 4 --workdir "$WORK" --device cuda
         --slots 4 --max-running 256 --output-len 128 --adapters 4 --transports http

@@ -9,6 +9,7 @@
 #    LoRA off) -> $OUT/decode_chat_{torch,triton}.json.
 # Each step is time-capped; one failure keeps the rest.
 . "$(dirname "$0")/gpu_env.sh"
+steps tests samplers decode_chat_torch decode_chat_triton
 step tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
   tests/kernels/test_sampling_kernel.py
 grep -E "passed|failed|error" "$LOG" | tail -3 > "$OUT/tests.txt"

@@ -11,6 +11,7 @@
 # the benchmark's process), $OUT/captures.txt and $OUT/run.log.
 ONLY="${ONLY:-k8 k32}"
 . "$(dirname "$0")/gpu_env.sh"
+steps k8 k32 p512 poisson overlap chunk0 moe-tp2 moe-dp2
 WORK=/tmp/loraplane-bench-serve
 COMMON=(--fixture dense --layers 16 --num-adapters 32 --workdir "$WORK" --device cuda
         --max-running 64 --prompt-len 256 --output-len 128 --worker-log-level info)

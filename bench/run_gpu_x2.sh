@@ -18,13 +18,7 @@
 #   summary prints each 4-adapter graph row's ratio against the 0.93 target).
 # Writes $OUT/numerics/*.json, $OUT/decode_*.json, $OUT/run.log, $OUT/summary.txt.
 . "$(dirname "$0")/gpu_env.sh"
-STEPS=" rank_graphs parity_one parity_dp2 decode_dense_dp2 decode_dense_tp2 decode_moe_dp2 decode_moe_tp2 "
-for name in ${ONLY:-}; do
-  case "$STEPS" in
-    *" $name "*) ;;
-    *) echo "ONLY: unknown step '$name' (steps:$STEPS)" >&2; exit 2 ;;
-  esac
-done
+steps rank_graphs parity_one parity_dp2 decode_dense_dp2 decode_dense_tp2 decode_moe_dp2 decode_moe_tp2
 ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 if [ "$ngpu" -lt 2 ]; then
   echo "bench/run_gpu_x2.sh needs 2 GPUs; this machine has $ngpu" >&2; exit 2
