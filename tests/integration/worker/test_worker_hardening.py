@@ -145,7 +145,7 @@ def test_a_body_of_many_bad_items_gets_a_bounded_answer(worker: WorkerProcess) -
     bad = [{"role": "user", "content": [{"type": "text", "text": 5}] * 4}] * 50
     r = worker.client.post("/v1/chat/completions", json={"messages": bad})
     error = error_of(r, 422)
-    assert error["param"] == "messages.0.content.str", error
+    assert error["param"] == "messages.0.content.0.text", error
     assert "more" in error["message"] and len(r.content) < 2048, error
     still_serving(worker)
 
@@ -323,3 +323,132 @@ def test_an_idle_keep_alive_connection_outlives_the_routers_idle_time(
 
     assert ServeConfig(model="m").keep_alive_s > KEEPALIVE_S
     assert answers_on_an_idle_connection(worker.url, "/health", 6)
+
+
+SURROGATE = "\ud800"  # a lone surrogate: valid JSON, no Unicode text
+LONE = '"\\ud800"'  # the same as it is written in a JSON body
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/generate", f'{{"text": {LONE}}}', "text"),
+        ("/generate", f'{{"text": "hi", "rid": {LONE}}}', "rid"),
+        ("/v1/completions", f'{{"prompt": {LONE}, "stream": true}}', "prompt"),
+        ("/v1/completions", f'{{"prompt": "hi", "stop": [{LONE}]}}', "stop"),
+        ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": {LONE}}}]}}',
+         "messages.0.content"),
+        ("/v1/chat/completions",
+         f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": {LONE}}}]}}]}}',
+         "messages.0.content.0.text"),
+        ("/load_lora_adapter", '{"lora_name": "x", "lora_path": "/tmp/a\\u0000b"}', "lora_path"),
+    ],
+)  # fmt: skip
+def test_text_that_is_not_unicode_is_refused_by_name(
+    worker: WorkerProcess, path: str, body: str, param: str
+) -> None:
+    """A lone surrogate reaches no tokenizer (a 500 before) and a NUL no file system."""
+    r = worker.client.post(path, content=body, headers={"content-type": "application/json"})
+    error = error_of(r, 422)
+    assert error["param"] == param, error
+    assert "surrogate" in error["message"] or "NUL" in error["message"], error
+    still_serving(worker)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "needle"),
+    [
+        ("/generate", {"text": "hi", "sampling_params": {"max_tokens": 2}},
+         "sampling_params.max_tokens", "did you mean max_new_tokens?"),
+        ("/v1/completions", {"prompt": "hi", "max_new_tokens": 2}, "max_new_tokens",
+         "did you mean max_tokens?"),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "hi"}], "frobnicate": 1}, "frobnicate",
+         "not a field of this endpoint"),
+        ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop",
+         "a valid string or a valid list"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt.0", "valid integer"),
+    ],
+)  # fmt: skip
+def test_fields_an_endpoint_lacks_are_refused_by_name(
+    worker: WorkerProcess, path: str, body: dict[str, Any], param: str, needle: str
+) -> None:
+    """A misspelt parameter is never silently ignored, and a union's field is named as the
+    client wrote it (``stop``, not pydantic's ``stop.str``)."""
+    error = error_of(worker.client.post(path, json=body), 422)
+    assert error["param"] == param and needle in error["message"], error
+
+
+def test_bodies_that_are_not_json_objects_are_refused_as_the_body(worker: WorkerProcess) -> None:
+    c = worker.client
+    json_type = {"content-type": "application/json"}
+    error = error_of(c.post("/generate", content='{"text": "hi",', headers=json_type), 422)
+    assert error["param"] == "body" and "not valid JSON at character" in error["message"], error
+    error = error_of(
+        c.post(
+            "/v1/completions", content='{"prompt": "hi"}', headers={"content-type": "text/plain"}
+        ),
+        422,
+    )
+    assert error["param"] == "body" and "Content-Type: application/json" in error["message"]
+    error = error_of(c.post("/generate", content=b'{"text": "\xff"}', headers=json_type), 400)
+    assert error["param"] == "body" and "UTF-8 JSON" in error["message"], error
+    still_serving(worker)
+
+
+def test_conflicting_and_out_of_range_sampling_fields_are_refused(worker: WorkerProcess) -> None:
+    c = worker.client
+    r = c.post("/generate", json={"text": "hi", "input_ids": [1, 2]})
+    assert error_of(r, 400)["param"] == "input_ids"
+    for ids in ([-1], [10**9]):
+        r = c.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": ids})
+        assert error_of(r, 400)["param"] == "stop_token_ids"
+        r = c.post("/generate", json={"text": "hi", "sampling_params": {"stop_token_ids": ids}})
+        assert error_of(r, 400)["param"] == "sampling_params.stop_token_ids"
+    for stop in ("", [""]):
+        r = c.post("/v1/completions", json={"prompt": "hi", "stop": stop})
+        assert error_of(r, 400)["param"] == "stop"
+    r = c.post("/generate", json={"text": "hi", "sampling_params": {"stop": ""}})
+    assert error_of(r, 400)["param"] == "sampling_params.stop"
+    still_serving(worker)
+
+
+def test_the_answer_names_the_adapter_that_ran(worker: WorkerProcess) -> None:
+    """``model`` names the adapter that ran when ``lora_path`` chose it (alone, or beside a
+    ``model`` naming the base model, SGLang's way); ``model`` naming another adapter than
+    ``lora_path`` is refused."""
+    c = worker.client
+    body = {"prompt": "hi", "max_tokens": 1}
+    r = c.post("/v1/completions", json={**body, "lora_path": "good"})
+    assert r.status_code == 200 and r.json()["model"] == "good", r.text
+    r = c.post("/v1/completions", json={**body, "model": "tiny-llama", "lora_path": "good"})
+    assert r.status_code == 200 and r.json()["model"] == "good", r.text
+    r = c.post("/v1/completions", json={**body, "model": "tiny-llama:good", "lora_path": "good"})
+    assert r.status_code == 200 and r.json()["model"] == "tiny-llama:good", r.text
+    r = c.post(
+        "/load_lora_adapter", json={"lora_name": "other", "lora_path": str(worker_adapter(worker))}
+    )
+    assert r.status_code == 200, r.text
+    try:
+        r = c.post("/v1/completions", json={**body, "model": "good", "lora_path": "other"})
+        assert error_of(r, 400)["param"] == "lora_path"
+    finally:
+        assert c.post("/unload_lora_adapter", json={"lora_name": "other"}).status_code == 200
+
+
+def worker_adapter(worker: WorkerProcess) -> str:
+    """The path the worker loaded ``good`` from."""
+    models = worker.client.get("/v1/models").json()["data"]
+    return next(m["root"] for m in models if m["id"] == "good")
+
+
+def test_a_model_card_by_name_and_the_default_length_of_a_null_max_tokens(
+    worker: WorkerProcess,
+) -> None:
+    c = worker.client
+    card = c.get("/v1/models/good").json()
+    assert card["id"] == "good" and card["parent"] == "tiny-llama", card
+    assert c.get("/v1/models/tiny-llama").json()["id"] == "tiny-llama"
+    assert error_of(c.get("/v1/models/nope"), 404)["param"] == "model"
+    r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text

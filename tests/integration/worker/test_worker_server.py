@@ -310,6 +310,16 @@ def test_a_load_evicts_its_victims_only_once_it_has_read_the_new_adapter(
     assert r.status_code == 404 and "not loaded" in r.json()["error"]["message"]
     assert gen_ids(worker, PROMPTS[0], "new") != before
 
+    # the same load again (a client retrying): nothing is read, but the evictions it names
+    # are done, and refused as before when they name the adapter itself or a pinned one
+    again = load("new", new, evict=["new"])
+    assert again["status"] == 400 and again["error_message"].startswith("evict: 'new'")
+    again = load("new", new, evict=["keep"])
+    assert again["status"] == 400 and "is pinned" in again["error_message"]
+    assert load("keep", keep, pinned=False)["status"] == 200  # (the same files: unpinned)
+    again = load("new", new, evict=["keep"])
+    assert again["status"] == 200 and again["loaded_adapters"] == {"new": str(new.resolve())}
+
 
 def test_new_version_swaps_atomically(
     worker_factory: Callable[..., WorkerProcess], make_adapter_dir: Callable[..., Path]

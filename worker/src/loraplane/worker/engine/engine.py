@@ -426,7 +426,10 @@ class Engine:
         stepping), then commit (evicting ``evict`` first) or roll back on the engine's
         thread."""
         t0 = time.perf_counter()
-        path = str(Path(path).resolve())
+        try:
+            path = str(Path(path).resolve())
+        except (OSError, ValueError, RuntimeError) as exc:  # (a NUL byte, a symlink loop)
+            return self._failed(f"lora_path: {path[:200]!r} is not a usable path ({exc})")
         fingerprint = _fingerprint(path)  # (a stat; not under the lock the steps take)
         with self._lock:
             if name in self.inconsistent:
@@ -440,20 +443,29 @@ class Engine:
                 and current.path == path
                 and self.fingerprints.get(current.key) == fingerprint
             ):
+                # already loaded from these files: only the pin changes, and the victims the
+                # caller named (a retried load with evictions) still go
                 try:
+                    victims = self._victims(name, evict)
                     self.residency.set_pinned(name, pinned)
                 except ResidencyError as exc:
                     return self._failed(str(exc))
                 self._publish_residency()
-                return merge_lora_update_results(self._results([None] * self.dp_size))
-            try:
-                victims = self._victims(name, evict)
-                freeing = sum(self.residency.current(v) is not None for v in victims)
-                self.residency.check_add(name, pinned, freeing)
-            except ResidencyError as exc:
-                return self._failed(str(exc))
-            version = self.versions.get(name, 0) + 1
-            key = name if version == 1 else f"{name}@v{version}"
+                if not victims:
+                    return merge_lora_update_results(self._results([None] * self.dp_size))
+                unchanged = True
+            else:
+                unchanged = False
+                try:
+                    victims = self._victims(name, evict)
+                    freeing = sum(self.residency.current(v) is not None for v in victims)
+                    self.residency.check_add(name, pinned, freeing)
+                except ResidencyError as exc:
+                    return self._failed(str(exc))
+                version = self.versions.get(name, 0) + 1
+                key = name if version == 1 else f"{name}@v{version}"
+        if unchanged:
+            return cast(LoRAUpdateResult, self._on_engine(lambda: self._evict_for(name, victims)))
         errors: list[str | None] = []
         for group in range(self.dp_size):
             fault = self._fault("load", group)
@@ -531,6 +543,19 @@ class Engine:
                 ", pinned" if pinned else "",
                 path,
             )
+            return merge_lora_update_results(self._results([None] * self.dp_size))
+
+    def _evict_for(self, name: str, victims: tuple[str, ...]) -> LoRAUpdateResult:
+        """Unload ``victims`` for ``name``, which is loaded already (engine thread): the first
+        that fails stops the rest and is the answer."""
+        for victim in victims:
+            evicted = self._unload(victim)
+            if not evicted.success:
+                return self._failed(
+                    f"evict: unloading {victim!r} to make room failed: {evicted.error_message}"
+                )
+            log.info("evicted adapter %s to make room for %s", victim, name)
+        with self._lock:
             return merge_lora_update_results(self._results([None] * self.dp_size))
 
     def _victims(self, name: str, evict: tuple[str, ...]) -> tuple[str, ...]:

@@ -149,10 +149,30 @@ class WorkerServer:
     # --- adapters ------------------------------------------------------------------------
 
     def adapter_for(self, model: str | None, lora_path: str | None) -> str | None:
-        """The adapter a request names (lora_path wins), None for the base model."""
+        """The adapter a request names, None for the base model. ``lora_path`` (SGLang's
+        field) and ``model`` may both be given when ``model`` names the base model or the
+        same adapter; naming two adapters is refused."""
         if lora_path:
             self._check_adapter(lora_path, "lora_path")
+            named = self._adapter_of_model(model) if model else None
+            if named is not None and named != lora_path:
+                raise ApiError(
+                    400,
+                    f"lora_path: {guards.excerpt(lora_path)} and model {guards.excerpt(model or '')}"
+                    " name different adapters; give the adapter in one of them",
+                    "lora_path",
+                )
             return lora_path
+        return self._adapter_of_model(model) if model else None
+
+    def response_model(self, model: str | None, adapter: str | None) -> str:
+        """The ``model`` an answer names: the request's when it names what ran, else the
+        adapter ``lora_path`` chose."""
+        if model and (adapter is None or self._adapter_of_model(model) == adapter):
+            return model
+        return adapter if adapter is not None else self.served_model
+
+    def _adapter_of_model(self, model: str | None) -> str | None:
         if not model or model == self.served_model:
             return None
         name = model
@@ -220,13 +240,31 @@ class WorkerServer:
         max_new_tokens: int | None,
         field: str,
         *,
+        prefix: str = "",
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         prompt_logprobs_start: int = 0,
     ) -> SamplingParams:
         """The engine's parameters of a request; ``logprobs`` and ``prompt_logprobs``: the
-        alternatives per token of its output's and its prompt's logprobs (None: none)."""
-        stop = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
+        alternatives per token of its output's and its prompt's logprobs (None: none).
+        ``field``: the request's length field; ``prefix``: where its sampling fields are
+        (``sampling_params.`` in /generate)."""
+        stop = req.stop if isinstance(req.stop, list) else ([] if req.stop is None else [req.stop])
+        if any(not s for s in stop):
+            raise ApiError(
+                400,
+                f"{prefix}stop: an empty stop string would end every completion at its first "
+                "token; leave it out",
+                f"{prefix}stop",
+            )
+        vocab = self.engine.vocab_size
+        bad = [t for t in req.stop_token_ids or () if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(
+                400,
+                f"{prefix}stop_token_ids: {bad[:5]} are outside the vocabulary 0..{vocab - 1}",
+                f"{prefix}stop_token_ids",
+            )
         try:
             return SamplingParams(
                 max_new_tokens=max_new_tokens
@@ -243,8 +281,11 @@ class WorkerServer:
                 prompt_logprobs=prompt_logprobs,
                 prompt_logprobs_start=prompt_logprobs_start,
             )
-        except SamplingError as exc:
-            raise ApiError(400, str(exc), field) from exc
+        except SamplingError as exc:  # (its message starts with the field it refuses)
+            named = str(exc).split(" ", 1)[0]
+            raise ApiError(
+                400, str(exc), f"{prefix}{named}" if named in type(req).model_fields else field
+            ) from exc
 
     async def prompt_ids(self, text: str | None, ids: list[int] | None, field: str) -> list[int]:
         if ids is not None:
@@ -382,13 +423,17 @@ def chat_messages(messages: list[p.ChatMessage]) -> list[dict[str, Any]]:
         if not isinstance(content, str):
             texts = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    field = f"messages.{i}.content.{j}"
+                field = f"messages.{i}.content.{j}"
+                if part.type != "text":
                     raise ApiError(
                         400,
                         f"{field}.type: {guards.excerpt(part.type)} parts are not supported; "
                         "give text parts ({'type': 'text', 'text': ...})",
                         f"{field}.type",
+                    )
+                if part.text is None:
+                    raise ApiError(
+                        400, f"{field}.text: a text part needs its text", f"{field}.text"
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
@@ -448,6 +493,8 @@ def create_app(server: WorkerServer) -> FastAPI:
                 "return_logprob: true turns on; set it, or leave top_logprobs_num out",
                 "top_logprobs_num",
             )
+        if body.text is not None and body.input_ids is not None:
+            raise ApiError(400, "input_ids: give text or input_ids, not both", "input_ids")
         adapter = server.adapter_for(None, body.lora_path)
         prompt = await server.prompt_ids(
             body.text, body.input_ids, "text" if body.input_ids is None else "input_ids"
@@ -464,7 +511,8 @@ def create_app(server: WorkerServer) -> FastAPI:
         params = server.sampling(
             body.sampling_params,
             body.sampling_params.max_new_tokens,
-            "sampling_params",
+            "sampling_params.max_new_tokens",
+            prefix="sampling_params.",
             logprobs=top,
             prompt_logprobs=top,
             prompt_logprobs_start=start,
@@ -536,13 +584,13 @@ def create_app(server: WorkerServer) -> FastAPI:
         want = body.logprobs
         params = server.sampling(
             body,
-            body.max_tokens,
+            16 if body.max_tokens is None else body.max_tokens,  # (OpenAI's default for null)
             "max_tokens",
             logprobs=want,
             prompt_logprobs=want if body.echo else None,
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
-        model = body.model or server.served_model
+        model = server.response_model(body.model, adapter)
         seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
         echoed = ""
@@ -656,7 +704,7 @@ def create_app(server: WorkerServer) -> FastAPI:
         want = (body.top_logprobs or 0) if body.logprobs else None
         params = server.sampling(body, max_tokens, "max_tokens", logprobs=want)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        model = body.model or server.served_model
+        model = server.response_model(body.model, adapter)
         seq, queue = server.start(prompt, params, adapter, rid)
         created = int(time.time())
 
@@ -763,6 +811,19 @@ def create_app(server: WorkerServer) -> FastAPI:
     async def unload_lora_adapter(body: p.UnloadLoRAAdapterRequest) -> Any:
         """Unload an adapter from every DP group; a partial failure leaves it inconsistent."""
         return await server.unload(body)
+
+    @app.get(
+        "/v1/models/{model:path}", response_model=p.ModelCard, responses=_ERRORS, tags=["openai"]
+    )
+    async def model_card(model: str) -> p.ModelCard:
+        """One entry of `/v1/models` (the base model, or an adapter by its name)."""
+        for card in (await models()).data:
+            if card.id == model:
+                return card
+        raise ApiError(
+            404, f"model: no model or adapter is named {guards.excerpt(model)}", "model",
+            "not_found",
+        )  # fmt: skip
 
     @app.get("/v1/models", response_model=p.ModelList, tags=["openai"])
     async def models() -> p.ModelList:

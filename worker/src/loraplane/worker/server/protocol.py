@@ -4,17 +4,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loraplane.rules.names import LORA_NAME_PATTERN
 from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS
 
 
-class _Body(BaseModel):
-    """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name) and
-    nothing is coerced (``"yes"`` is no boolean, ``"5"`` no number)."""
+def _check_text(value: Any) -> Any:
+    """``value`` as given; a string (or a list's string) that is not Unicode text, a lone
+    surrogate such as JSON's ``"\\ud800"``, is refused: no tokenizer, file system or
+    response can carry it."""
+    for text in value if isinstance(value, list) else (value,):
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                code = ord(text[exc.start])
+                raise ValueError(
+                    f"holds a lone surrogate (U+{code:04X}) at character {exc.start}, which is "
+                    "not Unicode text; send UTF-8 text"
+                ) from None
+    return value
 
-    model_config = ConfigDict(allow_inf_nan=False, strict=True)
+
+class _Body(BaseModel):
+    """A request body: numbers are finite (``NaN``/``Infinity`` are refused by name), nothing
+    is coerced (``"yes"`` is no boolean, ``"5"`` no number), a field the endpoint does not
+    have is refused by name (a misspelt parameter is never silently ignored), and every string
+    is Unicode text."""
+
+    model_config = ConfigDict(allow_inf_nan=False, strict=True, extra="forbid")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text(cls, value: Any) -> Any:
+        return _check_text(value)
 
 
 # --- fields this worker does not implement -------------------------------------------------
@@ -72,7 +96,6 @@ class _Sampling(_Body):
 
 
 class GenerateSamplingParams(_Sampling, _Refusing):
-    model_config = ConfigDict(extra="ignore")
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "presence_penalty": (0, 0.0),
         "frequency_penalty": (0, 0.0),
@@ -150,6 +173,13 @@ class GenerateResponse(BaseModel):
 # --- OpenAI completions -------------------------------------------------------------------
 
 
+class StreamOptions(_Body):
+    """OpenAI's ``stream_options``: accepted; a stream's last chunk always carries ``usage``."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+
+
 class CompletionRequest(_Sampling, _Refusing):
     NEUTRAL: ClassVar[dict[str, tuple[Any, ...]]] = {
         "n": (1,),
@@ -159,9 +189,10 @@ class CompletionRequest(_Sampling, _Refusing):
     }
     model: str | None = None
     prompt: str | list[int]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, description="null: 16, as OpenAI's")
     n: Any = Field(default=1, description="only 1 is supported")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     lora_path: str | None = None
     user: str | None = None
     logprobs: int | None = Field(
@@ -243,6 +274,7 @@ class ChatCompletionRequest(_Sampling, _Refusing):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     n: Any = Field(default=1, description="only 1 is supported")
     stream: bool = False
+    stream_options: StreamOptions | None = None
     lora_path: str | None = None
     user: str | None = None
     logprobs: bool | None = Field(
@@ -313,6 +345,13 @@ class LoadLoRAAdapterRequest(_Body):
         description="adapters to unload to make room, once the new one has been read on every "
         "DP group: a load that fails evicts none (one not loaded is skipped, a pinned one refused)",
     )
+
+    @field_validator("lora_path")
+    @classmethod
+    def _a_path(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError(f"holds a NUL character at {value.index(chr(0))}, which no path can")
+        return value
 
 
 class UnloadLoRAAdapterRequest(_Body):
