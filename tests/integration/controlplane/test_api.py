@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cp_kit import ADMIN, POOL, HungWorker, join_hung_worker, snapshot, wait_for
+from cp_kit import ADMIN, POOL, HungWorker, join_hung_worker, metric_value, snapshot, wait_for
 from fastapi.testclient import TestClient
 
 from loraplane.controlplane.app import ControlPlaneApp, create_app
@@ -59,7 +59,7 @@ def test_pool_create_update_read_delete(client: TestClient) -> None:
         ({"max_loaded_loras": 2}, 400, "body.max_loaded_loras", "below max_loras_per_batch=3"),
         ({"max_lora_rank": 0}, 422, "body.max_lora_rank", "greater than or equal to 1"),
         ({"tp": "two"}, 422, "body.tp", "valid integer"),
-        ({"surprise": 1}, 422, "body.surprise", "Extra inputs"),
+        ({"surprise": 1}, 422, "body.surprise", "not a field of this endpoint"),
     ],
 )
 def test_bad_pool_specs_change_nothing(
@@ -102,6 +102,48 @@ def test_worker_registration_and_unreachable_marking(
     assert [w["name"] for w in listed] == ["tiny-0"]
 
 
+def test_a_worker_row_with_an_unusable_endpoint_fails_no_other_worker(
+    client: TestClient, pool: dict[str, Any], db_url: str
+) -> None:
+    """A row the API would refuse now (an endpoint with a line break, as an older release
+    stored) is marked unreachable with the reason, and the passes go on for the others."""
+    import sqlalchemy as sa
+
+    for name in ("tiny-0", "tiny-1"):
+        body = {"name": name, "pool": "tiny", "endpoint": "http://127.0.0.1:9", "dp_size": 2}
+        assert client.post("/v1/workers", json=body, headers=ADMIN).status_code == 201
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE workers SET endpoint = :e WHERE name = 'tiny-0'"),
+            {"e": "http://127.0.0.1:9\n"},
+        )
+    engine.dispose()
+    for name in ("tiny-0", "tiny-1"):
+        worker = wait_for(
+            lambda name=name: (
+                (w := client.get(f"/v1/workers/{name}", headers=ADMIN).json())["state"]
+                == "unreachable"
+                and w
+            ),
+            what=f"the reconciler to mark {name} unreachable",
+        )
+        assert name in worker["last_error"]
+    assert "InvalidURL" in client.get("/v1/workers/tiny-0", headers=ADMIN).json()["last_error"]
+    passes = metric_value(
+        client.get("/metrics").text, "loraplane_reconcile_passes_total", outcome="ok"
+    )
+    wait_for(
+        lambda: (
+            metric_value(
+                client.get("/metrics").text, "loraplane_reconcile_passes_total", outcome="ok"
+            )
+            > passes
+        ),
+        what="another reconcile pass that succeeds",
+    )
+
+
 @pytest.mark.parametrize(
     ("change", "status", "field", "needle"),
     [
@@ -109,7 +151,13 @@ def test_worker_registration_and_unreachable_marking(
         ({"dp_size": 4}, 400, "body.dp_size", "does not match pool tiny's dp=2"),
         ({"endpoint": "tcp://x:1"}, 400, "body.endpoint", "not an http(s)://host[:port] URL"),
         ({"name": "Bad_Name"}, 400, "body.name", "DNS-1123"),
+        ({"name": "tiny-0\n"}, 400, "body.name", "DNS-1123"),
+        ({"namespace": "default\n"}, 400, "body.namespace", "DNS-1123"),
         ({"dp_size": 0}, 422, "body.dp_size", "greater than or equal to 1"),
+        ({"endpoint": "http://127.0.0.1:9\n"}, 400, "body.endpoint", "control"),
+        ({"endpoint": "http://u:pw@127.0.0.1:9"}, 400, "body.endpoint", "credentials"),
+        ({"endpoint": "http://127.0.0.1:99999"}, 400, "body.endpoint", "1..65535"),
+        ({"endpoint": "http://127.0.0.1:9/?x=1"}, 400, "body.endpoint", "query"),
     ],
 )
 def test_bad_worker_registrations_change_nothing(
@@ -227,7 +275,7 @@ def bad_adapter_cases() -> list[Any]:
             422,
             "validation_error",
             "body.extra",
-            "Extra inputs",
+            "not a field of this endpoint",
             id="unknown-field",
         ),
         pytest.param(
@@ -295,6 +343,32 @@ def bad_adapter_cases() -> list[Any]:
             id="uri-too-long",
         ),
         pytest.param(
+            lambda d, mk: {"source": {"uri": f"file://{d}/" + "n" * 1500}},  # (ENAMETOOLONG)
+            400,
+            "source_not_found",
+            "body.source.uri",
+            "cannot be read",
+            id="name-too-long",
+        ),
+        pytest.param(
+            lambda d, mk: {"name": "x" * 5000},
+            400,
+            "invalid_value",
+            "body.name",
+            "(5000 characters)",
+            id="long-name-quoted-short",
+        ),
+        pytest.param(
+            lambda d, mk: {
+                "source": {"uri": "http://127.0.0.1:9/a", "credentials": {"token": "s3cr\u00e9t"}}
+            },
+            422,
+            "validation_error",
+            "body.source.credentials.token",
+            "printable ASCII",
+            id="token-not-a-header",
+        ),
+        pytest.param(
             lambda d, mk: {"source": {"uri": "x", "sha256": "nothex"}},
             422,
             "validation_error",
@@ -325,6 +399,45 @@ def test_bad_adapter_registrations_change_nothing(
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == code and error["field"] == field and needle in error["message"], error
+    assert len(response.content) < 2000 and "s3cr" not in response.text  # (no secret, no echo)
+    assert snapshot(db_url) == before
+
+
+def test_names_bodies_and_paths_are_refused_whole(client: TestClient, db_url: str) -> None:
+    """A name with a trailing newline is no DNS label; a body that is not JSON is refused as
+    the body; a long path name is quoted short."""
+    before = snapshot(db_url)
+    for path in ("/v1/pools/default/px%0A", "/v1/pools/default%0A/px"):
+        response = client.put(path, json=POOL, headers=ADMIN)
+        assert response.status_code == 400, response.text
+    bad = client.post(
+        "/v1/pools", content='{"name": "p",', headers={**ADMIN, "content-type": "application/json"}
+    )
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "body", bad.text
+    assert "not valid JSON at character" in bad.json()["error"]["message"]
+    plain = client.post("/v1/pools", content="{}", headers={**ADMIN, "content-type": "text/plain"})
+    assert "Content-Type: application/json" in plain.json()["error"]["message"], plain.text
+    response = client.get(f"/v1/pools/default/{'q' * 5000}", headers=ADMIN)
+    assert response.status_code in (400, 404) and len(response.content) < 1000, response.text
+    # a lone surrogate (valid JSON, no Unicode text) is refused by its field, not a 500
+    lone = '"\\ud800"'
+    for path, body, field in (
+        ("/v1/workers", f'{{"name": "w", "pool": {lone}, "endpoint": "http://h:1", "dp_size": 1}}',
+         "body.pool"),
+        ("/v1/adapters", f'{{"name": "a", "pool": {lone}, "source": {{"uri": "file:///x"}}}}',
+         "body.pool"),
+        ("/v1/pools", f'{{"name": "p", "model": {lone}}}', "body.model"),
+    ):  # fmt: skip
+        r = client.post(path, content=body, headers={**ADMIN, "content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+        message = r.json()["error"]["message"]
+        assert "lone surrogate" in message or "unicode string" in message, message
+    r = client.post(
+        "/v1/completions",
+        content=f'{{"model": {lone}, "prompt": "hi"}}',
+        headers={**ADMIN, "content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["field"] == "body.model", r.text
     assert snapshot(db_url) == before
 
 

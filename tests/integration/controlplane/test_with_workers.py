@@ -407,6 +407,11 @@ def test_on_demand_loads_evict_the_least_recently_used_and_pins_are_limited(
         "worker 'w0' already has 2 pinned adapters (a2, a3)" in too_many.json()["error"]["message"]
     )
     assert adapter(cp, "a4")["pinned"] is False
+    # an adapter loaded nowhere (a0, evicted) may not take the pin either: it would when it
+    # loads on w0, the pool's only worker
+    nowhere = cp.patch("/v1/adapters/default/a0", json={"pinned": True}, headers=ADMIN)
+    assert nowhere.status_code == 409 and nowhere.json()["error"]["code"] == "too_many_pinned"
+    assert adapter(cp, "a0")["pinned"] is False
     assert sorted(httpx.get(worker.url + "/lora_state").json()["pinned"]) == ["a2", "a3"]
     route("a0")  # evicts the LRU unpinned one (a1), never a pinned one
     assert worker.models() == {"a0", "a2", "a3", "a4"}

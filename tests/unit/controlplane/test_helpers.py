@@ -8,9 +8,9 @@ import json
 import pytest
 
 from loraplane.controlplane.api.openai import rewrite_model
-from loraplane.controlplane.app import _field
 from loraplane.controlplane.events import EventBus
 from loraplane.controlplane.operations import request_hash
+from loraplane.rules.validation import described, field_path
 
 pytestmark = pytest.mark.unit
 
@@ -28,7 +28,25 @@ pytestmark = pytest.mark.unit
 def test_validation_error_fields_drop_union_member_tags(
     loc: tuple[object, ...], field: str
 ) -> None:
-    assert _field(loc) == field
+    assert ".".join(field_path(loc, keep_body=True)) == field
+
+
+def test_validation_errors_name_fields_as_written_and_merge_union_branches() -> None:
+    """``stop: 5`` fails both branches for their type: one message; a list of text parts with
+    one bad part is told about the part, not that it is no string; an unknown field gets the
+    field meant."""
+    errors = [
+        {"loc": ("body", "stop", "str"), "type": "string_type", "msg": "Input should be a valid string"},
+        {"loc": ("body", "stop", "list[str]"), "type": "list_type", "msg": "Input should be a valid list"},
+        {"loc": ("body", "messages", 0, "content", "str"), "type": "string_type", "msg": "Input should be a valid string"},
+        {"loc": ("body", "messages", 0, "content", "list[ContentPart]", 0, "text"), "type": "value_error", "msg": "Value error, holds a lone surrogate"},
+        {"loc": ("body", "max_new_tokens"), "type": "extra_forbidden", "msg": "Extra inputs are not permitted"},
+    ]  # fmt: skip
+    assert described(errors, keep_body=False, meant={("max_new_tokens",): "max_tokens"}) == [
+        ("stop", "Input should be a valid string or a valid list"),
+        ("messages.0.content.0.text", "holds a lone surrogate"),
+        ("max_new_tokens", "not a field of this endpoint (did you mean max_tokens?)"),
+    ]
 
 
 def test_rewrite_model_sets_what_the_client_sent() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import re
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -53,21 +52,15 @@ from loraplane.controlplane.upstream import Upstream
 from loraplane.controlplane.usage import UsageBatch
 from loraplane.controlplane.workers import WorkerClient
 from loraplane.rules.body_limit import BodyLimit
+from loraplane.rules.validation import SEND_JSON, UNPARSED, body_refusal, summary
 
 log = logging.getLogger(__name__)
 
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-_UNION_TAGS = re.compile(r"^([A-Z]\w*|.*\[.*\]|int|str|bool|float|list|dict|none)$")
-
-
-def _field(loc: tuple[Any, ...] | list[Any]) -> str:
-    """``body.placement`` from ``("body", "placement", "literal['all']")``: union member tags dropped."""
-    return ".".join(
-        str(part) for part in loc if not (isinstance(part, str) and _UNION_TAGS.match(part))
-    )
-
+# Validation errors a 422 lists at most (the rest are counted).
+SHOWN_ERRORS = 8
 
 # The HTTP status of each kind of domain error: the one place the domain meets HTTP. A kind
 # not listed takes its nearest listed base class's status.
@@ -95,13 +88,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.body(), status_code=http_status(exc))
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        parts = list(
-            dict.fromkeys(f"{_field(e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
-        )
-        first = _field(errors[0].get("loc", ())) if errors else None
-        body = {"error": {"code": "validation_error", "field": first, "message": "; ".join(parts)}}
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        refusal = body_refusal(errors, request.headers.get("content-type", ""))
+        if refusal is not None:
+            first: str | None = "body"
+            message = refusal
+        else:
+            first, message = summary(errors, keep_body=True, shown=SHOWN_ERRORS)
+        body = {"error": {"code": "validation_error", "field": first, "message": message}}
         return JSONResponse(body, status_code=422)
 
     @app.exception_handler(sqlalchemy.exc.OperationalError)
@@ -128,8 +123,15 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "http_error"
         )
         field = "body" if exc.status_code == 413 else None
+        message = str(exc.detail)
+        if exc.status_code == 400 and exc.detail == UNPARSED:
+            code, field, message = (
+                "invalid_value",
+                "body",
+                f"body: could not be read as JSON; {SEND_JSON}",
+            )
         return JSONResponse(
-            {"error": {"code": code, "field": field, "message": str(exc.detail)}},
+            {"error": {"code": code, "field": field, "message": message}},
             status_code=exc.status_code,
         )
 

@@ -475,7 +475,12 @@ def _journal_pin(services: Services, command: SetPinned) -> str | None:
         holders = {p.worker_id: p.worker for p in adapter.placements if p.lora_name == current}
         if command.pinned:
             check_pinnable(adapter.pool)
-            services.operations.check_pin_targets(session, adapter, list(holders.values()))
+            # loaded nowhere: the pin must fit wherever a load may put it, every ready worker
+            # of the pool (else it would take the last unpinned slot of one when it loads)
+            targets = list(holders.values()) or [
+                w for w in adapter.pool.workers if w.state == "ready"
+            ]
+            services.operations.check_pin_targets(session, adapter, targets)
         plan = PinPlan(
             adapter.id,
             current,

@@ -113,7 +113,7 @@ def bad_value(field: str, message: str, code: str = "invalid_value") -> InvalidV
 
 
 def not_found(what: str, name: str, field: str | None = None) -> NotFound:
-    return NotFound(f"{what} {name!r} not found", field=field)
+    return NotFound(f"{what} {excerpt(name)} not found", field=field)
 
 
 def conflict(message: str, code: str = "conflict", field: str | None = None) -> Conflict:

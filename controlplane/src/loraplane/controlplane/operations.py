@@ -681,10 +681,14 @@ class Operations:
             for field_name, value in record.items():
                 setattr(adapter, field_name, value)
 
-    def _namespace_of(self, adapter_id: int) -> str | None:
+    def _named(self, adapter_id: int) -> dict[str, Any]:
+        """An adapter event's ``namespace`` and ``adapter`` (its name): what a client knows it
+        by (the row id is the registry's own)."""
         with self.db.session() as session:
             adapter = session.get(Adapter, adapter_id)
-            return adapter.namespace if adapter is not None else None
+            if adapter is None:
+                return {"namespace": None, "adapter": None}
+            return {"namespace": adapter.namespace, "adapter": adapter.name}
 
     def _drop_rows(self, adapter_id: int, name: str, targets: Sequence[WorkerRef]) -> None:
         with self.db.session() as session:
@@ -783,8 +787,7 @@ class Operations:
             await asyncio.to_thread(self._set_rows, adapter_id, victim, [target], "loaded")
             await self.bus.publish(
                 "adapter.loaded",
-                namespace=await asyncio.to_thread(self._namespace_of, adapter_id),
-                adapter_id=adapter_id,
+                **await asyncio.to_thread(self._named, adapter_id),
                 lora_name=victim,
                 workers=[target.name],
             )
@@ -828,8 +831,7 @@ class Operations:
             await asyncio.to_thread(self._touch, adapter_id)
             await self.bus.publish(
                 "adapter.loaded",
-                namespace=await asyncio.to_thread(self._namespace_of, adapter_id),
-                adapter_id=adapter_id,
+                **await asyncio.to_thread(self._named, adapter_id),
                 lora_name=name,
                 workers=[t.name for t in targets],
             )
@@ -847,8 +849,7 @@ class Operations:
             await asyncio.to_thread(self._mark_inconsistent, adapter_id)
         await self.bus.publish(
             "adapter.failed",
-            namespace=await asyncio.to_thread(self._namespace_of, adapter_id),
-            adapter_id=adapter_id,
+            **await asyncio.to_thread(self._named, adapter_id),
             lora_name=name,
             error=merged.error_message,
         )
@@ -909,13 +910,15 @@ class Operations:
                     await self._record_observed(adapter_id, n, holders, merged.error_message)
                     or leftover
                 )
+        named = await asyncio.to_thread(self._named, adapter_id)  # (before a delete forgets it)
         namespace = await asyncio.to_thread(
             self._after_unload, adapter_id, leftover, merged.error_message, plan.then
         )
         await self.bus.publish(
             "adapter.unloaded",
             namespace=namespace,
-            adapter_id=adapter_id,
+            adapter=named["adapter"],
+            lora_names=sorted({n for ns in names.values() for n in ns}),
             success=merged.success,
             inconsistent=leftover,
         )

@@ -126,10 +126,26 @@ class Reconciler:
             return
         async with self._lock:
             workers = await asyncio.to_thread(self._workers)
-            await asyncio.gather(*(self.reconcile_worker(w) for w in workers))
+            # one worker's failure is logged and fails the pass, but not the other workers'
+            results = await asyncio.gather(
+                *(self.reconcile_worker(w) for w in workers), return_exceptions=True
+            )
+            failed = 0
+            for worker, result in zip(workers, results, strict=True):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                if isinstance(result, BaseException):
+                    failed += 1
+                    log.error(
+                        "reconciling worker %s failed", worker.name,
+                        exc_info=(type(result), result, result.__traceback__),
+                    )  # fmt: skip
             await asyncio.to_thread(self._finish_deletes)
             await asyncio.to_thread(self._update_gauges)
             self.passes += 1
+        if failed:
+            self.metrics.reconcile_passes.labels("error").inc()
+            return
         self.metrics.reconcile_passes.labels("ok").inc()
         self.metrics.reconcile_last_success.set(time.time())
 

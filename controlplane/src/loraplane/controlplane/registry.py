@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplane.controlplane.errors import InvalidValue, not_found
+from loraplane.controlplane.errors import InvalidValue, excerpt, not_found
 from loraplane.controlplane.models import Adapter, Operation, Placement, Pool, Worker
 from loraplane.controlplane.slots import Resident, WorkerSlots
 from loraplane.rules.names import DNS_LABEL_RULE, is_dns_label
@@ -18,7 +18,7 @@ from loraplane.rules.names import lora_name as lora_name  # the routes import it
 def check_label(value: str, field: str) -> str:
     if not is_dns_label(value):
         raise InvalidValue(
-            f"{field}: {value!r} is not a DNS-1123 label ({DNS_LABEL_RULE})",
+            f"{field}: {excerpt(value)} is not a DNS-1123 label ({DNS_LABEL_RULE})",
             field=field,
         )
     return value

@@ -202,7 +202,14 @@ class SourceResolver:
     def _local(self, path: Path, roots: Iterable[Path], what: str) -> Path:
         if not path.is_absolute():
             raise source_error(f"path {excerpt(str(path))} must be absolute")
-        real = Path(os.path.realpath(path))
+        try:
+            real = Path(os.path.realpath(path))
+        except (OSError, ValueError) as exc:  # (a name too long for the file system)
+            raise source_error(
+                f"path {excerpt(str(path))} cannot be resolved ({exc.__class__.__name__}: "
+                f"{getattr(exc, 'strerror', None) or exc})",
+                code="source_not_found",
+            ) from None
         allowed = [Path(os.path.realpath(root)) for root in roots]
         if not any(real == root or root in real.parents for root in allowed):
             shown = (
@@ -213,7 +220,14 @@ class SourceResolver:
                 f"path {excerpt(str(path))} is outside the {what} [{shown}]",
                 code="source_not_allowed",
             )
-        if not real.is_dir():
+        try:
+            is_dir = real.is_dir()
+        except OSError as exc:  # (ENAMETOOLONG, a loop, no permission on a parent)
+            raise source_error(
+                f"{excerpt(str(path))} cannot be read ({exc.strerror or exc.__class__.__name__})",
+                code="source_not_found",
+            ) from None
+        if not is_dir:
             raise source_error(f"{excerpt(str(path))} is not a directory", code="source_not_found")
         return real
 

@@ -20,6 +20,11 @@ class WorkerUnreachable(Exception):
     pass
 
 
+# What a request to a worker can raise before any answer: a transport error, or an endpoint
+# httpx cannot use (registration checks endpoints; this keeps one bad row from failing more).
+NO_ANSWER = (httpx.HTTPError, httpx.InvalidURL)
+
+
 class WorkerTimeout(Exception):
     """A connected worker did not answer in time: busy, not gone."""
 
@@ -52,7 +57,7 @@ class WorkerClient:
     async def _update(self, worker: str, url: str, body: dict[str, Any]) -> UpdateResult:
         try:
             response = await self.http.post(url, json=body, timeout=self.load_timeout_s)
-        except httpx.HTTPError as exc:
+        except NO_ANSWER as exc:
             return UpdateResult(
                 False, f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
             )
@@ -99,7 +104,7 @@ class WorkerClient:
     async def _get_json(self, worker: str, url: str) -> Any:
         try:
             response = await self.http.get(url, timeout=self.probe_timeout_s)
-        except httpx.HTTPError as exc:
+        except NO_ANSWER as exc:
             raise WorkerUnreachable(
                 f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
             ) from exc
@@ -117,7 +122,7 @@ class WorkerClient:
     async def health(self, worker: str, endpoint: str) -> None:
         try:
             response = await self.http.get(f"{endpoint}/health", timeout=self.probe_timeout_s)
-        except httpx.HTTPError as exc:
+        except NO_ANSWER as exc:
             raise WorkerUnreachable(
                 f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
             ) from exc
@@ -180,7 +185,7 @@ class WorkerClient:
                 f"worker {worker} did not answer within {timeout_s:g} s "
                 f"({type(exc).__name__}); raise router.request_timeout_s or ask for fewer tokens"
             ) from exc
-        except httpx.HTTPError as exc:
+        except NO_ANSWER as exc:
             raise WorkerUnreachable(
                 f"worker {worker}: {type(exc).__name__}: {exc or 'no answer'}"
             ) from exc

@@ -16,7 +16,9 @@ DNS_LABEL_RULE = (
 
 def is_dns_label(value: object) -> TypeGuard[str]:
     """A DNS-1123 label: what a namespace, pool or adapter name may be."""
-    return isinstance(value, str) and len(value) <= DNS_LABEL_MAX and bool(DNS_LABEL.match(value))
+    return (
+        isinstance(value, str) and len(value) <= DNS_LABEL_MAX and bool(DNS_LABEL.fullmatch(value))
+    )  # (fullmatch: a pattern's `$` also matches before a final newline)
 
 
 # the name a worker accepts for an adapter (the control plane's `lora_name`s are a subset)

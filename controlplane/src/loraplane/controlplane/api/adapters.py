@@ -7,11 +7,12 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane import application
+from loraplane.controlplane.api.bodies import Body
 from loraplane.controlplane.auth import Principal
 from loraplane.controlplane.deps import (
     Admin,
@@ -42,11 +43,9 @@ router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
 Secret = Annotated[SecretStr, Field(min_length=1, max_length=8192)]
 
 
-class CredentialsSpec(BaseModel):
+class CredentialsSpec(Body):
     """Per-adapter credentials for fetching the source: used by the preflight only, never
     stored, never logged, not part of the idempotency hash (SecretStr hides them in reprs)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     aws_access_key_id: Secret | None = Field(None, description="s3:// (with the secret key)")
     aws_secret_access_key: Secret | None = Field(None, description="s3:// (with the key id)")
@@ -54,6 +53,19 @@ class CredentialsSpec(BaseModel):
     token: Secret | None = Field(
         None, description="http(s):// and hf://: sent as `Authorization: Bearer <token>`"
     )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _header_safe(cls, value: Any) -> Any:
+        # (each is sent in a request header or signs one; its value is never echoed)
+        if isinstance(value, SecretStr) and not all(
+            0x20 < ord(c) < 0x7F for c in value.get_secret_value()
+        ):
+            raise ValueError(
+                "must be printable ASCII without spaces or line breaks (it goes into a request "
+                "header); the value is not shown"
+            )
+        return value
 
     def for_fetch(self) -> SourceCredentials:
         return SourceCredentials(
@@ -64,9 +76,7 @@ class CredentialsSpec(BaseModel):
         )
 
 
-class SourceSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class SourceSpec(Body):
     uri: str = Field(min_length=1, max_length=MAX_URI_CHARS)
     sha256: str | None = Field(
         None, pattern=r"^[0-9a-fA-F]{64}$", description="sha256 of adapter_model.safetensors"
@@ -87,9 +97,7 @@ class SourceSpec(BaseModel):
 UNHASHED = {"source": {"credentials"}}
 
 
-class PlacementCount(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class PlacementCount(Body):
     count: int = Field(ge=1, le=10_000)
 
 
@@ -106,9 +114,7 @@ LoadPolicy = Annotated[
 ]
 
 
-class AdapterCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class AdapterCreate(Body):
     namespace: str = "default"
     name: str
     pool: str
@@ -120,23 +126,17 @@ class AdapterCreate(BaseModel):
     load_policy: LoadPolicy = "OnDemand"
 
 
-class LoadRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class LoadRequest(Body):
     placement: Placement | None = None
 
 
-class AdapterPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class AdapterPatch(Body):
     pinned: bool | None = None
     priority: int | None = Field(None, ge=-1000, le=1000)
     load_policy: LoadPolicy | None = None
 
 
-class VersionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class VersionRequest(Body):
     source: SourceSpec
 
 

@@ -24,7 +24,7 @@ from sqlalchemy import select
 from loraplane.controlplane import application
 from loraplane.controlplane.auth import ALL_NAMESPACES, Principal
 from loraplane.controlplane.deps import RouteCaller, Services, ServicesDep
-from loraplane.controlplane.errors import ApiError, bad_value
+from loraplane.controlplane.errors import ApiError, bad_value, excerpt
 from loraplane.controlplane.lifecycle import mark
 from loraplane.controlplane.models import Adapter, Placement, Pool, Worker
 from loraplane.controlplane.operations import WorkerRef
@@ -50,7 +50,7 @@ def pick_namespace(principal: Principal, header: str | None) -> str:
             raise ApiError(
                 403,
                 "forbidden_namespace",
-                f"header.X-Loraplane-Namespace: token {principal.name!r} may not use namespace {header!r}",
+                f"header.X-Loraplane-Namespace: token {principal.name!r} may not use namespace {excerpt(header)}",
                 field="header.X-Loraplane-Namespace",
             )
         return principal.namespace
@@ -90,7 +90,7 @@ def _lookup(services: Services, namespace: str, model: str) -> Destination:
                 raise ApiError(
                     404,
                     "not_found",
-                    f"body.model: no adapter or pool named {model!r} in namespace {namespace!r}",
+                    f"body.model: no adapter or pool named {excerpt(model)} in namespace {excerpt(namespace)}",
                     field="body.model",
                 )
             ready = sorted((w for w in pool.workers if w.state == "ready"), key=lambda w: w.name)
@@ -106,7 +106,7 @@ def _lookup(services: Services, namespace: str, model: str) -> Destination:
             raise ApiError(
                 404,
                 "not_found",
-                f"body.model: adapter {adapter_name!r} not found in namespace {namespace!r}",
+                f"body.model: adapter {excerpt(adapter_name)} not found in namespace {excerpt(namespace)}",
                 field="body.model",
             )
         pool = adapter.pool
@@ -118,8 +118,8 @@ def _lookup(services: Services, namespace: str, model: str) -> Destination:
             raise ApiError(
                 404,
                 "not_found",
-                f"body.model: adapter {adapter_name!r} belongs to pool {pool.name!r}, "
-                f"not {prefix!r}",
+                f"body.model: adapter {excerpt(adapter_name)} belongs to pool {pool.name!r}, "
+                f"not {excerpt(prefix)}",
                 field="body.model",
             )
         name = lora_name(adapter.namespace, adapter.name, adapter.version)

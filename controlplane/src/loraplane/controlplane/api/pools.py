@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import select
 
+from loraplane.controlplane.api.bodies import Body
 from loraplane.controlplane.deps import ClusterAdmin, Reader, SessionDep, check_namespace
 from loraplane.controlplane.errors import bad_value, conflict
 from loraplane.controlplane.models import Pool
@@ -17,9 +18,7 @@ from loraplane.controlplane.sources import DEFAULT_TARGET_MODULES
 router = APIRouter(prefix="/v1/pools", tags=["pools"])
 
 
-class PoolSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class PoolSpec(Body):
     model: str = Field(
         min_length=1, max_length=1024, description="path or URI of the base checkpoint"
     )

@@ -46,6 +46,7 @@ from loraplane.controlplane.services import Services
 from loraplane.controlplane.upstream import Response as UpstreamResponse
 from loraplane.controlplane.upstream import UpstreamError
 from loraplane.controlplane.workers import WorkerTimeout, WorkerUnreachable
+from loraplane.rules.text import not_text
 
 router = APIRouter(tags=["router"])
 PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -209,6 +210,8 @@ def _parse(raw: bytes) -> tuple[dict[str, Any], str]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_value("body.model", "required: '<pool>:<adapter>', '<adapter>' or a pool name")
+    if (reason := not_text(model)) is not None:
+        raise bad_value("body.model", reason)
     if body.get("lora_path") is not None:  # the worker would prefer it to the routed adapter
         raise bad_value(
             "body.lora_path", "not accepted by the router: name the adapter in body.model"

@@ -7,9 +7,10 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import select
 
+from loraplane.controlplane.api.bodies import Body
 from loraplane.controlplane.auth import ALL_NAMESPACES, hash_token, new_token
 from loraplane.controlplane.deps import ClusterAdmin, Services, ServicesDep, SessionDep
 from loraplane.controlplane.errors import not_found
@@ -19,9 +20,7 @@ from loraplane.controlplane.registry import check_label, iso
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
 
-class TokenCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
+class TokenCreate(Body):
     name: str = Field(min_length=1, max_length=200)
     scopes: list[Literal["read", "route", "admin"]] = Field(min_length=1)
     namespace: str = "default"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import select
 
+from loraplane.controlplane.api.bodies import Body
 from loraplane.controlplane.deps import (
     ClusterAdmin,
     Reader,
@@ -19,18 +21,35 @@ from loraplane.controlplane.deps import (
     SessionDep,
     check_namespace,
 )
-from loraplane.controlplane.errors import bad_value
+from loraplane.controlplane.errors import bad_value, excerpt
 from loraplane.controlplane.models import Pool, Worker
 from loraplane.controlplane.registry import check_label, get_pool, get_worker, worker_json
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
-WORKER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-ENDPOINT = re.compile(r"^https?://[^/\s]+(/[^\s]*)?$")
+WORKER_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 
 
-class WorkerRegister(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+def endpoint_problem(endpoint: str) -> str | None:
+    """Why ``endpoint`` is no ``http(s)://host[:port][/path]`` a worker answers at, or None."""
+    if any(not 0x20 < ord(c) < 0x7F for c in endpoint):
+        return "holds a space, a control or a non-ASCII character"
+    parsed = urlsplit(endpoint)
+    try:
+        port = parsed.port
+    except ValueError:
+        return "has a port outside 1..65535"
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return "is not an http(s)://host[:port] URL"
+    if parsed.username is not None or parsed.password is not None:
+        return "holds credentials (user:password@); workers take a token, never URL credentials"
+    if parsed.query or parsed.fragment or endpoint.endswith(("?", "#")):
+        return "has a query or a fragment"
+    if port == 0:
+        return "has a port outside 1..65535"
+    return None
 
+
+class WorkerRegister(Body):
     name: str = Field(min_length=1, max_length=253)
     namespace: str = "default"
     pool: str
@@ -44,11 +63,13 @@ class WorkerRegister(BaseModel):
 async def register_worker(
     body: WorkerRegister, services: ServicesDep, _: ClusterAdmin
 ) -> JSONResponse:
-    if not WORKER_NAME.match(body.name):
-        raise bad_value("body.name", f"{body.name!r} is not a DNS-1123 subdomain name")
+    if not WORKER_NAME.fullmatch(body.name):
+        raise bad_value("body.name", f"{excerpt(body.name)} is not a DNS-1123 subdomain name")
     check_label(body.namespace, "body.namespace")
-    if not ENDPOINT.match(body.endpoint):
-        raise bad_value("body.endpoint", f"{body.endpoint!r} is not an http(s)://host[:port] URL")
+    check_label(body.pool, "body.pool")
+    problem = endpoint_problem(body.endpoint)
+    if problem is not None:
+        raise bad_value("body.endpoint", f"{excerpt(body.endpoint)} {problem}")
     body_json, created = await asyncio.to_thread(_register, services, body)
     await services.bus.publish(
         "worker.registered", worker=body.name, pool=body.pool, namespace=body.namespace

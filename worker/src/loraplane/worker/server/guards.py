@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.rules.body_limit import BodyLimit
+from loraplane.rules.validation import SEND_JSON, UNPARSED, body_refusal, summary
 from loraplane.worker.config import ConfigError
 from loraplane.worker.server import protocol as p
 
@@ -41,88 +42,23 @@ def error_body(status: int, message: str, param: str | None, kind: str) -> dict[
     ).model_dump()
 
 
-# A field a client may mean under another name: (in sampling_params?, given) -> the name here.
+# A field a client may mean under another name: the path it wrote -> the name here.
 _MEANT = {
-    (True, "max_tokens"): "max_new_tokens",
-    (False, "max_new_tokens"): "max_tokens",
-    (False, "top_logprobs_num"): "logprobs",
-    (False, "sampling_params"): "the sampling fields at the top level",
+    ("sampling_params", "max_tokens"): "max_new_tokens",
+    ("max_new_tokens",): "max_tokens",
+    ("top_logprobs_num",): "logprobs",
+    ("sampling_params",): "the sampling fields at the top level",
 }
-_JSON = "send the body as UTF-8 JSON with Content-Type: application/json"
-
-
-def _loc(loc: tuple[Any, ...] | list[Any]) -> tuple[str, ...]:
-    """The field path of an error: without the leading ``body``, and without the union branch
-    tags pydantic puts in (``stop.str``, ``messages.0.content.list[ContentPart]``): fields
-    are snake_case, a tag is a type (``str``, ``int``, ``list[...]``, a class name)."""
-    parts = [str(part) for part in loc]
-    if parts and parts[0] == "body":
-        parts = parts[1:]
-    return tuple(
-        part
-        for part in parts
-        if not ("[" in part or part in ("str", "int", "float", "bool") or part[:1].isupper())
-    )
-
-
-def _message(path: tuple[str, ...], error: dict[str, Any]) -> str:
-    kind, msg = error.get("type", ""), str(error.get("msg", "invalid"))
-    if kind == "extra_forbidden":
-        meant = _MEANT.get((path[:1] == ("sampling_params",), path[-1] if path else ""))
-        msg = "not a field of this endpoint" + (f" (did you mean {meant}?)" if meant else "")
-    return msg.removeprefix("Value error, ")
-
-
-def _described(errors: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """(field, message) per bad field, in order. Of a union's branches, those refused only for
-    their type give way to a branch that got further (a list of text parts with a bad part
-    is told about that part, not that it is no string); types alone are merged into one
-    message (``stop: Input should be a valid string or a valid list``)."""
-    located = [(_loc(e.get("loc", ())), e) for e in errors]
-
-    def further(path: tuple[str, ...], error: dict[str, Any]) -> bool:
-        return any(
-            other is not error
-            and other_path[: len(path)] == path
-            and (len(other_path) > len(path) or not other.get("type", "").endswith("_type"))
-            for other_path, other in located
-        )
-
-    by_field: dict[str, list[str]] = {}
-    for path, error in located:
-        if error.get("type", "").endswith("_type") and further(path, error):
-            continue
-        messages = by_field.setdefault(".".join(path) or "body", [])
-        message = _message(path, error)
-        if messages and message.startswith("Input should be ") and message not in messages:
-            message = message.removeprefix("Input should be ")
-        if message not in messages:
-            messages.append(message)
-    return [(field, " or ".join(messages)) for field, messages in by_field.items()]
 
 
 async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     """A 422 in the documented shape; pydantic's messages name the rule, never the input."""
     assert isinstance(exc, RequestValidationError)
     errors = list(exc.errors())
-    first = errors[0] if errors else {}
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if first.get("type") == "json_invalid":  # (loc: the character where parsing stopped)
-        at, why = first.get("loc", ("body", "?"))[-1], (first.get("ctx") or {}).get("error")
-        message = f"body: not valid JSON at character {at}" + (f" ({why})" if why else "")
-        return _refused(422, f"{message}; {_JSON}")
-    if (
-        media != "application/json"
-        and not media.endswith("+json")
-        and _loc(first.get("loc", ())) == ()
-    ):
-        return _refused(422, f"body: Content-Type is {media or 'not set'}; {_JSON}")
-    described = _described(errors)
-    parts = [f"{field}: {message}" for field, message in described]
-    message = "; ".join(parts[:SHOWN_ERRORS])
-    if len(parts) > SHOWN_ERRORS:  # (a body of many bad items: a bounded answer)
-        message += f"; and {len(parts) - SHOWN_ERRORS} more"
-    param = described[0][0] if described else None
+    refusal = body_refusal(errors, request.headers.get("content-type", ""))
+    if refusal is not None:
+        return _refused(422, refusal)
+    param, message = summary(errors, keep_body=False, shown=SHOWN_ERRORS, meant=_MEANT)
     return JSONResponse(error_body(422, message, param, "invalid_request_error"), status_code=422)
 
 
@@ -144,9 +80,8 @@ async def http_error(_request: Request, exc: Exception) -> JSONResponse:
         exc.status_code, "invalid_request_error"
     )
     param = "body" if exc.status_code == 413 else None
-    if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
-        # (starlette's answer to a body json.loads raised on: bad UTF-8, nesting too deep)
-        return _refused(400, f"body: could not be read as JSON; {_JSON}")
+    if exc.status_code == 400 and exc.detail == UNPARSED:
+        return _refused(400, f"body: could not be read as JSON; {SEND_JSON}")
     return JSONResponse(
         error_body(exc.status_code, str(exc.detail), param, kind),
         status_code=exc.status_code,

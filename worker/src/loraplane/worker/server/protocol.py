@@ -7,24 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from loraplane.rules.names import LORA_NAME_PATTERN
+from loraplane.rules.text import check_text
 from loraplane.worker.engine.logprobs import MAX_TOP_LOGPROBS
-
-
-def _check_text(value: Any) -> Any:
-    """``value`` as given; a string (or a list's string) that is not Unicode text, a lone
-    surrogate such as JSON's ``"\\ud800"``, is refused: no tokenizer, file system or
-    response can carry it."""
-    for text in value if isinstance(value, list) else (value,):
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                code = ord(text[exc.start])
-                raise ValueError(
-                    f"holds a lone surrogate (U+{code:04X}) at character {exc.start}, which is "
-                    "not Unicode text; send UTF-8 text"
-                ) from None
-    return value
 
 
 class _Body(BaseModel):
@@ -37,8 +21,8 @@ class _Body(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _text(cls, value: Any) -> Any:
-        return _check_text(value)
+    def _unicode(cls, value: Any) -> Any:
+        return check_text(value)
 
 
 # --- fields this worker does not implement -------------------------------------------------
