@@ -295,7 +295,9 @@ def _journal_register(
         )
         ready = [w for w in adapter.pool.workers if w.state == "ready"]
         if command.load and ready:
-            plan = services.operations.plan_load(session, adapter, adapter.placement_count)
+            plan = services.operations.plan_load(
+                session, adapter, adapter.placement_count, pin_field="body.pinned"
+            )
         op_id = _journal(services, session, command.idempotency, "register", adapter, plan)
         services.operations.add_loading_rows(session, adapter, plan)
         start_loading(adapter, registering=True)

@@ -291,10 +291,17 @@ class Operations:
 
     # -- planning (in the caller's session, before journalling) -------------------------------------
     def plan_load(
-        self, session: Session, adapter: Adapter, count: int | None, shrink: bool = False
+        self,
+        session: Session,
+        adapter: Adapter,
+        count: int | None,
+        shrink: bool = False,
+        pin_field: str | None = None,
     ) -> LoadPlan:
         """Targets for ``adapter``; with ``shrink`` (a placement count the caller set), the
-        copies held beyond ``count`` are unloaded once the load succeeds."""
+        copies held beyond ``count`` are unloaded once the load succeeds. ``pin_field``: the
+        request's field a pin limit names (``body.pinned`` where the request set the pin;
+        a load of an adapter pinned before has none)."""
         name = lora_name(adapter.namespace, adapter.name, adapter.version)
         workers = list(adapter.pool.workers)
         slots = [
@@ -304,7 +311,7 @@ class Operations:
         try:
             plan = plan_placement(slots, name, count=count, pinned=adapter.pinned)
         except PinLimitExceeded as exc:
-            raise PinLimit(str(exc), field="body.pinned") from exc
+            raise PinLimit(str(exc), field=pin_field) from exc
         except SlotsFull as exc:
             raise NoCapacity(str(exc), no_worker=exc.no_worker) from exc
         by_name = {w.name: w for w in workers}
