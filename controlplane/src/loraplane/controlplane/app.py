@@ -119,10 +119,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
-            exc.status_code, "http_error"
-        )
-        field = "body" if exc.status_code == 413 else None
+        code = {
+            404: "not_found",
+            405: "method_not_allowed",
+            408: "body_timeout",
+            413: "too_large",
+        }.get(exc.status_code, "http_error")
+        field = "body" if exc.status_code in (408, 413) else None
         message = str(exc.detail)
         if exc.status_code == 400 and exc.detail == UNPARSED:
             code, field, message = (

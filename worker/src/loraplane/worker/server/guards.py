@@ -79,7 +79,7 @@ async def http_error(_request: Request, exc: Exception) -> JSONResponse:
     kind = {404: "not_found", 401: "authentication_error"}.get(
         exc.status_code, "invalid_request_error"
     )
-    param = "body" if exc.status_code == 413 else None
+    param = "body" if exc.status_code in (408, 413) else None
     if exc.status_code == 400 and exc.detail == UNPARSED:
         return _refused(400, f"body: could not be read as JSON; {SEND_JSON}")
     return JSONResponse(
