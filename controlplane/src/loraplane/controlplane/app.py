@@ -52,7 +52,7 @@ from loraplane.controlplane.upstream import Upstream
 from loraplane.controlplane.usage import UsageBatch
 from loraplane.controlplane.workers import WorkerClient
 from loraplane.rules.body_limit import BodyLimit
-from loraplane.rules.validation import SEND_JSON, UNPARSED, body_refusal, summary
+from loraplane.rules.validation import UNPARSED, UNPARSED_MESSAGE, body_refusal, summary
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +128,7 @@ def install_error_handlers(app: FastAPI) -> None:
         field = "body" if exc.status_code in (408, 413) else None
         message = str(exc.detail)
         if exc.status_code == 400 and exc.detail == UNPARSED:
-            code, field, message = (
-                "invalid_value",
-                "body",
-                f"body: could not be read as JSON; {SEND_JSON}",
-            )
+            code, field, message = "invalid_value", "body", UNPARSED_MESSAGE
         return JSONResponse(
             {"error": {"code": code, "field": field, "message": message}},
             status_code=exc.status_code,

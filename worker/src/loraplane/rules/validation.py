@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 SEND_JSON = "send the body as UTF-8 JSON with Content-Type: application/json"
-# starlette's answer to a body that json.loads raised on (bad UTF-8, nesting too deep)
+# starlette's answer to a body that json.loads raised on (bad UTF-8, nesting too deep), and
+# what both servers say instead
 UNPARSED = "There was an error parsing the body"
+UNPARSED_MESSAGE = f"body: could not be read as JSON; {SEND_JSON}"
 
 
 def field_path(loc: Sequence[Any], *, keep_body: bool) -> tuple[str, ...]:

@@ -37,6 +37,8 @@ def endpoint_problem(endpoint: str) -> str | None:
     try:
         port = parsed.port
     except ValueError:
+        port = 0
+    if port == 0:
         return "has a port outside 1..65535"
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         return "is not an http(s)://host[:port] URL"
@@ -44,8 +46,6 @@ def endpoint_problem(endpoint: str) -> str | None:
         return "holds credentials (user:password@); workers take a token, never URL credentials"
     if parsed.query or parsed.fragment or endpoint.endswith(("?", "#")):
         return "has a query or a fragment"
-    if port == 0:
-        return "has a port outside 1..65535"
     return None
 
 

@@ -154,7 +154,7 @@ class WorkerServer:
         same adapter; naming two adapters is refused."""
         if lora_path:
             self._check_adapter(lora_path, "lora_path")
-            named = self._adapter_of_model(model) if model else None
+            named = self._adapter_of_model(model)
             if named is not None and named != lora_path:
                 raise ApiError(
                     400,
@@ -163,32 +163,39 @@ class WorkerServer:
                     "lora_path",
                 )
             return lora_path
-        return self._adapter_of_model(model) if model else None
+        return self._adapter_of_model(model)
 
     def response_model(self, model: str | None, adapter: str | None) -> str:
         """The ``model`` an answer names: the request's when it names what ran, else the
-        adapter ``lora_path`` chose."""
-        if model and (adapter is None or self._adapter_of_model(model) == adapter):
+        adapter ``lora_path`` chose (``adapter_for`` has checked both already)."""
+        if model and (adapter is None or self._named_adapter(model) == adapter):
             return model
         return adapter if adapter is not None else self.served_model
 
     def _adapter_of_model(self, model: str | None) -> str | None:
+        """The adapter ``model`` names, checked to be loaded; None for the base model."""
+        name = self._named_adapter(model)
+        if name is not None:
+            self._check_adapter(name, "model")
+        return name
+
+    def _named_adapter(self, model: str | None) -> str | None:
+        """The adapter name in ``model`` (``<adapter>`` or ``<base>:<adapter>``), None for the
+        base model; a 404 for another base model."""
         if not model or model == self.served_model:
             return None
-        name = model
         base, sep, rest = model.partition(":")
-        if sep:
-            if base != self.served_model:
-                raise ApiError(
-                    404,
-                    f"model: {guards.excerpt(model)} names base {guards.excerpt(base)}, "
-                    f"but this worker serves {self.served_model!r}",
-                    "model",
-                    "not_found",
-                )
-            name = rest
-        self._check_adapter(name, "model")
-        return name
+        if not sep:
+            return model
+        if base != self.served_model:
+            raise ApiError(
+                404,
+                f"model: {guards.excerpt(model)} names base {guards.excerpt(base)}, "
+                f"but this worker serves {self.served_model!r}",
+                "model",
+                "not_found",
+            )
+        return rest
 
     def _check_adapter(self, name: str, field: str) -> None:
         if len(name) > guards.QUOTE_CHARS:  # longer than any adapter name: not quoted whole

@@ -19,7 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.rules.body_limit import BodyLimit
-from loraplane.rules.validation import SEND_JSON, UNPARSED, body_refusal, summary
+from loraplane.rules.validation import UNPARSED, UNPARSED_MESSAGE, body_refusal, summary
 from loraplane.worker.config import ConfigError
 from loraplane.worker.server import protocol as p
 
@@ -81,7 +81,7 @@ async def http_error(_request: Request, exc: Exception) -> JSONResponse:
     )
     param = "body" if exc.status_code in (408, 413) else None
     if exc.status_code == 400 and exc.detail == UNPARSED:
-        return _refused(400, f"body: could not be read as JSON; {SEND_JSON}")
+        return _refused(400, UNPARSED_MESSAGE)
     return JSONResponse(
         error_body(exc.status_code, str(exc.detail), param, kind),
         status_code=exc.status_code,
