@@ -239,6 +239,55 @@ def test_idempotency_key_replays_and_refuses_a_different_body(
     assert len(client.get("/v1/operations", headers=ADMIN).json()["items"]) == 1
 
 
+def test_parallel_requests_with_one_key_answer_one_operation(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path], db_url: str
+) -> None:
+    """A client that retries before its first answer came (after a timeout, or through two
+    replicas behind a load balancer) gets the one operation back every time, not a conflict
+    with itself."""
+    directory = make_adapter()
+    key = {"Idempotency-Key": "create-race", **ADMIN}
+    with ThreadPoolExecutor(8) as threads:
+        answers = list(threads.map(lambda _: register(client, directory, "race", key), range(8)))
+    # the request that ran it answers 201 once it is done; a replay while it runs, 202
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {201, 202} and 201 in codes, [r.text for r in answers]
+    assert len({r.json()["operation"]["id"] for r in answers}) == 1
+    assert len(client.get("/v1/operations", headers=ADMIN).json()["items"]) == 1
+    assert [a["name"] for a in client.get("/v1/adapters", headers=ADMIN).json()["items"]] == [
+        "race"
+    ]
+
+
+def test_idempotency_keys_are_per_namespace(
+    client: TestClient, make_adapter: Callable[..., Path]
+) -> None:
+    """Two tenants that pick the same key each get their own operation: neither is refused
+    nor shown the other's operation id."""
+    ops = {}
+    for namespace in ("team-a", "team-b"):
+        client.put(f"/v1/pools/{namespace}/tiny", json=POOL, headers=ADMIN)
+        admin = {"Idempotency-Key": "nightly-1", **make_token(client, ["admin"], namespace)}
+        body = {
+            "namespace": namespace,
+            "name": "sql",
+            "pool": "tiny",
+            "source": {"uri": f"file://{make_adapter(namespace)}"},
+        }
+        first = client.post("/v1/adapters", json=body, headers=admin)
+        assert first.status_code == 201, first.text
+        again = client.post("/v1/adapters", json=body, headers=admin)
+        assert again.status_code == 201, again.text
+        assert again.json()["operation"]["id"] == first.json()["operation"]["id"]
+        ops[namespace] = first.json()["operation"]["id"]
+    assert ops["team-a"] != ops["team-b"]
+    listed = client.get("/v1/adapters", headers=ADMIN).json()["items"]
+    assert sorted((a["namespace"], a["name"]) for a in listed) == [
+        ("team-a", "sql"),
+        ("team-b", "sql"),
+    ]
+
+
 def bad_adapter_cases() -> list[Any]:
     return [
         pytest.param(

@@ -21,6 +21,7 @@ No FastAPI here (an import-linter contract holds that line).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,7 +29,14 @@ import sqlalchemy.exc
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from loraplane.controlplane.errors import NoCapacity, NotFound, PinLimit, Unavailable, conflict
+from loraplane.controlplane.errors import (
+    Conflict,
+    NoCapacity,
+    NotFound,
+    PinLimit,
+    Unavailable,
+    conflict,
+)
 from loraplane.controlplane.lifecycle import registered, start_loading, start_unloading
 from loraplane.controlplane.models import Adapter, Operation, Pool
 from loraplane.controlplane.operations import request_hash
@@ -54,7 +62,8 @@ ON_DEMAND_POLL_S = 0.05  # how often an on-demand load looks again while another
 @dataclass(frozen=True, slots=True)
 class Idempotency:
     """The client's ``Idempotency-Key`` (None: a fresh one) and the hash of its request: the
-    same key with the same request answers the journalled operation again."""
+    same key with the same request in the same namespace answers the journalled operation
+    again. Keys are per namespace: one tenant's key never meets another's."""
 
     key: str | None
     request_hash: str
@@ -142,13 +151,41 @@ class Loaded:
 
 
 # -- shared steps ----------------------------------------------------------------------------
-def _replayed(services: Services, idempotency: Idempotency) -> str | None:
-    """The operation an earlier request with the same key journalled (409 if its body differed)."""
+def _replayed(services: Services, namespace: str, idempotency: Idempotency) -> str | None:
+    """The operation an earlier request with the same key in ``namespace`` journalled (409 if
+    its body differed)."""
     if idempotency.key is None:
         return None
     with services.db.session() as session:
-        op = services.operations.existing(session, idempotency.key, idempotency.request_hash)
+        op = services.operations.existing(
+            session, namespace, idempotency.key, idempotency.request_hash
+        )
         return op.id if op is not None else None
+
+
+async def _once(
+    services: Services,
+    namespace: str,
+    name: str,
+    idempotency: Idempotency,
+    fresh: Callable[[], Awaitable[OperationDone]],
+) -> OperationDone:
+    """Answer a request once per key: the journalled operation of an earlier request with
+    the key, else ``fresh()``. A request that loses the race to a concurrent one with the same
+    key and body (its checks or its journal refused: the adapter exists, is busy, the key is
+    taken) answers the winner's operation as a replay would, not a conflict."""
+    replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
+    if replay is not None:
+        return OperationDone(replay, namespace, name)
+    try:
+        return await fresh()
+    except (Conflict, sqlalchemy.exc.IntegrityError):
+        if idempotency.key is None:
+            raise
+        replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
+        if replay is None:
+            raise
+        return OperationDone(replay, namespace, name)
 
 
 async def _run(services: Services, op_id: str, namespace: str, name: str) -> OperationDone:
@@ -233,14 +270,15 @@ async def _preflight(services: Services, pool: Pool, source: Source) -> AdapterF
 # -- register --------------------------------------------------------------------------------
 async def register(services: Services, command: Register) -> OperationDone:
     """Record a new adapter (after the preflight of its source) and, with ``load``, load it."""
-    replay = await asyncio.to_thread(_replayed, services, command.idempotency)
-    if replay is not None:
-        return OperationDone(replay, command.namespace, command.name)
-    pool_id, pool = await asyncio.to_thread(_check_registrable, services, command)
-    facts = await _preflight(services, pool, command.source)
-    await services.usage.flush()  # the evictions its load may plan read the LRU order
-    op_id = await asyncio.to_thread(_journal_register, services, command, pool_id, facts)
-    return await _run(services, op_id, command.namespace, command.name)
+
+    async def fresh() -> OperationDone:
+        pool_id, pool = await asyncio.to_thread(_check_registrable, services, command)
+        facts = await _preflight(services, pool, command.source)
+        await services.usage.flush()  # the evictions its load may plan read the LRU order
+        op_id = await asyncio.to_thread(_journal_register, services, command, pool_id, facts)
+        return await _run(services, op_id, command.namespace, command.name)
+
+    return await _once(services, command.namespace, command.name, command.idempotency, fresh)
 
 
 def _check_registrable(services: Services, command: Register) -> tuple[int, Pool]:
@@ -308,12 +346,13 @@ def _journal_register(
 async def load(services: Services, command: Load) -> OperationDone:
     """Load the adapter's current version onto its placement (all ready workers or a count);
     a smaller count than it holds unloads the extra copies once the load succeeded."""
-    replay = await asyncio.to_thread(_replayed, services, command.idempotency)
-    if replay is None:
+
+    async def fresh() -> OperationDone:
         await services.usage.flush()  # the evictions it may plan read the LRU order
-        replay = await asyncio.to_thread(_journal_load, services, command)
-        return await _run(services, replay, command.namespace, command.name)
-    return OperationDone(replay, command.namespace, command.name)
+        op_id = await asyncio.to_thread(_journal_load, services, command)
+        return await _run(services, op_id, command.namespace, command.name)
+
+    return await _once(services, command.namespace, command.name, command.idempotency, fresh)
 
 
 def _journal_load(services: Services, command: Load) -> str:
@@ -419,11 +458,12 @@ def _on_demand_outcome(services: Services, op_id: str, pool_name: str) -> str:
 # -- unload and delete -----------------------------------------------------------------------
 async def unload(services: Services, command: Unload) -> OperationDone:
     """Unload every version of the adapter everywhere; with ``delete``, then delete it."""
-    replay = await asyncio.to_thread(_replayed, services, command.idempotency)
-    if replay is None:
-        replay = await asyncio.to_thread(_journal_unload, services, command)
-        return await _run(services, replay, command.namespace, command.name)
-    return OperationDone(replay, command.namespace, command.name)
+
+    async def fresh() -> OperationDone:
+        op_id = await asyncio.to_thread(_journal_unload, services, command)
+        return await _run(services, op_id, command.namespace, command.name)
+
+    return await _once(services, command.namespace, command.name, command.idempotency, fresh)
 
 
 def unload_plan(adapter: Adapter, then: Literal["keep", "delete"]) -> UnloadPlan:
@@ -454,13 +494,14 @@ def _journal_unload(services: Services, command: Unload) -> str:
 
 # -- set pinned (PATCH) ----------------------------------------------------------------------
 async def set_pinned(services: Services, command: SetPinned) -> OperationDone:
-    replay = await asyncio.to_thread(_replayed, services, command.idempotency)
-    if replay is not None:
-        return OperationDone(replay, command.namespace, command.name)
-    op_id = await asyncio.to_thread(_journal_pin, services, command)
-    if op_id is None:
-        return OperationDone(None, command.namespace, command.name)
-    return await _run(services, op_id, command.namespace, command.name)
+
+    async def fresh() -> OperationDone:
+        op_id = await asyncio.to_thread(_journal_pin, services, command)
+        if op_id is None:
+            return OperationDone(None, command.namespace, command.name)
+        return await _run(services, op_id, command.namespace, command.name)
+
+    return await _once(services, command.namespace, command.name, command.idempotency, fresh)
 
 
 def _journal_pin(services: Services, command: SetPinned) -> str | None:
@@ -498,14 +539,15 @@ def _journal_pin(services: Services, command: SetPinned) -> str | None:
 async def update_version(services: Services, command: UpdateVersion) -> OperationDone:
     """Make before break: the new version loads beside the old one wherever the old one is,
     the record switches, then the old version goes."""
-    replay = await asyncio.to_thread(_replayed, services, command.idempotency)
-    if replay is not None:
-        return OperationDone(replay, command.namespace, command.name)
-    pool = await asyncio.to_thread(_version_pool, services, command)
-    facts = await _preflight(services, pool, command.source)
-    await services.usage.flush()  # the evictions it may plan read the LRU order
-    op_id = await asyncio.to_thread(_journal_version, services, command, facts)
-    return await _run(services, op_id, command.namespace, command.name)
+
+    async def fresh() -> OperationDone:
+        pool = await asyncio.to_thread(_version_pool, services, command)
+        facts = await _preflight(services, pool, command.source)
+        await services.usage.flush()  # the evictions it may plan read the LRU order
+        op_id = await asyncio.to_thread(_journal_version, services, command, facts)
+        return await _run(services, op_id, command.namespace, command.name)
+
+    return await _once(services, command.namespace, command.name, command.idempotency, fresh)
 
 
 def _version_pool(services: Services, command: UpdateVersion) -> Pool:

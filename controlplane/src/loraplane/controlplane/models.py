@@ -135,7 +135,7 @@ class Placement(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     adapter_id: Mapped[int] = mapped_column(ForeignKey("adapters.id", ondelete="CASCADE"))
-    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id", ondelete="CASCADE"))
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id", ondelete="CASCADE"), index=True)
     dp_group: Mapped[int] = mapped_column(Integer)
     lora_name: Mapped[str] = mapped_column(String(200))
     version: Mapped[int] = mapped_column(Integer)
@@ -152,14 +152,18 @@ class Operation(Base):
     """The journal: written before an operation touches any worker, settled after."""
 
     __tablename__ = "operations"
+    # Idempotency keys are per namespace: one tenant's key never meets another's.
+    __table_args__ = (
+        UniqueConstraint("namespace", "idempotency_key", name="uq_operations_namespace_key"),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    idempotency_key: Mapped[str] = mapped_column(String(200), unique=True)
+    idempotency_key: Mapped[str] = mapped_column(String(200))
     request_hash: Mapped[str] = mapped_column(String(64))
     kind: Mapped[str] = mapped_column(String(32))
     namespace: Mapped[str] = mapped_column(String(63))
     adapter_name: Mapped[str | None] = mapped_column(String(63), nullable=True)
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[str] = mapped_column(String(16), default="pending", index=True)
     plan: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     targets: Mapped[list[str]] = mapped_column(JSON, default=list)
     per_target: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)

@@ -236,10 +236,15 @@ class Operations:
 
     # -- journal -------------------------------------------------------------------------------
     @staticmethod
-    def existing(session: Session, key: str | None, hash_: str) -> Operation | None:
+    def existing(session: Session, namespace: str, key: str | None, hash_: str) -> Operation | None:
+        """The operation journalled under ``key`` in ``namespace`` (409 for another request)."""
         if key is None:
             return None
-        op = session.scalar(select(Operation).where(Operation.idempotency_key == key))
+        op = session.scalar(
+            select(Operation).where(
+                Operation.namespace == namespace, Operation.idempotency_key == key
+            )
+        )
         if op is not None and op.request_hash != hash_:
             raise conflict(
                 f"Idempotency-Key {key!r} was used for a different request (operation {op.id}, kind {op.kind})",
