@@ -288,6 +288,26 @@ def test_idempotency_keys_are_per_namespace(
     ]
 
 
+def test_calls_that_take_no_body_refuse_one_with_fields(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path], db_url: str
+) -> None:
+    """An unload sent as if it took a placement would unload every copy: refused by name,
+    nothing changed; an empty object is no body."""
+    assert register(client, make_adapter()).status_code == 201
+    before = snapshot(db_url)
+    for method, path in (
+        ("POST", "/v1/adapters/default/sql/unload"),
+        ("DELETE", "/v1/adapters/default/sql"),
+        ("DELETE", "/v1/pools/default/tiny"),
+    ):
+        refused = client.request(method, path, json={"placement": {"count": 1}}, headers=ADMIN)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["error"]["field"] == "body.placement", refused.text
+    assert snapshot(db_url) == before
+    unloaded = client.post("/v1/adapters/default/sql/unload", json={}, headers=ADMIN)
+    assert unloaded.status_code == 200 and unloaded.json()["operation"]["kind"] == "unload"
+
+
 def bad_adapter_cases() -> list[Any]:
     return [
         pytest.param(

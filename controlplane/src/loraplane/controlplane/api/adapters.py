@@ -12,7 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from loraplane.controlplane import application
-from loraplane.controlplane.api.bodies import Body
+from loraplane.controlplane.api.bodies import Body, NoFields
 from loraplane.controlplane.auth import Principal
 from loraplane.controlplane.deps import (
     Admin,
@@ -280,18 +280,25 @@ async def _unload(
     return await answer(services, await application.unload(services, command), 200)
 
 
-@router.post("/{namespace}/{name}/unload")
-async def unload_adapter(
-    namespace: str, name: str, services: ServicesDep, principal: Admin, key: IdempotencyKey = None
-) -> JSONResponse:
-    return await _unload(namespace, name, services, principal, key, "unload")
+def _unload_route(kind: str) -> Any:
+    """The unload and delete routes: the same call, but delete forgets the adapter after."""
+
+    async def route(
+        namespace: str,
+        name: str,
+        services: ServicesDep,
+        principal: Admin,
+        key: IdempotencyKey = None,
+        _body: NoFields | None = None,
+    ) -> JSONResponse:
+        return await _unload(namespace, name, services, principal, key, kind)
+
+    route.__name__ = f"{kind}_adapter"
+    return route
 
 
-@router.delete("/{namespace}/{name}")
-async def delete_adapter(
-    namespace: str, name: str, services: ServicesDep, principal: Admin, key: IdempotencyKey = None
-) -> JSONResponse:
-    return await _unload(namespace, name, services, principal, key, "delete")
+router.post("/{namespace}/{name}/unload")(_unload_route("unload"))
+router.delete("/{namespace}/{name}")(_unload_route("delete"))
 
 
 @router.patch("/{namespace}/{name}")

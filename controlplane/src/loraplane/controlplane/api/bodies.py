@@ -20,3 +20,8 @@ class Body(BaseModel):
     @classmethod
     def _unicode(cls, value: Any) -> Any:
         return check_text(value)
+
+
+class NoFields(Body):
+    """The body of a call that takes none: absent or ``{}``; any field is refused by name
+    rather than ignored (an unload sent ``{"placement": ...}`` would otherwise unload all)."""

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query, Response
 from pydantic import Field
 from sqlalchemy import select
 
-from loraplane.controlplane.api.bodies import Body
+from loraplane.controlplane.api.bodies import Body, NoFields
 from loraplane.controlplane.deps import ClusterAdmin, Reader, SessionDep, check_namespace
 from loraplane.controlplane.errors import bad_value, conflict
 from loraplane.controlplane.models import Pool
@@ -109,7 +109,13 @@ def put_pool(
 
 
 @router.delete("/{namespace}/{name}", status_code=204)
-def delete_pool(namespace: str, name: str, session: SessionDep, _: ClusterAdmin) -> Response:
+def delete_pool(
+    namespace: str,
+    name: str,
+    session: SessionDep,
+    _: ClusterAdmin,
+    _body: NoFields | None = None,
+) -> Response:
     pool = get_pool(session, namespace, name)
     if pool.workers or pool.adapters:
         raise conflict(

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Response
 from pydantic import Field
 from sqlalchemy import select
 
-from loraplane.controlplane.api.bodies import Body
+from loraplane.controlplane.api.bodies import Body, NoFields
 from loraplane.controlplane.auth import ALL_NAMESPACES, hash_token, new_token
 from loraplane.controlplane.deps import ClusterAdmin, Services, ServicesDep, SessionDep
 from loraplane.controlplane.errors import not_found
@@ -63,7 +63,9 @@ def list_tokens(session: SessionDep, _: ClusterAdmin) -> dict[str, Any]:
 
 
 @router.delete("/{token_id}", status_code=204)
-async def delete_token(token_id: str, services: ServicesDep, _: ClusterAdmin) -> Response:
+async def delete_token(
+    token_id: str, services: ServicesDep, _: ClusterAdmin, _body: NoFields | None = None
+) -> Response:
     """Revoke a token: refused from the next request on, on this replica and (through the
     ``token.revoked`` event) on the others, which otherwise accept it from memory for at most
     ``token_cache_s``."""

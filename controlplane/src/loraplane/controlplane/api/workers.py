@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from sqlalchemy import select
 
-from loraplane.controlplane.api.bodies import Body
+from loraplane.controlplane.api.bodies import Body, NoFields
 from loraplane.controlplane.deps import (
     ClusterAdmin,
     Reader,
@@ -136,7 +136,9 @@ def read_worker(
 
 
 @router.delete("/{name}", status_code=204)
-async def delete_worker(name: str, services: ServicesDep, _: ClusterAdmin) -> Response:
+async def delete_worker(
+    name: str, services: ServicesDep, _: ClusterAdmin, _body: NoFields | None = None
+) -> Response:
     namespace = await asyncio.to_thread(_delete, services, name)
     await services.bus.publish("worker.deregistered", namespace=namespace, worker=name)
     return Response(status_code=204)
