@@ -357,6 +357,39 @@ def test_deleted_pod_comes_back_and_gets_its_adapters(stack: Stack) -> None:
     assert any(e["type"] == "Normal" and e["reason"] == "ReplicaLoaded" for e in events)
 
 
+def test_a_pool_change_its_adapters_contradict_is_refused_and_not_rolled_out(
+    stack: Stack,
+) -> None:
+    """maxLoraRank below a registered adapter's rank: the control plane refuses the pool, the
+    pool says why, and its pods keep the limit they have; the change undone, it is Ready."""
+
+    def patch_rank(rank: int) -> None:
+        body = json.dumps({"spec": {"maxLoraRank": rank}})
+        stack.cluster.kubectl(
+            "patch", "lorapool", "pool", "-n", stack.ns, "--type=merge", "-p", body
+        )
+
+    def rank_arg() -> str:
+        sts = stack.cluster.get("statefulset", "pool", "-n", stack.ns)
+        command = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+        return str(command[command.index("--max-lora-rank") + 1])
+
+    patch_rank(4)
+    wait_for(
+        lambda: _condition(stack.pool("pool"), "Ready").get("reason") == "ControlPlaneRejected",
+        what="pool reported ControlPlaneRejected", timeout_s=60,
+    )  # fmt: skip
+    message = _condition(stack.pool("pool"), "Ready")["message"]
+    assert "max_lora_rank=4" in message and "sql (r=8)" in message, message
+    assert rank_arg() == "16"
+    patch_rank(16)
+    wait_for(
+        lambda: _condition(stack.pool("pool"), "Ready").get("status") == "True",
+        what="pool Ready again", timeout_s=60,
+    )  # fmt: skip
+    _wait_ready(stack, ["sql", "tone", "summary"], 3)
+
+
 def test_control_plane_outage_shows_unknown_not_a_failure(stack: Stack) -> None:
     deployment = f"deployment/{RELEASE}-loraplane-controlplane"
     stack.cluster.kubectl("scale", deployment, "-n", stack.release_ns, "--replicas=0")

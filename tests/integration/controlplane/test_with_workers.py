@@ -754,6 +754,37 @@ def test_a_pinned_adapter_on_a_full_worker_gets_a_new_version(
     assert metric_value(text, "loraplane_evictions_total", namespace="default", pool="tiny") == 1.0
 
 
+def test_a_pool_change_its_adapters_contradict_is_refused_by_field(
+    cp: TestClient, tiny: tuple[Path, Path], workers: list[WorkerProc]
+) -> None:
+    """New limits that what is registered breaks are refused (409 naming the field and the
+    adapters or workers in the way), and the pool keeps its spec."""
+    join(cp, tiny, workers[:1])  # K=3: at most 2 pinned
+    for name in ("a0", "a1"):
+        assert register(cp, tiny, name, pinned=True).status_code == 201
+    a0 = adapter(cp, "a0")
+    before = cp.get("/v1/pools/default/tiny", headers=ADMIN).json()
+    narrower = [m for m in a0["target_modules"][1:]] or ["gate_proj"]
+    cases = [
+        ({"model": "/models/another-base"}, "body.model", "conflict", "default/a0"),
+        ({"max_lora_rank": a0["rank"] - 1}, "body.max_lora_rank", "conflict", "default/a0 (r="),
+        ({"target_modules": narrower}, "body.target_modules", "conflict", "default/a0 (["),
+        ({"max_loras_per_batch": 2}, "body.max_loras_per_batch", "too_many_pinned", "w0 (2"),
+    ]
+    for change, field, code, named in cases:
+        spec = {**pool_spec(tiny[0], workers[:1]), **change}
+        answer = cp.put("/v1/pools/default/tiny", json=spec, headers=ADMIN)
+        assert answer.status_code == 409, (change, answer.text)
+        error = answer.json()["error"]
+        assert (error["field"], error["code"]) == (field, code), error
+        assert named in error["message"], error
+    assert cp.get("/v1/pools/default/tiny", headers=ADMIN).json() == before
+    # unpinned, the smaller K fits
+    assert cp.patch("/v1/adapters/default/a1", json={"pinned": False}, headers=ADMIN).is_success
+    spec = pool_spec(tiny[0], workers[:1], max_loras_per_batch=2)
+    assert cp.put("/v1/pools/default/tiny", json=spec, headers=ADMIN).status_code == 200
+
+
 def test_an_eviction_in_flight_is_not_undone_by_the_reconciler(
     cp: TestClient, db_url: str, tiny: tuple[Path, Path], workers: list[WorkerProc]
 ) -> None:

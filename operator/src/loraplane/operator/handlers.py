@@ -14,7 +14,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import kopf
 
@@ -181,6 +181,17 @@ def reconcile_pool(
         new = states.pool_problem(generation, dict(status), now, "InvalidSpec", str(exc))
         _write_pool_status(new, dict(status), body, patch)
         raise kopf.PermanentError(str(exc)) from exc
+    # The control plane first: a spec it refuses (limits its adapters or pinned slots
+    # contradict) is not rolled out to the pods either. An outage does not hold the pods back.
+    outage: ControlPlaneUnavailable | None = None
+    try:
+        runtime.controlplane.put_pool(
+            namespace, name, builders.build_controlplane_pool(pool), key=""
+        )
+    except ControlPlaneUnavailable as exc:
+        outage = exc
+    except ControlPlaneError as exc:
+        _rejected(generation, status, now, body, patch, exc, runtime)
     try:
         for manifest in builders.build_pool_children(
             _owner(name, namespace, uid), pool, runtime.config.worker
@@ -198,9 +209,8 @@ def reconcile_pool(
         for p in runtime.kube.pool_pods(namespace, name)
     ]
     try:
-        runtime.controlplane.put_pool(
-            namespace, name, builders.build_controlplane_pool(pool), key=""
-        )
+        if outage is not None:
+            raise outage
         cp_workers, changes = _sync_workers(runtime, namespace, name, pool.dp, pods)
     except ControlPlaneUnavailable as exc:
         new = states.pool_unknown(
@@ -211,11 +221,23 @@ def reconcile_pool(
             f"control plane unavailable: {exc}", delay=runtime.config.resync_interval_s
         ) from exc
     except ControlPlaneError as exc:
-        new = states.pool_problem(generation, dict(status), now, "ControlPlaneRejected", str(exc))
-        _write_pool_status(new, dict(status), body, patch)
-        raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
+        _rejected(generation, status, now, body, patch, exc, runtime)
     new = states.pool_status(generation, pool.replicas, pods, cp_workers, dict(status), now)
     _write_pool_status(new, dict(status), body, patch, changes)
+
+
+def _rejected(
+    generation: int,
+    status: kopf.Status,
+    now: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    exc: ControlPlaneError,
+    runtime: Runtime,
+) -> NoReturn:
+    new = states.pool_problem(generation, dict(status), now, "ControlPlaneRejected", str(exc))
+    _write_pool_status(new, dict(status), body, patch)
+    raise kopf.TemporaryError(str(exc), delay=runtime.config.resync_interval_s) from exc
 
 
 def _write_pool_status(

@@ -10,10 +10,11 @@ from sqlalchemy import select
 
 from loraplane.controlplane.api.bodies import Body, NoFields
 from loraplane.controlplane.deps import ClusterAdmin, Reader, SessionDep, check_namespace
-from loraplane.controlplane.errors import bad_value, conflict
+from loraplane.controlplane.errors import PinLimit, bad_value, conflict
 from loraplane.controlplane.models import Pool
-from loraplane.controlplane.registry import check_label, get_pool, pool_json
-from loraplane.controlplane.sources import DEFAULT_TARGET_MODULES
+from loraplane.controlplane.registry import check_label, get_pool, pool_json, worker_loaded
+from loraplane.controlplane.sources import DEFAULT_TARGET_MODULES, same_model
+from loraplane.rules.pins import RULE, max_pinned
 
 router = APIRouter(prefix="/v1/pools", tags=["pools"])
 
@@ -50,6 +51,57 @@ def validate_spec(spec: PoolSpec) -> None:
         not spec.target_modules or not all(spec.target_modules)
     ):
         raise bad_value("body.target_modules", "must be a non-empty list of module names or null")
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_live(pool: Pool, spec: PoolSpec) -> None:
+    """Refuse a change the pool's adapters and workers contradict (409 naming the field and
+    who is in the way), instead of recording limits that what is registered breaks: adapters
+    trained on another base, above the rank, on modules the pool would no longer take, or
+    more pinned adapters on a worker than the new slots allow."""
+    where = f"pool {pool.namespace}/{pool.name}"
+    other_base = [
+        a.key for a in pool.adapters if a.base_model and not same_model(a.base_model, spec.model)
+    ]
+    if other_base:
+        raise conflict(
+            f"{where} has adapters trained on its current base ({_some(other_base)}); "
+            f"unregister them first, or make a new pool for {spec.model!r}",
+            field="body.model",
+        )
+    above = [f"{a.key} (r={a.rank})" for a in pool.adapters if a.rank > spec.max_lora_rank]
+    if above:
+        raise conflict(
+            f"{where} has adapters above max_lora_rank={spec.max_lora_rank}: {_some(above)}",
+            field="body.max_lora_rank",
+        )
+    modules = set(spec.target_modules or DEFAULT_TARGET_MODULES)
+    outside = [
+        f"{a.key} ({sorted(set(a.target_modules) - modules)})"
+        for a in pool.adapters
+        if not set(a.target_modules) <= modules
+    ]
+    if outside:
+        raise conflict(
+            f"{where} has adapters on modules target_modules leaves out: {_some(outside)}",
+            field="body.target_modules",
+        )
+    limit = max_pinned(spec.max_loras_per_batch)
+    over = []
+    for worker in pool.workers:
+        pinned = sum(1 for adapter, _ in worker_loaded(worker).values() if adapter.pinned)
+        if pinned > limit:
+            over.append(f"{worker.name} ({pinned} pinned)")
+    if over:
+        raise PinLimit(
+            f"{where}: max_loras_per_batch={spec.max_loras_per_batch} allows {limit} pinned "
+            f"adapters per worker ({RULE}), more are loaded on {_some(over)}; unpin some first",
+            field="body.max_loras_per_batch",
+        )
 
 
 def apply(pool: Pool, spec: PoolSpec) -> None:
@@ -103,6 +155,8 @@ def put_pool(
     if pool is None:
         pool = Pool(namespace=namespace, name=name)
         session.add(pool)
+    else:
+        check_live(pool, body)
     apply(pool, body)
     session.commit()
     return pool_json(pool)
