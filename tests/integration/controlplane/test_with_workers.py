@@ -769,6 +769,12 @@ def test_a_pool_change_its_adapters_contradict_is_refused_by_field(
         ({"model": "/models/another-base"}, "body.model", "conflict", "default/a0"),
         ({"max_lora_rank": a0["rank"] - 1}, "body.max_lora_rank", "conflict", "default/a0 (r="),
         ({"target_modules": narrower}, "body.target_modules", "conflict", "default/a0 (["),
+        (
+            {"max_loaded_loras": 1, "max_loras_per_batch": 1},
+            "body.max_loaded_loras",
+            "conflict",
+            "w0 (2)",
+        ),
         ({"max_loras_per_batch": 2}, "body.max_loras_per_batch", "too_many_pinned", "w0 (2"),
     ]
     for change, field, code, named in cases:

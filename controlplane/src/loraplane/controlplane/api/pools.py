@@ -61,8 +61,9 @@ def _some(names: list[str]) -> str:
 def check_live(pool: Pool, spec: PoolSpec) -> None:
     """Refuse a change the pool's adapters and workers contradict (409 naming the field and
     who is in the way), instead of recording limits that what is registered breaks: adapters
-    trained on another base, above the rank, on modules the pool would no longer take, or
-    more pinned adapters on a worker than the new slots allow."""
+    trained on another base, above the rank, on modules the pool would no longer take, more
+    adapters loaded on a worker than it may hold, or more pinned there than the new slots
+    allow."""
     where = f"pool {pool.namespace}/{pool.name}"
     other_base = [
         a.key for a in pool.adapters if a.base_model and not same_model(a.base_model, spec.model)
@@ -89,6 +90,17 @@ def check_live(pool: Pool, spec: PoolSpec) -> None:
         raise conflict(
             f"{where} has adapters on modules target_modules leaves out: {_some(outside)}",
             field="body.target_modules",
+        )
+    full = [
+        f"{w.name} ({len(held)})"
+        for w in pool.workers
+        if len(held := worker_loaded(w)) > spec.max_loaded_loras
+    ]
+    if full:
+        raise conflict(
+            f"{where}: more than max_loaded_loras={spec.max_loaded_loras} adapters are loaded "
+            f"on {_some(full)}; unload some first",
+            field="body.max_loaded_loras",
         )
     limit = max_pinned(spec.max_loras_per_batch)
     over = []
