@@ -259,6 +259,36 @@ def test_parallel_requests_with_one_key_answer_one_operation(
     ]
 
 
+@pytest.mark.parametrize(
+    "method, path, body",
+    [
+        ("DELETE", "/v1/adapters/default/race", None),
+        ("PATCH", "/v1/adapters/default/race", {"pinned": True}),
+    ],
+    ids=["delete", "pin"],
+)
+def test_parallel_changes_with_one_key_answer_one_operation(
+    client: TestClient,
+    pool: dict[str, Any],
+    make_adapter: Callable[..., Path],
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+) -> None:
+    """The retries that lose to the first find the adapter gone or the pin already set: they
+    answer the first's operation, not 404 or a change with no operation."""
+    assert register(client, make_adapter(), "race").status_code == 201
+    key = {"Idempotency-Key": f"{method}-race", **ADMIN}
+    with ThreadPoolExecutor(8) as threads:
+        answers = list(
+            threads.map(lambda _: client.request(method, path, json=body, headers=key), range(8))
+        )
+    codes = [r.status_code for r in answers]
+    assert set(codes) <= {200, 202} and 200 in codes, [r.text for r in answers]
+    ids = {r.json()["operation"]["id"] for r in answers}
+    assert len(ids) == 1 and None not in ids, [r.text for r in answers]
+
+
 def test_idempotency_keys_are_per_namespace(
     client: TestClient, make_adapter: Callable[..., Path]
 ) -> None:
@@ -299,6 +329,8 @@ def test_calls_that_take_no_body_refuse_one_with_fields(
         ("POST", "/v1/adapters/default/sql/unload"),
         ("DELETE", "/v1/adapters/default/sql"),
         ("DELETE", "/v1/pools/default/tiny"),
+        ("DELETE", "/v1/workers/w0"),
+        ("DELETE", "/v1/tokens/tok_0"),
     ):
         refused = client.request(method, path, json={"placement": {"count": 1}}, headers=ADMIN)
         assert refused.status_code == 422, refused.text

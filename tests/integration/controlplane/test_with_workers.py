@@ -785,6 +785,9 @@ def test_a_pool_change_its_adapters_contradict_is_refused_by_field(
         assert (error["field"], error["code"]) == (field, code), error
         assert named in error["message"], error
     assert cp.get("/v1/pools/default/tiny", headers=ADMIN).json() == before
+    # the same spec again (the operator's every resync) is no change and passes
+    same = cp.put("/v1/pools/default/tiny", json=pool_spec(tiny[0], workers[:1]), headers=ADMIN)
+    assert same.status_code == 200, same.text
     # unpinned, the smaller K fits
     assert cp.patch("/v1/adapters/default/a1", json={"pinned": False}, headers=ADMIN).is_success
     spec = pool_spec(tiny[0], workers[:1], max_loras_per_batch=2)

@@ -172,20 +172,26 @@ async def _once(
 ) -> OperationDone:
     """Answer a request once per key: the journalled operation of an earlier request with
     the key, else ``fresh()``. A request that loses the race to a concurrent one with the same
-    key and body (its checks or its journal refused: the adapter exists, is busy, the key is
-    taken) answers the winner's operation as a replay would, not a conflict."""
+    key and body answers the winner's operation as a replay would: where its checks or its
+    journal refused (the adapter exists, is busy, is gone after the winner's delete, the key
+    is taken), or where it found nothing left to do (the winner changed the pin)."""
     replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
     if replay is not None:
         return OperationDone(replay, namespace, name)
     try:
-        return await fresh()
-    except (Conflict, sqlalchemy.exc.IntegrityError):
+        done = await fresh()
+    except (Conflict, NotFound, sqlalchemy.exc.IntegrityError):
         if idempotency.key is None:
             raise
         replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
         if replay is None:
             raise
         return OperationDone(replay, namespace, name)
+    if done.operation_id is None and idempotency.key is not None:
+        replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
+        if replay is not None:
+            return OperationDone(replay, namespace, name)
+    return done
 
 
 async def _run(services: Services, op_id: str, namespace: str, name: str) -> OperationDone:

@@ -181,8 +181,14 @@ def reconcile_pool(
         new = states.pool_problem(generation, dict(status), now, "InvalidSpec", str(exc))
         _write_pool_status(new, dict(status), body, patch)
         raise kopf.PermanentError(str(exc)) from exc
-    # The control plane first: a spec it refuses (limits its adapters or pinned slots
-    # contradict) is not rolled out to the pods either. An outage does not hold the pods back.
+    # The children as the API would take them, then the control plane, then the children for
+    # real: a spec either refuses (the API: a volume's source, say; the control plane: limits
+    # its adapters or pinned slots contradict) reaches neither. An outage of the control plane
+    # does not hold the pods back.
+    children = builders.build_pool_children(
+        _owner(name, namespace, uid), pool, runtime.config.worker
+    )
+    _apply_children(runtime, children, generation, status, now, body, patch, dry_run=True)
     outage: ControlPlaneUnavailable | None = None
     try:
         runtime.controlplane.put_pool(
@@ -192,18 +198,7 @@ def reconcile_pool(
         outage = exc
     except ControlPlaneError as exc:
         _rejected(generation, status, now, body, patch, exc, runtime)
-    try:
-        for manifest in builders.build_pool_children(
-            _owner(name, namespace, uid), pool, runtime.config.worker
-        ):
-            runtime.kube.apply(manifest)
-    except Rejected as exc:
-        # What the schema and the builders let through but the API refuses (a volume's
-        # source, say); the refused object is unchanged. The next spec change retries.
-        message = f"the API refused the pool's {exc}"
-        new = states.pool_problem(generation, dict(status), now, "InvalidSpec", message)
-        _write_pool_status(new, dict(status), body, patch)
-        raise kopf.PermanentError(message) from exc
+    _apply_children(runtime, children, generation, status, now, body, patch, dry_run=False)
     pods = [
         {**p, "worker": builders.worker_name(namespace, p["name"])}
         for p in runtime.kube.pool_pods(namespace, name)
@@ -224,6 +219,29 @@ def reconcile_pool(
         _rejected(generation, status, now, body, patch, exc, runtime)
     new = states.pool_status(generation, pool.replicas, pods, cp_workers, dict(status), now)
     _write_pool_status(new, dict(status), body, patch, changes)
+
+
+def _apply_children(
+    runtime: Runtime,
+    children: list[dict[str, Any]],
+    generation: int,
+    status: kopf.Status,
+    now: str,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    *,
+    dry_run: bool,
+) -> None:
+    try:
+        for manifest in children:
+            runtime.kube.apply(manifest, dry_run=dry_run)
+    except Rejected as exc:
+        # What the schema and the builders let through but the API refuses (a volume's
+        # source, say); the refused object is unchanged. The next spec change retries.
+        message = f"the API refused the pool's {exc}"
+        new = states.pool_problem(generation, dict(status), now, "InvalidSpec", message)
+        _write_pool_status(new, dict(status), body, patch)
+        raise kopf.PermanentError(message) from exc
 
 
 def _rejected(

@@ -89,9 +89,10 @@ class Kube:
                 self._dynamic = dynamic.DynamicClient(self.api)
             return self._dynamic
 
-    def apply(self, manifest: Manifest) -> None:
+    def apply(self, manifest: Manifest, dry_run: bool = False) -> None:
         """Server-side apply (creates or updates; a no-op when nothing changed). `Rejected`
-        when the API finds the manifest invalid: then nothing of it was applied."""
+        when the API finds the manifest invalid: then nothing of it was applied. With
+        ``dry_run`` the API checks it (admission included) and stores nothing."""
         resource = self._dyn().resources.get(
             api_version=manifest["apiVersion"], kind=manifest["kind"]
         )
@@ -102,6 +103,7 @@ class Kube:
                 namespace=manifest["metadata"]["namespace"],
                 field_manager=FIELD_MANAGER,
                 force_conflicts=True,
+                **({"dry_run": "All"} if dry_run else {}),
             )
         except client.ApiException as exc:
             if exc.status == 422:

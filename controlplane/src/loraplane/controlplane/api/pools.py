@@ -60,60 +60,70 @@ def _some(names: list[str]) -> str:
 
 def check_live(pool: Pool, spec: PoolSpec) -> None:
     """Refuse a change the pool's adapters and workers contradict (409 naming the field and
-    who is in the way), instead of recording limits that what is registered breaks: adapters
-    trained on another base, above the rank, on modules the pool would no longer take, more
-    adapters loaded on a worker than it may hold, or more pinned there than the new slots
-    allow."""
+    who is in the way), instead of recording limits that what is registered breaks: a new
+    model its adapters were not trained on, a lower rank or fewer modules than they use, fewer
+    adapters than a worker holds or fewer slots than its pinned adapters need. Only a field
+    that changes is checked: a PUT of the same spec (the operator's every resync) passes while
+    a load, an eviction or a new version is in flight. Adapters being deleted load nowhere
+    again and constrain no new limit, but count where they are still loaded."""
     where = f"pool {pool.namespace}/{pool.name}"
-    other_base = [
-        a.key for a in pool.adapters if a.base_model and not same_model(a.base_model, spec.model)
-    ]
-    if other_base:
-        raise conflict(
-            f"{where} has adapters trained on its current base ({_some(other_base)}); "
-            f"unregister them first, or make a new pool for {spec.model!r}",
-            field="body.model",
-        )
-    above = [f"{a.key} (r={a.rank})" for a in pool.adapters if a.rank > spec.max_lora_rank]
-    if above:
-        raise conflict(
-            f"{where} has adapters above max_lora_rank={spec.max_lora_rank}: {_some(above)}",
-            field="body.max_lora_rank",
-        )
+    staying = [a for a in pool.adapters if a.desired != "deleted"]
+    if spec.model != pool.model:
+        other_base = [
+            a.key for a in staying if a.base_model and not same_model(a.base_model, spec.model)
+        ]
+        if other_base:
+            raise conflict(
+                f"{where} has adapters trained on its current base ({_some(other_base)}); "
+                f"unregister them first, or make a new pool for {spec.model!r}",
+                field="body.model",
+            )
+    if spec.max_lora_rank < pool.max_lora_rank:
+        above = [f"{a.key} (r={a.rank})" for a in staying if a.rank > spec.max_lora_rank]
+        if above:
+            raise conflict(
+                f"{where} has adapters above max_lora_rank={spec.max_lora_rank}: {_some(above)}",
+                field="body.max_lora_rank",
+            )
     modules = set(spec.target_modules or DEFAULT_TARGET_MODULES)
-    outside = [
-        f"{a.key} ({sorted(set(a.target_modules) - modules)})"
-        for a in pool.adapters
-        if not set(a.target_modules) <= modules
-    ]
-    if outside:
-        raise conflict(
-            f"{where} has adapters on modules target_modules leaves out: {_some(outside)}",
-            field="body.target_modules",
-        )
-    full = [
-        f"{w.name} ({len(held)})"
-        for w in pool.workers
-        if len(held := worker_loaded(w)) > spec.max_loaded_loras
-    ]
-    if full:
-        raise conflict(
-            f"{where}: more than max_loaded_loras={spec.max_loaded_loras} adapters are loaded "
-            f"on {_some(full)}; unload some first",
-            field="body.max_loaded_loras",
-        )
-    limit = max_pinned(spec.max_loras_per_batch)
-    over = []
-    for worker in pool.workers:
-        pinned = sum(1 for adapter, _ in worker_loaded(worker).values() if adapter.pinned)
-        if pinned > limit:
-            over.append(f"{worker.name} ({pinned} pinned)")
-    if over:
-        raise PinLimit(
-            f"{where}: max_loras_per_batch={spec.max_loras_per_batch} allows {limit} pinned "
-            f"adapters per worker ({RULE}), more are loaded on {_some(over)}; unpin some first",
-            field="body.max_loras_per_batch",
-        )
+    if modules != set(pool.target_modules or DEFAULT_TARGET_MODULES):
+        outside = [
+            f"{a.key} ({sorted(set(a.target_modules) - modules)})"
+            for a in staying
+            if not set(a.target_modules) <= modules
+        ]
+        if outside:
+            raise conflict(
+                f"{where} has adapters on modules target_modules leaves out: {_some(outside)}",
+                field="body.target_modules",
+            )
+    if spec.max_loaded_loras < pool.max_loaded_loras:
+        full = [
+            f"{w.name} ({len(held)})"
+            for w in pool.workers
+            if len(held := worker_loaded(w)) > spec.max_loaded_loras
+        ]
+        if full:
+            raise conflict(
+                f"{where}: more than max_loaded_loras={spec.max_loaded_loras} adapters are "
+                f"loaded on {_some(full)}; unload some first",
+                field="body.max_loaded_loras",
+            )
+    if spec.max_loras_per_batch < pool.max_loras_per_batch:
+        limit = max_pinned(spec.max_loras_per_batch)
+        over = []
+        for worker in pool.workers:
+            # an adapter pinned in two versions (a new version loading) is one pin
+            pinned = {a.id for a, _ in worker_loaded(worker).values() if a.pinned}
+            if len(pinned) > limit:
+                over.append(f"{worker.name} ({len(pinned)} pinned)")
+        if over:
+            raise PinLimit(
+                f"{where}: max_loras_per_batch={spec.max_loras_per_batch} allows {limit} pinned "
+                f"adapters per worker ({RULE}), more are loaded on {_some(over)}; unpin some "
+                "first",
+                field="body.max_loras_per_batch",
+            )
 
 
 def apply(pool: Pool, spec: PoolSpec) -> None:

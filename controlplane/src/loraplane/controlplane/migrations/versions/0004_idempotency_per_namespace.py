@@ -23,7 +23,10 @@ SQLITE_NAMES = {"uq": "uq_%(table_name)s_%(column_0_name)s"}
 
 
 def _key_constraint(columns: list[str]) -> str | None:
-    """The name PostgreSQL gave the unique constraint over exactly ``columns``."""
+    """The name PostgreSQL gave the unique constraint over exactly ``columns`` (its default
+    name when writing SQL offline, with no database to ask)."""
+    if op.get_context().as_sql:
+        return "operations_idempotency_key_key" if columns == ["idempotency_key"] else PER_NAMESPACE
     for constraint in sa.inspect(op.get_bind()).get_unique_constraints("operations"):
         if constraint["column_names"] == columns:
             return constraint["name"]
@@ -31,7 +34,7 @@ def _key_constraint(columns: list[str]) -> str | None:
 
 
 def _swap(drop: list[str], add: list[str], add_name: str) -> None:
-    if op.get_bind().dialect.name == "sqlite":
+    if op.get_context().dialect.name == "sqlite":
         with op.batch_alter_table("operations", naming_convention=SQLITE_NAMES) as batch:
             batch.drop_constraint(
                 PER_NAMESPACE if len(drop) > 1 else "uq_operations_idempotency_key",
