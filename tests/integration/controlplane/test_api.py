@@ -628,6 +628,28 @@ def make_token(client: TestClient, scopes: list[str], namespace: str) -> dict[st
     return {"Authorization": f"Bearer {response.json()['token']}"}
 
 
+def test_a_namespaced_reader_lists_its_latest_operations_past_other_tenants(
+    client: TestClient, make_adapter: Callable[..., Path]
+) -> None:
+    """The list's limit counts the caller's own operations: a tenant whose operations are
+    older than the last `limit` of the whole registry still sees them."""
+    for namespace, names in (("team-a", ["a0"]), ("team-b", ["b0", "b1", "b2"])):
+        client.put(f"/v1/pools/{namespace}/tiny", json=POOL, headers=ADMIN)
+        for name in names:
+            body = {
+                "namespace": namespace,
+                "name": name,
+                "pool": "tiny",
+                "source": {"uri": f"file://{make_adapter(f'{namespace}-{name}')}"},
+            }
+            assert client.post("/v1/adapters", json=body, headers=ADMIN).status_code == 201
+    reader_a = make_token(client, ["read"], "team-a")
+    listed = client.get("/v1/operations", params={"limit": 2}, headers=reader_a).json()["items"]
+    assert [(op["namespace"], op["adapter"]) for op in listed] == [("team-a", "a0")]
+    everyone = client.get("/v1/operations", params={"limit": 2}, headers=ADMIN).json()["items"]
+    assert [op["namespace"] for op in everyone] == ["team-b", "team-b"]
+
+
 def test_scopes_and_namespaces(
     client: TestClient, make_adapter: Callable[..., Path], db_url: str
 ) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
+from loraplane.controlplane.auth import ALL_NAMESPACES
 from loraplane.controlplane.deps import Reader, SessionDep, check_namespace
 from loraplane.controlplane.errors import not_found
 from loraplane.controlplane.models import Operation
@@ -29,6 +30,9 @@ def list_operations(
     if namespace is not None:
         check_namespace(principal, namespace, "query.namespace")
         query = query.where(Operation.namespace == namespace)
+    elif principal.namespace != ALL_NAMESPACES:
+        # in the query, not after it: the limit counts the caller's operations only
+        query = query.where(Operation.namespace == principal.namespace)
     if adapter is not None:
         query = query.where(Operation.adapter_name == adapter)
     if kind is not None:
