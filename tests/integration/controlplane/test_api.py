@@ -289,6 +289,43 @@ def test_parallel_changes_with_one_key_answer_one_operation(
     assert len(ids) == 1 and None not in ids, [r.text for r in answers]
 
 
+def test_a_pool_limit_changed_while_the_source_is_checked_refuses_the_adapter(
+    client: TestClient,
+    pool: dict[str, Any],
+    make_adapter: Callable[..., Path],
+    db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A PUT that lowers max_lora_rank while a registration fetches and checks its source
+    (the PUT cannot see that adapter yet) makes the registration fail with pool_changed,
+    not record a rank-8 adapter in a pool of rank 4."""
+    import sqlalchemy as sa
+
+    from loraplane.controlplane import application
+
+    checked = application._preflight
+
+    async def check_then_lower(*args: Any) -> Any:
+        facts = await checked(*args)
+        engine = sa.create_engine(db_url)
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE pools SET max_lora_rank = 4"))
+        engine.dispose()
+        return facts
+
+    monkeypatch.setattr(application, "_preflight", check_then_lower)
+    before = snapshot(db_url)
+    refused = register(client, make_adapter())
+    assert refused.status_code == 409, refused.text
+    assert (refused.json()["error"]["code"], refused.json()["error"]["field"]) == (
+        "pool_changed",
+        "body.pool",
+    )
+    after = snapshot(db_url)
+    assert after["adapters"] == before["adapters"] == []
+    assert after["operations"] == before["operations"] == []
+
+
 def test_idempotency_keys_are_per_namespace(
     client: TestClient, make_adapter: Callable[..., Path]
 ) -> None:

@@ -251,6 +251,23 @@ def _pool_snapshot(pool: Pool) -> Pool:
     )
 
 
+def _same_limits(session: Session, pool_id: int, checked: Pool) -> None:
+    """The pool's row, locked until the journal commits (PostgreSQL; SQLite writes one at a
+    time), still has the limits the preflight checked the adapter against: a PUT that
+    changed them while the source was fetched (``pools.check_live`` did not see this adapter
+    yet) refuses the request instead of recording an adapter the new limits break."""
+    pool = session.get(Pool, pool_id, with_for_update=True, populate_existing=True)
+    assert pool is not None  # (a pool with adapters or an operation's worker is not deleted)
+    now = (pool.model, pool.max_lora_rank, pool.target_modules)
+    if now != (checked.model, checked.max_lora_rank, checked.target_modules):
+        raise conflict(
+            f"pool {pool.namespace}/{pool.name} changed while the adapter's source was checked; "
+            "send the request again",
+            code="pool_changed",
+            field="body.pool",
+        )
+
+
 def version_record(version: int, source: Source, facts: AdapterFacts) -> NewVersion:
     """The adapter record's fields for ``version`` from ``source`` and what its preflight found."""
     return NewVersion(
@@ -281,7 +298,7 @@ async def register(services: Services, command: Register) -> OperationDone:
         pool_id, pool = await asyncio.to_thread(_check_registrable, services, command)
         facts = await _preflight(services, pool, command.source)
         await services.usage.flush()  # the evictions its load may plan read the LRU order
-        op_id = await asyncio.to_thread(_journal_register, services, command, pool_id, facts)
+        op_id = await asyncio.to_thread(_journal_register, services, command, pool_id, pool, facts)
         return await _run(services, op_id, command.namespace, command.name)
 
     return await _once(services, command.namespace, command.name, command.idempotency, fresh)
@@ -311,9 +328,10 @@ def _check_registrable(services: Services, command: Register) -> tuple[int, Pool
 
 
 def _journal_register(
-    services: Services, command: Register, pool_id: int, facts: AdapterFacts
+    services: Services, command: Register, pool_id: int, checked: Pool, facts: AdapterFacts
 ) -> str:
     with services.db.session() as session:
+        _same_limits(session, pool_id, checked)
         adapter = Adapter(
             namespace=command.namespace,
             name=command.name,
@@ -550,7 +568,7 @@ async def update_version(services: Services, command: UpdateVersion) -> Operatio
         pool = await asyncio.to_thread(_version_pool, services, command)
         facts = await _preflight(services, pool, command.source)
         await services.usage.flush()  # the evictions it may plan read the LRU order
-        op_id = await asyncio.to_thread(_journal_version, services, command, facts)
+        op_id = await asyncio.to_thread(_journal_version, services, command, pool, facts)
         return await _run(services, op_id, command.namespace, command.name)
 
     return await _once(services, command.namespace, command.name, command.idempotency, fresh)
@@ -563,9 +581,12 @@ def _version_pool(services: Services, command: UpdateVersion) -> Pool:
         return _pool_snapshot(adapter.pool)
 
 
-def _journal_version(services: Services, command: UpdateVersion, facts: AdapterFacts) -> str:
+def _journal_version(
+    services: Services, command: UpdateVersion, checked: Pool, facts: AdapterFacts
+) -> str:
     with services.db.session() as session:
         adapter = get_adapter(session, command.namespace, command.name)
+        _same_limits(session, adapter.pool_id, checked)
         ensure_usable(adapter)
         if adapter.inconsistent:
             raise conflict(

@@ -173,7 +173,11 @@ def put_pool(
     check_label(namespace, "path.namespace")
     check_label(name, "path.name")
     validate_spec(body)
-    pool = session.scalar(select(Pool).where(Pool.namespace == namespace, Pool.name == name))
+    # locked: a registration or new version journalled meanwhile waits for this (or this for
+    # it, and then sees its adapter); see application._same_limits
+    pool = session.scalar(
+        select(Pool).where(Pool.namespace == namespace, Pool.name == name).with_for_update()
+    )
     if pool is None:
         pool = Pool(namespace=namespace, name=name)
         session.add(pool)
