@@ -289,41 +289,66 @@ def test_parallel_changes_with_one_key_answer_one_operation(
     assert len(ids) == 1 and None not in ids, [r.text for r in answers]
 
 
-def test_a_pool_limit_changed_while_the_source_is_checked_refuses_the_adapter(
+@pytest.mark.parametrize("rank, status", [(4, 409), (32, 201)], ids=["lowered", "raised"])
+def test_a_pool_limit_changed_while_the_source_is_checked(
     client: TestClient,
     pool: dict[str, Any],
     make_adapter: Callable[..., Path],
     db_url: str,
     monkeypatch: pytest.MonkeyPatch,
+    rank: int,
+    status: int,
 ) -> None:
     """A PUT that lowers max_lora_rank while a registration fetches and checks its source
     (the PUT cannot see that adapter yet) makes the registration fail with pool_changed,
-    not record a rank-8 adapter in a pool of rank 4."""
+    not record a rank-8 adapter in a pool of rank 4; a change the adapter still fits lets
+    it through."""
     import sqlalchemy as sa
 
     from loraplane.controlplane import application
 
     checked = application._preflight
 
-    async def check_then_lower(*args: Any) -> Any:
+    async def check_then_change(*args: Any) -> Any:
         facts = await checked(*args)
         engine = sa.create_engine(db_url)
         with engine.begin() as conn:
-            conn.execute(sa.text("UPDATE pools SET max_lora_rank = 4"))
+            conn.execute(sa.text("UPDATE pools SET max_lora_rank = :r"), {"r": rank})
         engine.dispose()
         return facts
 
-    monkeypatch.setattr(application, "_preflight", check_then_lower)
+    monkeypatch.setattr(application, "_preflight", check_then_change)
     before = snapshot(db_url)
-    refused = register(client, make_adapter())
-    assert refused.status_code == 409, refused.text
-    assert (refused.json()["error"]["code"], refused.json()["error"]["field"]) == (
-        "pool_changed",
-        "body.pool",
-    )
+    answer = register(client, make_adapter())
+    assert answer.status_code == status, answer.text
+    if status == 201:
+        return
+    error = answer.json()["error"]
+    assert (error["code"], error["field"]) == ("pool_changed", "body.pool")
+    assert "max_lora_rank=4" in error["message"]
     after = snapshot(db_url)
     assert after["adapters"] == before["adapters"] == []
     assert after["operations"] == before["operations"] == []
+
+
+def test_a_pool_limit_is_not_lowered_under_an_operation_in_progress(
+    client: TestClient, pool: dict[str, Any], make_adapter: Callable[..., Path], db_url: str
+) -> None:
+    """A new version in flight records its rank only once loaded: a lower rank waits for
+    the pool's operations to finish; the same spec does not."""
+    import sqlalchemy as sa
+
+    assert register(client, make_adapter()).status_code == 201
+    engine = sa.create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE adapters SET busy_operation_id = 'op_inflight'"))
+    engine.dispose()
+    lower = client.put("/v1/pools/default/tiny", json={**POOL, "max_lora_rank": 12}, headers=ADMIN)
+    assert lower.status_code == 409, lower.text
+    assert lower.json()["error"]["code"] == "operation_in_progress"
+    assert "default/sql (op_inflight)" in lower.json()["error"]["message"]
+    same = client.put("/v1/pools/default/tiny", json=POOL, headers=ADMIN)
+    assert same.status_code == 200, same.text
 
 
 def test_idempotency_keys_are_per_namespace(

@@ -251,20 +251,31 @@ def _pool_snapshot(pool: Pool) -> Pool:
     )
 
 
-def _same_limits(session: Session, pool_id: int, checked: Pool) -> None:
-    """The pool's row, locked until the journal commits (PostgreSQL; SQLite writes one at a
-    time), still has the limits the preflight checked the adapter against: a PUT that
-    changed them while the source was fetched (``pools.check_live`` did not see this adapter
-    yet) refuses the request instead of recording an adapter the new limits break."""
-    pool = session.get(Pool, pool_id, with_for_update=True, populate_existing=True)
-    assert pool is not None  # (a pool with adapters or an operation's worker is not deleted)
-    now = (pool.model, pool.max_lora_rank, pool.target_modules)
-    if now != (checked.model, checked.max_lora_rank, checked.target_modules):
+def _still_fits(
+    session: Session, pool_id: int, checked: Pool, facts: AdapterFacts, field: str
+) -> None:
+    """The pool, read again with a share lock held until the journal commits, still takes
+    the adapter its preflight checked: the same base model, a rank and modules within its
+    limits. A PUT that tightened them while the source was fetched (``pools.check_live`` did
+    not see this adapter yet) refuses the request instead of recording an adapter the new
+    limits break; a PUT waits for this journal, or this journal for it. On PostgreSQL the
+    lock makes that exact; SQLite drops ``FOR UPDATE``, so there a PUT that checked before
+    this read and commits after it can still pass."""
+    pool = session.get(Pool, pool_id, with_for_update={"read": True}, populate_existing=True)
+    if pool is None:  # an empty pool, deleted while the source was fetched
+        raise NotFound("the pool was deleted while the adapter's source was checked", field=field)
+    limits = pool_limits(pool.model, pool.max_lora_rank, pool.target_modules)
+    if (
+        pool.model != checked.model
+        or facts.rank > limits.max_lora_rank
+        or not set(facts.target_modules) <= set(limits.target_modules)
+    ):
         raise conflict(
-            f"pool {pool.namespace}/{pool.name} changed while the adapter's source was checked; "
-            "send the request again",
+            f"pool {pool.namespace}/{pool.name} changed while the adapter's source was checked "
+            f"(model {pool.model!r}, max_lora_rank={pool.max_lora_rank}, target_modules="
+            f"{list(limits.target_modules)}); send the request again",
             code="pool_changed",
-            field="body.pool",
+            field=field,
         )
 
 
@@ -331,7 +342,7 @@ def _journal_register(
     services: Services, command: Register, pool_id: int, checked: Pool, facts: AdapterFacts
 ) -> str:
     with services.db.session() as session:
-        _same_limits(session, pool_id, checked)
+        _still_fits(session, pool_id, checked, facts, "body.pool")
         adapter = Adapter(
             namespace=command.namespace,
             name=command.name,
@@ -586,7 +597,7 @@ def _journal_version(
 ) -> str:
     with services.db.session() as session:
         adapter = get_adapter(session, command.namespace, command.name)
-        _same_limits(session, adapter.pool_id, checked)
+        _still_fits(session, adapter.pool_id, checked, facts, "body.source")
         ensure_usable(adapter)
         if adapter.inconsistent:
             raise conflict(

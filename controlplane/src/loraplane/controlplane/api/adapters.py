@@ -152,13 +152,14 @@ def source_of(source: SourceSpec) -> application.Source:
 def respond(
     session: Session, op: Operation, status_ok: int, include_adapter: bool = True
 ) -> JSONResponse:
-    """The answer to a mutation: adapter and operation, 502 if the fan-out failed."""
+    """The answer to a mutation: adapter and operation, 502 if the fan-out failed. Read in a
+    session of its own (no refresh: an adapter a concurrent delete removed since this read
+    is answered as read, not with an error)."""
     body: dict[str, Any] = {"operation": operation_json(op)}
     adapter = session.scalar(
         select(Adapter).where(Adapter.namespace == op.namespace, Adapter.name == op.adapter_name)
     )
     if include_adapter and adapter is not None:
-        session.refresh(adapter)
         body["adapter"] = adapter_json(adapter)
     if op.state in ("failed", "rolled_back"):
         body["error"] = {

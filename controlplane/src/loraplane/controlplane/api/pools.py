@@ -64,10 +64,26 @@ def check_live(pool: Pool, spec: PoolSpec) -> None:
     model its adapters were not trained on, a lower rank or fewer modules than they use, fewer
     adapters than a worker holds or fewer slots than its pinned adapters need. Only a field
     that changes is checked: a PUT of the same spec (the operator's every resync) passes while
-    a load, an eviction or a new version is in flight. Adapters being deleted load nowhere
+    a load, an eviction or a new version is in flight; a new model, a lower rank or fewer
+    modules wait until no adapter of the pool has an operation in progress (a new version
+    records its rank and modules only once it loaded). Adapters being deleted load nowhere
     again and constrain no new limit, but count where they are still loaded."""
     where = f"pool {pool.namespace}/{pool.name}"
     staying = [a for a in pool.adapters if a.desired != "deleted"]
+    modules = set(spec.target_modules or DEFAULT_TARGET_MODULES)
+    tightens = (
+        spec.model != pool.model
+        or spec.max_lora_rank < pool.max_lora_rank
+        or not modules >= set(pool.target_modules or DEFAULT_TARGET_MODULES)
+    )
+    busy = [f"{a.key} ({a.busy_operation_id})" for a in staying if a.busy_operation_id]
+    if tightens and busy:
+        # a new version in flight records its rank and modules only once it loaded
+        raise conflict(
+            f"{where}: adapters have operations in progress ({_some(busy)}); retry when they "
+            "finish",
+            code="operation_in_progress",
+        )
     if spec.model != pool.model:
         other_base = [
             a.key for a in staying if a.base_model and not same_model(a.base_model, spec.model)
@@ -85,7 +101,6 @@ def check_live(pool: Pool, spec: PoolSpec) -> None:
                 f"{where} has adapters above max_lora_rank={spec.max_lora_rank}: {_some(above)}",
                 field="body.max_lora_rank",
             )
-    modules = set(spec.target_modules or DEFAULT_TARGET_MODULES)
     if modules != set(pool.target_modules or DEFAULT_TARGET_MODULES):
         outside = [
             f"{a.key} ({sorted(set(a.target_modules) - modules)})"
@@ -173,10 +188,13 @@ def put_pool(
     check_label(namespace, "path.namespace")
     check_label(name, "path.name")
     validate_spec(body)
-    # locked: a registration or new version journalled meanwhile waits for this (or this for
-    # it, and then sees its adapter); see application._same_limits
+    # locked (not the key: workers' and adapters' foreign keys do not wait): a registration or
+    # new version journalled meanwhile waits for this, or this for it and then sees its
+    # adapter; see application._still_fits
     pool = session.scalar(
-        select(Pool).where(Pool.namespace == namespace, Pool.name == name).with_for_update()
+        select(Pool)
+        .where(Pool.namespace == namespace, Pool.name == name)
+        .with_for_update(key_share=True)
     )
     if pool is None:
         pool = Pool(namespace=namespace, name=name)
