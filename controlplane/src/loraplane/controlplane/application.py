@@ -175,22 +175,25 @@ async def _once(
     key and body answers the winner's operation as a replay would: where its checks or its
     journal refused (the adapter exists, is busy, is gone after the winner's delete, the key
     is taken), or where it found nothing left to do (the winner changed the pin)."""
-    replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
+
+    async def winner() -> str | None:
+        return await asyncio.to_thread(_replayed, services, namespace, idempotency)
+
+    replay = await winner()
     if replay is not None:
         return OperationDone(replay, namespace, name)
     try:
         done = await fresh()
     except (Conflict, NotFound, sqlalchemy.exc.IntegrityError):
-        if idempotency.key is None:
-            raise
-        replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
-        if replay is None:
+        if idempotency.key is None or (replay := await winner()) is None:
             raise
         return OperationDone(replay, namespace, name)
-    if done.operation_id is None and idempotency.key is not None:
-        replay = await asyncio.to_thread(_replayed, services, namespace, idempotency)
-        if replay is not None:
-            return OperationDone(replay, namespace, name)
+    if (
+        done.operation_id is None
+        and idempotency.key is not None
+        and (replay := await winner()) is not None
+    ):
+        return OperationDone(replay, namespace, name)
     return done
 
 
